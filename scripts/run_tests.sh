@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Sets up the environment from nothing and runs the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+VENV=${VENV:-.venv}
+"$VENV/bin/python" -m ruff check startrail_megatron tests scripts
+exec "$VENV/bin/python" -m pytest tests -q "$@"

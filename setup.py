@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="startrail_megatron",
+    version="0.1.0",
+    description="StarTrail concentric-ring sequence parallelism for Megatron-core and DeepSpeed",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["startrail_megatron", "startrail_megatron.*"]),
+    install_requires=["torch>=2.4"],
+    extras_require={
+        "megatron": ["megatron-core>=0.13,<0.17", "einops"],
+        "deepspeed": ["deepspeed>=0.16", "pydantic>=2"],
+        "gpu": ["flash-attn>=2.5"],
+        "dev": ["pytest", "ruff", "numpy", "matplotlib"],
+    },
+)

@@ -1,0 +1,35 @@
+"""startrail_megatron: StarTrail concentric-ring sequence parallelism (arXiv 2407.00611).
+
+Entry points:
+  StarTrailGroups.create(team_size, cp_group=None, placement="team")  process groups
+  startrail_attention(q, k, v, groups, *, causal=True, softmax_scale=None)  the attention
+  zigzag_shard / zigzag_unshard                                        sequence layout
+  StarTrailLayout                                                      pure rank arithmetic
+  CommLedger                                                           communication accounting
+
+The core imports neither Megatron nor DeepSpeed; their adapters live in
+their own subpackages.
+"""
+
+from .attention import startrail_attention
+from .comm import CommEvent, CommLedger
+from .groups import StarTrailGroups
+from .kernels import get_kernel, merge_partial
+from .layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
+from .sequence import zigzag_shard, zigzag_unshard
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommEvent",
+    "CommLedger",
+    "PLACEMENTS",
+    "StarTrailGroups",
+    "StarTrailLayout",
+    "get_kernel",
+    "merge_partial",
+    "startrail_attention",
+    "valid_team_sizes",
+    "zigzag_shard",
+    "zigzag_unshard",
+]

@@ -1,0 +1,309 @@
+"""StarTrail attention: forward, backward, and the thin autograd Function.
+
+The schedule (teams, initial KV placement, sub-ring steps) is in
+``layout.py``'s Note; which kernel calls a (Q team, KV team) block needs is
+in ``masking.py``'s Note. This module moves the tensors.
+
+Shapes (Megatron's layout): q ``[s, b, hq, d]``, k/v ``[s, b, hkv, d]`` with
+``s`` the local tokens of this CP rank. ``n = C*s`` team tokens; team
+buffers are in ascending zigzag-chunk order (``team_chunk_order``).
+
+Communication per rank and attention call (u = s*b*h*d elements of one local
+tensor; ``kv`` = K and V together, 2*u_kv; G = P/C^2; C = 1 has no
+collectives and is exactly zigzag ring attention):
+
+Forward
+  collective  all-gather q, k, v   (C-1)(u_q + 2 u_kv)   input dtype
+              all-gather lse       (C-1) s*b*hq          fp32 (fp64 for fp64)
+              reduce-scatter out   (C-1) u_q             fp32 (fp64 for fp64)
+  P2P         [initial != self] * C*2u_kv + (G-1) * C*2u_kv   input dtype
+Backward (KV travels again; its dK/dV travel with it and return home)
+  collective  all-gather dout (C-1) u_q, delta (C-1) s*b*hq (fp32)
+              reduce-scatter dq, dk, dv  (C-1)(u_q + 2 u_kv)  fp32
+  P2P         kv   as in the forward                          input dtype
+              dkv  ((G-1) + [return != self]) * C*2u_kv       fp32
+
+``StarTrailLayout.p2p_sends`` counts the P2P messages; tests assert these
+against the ledger. Why KV travels in the backward, not Q (the paper's
+choice): every fused kernel (flash-attn, TE, SDPA) computes the backward from
+(dout, out) that stay local that way, the schedule and peers are the forward's,
+and with GQA the KV side is the smaller one. Per rank at P = 8, fp32, in units
+of one local K+V: C = 1 sends 7 forward and 7 + 8 backward; C = 2 sends at
+most 2*(1+1) = 4 forward and 4 + 2*(1+1) = 8 backward.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from .comm import CommLedger, P2PComm, TeamComm
+from .groups import StarTrailGroups
+from .kernels import AttentionKernel, acc_dtype, get_kernel, merge_partial
+from .layout import StarTrailLayout
+from .masking import BlockCall, plan_block
+
+__all__ = ["startrail_attention", "validate_inputs"]
+
+
+def validate_inputs(q: Tensor, k: Tensor, v: Tensor, cp_size: int, causal: bool) -> None:
+    """Local checks, identical on every rank, made before any communication."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dims [s_local, batch, heads, head_dim], got shape "
+                f"{tuple(t.shape)}"
+            )
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    (s, b, hq, d), (sk, bk, hkv, dk) = q.shape, k.shape
+    if (sk, bk, dk) != (s, b, d):
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on s_local, batch and head_dim"
+        )
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for GQA/MQA"
+        )
+    if s == 0:
+        raise ValueError("s_local is 0: every CP rank needs at least one token")
+    if causal and s % 2 != 0:
+        raise ValueError(
+            f"causal StarTrail needs Megatron's zigzag layout: the sequence must split into "
+            f"2*cp_size = {2 * cp_size} equal chunks, i.e. an even s_local; got s_local={s} "
+            f"(sequence length {s * cp_size})"
+        )
+
+
+@lru_cache(maxsize=4096)
+def _plan(layout: StarTrailLayout, q_team: int, kv_team: int, causal: bool) -> tuple[BlockCall, ...]:
+    if not causal:
+        return tuple(plan_block([0], [0], False))
+    return tuple(plan_block(layout.team_chunks(q_team), layout.team_chunks(kv_team), True))
+
+
+class _Ctx:
+    """Per-call state shared by the forward and backward of one rank."""
+
+    def __init__(self, groups: StarTrailGroups, causal: bool, ledger: CommLedger | None):
+        lay = groups.layout
+        self.layout, self.causal, self.ledger = lay, causal, ledger
+        self.rank = groups.cp_rank
+        self.team, self.member = lay.coord(self.rank)
+        self.team_comm = TeamComm(groups.team_group, lay.team_size, ledger)
+        self.p2p = P2PComm(groups.cp_group, self.rank, ledger)
+        self.subring = groups.subring_group
+        c2 = 2 * lay.team_size
+        perm = lay.team_chunk_order(self.team) if causal else list(range(c2))
+        self.perm = perm
+        self.inv_perm = sorted(range(c2), key=perm.__getitem__)
+
+    def reorder(self, x: Tensor, order: list[int], dim: int = 0) -> Tensor:
+        """Permute the 2C chunks of ``x`` along ``dim``."""
+        if order == sorted(order):
+            return x
+        chunks = x.chunk(len(order), dim=dim)
+        return torch.cat([chunks[i] for i in order], dim=dim)
+
+    def calls(self, kv_team: int) -> tuple[BlockCall, ...]:
+        return _plan(self.layout, self.team, kv_team, self.causal)
+
+    def chunk_len(self, n: int) -> int:
+        return n // (2 * self.layout.team_size) if self.causal else n
+
+    def ring_step(self, x: Tensor, step: int, what: str):
+        """Start passing ``x`` to the next rank of the sub-ring (None at the last step)."""
+        lay = self.layout
+        if step >= lay.ring_size - 1:
+            return None
+        return self.p2p.exchange(
+            x, lay.ring_next(self.rank), lay.ring_prev(self.rank), what, self.subring
+        )
+
+    def initial_placement(self, kv: Tensor):
+        lay = self.layout
+        return self.p2p.exchange(
+            kv, lay.initial_send_peer(self.rank), lay.initial_recv_peer(self.rank), "kv"
+        )
+
+
+def _forward(q, k, v, groups, causal, scale, kernel, ledger):
+    cx = _Ctx(groups, causal, ledger)
+    lay, C = cx.layout, groups.layout.team_size
+    s, b, hq, d = q.shape
+    hkv = k.shape[2]
+    # 1. team all-gather of q, k, v as one flat message per rank.
+    kv_local = torch.stack((k, v), dim=1)  # [s, 2, b, hkv, d]
+    packed = torch.cat((q.reshape(s, -1), kv_local.reshape(s, -1)), dim=1)  # [s, F]
+    packed = cx.reorder(cx.team_comm.all_gather(packed, "qkv"), cx.perm)  # [n, F], chunk order
+    n = C * s
+    q_team = packed[:, : b * hq * d].reshape(n, b, hq, d)
+    kv_team = packed[:, b * hq * d :].contiguous().view(n, 2, b, hkv, d)
+    # 2. initial KV placement.
+    kv_cur = cx.initial_placement(kv_team).wait()
+    # 3. G sub-ring steps; the next KV is in flight while this one computes.
+    acc = acc_dtype(q.dtype)
+    acc_out = torch.zeros(n, b, hq, d, dtype=acc, device=q.device)
+    acc_lse = torch.full((b, hq, n), -math.inf, dtype=acc, device=q.device)
+    c = cx.chunk_len(n)
+    for step in range(lay.ring_size):
+        pending = cx.ring_step(kv_cur, step, "kv")
+        for call in cx.calls(lay.kv_team_at_step(cx.rank, step)):
+            qs, ks = slice(call.q_lo * c, call.q_hi * c), slice(call.kv_lo * c, call.kv_hi * c)
+            o, lse = kernel.forward(
+                q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], causal=call.causal, scale=scale
+            )
+            merge_partial(acc_out[qs], acc_lse[..., qs], o, lse)
+        if pending is not None:
+            kv_cur = pending.wait()
+    # 4. team combine: global lse from every member's partial lse, rescale, reduce-scatter.
+    if C > 1:
+        lse_all = cx.team_comm.all_gather(acc_lse.unsqueeze(0), "lse")  # [C, b, hq, n]
+        lse_team = torch.logsumexp(lse_all, dim=0)
+        safe = torch.where(torch.isneginf(lse_team), torch.zeros_like(lse_team), lse_team)
+        acc_out.mul_(torch.exp(acc_lse - safe).permute(2, 0, 1).unsqueeze(-1))
+        out = cx.team_comm.reduce_scatter(cx.reorder(acc_out, cx.inv_perm), "out")
+    else:
+        lse_team = acc_lse
+        out = cx.reorder(acc_out, cx.inv_perm)
+    out = out.to(q.dtype)
+    return out, (q_team, kv_team, lse_team), cx
+
+
+def _delta_out(dout: Tensor, delta: Tensor) -> Tensor:
+    """A stand-in for ``out`` with the same row statistic ``rowsum(dout * out) = delta``.
+
+    Kernels take the backward's D from (dout, out); only D matters, so the team
+    rows need not gather the real output. ``dout/|dout| * (delta/|dout|)``:
+    by Cauchy-Schwarz its size is at most |out|, and a zero ``dout`` row gives 0.
+    """
+    acc = delta.dtype
+    do = dout.to(acc)
+    nrm = torch.linalg.vector_norm(do, dim=-1)  # [n, b, h]
+    ok = nrm > 0
+    safe = torch.where(ok, nrm, torch.ones_like(nrm))
+    scale = torch.where(ok, delta / safe, torch.zeros_like(delta)) / safe
+    return (do * scale.unsqueeze(-1)).to(dout.dtype)
+
+
+def _backward(dout, out, saved, cx: _Ctx, scale, kernel):
+    q_team, kv_team, lse_team = saved
+    lay, C = cx.layout, cx.layout.team_size
+    s, b, hq, d = dout.shape
+    n = C * s
+    hkv = kv_team.shape[3]
+    acc = acc_dtype(dout.dtype)
+    # Team rows' dout and D = rowsum(dout * out), gathered in chunk order.
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [s, b, hq]
+    do_team = cx.reorder(cx.team_comm.all_gather(dout, "dout"), cx.perm)
+    delta_team = cx.reorder(cx.team_comm.all_gather(delta, "delta"), cx.perm)
+    out_eff = _delta_out(do_team, delta_team)
+    # KV travels as in the forward; its dK/dV follow one step behind.
+    kv_cur = cx.initial_placement(kv_team).wait()
+    dq = torch.zeros(n, b, hq, d, dtype=acc, device=dout.device)
+    c = cx.chunk_len(n)
+    dkv_pending = None
+    for step in range(lay.ring_size):
+        pending = cx.ring_step(kv_cur, step, "kv")
+        dkv = torch.zeros(n, 2, b, hkv, d, dtype=acc, device=dout.device)
+        for call in cx.calls(lay.kv_team_at_step(cx.rank, step)):
+            qs, ks = slice(call.q_lo * c, call.q_hi * c), slice(call.kv_lo * c, call.kv_hi * c)
+            g_q, g_k, g_v = kernel.backward(
+                do_team[qs], q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], out_eff[qs],
+                lse_team[..., qs], causal=call.causal, scale=scale,
+            )
+            dq[qs] += g_q
+            dkv[ks, 0] += g_k
+            dkv[ks, 1] += g_v
+        if dkv_pending is not None:
+            dkv += dkv_pending.wait()
+        if step < lay.ring_size - 1:
+            dkv_pending = cx.ring_step(dkv, step, "dkv")
+        else:
+            send_to, recv_from = lay.dkv_return_peers(cx.rank)
+            dkv_pending = cx.p2p.exchange(dkv, send_to, recv_from, "dkv")
+        if pending is not None:
+            kv_cur = pending.wait()
+    dkv = dkv_pending.wait()  # this team's dK/dV as seen by this member's KV copy
+    # Sum over the team and keep this rank's rows: one reduce-scatter.
+    dq_m = cx.reorder(dq, cx.inv_perm).reshape(C, -1)
+    dkv_m = cx.reorder(dkv, cx.inv_perm).reshape(C, -1)
+    flat = cx.team_comm.reduce_scatter(torch.cat((dq_m, dkv_m), dim=1), "dqkv")
+    flat = flat.reshape(-1)
+    nq = s * b * hq * d
+    g_q = flat[:nq].view(s, b, hq, d)
+    g_kv = flat[nq:].view(s, 2, b, hkv, d)
+    dt = dout.dtype
+    return g_q.to(dt), g_kv[:, 0].to(dt), g_kv[:, 1].to(dt)
+
+
+class _StarTrailAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, groups, causal, scale, kernel, ledger):
+        if ledger is not None:
+            ledger.phase = "fwd"
+        out, saved, cx = _forward(q, k, v, groups, causal, scale, kernel, ledger)
+        ctx.save_for_backward(out, *saved)
+        ctx.cx, ctx.scale, ctx.kernel, ctx.ledger = cx, scale, kernel, ledger
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        out, q_team, kv_team, lse_team = ctx.saved_tensors
+        if ctx.ledger is not None:
+            ctx.ledger.phase = "bwd"
+        dq, dk, dv = _backward(
+            dout.contiguous(), out, (q_team, kv_team, lse_team), ctx.cx, ctx.scale, ctx.kernel
+        )
+        return dq, dk, dv, None, None, None, None, None
+
+
+def startrail_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    groups: StarTrailGroups,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    kernel: str | AttentionKernel = "auto",
+    ledger: CommLedger | None = None,
+) -> Tensor:
+    """Exact attention over the whole CP-sharded sequence, StarTrail schedule.
+
+    Args:
+        q: ``[s_local, b, heads_q, head_dim]``, this CP rank's tokens.
+        k, v: ``[s_local, b, heads_kv, head_dim]``; heads_q % heads_kv == 0.
+        groups: from ``StarTrailGroups.create`` (same on every CP rank).
+        causal: causal mask over the global sequence; the inputs must then be
+            in Megatron's zigzag layout (CP rank r holds chunks r and 2P-1-r
+            of 2P, as ``zigzag_shard`` / ``get_batch_on_this_cp_rank`` give).
+            Without it any token layout works.
+        softmax_scale: defaults to ``head_dim ** -0.5``.
+        kernel: a kernel name (``"auto"``, ``"torch"``, ``"sdpa"``) or object.
+        ledger: a ``CommLedger`` that records every transfer (forward and
+            backward) of this call on this rank.
+
+    Returns:
+        out ``[s_local, b, heads_q, head_dim]`` in q's dtype.
+    """
+    if not isinstance(groups, StarTrailGroups):
+        raise ValueError(
+            f"groups must be a StarTrailGroups (StarTrailGroups.create), got {type(groups).__name__}"
+        )
+    validate_inputs(q, k, v, groups.cp_size, causal)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    kern = get_kernel(kernel, q.dtype) if isinstance(kernel, str) else kernel
+    return _StarTrailAttention.apply(q, k, v, groups, bool(causal), float(softmax_scale), kern, ledger)

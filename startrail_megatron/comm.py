@@ -1,0 +1,175 @@
+"""The one communication layer: team collectives, P2P exchanges, accounting.
+
+Everything goes through ``torch.distributed`` by module attribute
+(``dist.batch_isend_irecv``, ``dist.all_gather_into_tensor``, ...) so outside
+tools that patch or trace those functions see every call. Collectives use the
+flat, concatenated tensor forms that both NCCL and gloo accept (gloo refuses
+a stacked all-gather output and PREMUL_SUM). Waiting on a handle never
+synchronizes the device: ``Work.wait()`` only orders streams on NCCL.
+
+Accounting: pass a ``CommLedger`` and every call appends a ``CommEvent``.
+``nbytes`` is what *this rank sends*: the message size for a P2P send, and
+the ring-algorithm volume ``(n-1)/n`` of the full buffer for an all-gather or
+reduce-scatter over ``n`` ranks. Transfers to oneself are never made.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Kind = Literal["p2p", "collective"]
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    phase: str  # "fwd" or "bwd"
+    kind: Kind
+    op: str  # "send", "all_gather", "reduce_scatter"
+    what: str  # which tensor: "kv", "dkv", "qkv", "lse", ...
+    nbytes: int
+    peer: int | None = None  # CP rank for P2P
+
+
+@dataclass
+class CommLedger:
+    """Per-rank record of every transfer an attention call makes."""
+
+    events: list[CommEvent] = field(default_factory=list)
+    phase: str = "fwd"
+
+    def record(self, kind: Kind, op: str, what: str, nbytes: int, peer: int | None = None) -> None:
+        self.events.append(CommEvent(self.phase, kind, op, what, int(nbytes), peer))
+
+    def bytes(self, kind: Kind | None = None, phase: str | None = None, what: str | None = None) -> int:
+        return sum(e.nbytes for e in self._select(kind, phase, what))
+
+    def calls(self, kind: Kind | None = None, phase: str | None = None, what: str | None = None) -> int:
+        return len(self._select(kind, phase, what))
+
+    def _select(self, kind, phase, what) -> list[CommEvent]:
+        return [
+            e
+            for e in self.events
+            if (kind is None or e.kind == kind)
+            and (phase is None or e.phase == phase)
+            and (what is None or e.what == what)
+        ]
+
+    def summary(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for ph in ("fwd", "bwd"):
+            for kind in ("p2p", "collective"):
+                out[f"{ph}_{kind}_bytes"] = self.bytes(kind, ph)
+                out[f"{ph}_{kind}_calls"] = self.calls(kind, ph)
+        return out
+
+    def clear(self) -> None:
+        self.events.clear()
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# torch 2.13 renamed the flat collectives (the old names warn); one shim here.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class TeamComm:
+    """Collectives over one team (a process group of C ranks)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, size: int, ledger: CommLedger | None):
+        self.group, self.size, self.ledger = group, size, ledger
+
+    def all_gather(self, x: Tensor, what: str) -> Tensor:
+        """[n, ...] on each rank -> [size*n, ...], member order."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            _all_gather(out, x, group=self.group)
+        if self.ledger is not None:
+            self.ledger.record("collective", "all_gather", what, (self.size - 1) * _nbytes(x))
+        return out
+
+    def reduce_scatter(self, x: Tensor, what: str) -> Tensor:
+        """[size*n, ...] on each rank -> the sum's n rows of this member."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=self.group)
+        if self.ledger is not None:
+            self.ledger.record("collective", "reduce_scatter", what, (self.size - 1) * _nbytes(out))
+        return out
+
+
+class P2PHandle:
+    """An exchange in flight; ``wait()`` returns the received tensor."""
+
+    def __init__(self, works: list, result: Tensor):
+        self._works, self._result, self._done = works, result, False
+
+    def wait(self) -> Tensor:
+        if self._done:
+            raise RuntimeError("P2PHandle.wait() called twice")
+        for w in self._works:
+            w.wait()
+        self._done = True
+        return self._result
+
+
+class P2PComm:
+    """Point-to-point exchanges between CP ranks of one CP group."""
+
+    def __init__(self, cp_group: dist.ProcessGroup | None, cp_rank: int, ledger: CommLedger | None):
+        self.group, self.cp_rank, self.ledger = cp_group, cp_rank, ledger
+
+    def _global(self, cp_rank: int) -> int:
+        if self.group is None:
+            return cp_rank
+        return dist.get_global_rank(self.group, cp_rank)
+
+    def exchange(
+        self,
+        send: Tensor,
+        dst: int,
+        src: int,
+        what: str,
+        group: dist.ProcessGroup | None = None,
+    ) -> P2PHandle:
+        """Send ``send`` to CP rank ``dst`` and receive a tensor like it from ``src``.
+
+        ``group`` is the communicator to use (a sub-ring group holding both
+        peers; default the CP group); peers are always CP ranks. A
+        self-exchange (dst == src == this rank) moves nothing. Returns at
+        once; the transfer overlaps whatever runs before ``wait()``.
+        """
+        if (dst == self.cp_rank) != (src == self.cp_rank):
+            raise ValueError(
+                f"P2P exchange on CP rank {self.cp_rank}: dst={dst}, src={src}; a self-send "
+                "must also be a self-receive"
+            )
+        if dst == self.cp_rank:
+            return P2PHandle([], send)
+        send = send.contiguous()
+        recv = torch.empty_like(send)
+        ops = [
+            dist.P2POp(dist.isend, send, self._global(dst), group or self.group),
+            dist.P2POp(dist.irecv, recv, self._global(src), group or self.group),
+        ]
+        works = dist.batch_isend_irecv(ops)
+        if self.ledger is not None:
+            self.ledger.record("p2p", "send", what, _nbytes(send), dst)
+        return P2PHandle(works, recv)

@@ -1,0 +1,215 @@
+"""Local attention kernels behind one contract, and the one merge function.
+
+Contract (seq-first, Megatron's layout):
+
+  forward(q [sq, b, hq, d], k [sk, b, hkv, d], v [sk, b, hkv, d], *, causal, scale)
+      -> out [sq, b, hq, d] (q's dtype), lse [b, hq, sq] (fp32; fp64 for fp64)
+  backward(dout, q, k, v, out, lse, *, causal, scale) -> dq, dk, dv
+
+``causal`` is the top-left causal mask of a diagonal block (sq == sk).
+``hq`` must be a multiple of ``hkv`` (GQA/MQA); KV heads are broadcast, never
+repeated in memory by the reference kernel. In the backward, ``out`` and
+``lse`` are the *final* (merged) output and log-sum-exp of the rows, so that
+a partial block's gradients are exact (``D = rowsum(dout * out)``).
+
+Kernels: ``"torch"`` (pure PyTorch, any device and dtype, float64-capable: the
+reference) and ``"sdpa"`` (PyTorch's fused SDPA ops that return the
+log-sum-exp: the CPU flash kernel here; CUDA's efficient-attention kernel).
+``get_kernel("auto")`` picks the fastest available for the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AttentionKernel",
+    "KERNELS",
+    "TorchKernel",
+    "SdpaKernel",
+    "get_kernel",
+    "merge_partial",
+    "acc_dtype",
+]
+
+
+class AttentionKernel(Protocol):
+    """What StarTrail needs from a local attention kernel."""
+
+    name: str
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]: ...
+
+    def backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64, everything else is fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _finite_lse(lse: Tensor) -> Tensor:
+    """lse with -inf (rows that see no key) replaced by +inf so exp(s - lse) = 0."""
+    return torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
+
+
+class TorchKernel:
+    """Pure-PyTorch attention in the accumulation dtype: the reference kernel."""
+
+    name = "torch"
+
+    @staticmethod
+    def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+        sq, b, hq, d = q.shape
+        sk, _, hkv, _ = k.shape
+        g = hq // hkv
+        dt = acc_dtype(q.dtype)
+        qg = q.to(dt).permute(1, 2, 0, 3).reshape(b, hkv, g, sq, d)  # (b, hkv, g, sq, d)
+        kg = k.to(dt).permute(1, 2, 0, 3).unsqueeze(2)  # (b, hkv, 1, sk, d)
+        s = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # (b, hkv, g, sq, sk)
+        if causal:
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+            s = s.masked_fill(mask, -math.inf)
+        return s
+
+    def forward(self, q, k, v, *, causal, scale):
+        sq, b, hq, d = q.shape
+        hkv = k.shape[2]
+        s = self._scores(q, k, causal, scale)
+        lse = torch.logsumexp(s, dim=-1)  # (b, hkv, g, sq)
+        p = torch.exp(s - _finite_lse(lse).unsqueeze(-1))
+        vg = v.to(s.dtype).permute(1, 2, 0, 3).unsqueeze(2)  # (b, hkv, 1, sk, d)
+        out = torch.matmul(p, vg)  # (b, hkv, g, sq, d)
+        out = out.reshape(b, hq, sq, d).permute(2, 0, 1, 3).to(q.dtype)
+        return out, lse.reshape(b, hq, sq)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+        sq, b, hq, d = q.shape
+        sk, _, hkv, _ = k.shape
+        g = hq // hkv
+        s = self._scores(q, k, causal, scale)
+        dt = s.dtype
+        lse_g = _finite_lse(lse.to(dt)).reshape(b, hkv, g, sq, 1)
+        p = torch.exp(s - lse_g)  # (b, hkv, g, sq, sk)
+
+        def heads(x: Tensor, h: int) -> Tensor:  # [s, b, h, d] -> (b, hkv, h/hkv, s, d)
+            return x.to(dt).permute(1, 2, 0, 3).reshape(b, hkv, h // hkv, x.shape[0], d)
+
+        do, o = heads(dout, hq), heads(out, hq)
+        kg, vg, qg = heads(k, hkv), heads(v, hkv), heads(q, hq)
+        delta = (do * o).sum(-1, keepdim=True)  # (b, hkv, g, sq, 1)
+        dv = torch.matmul(p.transpose(-1, -2), do).sum(2)  # (b, hkv, sk, d)
+        dp = torch.matmul(do, vg.transpose(-1, -2))  # (b, hkv, g, sq, sk)
+        ds = p * (dp - delta) * scale
+        dq = torch.matmul(ds, kg)  # (b, hkv, g, sq, d)
+        dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2)  # (b, hkv, sk, d)
+        dq = dq.reshape(b, hq, sq, d).permute(2, 0, 1, 3)
+        return dq, dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)
+
+
+class SdpaKernel:
+    """PyTorch's fused SDPA kernels that return the log-sum-exp.
+
+    CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ backward),
+    any float dtype, GQA natively. CUDA: ``aten._scaled_dot_product_efficient_
+    attention`` (+ backward), fp32/fp16/bf16; KV heads are expanded (a view
+    where possible) since that kernel has no GQA.
+    """
+
+    name = "sdpa"
+
+    @staticmethod
+    def _bhsd(x: Tensor) -> Tensor:
+        return x.permute(1, 2, 0, 3)  # [s, b, h, d] -> (b, h, s, d)
+
+    @staticmethod
+    def _expand_kv(x: Tensor, hq: int) -> Tensor:
+        b, hkv, s, d = x.shape
+        if hkv == hq:
+            return x
+        return x.unsqueeze(2).expand(b, hkv, hq // hkv, s, d).reshape(b, hq, s, d)
+
+    def forward(self, q, k, v, *, causal, scale):
+        qb, kb, vb = self._bhsd(q), self._bhsd(k), self._bhsd(v)
+        if q.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qb, kb, vb, 0.0, causal, scale=scale
+            )
+        else:
+            hq = qb.shape[1]
+            out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+                qb, self._expand_kv(kb, hq), self._expand_kv(vb, hq), None, True, 0.0, causal,
+                scale=scale,
+            )
+            lse = lse[..., : qb.shape[2]]
+        return out.permute(2, 0, 1, 3), lse.to(acc_dtype(q.dtype))
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+        qb, kb, vb = self._bhsd(q), self._bhsd(k), self._bhsd(v)
+        dob, ob = self._bhsd(dout.to(q.dtype)), self._bhsd(out.to(q.dtype))
+        if q.device.type == "cpu":
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dob, qb, kb, vb, ob, lse.to(acc_dtype(q.dtype)).contiguous(), 0.0, causal,
+                scale=scale,
+            )
+        else:
+            hq, hkv = qb.shape[1], kb.shape[1]
+            seed = torch.zeros((), dtype=torch.int64, device=q.device)
+            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                dob, qb, self._expand_kv(kb, hq), self._expand_kv(vb, hq), None, ob,
+                lse.float().contiguous(), seed, seed, 0.0, [True, True, True, False], causal,
+                scale=scale,
+            )
+            if hkv != hq:
+                b, _, s, d = dk.shape
+                dk = dk.reshape(b, hkv, hq // hkv, s, d).sum(2)
+                dv = dv.reshape(b, hkv, hq // hkv, s, d).sum(2)
+        return dq.permute(2, 0, 1, 3), dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)
+
+
+KERNELS: dict[str, type] = {"torch": TorchKernel, "sdpa": SdpaKernel}
+
+
+def get_kernel(name: str = "auto", dtype: torch.dtype | None = None) -> AttentionKernel:
+    """A kernel by name: ``"torch"``, ``"sdpa"`` or ``"auto"``.
+
+    ``"auto"`` takes ``"sdpa"`` for fp32/bf16/fp16 and the exact ``"torch"``
+    kernel for float64.
+    """
+    if name == "auto":
+        name = "torch" if dtype == torch.float64 else "sdpa"
+    if name not in KERNELS:
+        raise ValueError(f"kernel={name!r} is not known; allowed: {['auto', *KERNELS]}")
+    return KERNELS[name]()
+
+
+def merge_partial(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
+    """Fold a partial (out, lse) into the running (acc_out, acc_lse), in place.
+
+    acc_out [s, b, h, d] and acc_lse [b, h, s] are in the accumulation dtype;
+    out may be lower precision. Rows that no key has seen yet (lse = -inf)
+    stay exactly zero, never NaN.
+    """
+    new_lse = torch.logaddexp(acc_lse, lse.to(acc_lse.dtype))
+    safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_acc = torch.exp(acc_lse - safe).permute(2, 0, 1).unsqueeze(-1)  # [s, b, h, 1]
+    w_new = torch.exp(lse.to(safe.dtype) - safe).permute(2, 0, 1).unsqueeze(-1)
+    acc_out.mul_(w_acc).add_(out.to(acc_out.dtype) * w_new)
+    acc_lse.copy_(new_lse)

@@ -1,0 +1,222 @@
+"""Pure rank arithmetic of StarTrail: ints in, ints out, no torch.distributed.
+
+Notation (``shared/reference/STARTRAIL.md``): ``P`` context-parallel (CP) ranks
+share one sequence, ``C`` is the team size, ``T = P/C`` teams, ``G = P/C^2``
+teams per team group, ``C`` team groups, ``C^2`` sub-rings of ``G`` ranks.
+
+Every CP rank ``r`` has a logical coordinate ``(t, a)``: team ``t`` and member
+``a``. The *placement* maps coordinates onto CP ranks:
+
+``"team"``  r = t*C + a. Team members are adjacent CP ranks, so the team
+            all-gather / reduce-scatter stays inside a node.
+``"ring"``  r = g*C*G + a*G + (t % G), g = t // G. The G ranks of a sub-ring
+            are adjacent CP ranks, so the ring P2P stays inside a node.
+
+Data always follows the CP rank (Megatron's zigzag layout: CP rank ``r`` holds
+sequence chunks ``r`` and ``2P-1-r`` of ``2P``); a team's chunks are those of
+its members' CP ranks, whatever the placement.
+
+Note [the StarTrail schedule]
+-----------------------------
+Forward, for rank (t, a):
+
+  1. team all-gather: every member holds q, k, v of all its team's tokens.
+  2. initial KV placement: send team KV to (a*G + t//C, t%C), receive from
+     (C*(t%G) + a, t//G).  Now member a of team t holds KV team C*(t%G) + a.
+  3. G steps on sub-ring (g, a): at step s compute against the KV held,
+     while passing it to next(t) = (t+1)%G + G*g and receiving from prev(t).
+     At step s, (t, a) holds KV team C*((t - s) mod G) + a.
+  4. team combine of the C partial (out, lse).
+
+Example P = 8, C = 2 (G = 2, T = 4, team placement), KV team held per step:
+
+  rank (t,a) | step 0 | step 1          team t sees, over its 2 members,
+  0    (0,0) |   0    |   2              KV teams {0,2} u {1,3}: all four,
+  1    (0,1) |   1    |   3              each exactly once.
+  2    (1,0) |   2    |   0
+  3    (1,1) |   3    |   1
+  4    (2,0) |   0    |   2
+  5    (2,1) |   1    |   3
+  6    (3,0) |   2    |   0
+  7    (3,1) |   3    |   1
+
+The backward (``attention.py``) replays the same KV schedule; the KV copy
+carries its running dK/dV along, and after step G-1 one extra P2P returns it to
+the rank that sent it in step 2 (``dkv_return_peers``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal, get_args
+
+Placement = Literal["team", "ring"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
+
+
+def valid_team_sizes(cp_size: int) -> list[int]:
+    """Every team size C with C*C dividing ``cp_size``."""
+    return [c for c in range(1, cp_size + 1) if cp_size % (c * c) == 0]
+
+
+@dataclass(frozen=True)
+class StarTrailLayout:
+    """Where every CP rank sits in StarTrail's teams and sub-rings.
+
+    Args:
+        cp_size: P, the number of context-parallel ranks sharing one sequence.
+        team_size: C, the replication factor; C*C must divide P.
+            C = 1 is zigzag ring attention, C*C = P needs no ring at all.
+        placement: ``"team"`` (team members adjacent) or ``"ring"``
+            (sub-ring neighbours adjacent).
+    """
+
+    cp_size: int
+    team_size: int
+    placement: Placement = "team"
+
+    def __post_init__(self) -> None:
+        p, c = self.cp_size, self.team_size
+        if not isinstance(p, int) or isinstance(p, bool) or p < 1:
+            raise ValueError(f"context-parallel size must be an integer >= 1, got {p!r}")
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+            raise ValueError(f"team_size must be an integer >= 1, got {c!r}")
+        if p % (c * c) != 0:
+            raise ValueError(
+                f"team_size={c} does not fit context-parallel size {p}: team_size**2 must "
+                f"divide it; allowed team sizes for {p}: {valid_team_sizes(p)}"
+            )
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"placement={self.placement!r} is not known; allowed: {list(PLACEMENTS)}"
+            )
+
+    # ---- sizes -------------------------------------------------------------
+    @property
+    def num_teams(self) -> int:
+        """T = P / C."""
+        return self.cp_size // self.team_size
+
+    @property
+    def ring_size(self) -> int:
+        """G = P / C^2: teams per team group, ranks per sub-ring, ring steps."""
+        return self.cp_size // (self.team_size * self.team_size)
+
+    # ---- coordinates -------------------------------------------------------
+    def rank(self, team: int, member: int) -> int:
+        """CP rank of (team, member) under this placement."""
+        c, g_size = self.team_size, self.ring_size
+        if self.placement == "team":
+            return team * c + member
+        group, pos = divmod(team, g_size)
+        return group * c * g_size + member * g_size + pos
+
+    def coord(self, rank: int) -> tuple[int, int]:
+        """(team, member) of a CP rank."""
+        return self._coords[rank]
+
+    @cached_property
+    def _coords(self) -> tuple[tuple[int, int], ...]:
+        out: list[tuple[int, int]] = [(-1, -1)] * self.cp_size
+        for t in range(self.num_teams):
+            for a in range(self.team_size):
+                out[self.rank(t, a)] = (t, a)
+        return tuple(out)
+
+    def team_group(self, team: int) -> int:
+        return team // self.ring_size
+
+    def team_ranks(self, team: int) -> list[int]:
+        """CP ranks of a team, in member order (the order of team collectives)."""
+        return [self.rank(team, a) for a in range(self.team_size)]
+
+    def subring_ranks(self, group: int, member: int) -> list[int]:
+        """CP ranks of sub-ring (group, member), in ring order."""
+        g = self.ring_size
+        return [self.rank(group * g + i, member) for i in range(g)]
+
+    def all_team_ranks(self) -> list[list[int]]:
+        return [self.team_ranks(t) for t in range(self.num_teams)]
+
+    def all_subring_ranks(self) -> list[list[int]]:
+        return [
+            self.subring_ranks(g, a) for g in range(self.team_size) for a in range(self.team_size)
+        ]
+
+    # ---- peers -------------------------------------------------------------
+    def _next_team(self, t: int, step: int = 1) -> int:
+        g = self.ring_size
+        return (t + step) % g + g * (t // g)
+
+    def ring_next(self, rank: int) -> int:
+        t, a = self.coord(rank)
+        return self.rank(self._next_team(t), a)
+
+    def ring_prev(self, rank: int) -> int:
+        t, a = self.coord(rank)
+        return self.rank(self._next_team(t, -1), a)
+
+    def initial_send_peer(self, rank: int) -> int:
+        """Where this rank sends its team's KV before the ring (paper, Alg. 2)."""
+        t, a = self.coord(rank)
+        c, g = self.team_size, self.ring_size
+        return self.rank(a * g + t // c, t % c)
+
+    def initial_recv_peer(self, rank: int) -> int:
+        """Whose team KV this rank receives before the ring (inverse of the send)."""
+        t, a = self.coord(rank)
+        c, g = self.team_size, self.ring_size
+        return self.rank(c * (t % g) + a, t // g)
+
+    def kv_team_at_step(self, rank: int, step: int) -> int:
+        """The KV team this rank computes against at ring step ``step``."""
+        t, a = self.coord(rank)
+        return self.team_size * ((t - step) % self.ring_size) + a
+
+    def dkv_return_peers(self, rank: int) -> tuple[int, int]:
+        """(send_to, recv_from) of the backward's final P2P.
+
+        After step G-1 this rank holds the KV copy (and its dK/dV) that rank
+        ``initial_recv_peer(ring_next(rank))`` sent; it returns it there, and
+        receives its own copy from ``ring_prev(initial_send_peer(rank))``.
+        """
+        return (
+            self.initial_recv_peer(self.ring_next(rank)),
+            self.ring_prev(self.initial_send_peer(rank)),
+        )
+
+    # ---- data --------------------------------------------------------------
+    def team_chunks(self, team: int) -> list[int]:
+        """Zigzag chunk ids (of 2P) a team holds, sorted: its buffer order."""
+        p = self.cp_size
+        ids = [x for r in self.team_ranks(team) for x in (r, 2 * p - 1 - r)]
+        return sorted(ids)
+
+    def team_chunk_order(self, team: int) -> list[int]:
+        """Permutation from the all-gathered member order to sorted-chunk order.
+
+        The all-gather yields chunks ``[r0, 2P-1-r0, r1, 2P-1-r1, ...]``;
+        ``gathered[perm]`` is in ascending chunk id order.
+        """
+        p = self.cp_size
+        gathered = [x for r in self.team_ranks(team) for x in (r, 2 * p - 1 - r)]
+        return sorted(range(len(gathered)), key=gathered.__getitem__)
+
+    # ---- communication volume ---------------------------------------------
+    def p2p_sends(self, rank: int, *, backward: bool) -> dict[str, int]:
+        """How many team-sized P2P messages this rank sends, by tensor kind.
+
+        Forward: ``kv`` (the team's K and V together) once for the initial
+        placement unless it is a self-send, then G-1 ring steps.
+        Backward (KV travelling, dK/dV travel with it): ``kv`` as in the
+        forward, ``dkv`` G-1 ring steps plus the return P2P unless it is a
+        self-send. Multiply by the team tensor bytes to get bytes.
+        """
+        g = self.ring_size
+        initial = int(self.initial_send_peer(rank) != rank)
+        sends = {"kv": initial + (g - 1)}
+        if backward:
+            ret_to, _ = self.dkv_return_peers(rank)
+            sends["dkv"] = (g - 1) + int(ret_to != rank)
+        return sends

@@ -1,0 +1,168 @@
+"""Multi-rank test harness: a pool of forked gloo ranks, reused across tests.
+
+``get_pool(world_size).run(fn, *args)`` runs the module-level function
+``fn(rank, world_size, *args)`` on every rank and returns the list of its
+return values (rank order). Each task has a deadline; on a timeout or any
+rank's exception, every rank is killed, the pool is discarded, and the error
+is raised with each rank's traceback, root cause first (a rank that failed
+because a peer died says "connection closed"/"timed out" and is listed last).
+
+Design (``shared/reference/CPU_NOTES.md``): fork (fast start), with
+``torch.set_num_threads(1)`` first thing in the child; file:// rendezvous in
+a temp dir (no port races); a gloo timeout below the task deadline so a hung
+collective fails by itself too. Only one pool lives at a time: 2 cores.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+DEFAULT_TIMEOUT = float(os.environ.get("STARTRAIL_TEST_TIMEOUT", "120"))
+_SECONDARY = ("connection closed", "timed out", "timeout", "connection reset", "broken pipe", "peer")
+
+
+class MultiRankError(AssertionError):
+    pass
+
+
+def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+        os._exit(1)
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            os._exit(0)
+        if msg is None:
+            os._exit(0)
+        fn, args = msg
+        try:
+            conn.send(("ok", fn(rank, world, *args)))
+        except BaseException:
+            conn.send(("err", traceback.format_exc()))
+
+
+class RankPool:
+    def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT):
+        self.world_size = world_size
+        self.tmp = tempfile.mkdtemp(prefix="startrail_pool_")
+        ctx = mp.get_context("fork")
+        self.conns, self.procs = [], []
+        for r in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker, args=(r, world_size, os.path.join(self.tmp, "rdv"), child, timeout * 0.8),
+                daemon=True,
+            )
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self._collect(timeout, "start-up")
+
+    def _collect(self, timeout: float, what: str) -> list:
+        deadline = time.monotonic() + timeout
+        results: dict[int, tuple] = {}
+        first_err: float | None = None
+        while len(results) < self.world_size:
+            for r, c in enumerate(self.conns):
+                if r in results:
+                    continue
+                if c.poll(0.01):
+                    try:
+                        results[r] = c.recv()
+                    except EOFError:
+                        results[r] = ("err", f"rank {r} died (exit code {self.procs[r].exitcode})")
+                elif not self.procs[r].is_alive():
+                    results[r] = ("err", f"rank {r} died (exit code {self.procs[r].exitcode})")
+            if first_err is None and any(v[0] == "err" for v in results.values()):
+                first_err = time.monotonic()
+            # After a failure, give the others a moment to report theirs, then stop.
+            if first_err is not None and time.monotonic() > first_err + 5:
+                break
+            if time.monotonic() > deadline:
+                break
+        errors = {r: v[1] for r, v in results.items() if v[0] == "err"}
+        missing = [r for r in range(self.world_size) if r not in results]
+        if errors or missing:
+            self.close()
+            raise MultiRankError(self._report(what, errors, missing, timeout))
+        return [results[r][1] for r in range(self.world_size)]
+
+    @staticmethod
+    def _report(what, errors, missing, timeout) -> str:
+        def secondary(tb: str) -> bool:
+            last = tb.strip().splitlines()[-1].lower() if tb.strip() else ""
+            return any(s in last for s in _SECONDARY)
+
+        order = sorted(errors, key=lambda r: (secondary(errors[r]), r))
+        lines = [f"multi-rank {what} failed"]
+        if missing:
+            lines.append(f"ranks {missing} did not answer within {timeout:.0f}s (hang or deadlock)")
+        for r in order:
+            lines.append(f"--- rank {r} ---\n{errors[r]}")
+        return "\n".join(lines)
+
+    def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT) -> list:
+        for c in self.conns:
+            c.send((fn, args))
+        return self._collect(timeout, getattr(fn, "__name__", "task"))
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(None)
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(1)
+        self.procs, self.conns = [], []
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if _POOL.get("pool") is self:
+            _POOL.clear()
+
+
+_POOL: dict = {}
+
+
+def get_pool(world_size: int) -> RankPool:
+    """The live pool of this size, or a fresh one (closing any other)."""
+    pool = _POOL.get("pool")
+    if pool is not None and pool.world_size == world_size and all(p.is_alive() for p in pool.procs):
+        return pool
+    if pool is not None:
+        pool.close()
+    pool = RankPool(world_size)
+    _POOL["pool"] = pool
+    return pool
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT) -> list:
+    return get_pool(world_size).run(fn, *args, timeout=timeout)
+
+
+def shutdown() -> None:
+    pool = _POOL.get("pool")
+    if pool is not None:
+        pool.close()
