@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 VENV=${VENV:-.venv}
 "$VENV/bin/python" -m ruff check startrail_megatron tests scripts
+"$VENV/bin/python" -m ruff format --check startrail_megatron tests scripts
 exec "$VENV/bin/python" -m pytest tests -q "$@"

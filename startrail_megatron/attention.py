@@ -14,7 +14,7 @@ collectives and is exactly zigzag ring attention):
 
 Forward
   collective  all-gather q, k, v   (C-1)(u_q + 2 u_kv)   input dtype
-              all-gather lse       (C-1) s*b*hq          fp32 (fp64 for fp64)
+              all-gather lse       (C-1) C*s*b*hq        fp32 (fp64 for fp64)
               reduce-scatter out   (C-1) u_q             fp32 (fp64 for fp64)
   P2P         [initial != self] * C*2u_kv + (G-1) * C*2u_kv   input dtype
 Backward (KV travels again; its dK/dV travel with it and return home)
@@ -87,7 +87,9 @@ def validate_inputs(q: Tensor, k: Tensor, v: Tensor, cp_size: int, causal: bool)
 
 
 @lru_cache(maxsize=4096)
-def _plan(layout: StarTrailLayout, q_team: int, kv_team: int, causal: bool) -> tuple[BlockCall, ...]:
+def _plan(
+    layout: StarTrailLayout, q_team: int, kv_team: int, causal: bool
+) -> tuple[BlockCall, ...]:
     if not causal:
         return tuple(plan_block([0], [0], False))
     return tuple(plan_block(layout.team_chunks(q_team), layout.team_chunks(kv_team), True))
@@ -220,8 +222,14 @@ def _backward(dout, out, saved, cx: _Ctx, scale, kernel):
         for call in cx.calls(lay.kv_team_at_step(cx.rank, step)):
             qs, ks = slice(call.q_lo * c, call.q_hi * c), slice(call.kv_lo * c, call.kv_hi * c)
             g_q, g_k, g_v = kernel.backward(
-                do_team[qs], q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], out_eff[qs],
-                lse_team[..., qs], causal=call.causal, scale=scale,
+                do_team[qs],
+                q_team[qs],
+                kv_cur[ks, 0],
+                kv_cur[ks, 1],
+                out_eff[qs],
+                lse_team[..., qs],
+                causal=call.causal,
+                scale=scale,
             )
             dq[qs] += g_q
             dkv[ks, 0] += g_k
@@ -306,4 +314,6 @@ def startrail_attention(
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     kern = get_kernel(kernel, q.dtype) if isinstance(kernel, str) else kernel
-    return _StarTrailAttention.apply(q, k, v, groups, bool(causal), float(softmax_scale), kern, ledger)
+    return _StarTrailAttention.apply(
+        q, k, v, groups, bool(causal), float(softmax_scale), kern, ledger
+    )

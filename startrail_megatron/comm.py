@@ -46,10 +46,14 @@ class CommLedger:
     def record(self, kind: Kind, op: str, what: str, nbytes: int, peer: int | None = None) -> None:
         self.events.append(CommEvent(self.phase, kind, op, what, int(nbytes), peer))
 
-    def bytes(self, kind: Kind | None = None, phase: str | None = None, what: str | None = None) -> int:
+    def bytes(
+        self, kind: Kind | None = None, phase: str | None = None, what: str | None = None
+    ) -> int:
         return sum(e.nbytes for e in self._select(kind, phase, what))
 
-    def calls(self, kind: Kind | None = None, phase: str | None = None, what: str | None = None) -> int:
+    def calls(
+        self, kind: Kind | None = None, phase: str | None = None, what: str | None = None
+    ) -> int:
         return len(self._select(kind, phase, what))
 
     def _select(self, kind, phase, what) -> list[CommEvent]:

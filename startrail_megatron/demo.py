@@ -58,8 +58,10 @@ def _run(rank: int, world: int, args) -> None:
         gathered = [[torch.empty_like(x) for _ in range(world)] for x in mine]
         for g, x in zip(gathered, mine):
             dist.all_gather(g, x.contiguous())
-        sent = torch.tensor([ledger.bytes("p2p", "fwd"), ledger.bytes("p2p", "bwd"),
-                             ledger.bytes("collective")], dtype=torch.float64)
+        sent = torch.tensor(
+            [ledger.bytes("p2p", "fwd"), ledger.bytes("p2p", "bwd"), ledger.bytes("collective")],
+            dtype=torch.float64,
+        )
         dist.all_reduce(sent)
         if rank == 0:
             errs = [
@@ -68,24 +70,39 @@ def _run(rank: int, world: int, args) -> None:
             ]
             rows.append((c, errs, sent.tolist()))
     if rank == 0:
-        print(f"StarTrail demo: P={world} ranks (gloo, CPU), seq {n}, batch {args.batch}, "
-              f"{args.heads} q heads / {args.kv_heads} kv heads, head_dim {args.head_dim}, causal")
-        print(f"{'':14s}{'max rel err vs fp64 (out, dq, dk, dv)':44s}"
-              f"{'P2P fwd':>12s}{'P2P bwd':>12s}{'collective':>12s}  (bytes, all ranks)")
+        print(
+            f"StarTrail demo: P={world} ranks (gloo, CPU), seq {n}, batch {args.batch}, "
+            f"{args.heads} q heads / {args.kv_heads} kv heads, head_dim {args.head_dim}, causal"
+        )
+        print(
+            f"{'':14s}{'max rel err vs fp64 (out, dq, dk, dv)':44s}"
+            f"{'P2P fwd':>12s}{'P2P bwd':>12s}{'collective':>12s}  (bytes, all ranks)"
+        )
         for c, errs, (f, b, col) in rows:
             name = "ring (C=1)" if c == 1 else f"StarTrail C={c}"
-            print(f"{name:14s}{'  '.join(f'{e:.1e}' for e in errs):44s}{f:12.0f}{b:12.0f}{col:12.0f}")
+            print(
+                f"{name:14s}{'  '.join(f'{e:.1e}' for e in errs):44s}{f:12.0f}{b:12.0f}{col:12.0f}"
+            )
         if len(rows) == 2:
             (_, _, base), (_, _, st) = rows
-            print(f"StarTrail C={args.team_size} P2P bytes vs ring: forward {st[0] / base[0]:.3f}x, "
-                  f"backward {st[1] / base[1]:.3f}x")
+            print(
+                f"StarTrail C={args.team_size} P2P bytes vs ring: forward {st[0] / base[0]:.3f}x, "
+                f"backward {st[1] / base[1]:.3f}x"
+            )
         worst = max(e for _, errs, _ in rows for e in errs)
-        print(f"{'PASS' if worst < 1e-5 else 'FAIL'}: worst relative error {worst:.1e} (limit 1e-5)")
+        print(
+            f"{'PASS' if worst < 1e-5 else 'FAIL'}: worst relative error {worst:.1e} (limit 1e-5)"
+        )
 
 
 def _spawned(rank: int, world: int, init_file: str, args) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
     try:
         _run(rank, world, args)
     finally:
@@ -93,8 +110,12 @@ def _spawned(rank: int, world: int, init_file: str, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=4, help="CPU ranks to spawn (ignored under torchrun)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--nproc", type=int, default=4, help="CPU ranks to spawn (ignored under torchrun)"
+    )
     p.add_argument("--team-size", type=int, default=2, help="StarTrail team size C (C*C | nproc)")
     p.add_argument("--placement", choices=["team", "ring"], default="team")
     p.add_argument("--seq-len", type=int, default=256)
@@ -104,7 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
-    StarTrailLayout(world, args.team_size, args.placement)  # ValueError on a bad setting
+    try:
+        StarTrailLayout(world, args.team_size, args.placement)
+    except ValueError as e:
+        p.error(f"--team-size/--nproc: {e}")
     if args.seq_len % (2 * world):
         p.error(f"--seq-len {args.seq_len} must be divisible by 2*nproc = {2 * world}")
     if "RANK" in os.environ:  # launched by torchrun
@@ -115,7 +139,9 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
         return
     with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.spawn(_spawned, args=(world, os.path.join(tmp, "rdv"), args), nprocs=world)
+        torch.multiprocessing.spawn(
+            _spawned, args=(world, os.path.join(tmp, "rdv"), args), nprocs=world
+        )
 
 
 if __name__ == "__main__":

@@ -70,13 +70,17 @@ class StarTrailGroups:
         team_group = subring_group = None
         if layout.team_size > 1:
             team_group = dist.new_group(
-                to_global(layout.team_ranks(team)), timeout=timeout, use_local_synchronization=True,
+                to_global(layout.team_ranks(team)),
+                timeout=timeout,
+                use_local_synchronization=True,
                 group_desc=f"startrail_team_{team}",
             )
         if layout.ring_size > 1:
             g = layout.team_group(team)
             subring_group = dist.new_group(
-                to_global(layout.subring_ranks(g, member)), timeout=timeout,
-                use_local_synchronization=True, group_desc=f"startrail_subring_{g}_{member}",
+                to_global(layout.subring_ranks(g, member)),
+                timeout=timeout,
+                use_local_synchronization=True,
+                group_desc=f"startrail_subring_{g}_{member}",
             )
         return cls(layout, cp_group, cp_rank, team_group, subring_group)

@@ -91,7 +91,6 @@ class TorchKernel:
 
     def forward(self, q, k, v, *, causal, scale):
         sq, b, hq, d = q.shape
-        hkv = k.shape[2]
         s = self._scores(q, k, causal, scale)
         lse = torch.logsumexp(s, dim=-1)  # (b, hkv, g, sq)
         p = torch.exp(s - _finite_lse(lse).unsqueeze(-1))
@@ -155,7 +154,13 @@ class SdpaKernel:
         else:
             hq = qb.shape[1]
             out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-                qb, self._expand_kv(kb, hq), self._expand_kv(vb, hq), None, True, 0.0, causal,
+                qb,
+                self._expand_kv(kb, hq),
+                self._expand_kv(vb, hq),
+                None,
+                True,
+                0.0,
+                causal,
                 scale=scale,
             )
             lse = lse[..., : qb.shape[2]]
@@ -166,15 +171,32 @@ class SdpaKernel:
         dob, ob = self._bhsd(dout.to(q.dtype)), self._bhsd(out.to(q.dtype))
         if q.device.type == "cpu":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dob, qb, kb, vb, ob, lse.to(acc_dtype(q.dtype)).contiguous(), 0.0, causal,
+                dob,
+                qb,
+                kb,
+                vb,
+                ob,
+                lse.to(acc_dtype(q.dtype)).contiguous(),
+                0.0,
+                causal,
                 scale=scale,
             )
         else:
             hq, hkv = qb.shape[1], kb.shape[1]
             seed = torch.zeros((), dtype=torch.int64, device=q.device)
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dob, qb, self._expand_kv(kb, hq), self._expand_kv(vb, hq), None, ob,
-                lse.float().contiguous(), seed, seed, 0.0, [True, True, True, False], causal,
+                dob,
+                qb,
+                self._expand_kv(kb, hq),
+                self._expand_kv(vb, hq),
+                None,
+                ob,
+                lse.float().contiguous(),
+                seed,
+                seed,
+                0.0,
+                [True, True, True, False],
+                causal,
                 scale=scale,
             )
             if hkv != hq:

@@ -220,3 +220,39 @@ class StarTrailLayout:
             ret_to, _ = self.dkv_return_peers(rank)
             sends["dkv"] = (g - 1) + int(ret_to != rank)
         return sends
+
+    def comm_bytes(
+        self,
+        rank: int,
+        *,
+        s_local: int,
+        batch: int,
+        heads_q: int,
+        heads_kv: int,
+        head_dim: int,
+        elem_bytes: int,
+        acc_bytes: int = 4,
+    ) -> dict[str, int]:
+        """Bytes this rank sends in one attention forward and backward.
+
+        ``elem_bytes``: input dtype size; ``acc_bytes``: accumulation dtype
+        size (4 for fp32, 8 for fp64). Collectives count the ring-algorithm
+        volume (C-1)/C of the full buffer. Keys: ``fwd_p2p``, ``bwd_p2p``,
+        ``fwd_collective``, ``bwd_collective``. The formulas are explained in
+        ``attention.py``'s module docstring.
+        """
+        c = self.team_size
+        tok = s_local * batch  # local token rows
+        q_el, kv_el = tok * heads_q * head_dim, tok * heads_kv * head_dim
+        team_kv = c * 2 * kv_el  # K and V of the whole team
+        sends = self.p2p_sends(rank, backward=True)
+        return {
+            "fwd_p2p": sends["kv"] * team_kv * elem_bytes,
+            "bwd_p2p": sends["kv"] * team_kv * elem_bytes + sends["dkv"] * team_kv * acc_bytes,
+            # all-gather q,k,v; all-gather the team rows' partial lse; reduce-scatter out
+            "fwd_collective": (c - 1)
+            * ((q_el + 2 * kv_el) * elem_bytes + c * tok * heads_q * acc_bytes + q_el * acc_bytes),
+            # all-gather dout and delta; reduce-scatter dq, dk, dv
+            "bwd_collective": (c - 1)
+            * (q_el * elem_bytes + tok * heads_q * acc_bytes + (q_el + 2 * kv_el) * acc_bytes),
+        }

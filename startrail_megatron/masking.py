@@ -83,7 +83,12 @@ def plan_block(q_chunks: list[int], kv_chunks: list[int], causal: bool) -> list[
     diag = [(i, kv_pos[c]) for i, c in enumerate(q_chunks) if c in kv_pos]
     run: list[tuple[int, int]] = []
     for i, j in diag + [(-2, -2)]:
-        if run and i == run[-1][0] + 1 and j == run[-1][1] + 1 and q_chunks[i] == q_chunks[run[-1][0]] + 1:
+        if (
+            run
+            and i == run[-1][0] + 1
+            and j == run[-1][1] + 1
+            and q_chunks[i] == q_chunks[run[-1][0]] + 1
+        ):
             run.append((i, j))
             continue
         if run:

@@ -24,7 +24,14 @@ import traceback
 from datetime import timedelta
 
 DEFAULT_TIMEOUT = float(os.environ.get("STARTRAIL_TEST_TIMEOUT", "120"))
-_SECONDARY = ("connection closed", "timed out", "timeout", "connection reset", "broken pipe", "peer")
+_SECONDARY = (
+    "connection closed",
+    "timed out",
+    "timeout",
+    "connection reset",
+    "broken pipe",
+    "peer",
+)
 
 
 class MultiRankError(AssertionError):
@@ -39,7 +46,10 @@ def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> N
 
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
             timeout=timedelta(seconds=pg_timeout),
         )
     except BaseException:
@@ -69,7 +79,8 @@ class RankPool:
         for r in range(world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
-                target=_worker, args=(r, world_size, os.path.join(self.tmp, "rdv"), child, timeout * 0.8),
+                target=_worker,
+                args=(r, world_size, os.path.join(self.tmp, "rdv"), child, timeout * 0.8),
                 daemon=True,
             )
             p.start()

@@ -1,0 +1,125 @@
+"""The communication layer on both call shapes, and the harness's no-hang guarantees."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from harness import MultiRankError, run_ranks, shutdown
+
+import startrail_megatron as st
+from startrail_megatron import comm
+
+
+def _team_collectives(rank, world, shape_name):
+    """TeamComm with torch 2.13's flat collectives and with the older names."""
+    import torch.distributed as dist
+
+    fns = {
+        "single": (dist.all_gather_single, dist.reduce_scatter_single),
+        "into_tensor": (dist.all_gather_into_tensor, dist.reduce_scatter_tensor),
+    }[shape_name]
+    saved = comm._all_gather, comm._reduce_scatter
+    comm._all_gather, comm._reduce_scatter = fns
+    try:
+        groups = st.StarTrailGroups.create(2)
+        ledger = st.CommLedger()
+        tc = comm.TeamComm(groups.team_group, 2, ledger)
+        x = torch.full((3, 2), float(rank), dtype=torch.float64)
+        gathered = tc.all_gather(x, "x")
+        summed = tc.reduce_scatter(torch.arange(8.0).reshape(4, 2) * (rank + 1), "y")
+        bf = tc.all_gather(torch.full((2,), rank, dtype=torch.bfloat16), "bf")
+    finally:
+        comm._all_gather, comm._reduce_scatter = saved
+    return gathered, summed, bf, [(e.op, e.nbytes) for e in ledger.events]
+
+
+@pytest.mark.parametrize("shape_name", ["single", "into_tensor"])
+def test_team_collectives_both_call_shapes(shape_name):
+    res = run_ranks(4, _team_collectives, shape_name)
+    for r, (gathered, summed, bf, events) in enumerate(res):
+        team = [r - r % 2, r - r % 2 + 1]
+        assert gathered[:, 0].tolist() == [team[0]] * 3 + [team[1]] * 3
+        mult = sum(t + 1 for t in team)
+        half = (torch.arange(8.0).reshape(4, 2) * mult)[2 * (r % 2) : 2 * (r % 2) + 2]
+        torch.testing.assert_close(summed, half)
+        assert bf.tolist() == [team[0]] * 2 + [team[1]] * 2
+        assert events == [("all_gather", 48), ("reduce_scatter", 16), ("all_gather", 4)]
+
+
+def _p2p(rank, world):
+    """Two-rank rings (next == prev), self-exchanges and misuse checks."""
+    p2p = comm.P2PComm(None, rank, st.CommLedger())
+    peer = rank ^ 1
+    got = p2p.exchange(torch.tensor([rank, 10 * rank]), peer, peer, "x").wait()
+    same = torch.tensor([7])
+    self_x = p2p.exchange(same, rank, rank, "x")
+    assert self_x.wait() is same
+    try:
+        self_x.wait()
+        twice = None
+    except RuntimeError as e:
+        twice = str(e)
+    try:
+        p2p.exchange(same, rank, peer, "x")
+        bad = None
+    except ValueError as e:
+        bad = str(e)
+    return got.tolist(), twice, bad, len(p2p.ledger.events)
+
+
+def test_p2p_exchange():
+    for r, (got, twice, bad, n) in enumerate(run_ranks(4, _p2p)):
+        assert got == [r ^ 1, 10 * (r ^ 1)]
+        assert "twice" in twice and "self-send must also be a self-receive" in bad
+        assert n == 1  # the self-exchange is not a transfer
+
+
+def _skip_on_rank0(rank, world):
+    import torch.distributed as dist
+
+    if rank != 0:
+        dist.all_reduce(torch.ones(1))
+
+
+def _die_on_rank1(rank, world):
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_mismatched_ranks_end_in_timeout_not_hang():
+    t0 = time.monotonic()
+    with pytest.raises(MultiRankError, match=r"ranks \[1, 2, 3\] did not answer within 3s"):
+        run_ranks(4, _skip_on_rank0, timeout=3)
+    assert time.monotonic() - t0 < 30
+
+
+def test_dead_peer_is_reported_as_root_cause():
+    with pytest.raises(MultiRankError, match="rank 1 died"):
+        run_ranks(4, _die_on_rank1, timeout=10)
+
+
+def _group_timeout(rank, world):
+    """A team group created with a timeout: a missing peer raises, never hangs."""
+    groups = st.StarTrailGroups.create(2, timeout=timedelta(seconds=2))
+    if rank % 2 == 0:
+        return "skipped"
+    t0 = time.monotonic()
+    try:
+        comm.TeamComm(groups.team_group, 2, None).all_gather(torch.ones(2), "x")
+    except RuntimeError as e:
+        return f"raised after {time.monotonic() - t0:.1f}s: {e}"[:200]
+    return "no error"
+
+
+def test_group_timeout_raises():
+    res = run_ranks(4, _group_timeout, timeout=60)
+    shutdown()  # the skipped collective leaves the groups unusable: start afresh
+    for r in (1, 3):
+        assert res[r].startswith("raised after"), res[r]

@@ -1,0 +1,168 @@
+"""Exhaustive tests of the pure rank arithmetic and the causal block plans."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from startrail_megatron.layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
+from startrail_megatron.masking import plan_block
+
+ALL = [(p, c, pl) for p in range(1, 65) for c in valid_team_sizes(p) for pl in PLACEMENTS]
+
+
+def simulate_kv(lay: StarTrailLayout) -> list[list[int]]:
+    """Move KV by the send rules alone; held[step][rank] = KV team held there."""
+    p = lay.cp_size
+    held = [None] * p
+    for r in range(p):  # initial placement: r sends its team's KV
+        held[lay.initial_send_peer(r)] = lay.coord(r)[0]
+    steps = [list(held)]
+    for _ in range(lay.ring_size - 1):
+        nxt = [None] * p
+        for r in range(p):
+            nxt[lay.ring_next(r)] = steps[-1][r]
+        steps.append(nxt)
+    return steps
+
+
+@pytest.mark.parametrize("p,c,pl", ALL)
+def test_layout_exhaustive(p, c, pl):
+    lay = StarTrailLayout(p, c, pl)
+    t_n, g = lay.num_teams, lay.ring_size
+    # coordinates are a bijection
+    assert sorted(lay.rank(t, a) for t in range(t_n) for a in range(c)) == list(range(p))
+    assert all(lay.rank(*lay.coord(r)) == r for r in range(p))
+    # teams and sub-rings partition the ranks
+    assert sorted(sum(lay.all_team_ranks(), [])) == list(range(p))
+    assert sorted(sum(lay.all_subring_ranks(), [])) == list(range(p))
+    assert len(lay.all_subring_ranks()) == c * c and all(
+        len(s) == g for s in lay.all_subring_ranks()
+    )
+    if pl == "team":
+        assert all(lay.team_ranks(t) == list(range(t * c, t * c + c)) for t in range(t_n))
+    else:
+        assert all(s == list(range(s[0], s[0] + g)) for s in lay.all_subring_ranks())
+    for r in range(p):
+        # send and receive peers are inverse permutations
+        assert lay.initial_recv_peer(lay.initial_send_peer(r)) == r
+        assert lay.ring_prev(lay.ring_next(r)) == r
+        nx = lay.ring_next(r)
+        assert lay.coord(nx)[1] == lay.coord(r)[1]  # same member: same sub-ring
+        assert lay.team_group(lay.coord(nx)[0]) == lay.team_group(lay.coord(r)[0])
+    # forward: the simulated KV matches kv_team_at_step, and every (Q team, KV team)
+    # pair is computed exactly once
+    steps = simulate_kv(lay)
+    pairs = Counter()
+    for s, held in enumerate(steps):
+        for r in range(p):
+            assert held[r] == lay.kv_team_at_step(r, s)
+            pairs[(lay.coord(r)[0], held[r])] += 1
+    assert pairs == Counter({(a, b): 1 for a in range(t_n) for b in range(t_n)})
+    # backward: after step G-1 each rank returns the copy it holds to its origin
+    origin_at_end = {}
+    for r in range(p):
+        holder = r
+        holder = lay.initial_send_peer(holder)
+        for _ in range(g - 1):
+            holder = lay.ring_next(holder)
+        origin_at_end[holder] = r
+    for r in range(p):
+        send_to, recv_from = lay.dkv_return_peers(r)
+        assert send_to == origin_at_end[r]
+        assert origin_at_end[recv_from] == r
+    # team chunks: zigzag chunk ids of its members' ranks, sorted
+    all_chunks = sorted(x for t in range(t_n) for x in lay.team_chunks(t))
+    assert all_chunks == list(range(2 * p))
+    for t in range(t_n):
+        gathered = [x for r in lay.team_ranks(t) for x in (r, 2 * p - 1 - r)]
+        assert [gathered[i] for i in lay.team_chunk_order(t)] == lay.team_chunks(t)
+
+
+def test_team_placement_is_fronts_then_backs():
+    lay = StarTrailLayout(16, 2, "team")
+    assert lay.team_chunks(3) == [6, 7, 24, 25]  # [tC, tC+C) and [2P-C-tC, 2P-tC)
+
+
+@pytest.mark.parametrize(
+    "p,c,placement,match",
+    [
+        (8, 3, "team", "team_size=3 does not fit context-parallel size 8"),
+        (8, 0, "team", "team_size must be an integer >= 1"),
+        (12, 4, "team", r"allowed team sizes for 12: \[1, 2\]"),
+        (8, 2, "rings", r"placement='rings' is not known; allowed: \['team', 'ring'\]"),
+        (0, 1, "team", "context-parallel size must be an integer >= 1"),
+    ],
+)
+def test_layout_rejects_bad_settings(p, c, placement, match):
+    with pytest.raises(ValueError, match=match):
+        StarTrailLayout(p, c, placement)
+
+
+def _brute_mask(q_chunks, kv_chunks, c):
+    """Token-level causal visibility of a block: set of (q row, kv row)."""
+    vis = set()
+    for i, qc in enumerate(q_chunks):
+        for j, kc in enumerate(kv_chunks):
+            for x in range(c):
+                for y in range(c):
+                    if kc * c + y <= qc * c + x:
+                        vis.add((i * c + x, j * c + y))
+    return vis
+
+
+PLAN_CASES = [(p, c, pl) for p in range(1, 33) for c in valid_team_sizes(p) for pl in PLACEMENTS]
+
+
+@pytest.mark.parametrize("p,c,pl", PLAN_CASES)
+def test_causal_plans_cover_exactly_and_balance(p, c, pl):
+    lay = StarTrailLayout(p, c, pl)
+    chunk = 2  # tokens per chunk: diagonals are then real triangles
+    n = 2 * c * chunk  # team tokens
+    for tq in range(lay.num_teams):
+        for tk in range(lay.num_teams):
+            qc, kc = lay.team_chunks(tq), lay.team_chunks(tk)
+            calls = plan_block(qc, kc, True)
+            got = Counter()
+            for call in calls:
+                rows = range(call.q_lo * chunk, call.q_hi * chunk)
+                cols = range(call.kv_lo * chunk, call.kv_hi * chunk)
+                cells = [(x, y) for x in rows for y in cols]
+                if call.causal:
+                    assert call.q_hi - call.q_lo == call.kv_hi - call.kv_lo
+                    cells = [(x, y) for x, y in cells if y - cols[0] <= x - rows[0]]
+                assert cells, "a call must never be fully masked"
+                got.update(cells)
+            want = _brute_mask(qc, kc, chunk)
+            assert set(got) == want and all(v == 1 for v in got.values())
+            if tq != tk:  # off-diagonal blocks: exactly half of the pairs
+                assert sum(call.pairs(chunk) for call in calls) == n * n // 2
+            if pl == "team":
+                assert len(calls) <= 3
+    # per-rank causal work: G*n^2/2, plus n/2 on the one member holding its own team
+    for r in range(p):
+        t = lay.coord(r)[0]
+        work = sum(
+            call.pairs(chunk)
+            for s in range(lay.ring_size)
+            for call in plan_block(
+                lay.team_chunks(t), lay.team_chunks(lay.kv_team_at_step(r, s)), True
+            )
+        )
+        own = any(lay.kv_team_at_step(r, s) == t for s in range(lay.ring_size))
+        assert work == lay.ring_size * n * n // 2 + own * n // 2
+
+
+def test_full_mask_is_one_call():
+    calls = plan_block([0, 1, 6, 7], [2, 3, 4, 5], False)
+    assert len(calls) == 1 and not calls[0].causal
+
+
+def test_p2p_message_counts():
+    # P = 8, C = 2: ranks (0,0) and (3,1) keep their own team's KV.
+    lay = StarTrailLayout(8, 2)
+    fwd = [lay.p2p_sends(r, backward=False)["kv"] for r in range(8)]
+    assert fwd == [1, 2, 2, 2, 2, 2, 2, 1]
+    ring = StarTrailLayout(8, 1)
+    assert all(ring.p2p_sends(r, backward=True) == {"kv": 7, "dkv": 8} for r in range(8))
