@@ -209,3 +209,17 @@ def test_bad_inputs_raise_before_communication():
     for msgs in results:  # on every rank
         for name, text in want.items():
             assert msgs[name] is not None and text in msgs[name], (name, msgs[name])
+
+
+@pytest.mark.parametrize("c,placement", [(1, "team"), (2, "team"), (2, "ring")])
+def test_bf16_at_peer_tolerance(c, placement):
+    """bf16 inputs: fp32 accumulation keeps the error at the kernel's own level."""
+    p, hq, hkv = 8, 8, 2
+    results = run_ranks(p, _attention_case, c, placement, True, hq, hkv, torch.bfloat16, "auto")
+    q, k, v, do = make_inputs(0, S_LOCAL * p, BATCH, hq, hkv, HEAD_DIM)
+    rnd = [x.to(torch.bfloat16).double() for x in (q, k, v, do)]  # the inputs the ranks saw
+    ref = reference(*rnd, True)
+    for i in range(4):
+        got = unshard([r[0][i] for r in results], True)
+        assert got.dtype == torch.bfloat16
+        assert rel_err(got, ref[i]) <= 2.5e-2
