@@ -81,7 +81,7 @@ class RankPool:
             p = ctx.Process(
                 target=_worker,
                 args=(r, world_size, os.path.join(self.tmp, "rdv"), child, timeout * 0.8),
-                daemon=True,
+                daemon=False,  # ranks may start processes (megatron's checkpoint writer does)
             )
             p.start()
             child.close()

@@ -1,0 +1,109 @@
+"""StarTrail's command-line flags, in Megatron-LM's ``extra_args_provider`` style.
+
+    --context-parallel-impl {te,startrail}   default te: Megatron's own CP attention
+    --startrail-team-size C                  C*C must divide --context-parallel-size
+    --startrail-placement {team,ring}
+
+``add_startrail_args(parser)`` adds them (returns the parser, so it can be
+Megatron-LM's ``extra_args_provider``); ``validate_startrail_args(args)``
+checks them against Megatron's other arguments and raises ``ValueError``
+naming the flags; ``install_from_args(args)`` turns StarTrail on.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..layout import PLACEMENTS, valid_team_sizes
+
+__all__ = ["add_startrail_args", "validate_startrail_args", "install_from_args", "IMPLS"]
+
+IMPLS = ("te", "startrail")
+
+
+def _team_size(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--startrail-team-size takes an integer >= 1 or 'auto', got {value!r}"
+        ) from None
+
+
+def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group(title="StarTrail context parallelism")
+    group.add_argument(
+        "--context-parallel-impl",
+        choices=IMPLS,
+        default="te",
+        help="Context-parallel attention: 'te' (Megatron/Transformer Engine, default) or "
+        "'startrail' (concentric-ring StarTrail).",
+    )
+    group.add_argument(
+        "--startrail-team-size",
+        type=_team_size,
+        default=1,
+        help="StarTrail team size C (C*C must divide --context-parallel-size; 1 = ring "
+        "attention), or 'auto' to profile the candidates and keep the fastest.",
+    )
+    group.add_argument(
+        "--startrail-placement",
+        choices=PLACEMENTS,
+        default="team",
+        help="'team': team members on adjacent CP ranks (collectives inside a node); "
+        "'ring': sub-ring neighbours adjacent (P2P inside a node).",
+    )
+    return parser
+
+
+def validate_startrail_args(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` naming the flag when StarTrail's flags do not fit."""
+    impl = getattr(args, "context_parallel_impl", "te")
+    if impl not in IMPLS:
+        raise ValueError(f"--context-parallel-impl {impl!r} is not known; allowed: {list(IMPLS)}")
+    if impl != "startrail":
+        return
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    c = args.startrail_team_size
+    if c != "auto":
+        if not isinstance(c, int) or c < 1 or cp % (c * c) != 0:
+            raise ValueError(
+                f"--startrail-team-size {c} does not fit --context-parallel-size {cp}: its "
+                f"square must divide it; allowed: {valid_team_sizes(cp)} or 'auto'"
+            )
+    seq = getattr(args, "seq_length", None)
+    if seq is not None and seq % (2 * cp) != 0:
+        raise ValueError(
+            f"--seq-length {seq} must be divisible by 2 * --context-parallel-size = {2 * cp} "
+            "for StarTrail's causal zigzag layout"
+        )
+    if getattr(args, "attention_dropout", 0.0):
+        raise ValueError(
+            f"--attention-dropout {args.attention_dropout}: StarTrail does not support attention "
+            "dropout yet; set --attention-dropout 0"
+        )
+    for flag in ("reset_attention_mask", "reset_position_ids"):
+        if getattr(args, flag, False):
+            raise ValueError(
+                f"--{flag.replace('_', '-')} makes packed sequences, which StarTrail does not "
+                "support yet"
+            )
+    if getattr(args, "hierarchical_context_parallel_sizes", None):
+        raise ValueError(
+            "--hierarchical-context-parallel-sizes is a Transformer Engine CP option; StarTrail "
+            "uses --startrail-team-size instead"
+        )
+
+
+def install_from_args(args: argparse.Namespace, team_size: int | None = None) -> None:
+    """Install the StarTrail hooks when ``--context-parallel-impl startrail``."""
+    from .state import install
+
+    if getattr(args, "context_parallel_impl", "te") != "startrail":
+        return
+    c = team_size if team_size is not None else args.startrail_team_size
+    if c == "auto":
+        c = 1  # placeholder until the autotuner picks one
+    install(int(c), args.startrail_placement)

@@ -1,0 +1,114 @@
+"""``StarTrailCoreAttention``: Megatron's ``core_attention`` slot, backed by StarTrail.
+
+Megatron's ``SelfAttention`` builds it in place of ``DotProductAttention`` /
+``TEDotProductAttention`` (``spec.apply_startrail_spec`` does the swap) and
+calls it with their forward contract: q ``[sq, b, np, hn]``, k/v
+``[sk, b, ng, hn]`` (this TP rank's heads), output ``[sq, b, np*hn]``. The
+sequence stays in Megatron's zigzag CP layout, so ``get_batch_on_this_cp_rank``,
+RoPE's CP slicing and the loss need no change.
+"""
+
+from __future__ import annotations
+
+import math
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from ..attention import startrail_attention
+from .compat import cp_group_from
+from .state import get_startrail_state
+
+__all__ = ["StarTrailCoreAttention"]
+
+_SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
+
+
+class StarTrailCoreAttention(MegatronModule):
+    """Exact attention over the context-parallel sequence with StarTrail's schedule.
+
+    Accepts the constructor arguments of megatron-core 0.13-0.16
+    (``pg_collection`` or ``model_comm_pgs``). Raises ``NotImplementedError``
+    at build time for what it does not support yet: attention dropout,
+    masks other than causal / no mask, cross attention, sliding windows,
+    non-vanilla softmax; and at call time for packed sequences and bias.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        model_comm_pgs=None,
+        **kwargs,
+    ):
+        super().__init__(config=config)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise NotImplementedError(
+                f"StarTrail attention does not support attention dropout yet "
+                f"(attention_dropout={dropout}); set --attention-dropout 0"
+            )
+        if attn_mask_type not in _SUPPORTED_MASKS:
+            raise NotImplementedError(
+                f"StarTrail attention supports attn_mask_type causal or no_mask, got {attn_mask_type}"
+            )
+        if attention_type != "self":
+            raise NotImplementedError("StarTrail attention supports self-attention only")
+        if getattr(config, "window_size", None) is not None:
+            raise NotImplementedError("StarTrail attention does not support sliding windows yet")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise NotImplementedError(
+                f"StarTrail attention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
+            )
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        head_dim = config.kv_channels
+        scale = softmax_scale if softmax_scale is not None else config.softmax_scale
+        # apply_query_key_layer_scaling divides the scale by layer_number and multiplies the
+        # scores back in the softmax: the effective scale is unchanged.
+        self.softmax_scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+        self.cp_group = cp_group_from(pg_collection, model_comm_pgs)
+        self.state = get_startrail_state(self.cp_group)
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **kwargs,
+    ):
+        if packed_seq_params is not None:
+            raise NotImplementedError(
+                "StarTrail attention does not support packed sequences (packed_seq_params) yet"
+            )
+        if attention_bias is not None:
+            raise NotImplementedError("StarTrail attention does not support attention_bias")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type not in _SUPPORTED_MASKS:
+            raise NotImplementedError(
+                f"StarTrail attention supports attn_mask_type causal or no_mask, got {mask_type}"
+            )
+        # A causal mask tensor, if the data loader made one, is the standard causal mask
+        # (as TEDotProductAttention, we follow attn_mask_type and ignore it).
+        out = startrail_attention(
+            query,
+            key,
+            value,
+            self.state.groups,
+            causal=mask_type == AttnMaskType.causal,
+            softmax_scale=self.softmax_scale,
+            kernel=self.state.kernel,
+            ledger=self.state.ledger,
+        )
+        sq, b = out.shape[:2]
+        return out.reshape(sq, b, -1)  # [sq, b, np*hn]

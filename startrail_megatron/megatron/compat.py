@@ -1,0 +1,150 @@
+"""The one compatibility module for megatron-core (0.13 - 0.16).
+
+Two kinds of shims live here and nowhere else:
+
+* interface differences between megatron-core versions: the process-group
+  argument of attention modules (``model_comm_pgs`` in 0.13/0.14,
+  ``pg_collection`` from 0.15), and how ``SelfAttention`` builds
+  ``core_attention`` (``build_module`` before 0.16, a direct call after: our
+  module is a plain class, which both accept);
+* CPU support, opt-in (``enable_cpu_support()``), reversible: megatron-core
+  assumes CUDA in a few places (``torch.cuda.current_device()`` for buffers
+  and RoPE frequencies, ``torch.cuda.synchronize()`` in the checkpoint
+  writer, a CUDA causal mask, ``pin_memory`` in RoPE's CP slicing, the CUDA
+  RNG tracker). On a machine without CUDA we point those at
+  the CPU; nothing is patched when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_UNDO: list[Callable[[], None]] = []
+
+
+def _patch(obj: Any, name: str, value: Any) -> None:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    _UNDO.append(lambda: setattr(obj, name, old))
+
+
+def megatron_version() -> tuple[int, int]:
+    from megatron.core import package_info
+
+    major, minor = package_info.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def cp_group_from(pg_collection: Any = None, model_comm_pgs: Any = None):
+    """The context-parallel group an attention module was given, whatever the version."""
+    for pgs in (pg_collection, model_comm_pgs):
+        if pgs is not None and getattr(pgs, "cp", None) is not None:
+            return pgs.cp
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group()
+
+
+class _CpuRNGTracker:
+    """Megatron's RNG tracker API on the CPU generator (dropout inside ``fork``)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states_.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        g = torch.Generator().manual_seed(seed)
+        self.states_[name] = g.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    from ..sequence import zigzag_shard
+
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    return zigzag_shard(pos_emb, cp_group.rank(), cp_group.size(), dim=seq_dim)
+
+
+def cpu_manual_seed(seed: int) -> None:
+    """``model_parallel_cuda_manual_seed`` for CPU runs: same seeds per TP rank."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.reset()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tracker.add("model-parallel-rng", seed + 2718 + tp_rank)
+    tracker.add(mrandom.get_data_parallel_rng_tracker_name(), seed)
+    tracker.add(mrandom.get_expert_parallel_rng_tracker_name(), seed + 1024 + tp_rank)
+    torch.manual_seed(seed)
+
+
+def enable_cpu_support() -> bool:
+    """Point megatron-core's CUDA-only spots at the CPU. No-op with CUDA; idempotent.
+
+    Returns whether patches are active. ``disable_cpu_support()`` undoes them.
+    """
+    if torch.cuda.is_available():
+        return False
+    if _UNDO:
+        return True
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
+    import megatron.core.transformer.utils as tutils
+    from megatron.core.tensor_parallel import random as mrandom
+
+    _patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    _patch(torch.cuda, "synchronize", lambda device=None: None)  # checkpoint writer; no device
+    for mod in (tutils, fused_softmax):
+        _patch(mod, "get_default_causal_mask", _cpu_causal_mask)
+    for mod in (rope_utils, rotary):
+        _patch(mod, "get_pos_emb_on_this_cp_rank", _cpu_pos_emb_on_this_cp_rank)
+    _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", _CpuRNGTracker())
+    _patch(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    return True
+
+
+def disable_cpu_support() -> None:
+    while _UNDO:
+        _UNDO.pop()()

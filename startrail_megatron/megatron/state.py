@@ -1,0 +1,153 @@
+"""StarTrail's groups for Megatron's context-parallel groups, and the opt-in hooks.
+
+Megatron keeps its process groups in ``parallel_state``; StarTrail's team and
+sub-ring groups are built from Megatron's CP group and kept here, keyed by
+that CP group, so an attention module finds the groups for the CP group its
+``pg_collection`` names. Two ways in:
+
+* ``install(team_size, placement)``: wraps ``parallel_state.initialize_model_parallel``
+  (all arguments passed through untouched) so that every caller, Megatron's
+  own included, gets the StarTrail groups right after Megatron's; wraps
+  ``destroy_model_parallel`` to drop them; and rewrites the layer spec given
+  to ``GPTModel`` (``spec.apply_startrail_spec``). ``uninstall()`` undoes it.
+* ``create_startrail_groups(cp_group, team_size, placement)``: the explicit
+  call, for runs that build their own process-group collection.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from ..comm import CommLedger
+from ..groups import StarTrailGroups
+from ..layout import Placement
+
+__all__ = [
+    "StarTrailMegatronState",
+    "create_startrail_groups",
+    "get_startrail_state",
+    "install",
+    "uninstall",
+    "installed_config",
+]
+
+
+@dataclass
+class StarTrailMegatronState:
+    """What the attention modules of one CP group share."""
+
+    groups: StarTrailGroups
+    kernel: str = "auto"
+    ledger: CommLedger = field(default_factory=CommLedger)
+
+
+_STATES: dict[int, tuple[object, StarTrailMegatronState]] = {}
+_INSTALLED: dict[str, object] = {}
+
+
+def _key(cp_group) -> int:
+    return id(cp_group if cp_group is not None else dist.GroupMember.WORLD)
+
+
+def create_startrail_groups(
+    cp_group, team_size: int, placement: Placement = "team", kernel: str = "auto"
+) -> StarTrailMegatronState:
+    """Build and register StarTrail's groups for ``cp_group`` (collective over it)."""
+    groups = StarTrailGroups.create(team_size, cp_group=cp_group, placement=placement)
+    state = StarTrailMegatronState(groups, kernel)
+    _STATES[_key(cp_group)] = (cp_group, state)
+    return state
+
+
+def get_startrail_state(cp_group) -> StarTrailMegatronState:
+    entry = _STATES.get(_key(cp_group))
+    if entry is None:
+        raise RuntimeError(
+            "StarTrail attention found no StarTrail groups for its context-parallel group: "
+            "run with --context-parallel-impl startrail (or call "
+            "startrail_megatron.megatron.install(team_size=...) before "
+            "parallel_state.initialize_model_parallel, or "
+            "startrail_megatron.megatron.create_startrail_groups(cp_group, team_size))"
+        )
+    return entry[1]
+
+
+def clear_startrail_groups() -> None:
+    _STATES.clear()
+
+
+def installed_config() -> dict | None:
+    """The (team_size, placement, kernel) of ``install``, or None."""
+    cfg = _INSTALLED.get("config")
+    return dict(cfg) if cfg else None
+
+
+def install(
+    team_size: int, placement: Placement = "team", kernel: str = "auto", *, spec_hook: bool = True
+) -> None:
+    """Make Megatron create StarTrail groups and build StarTrail attention. Reversible."""
+    from megatron.core import parallel_state
+
+    from ..layout import PLACEMENTS
+
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r} is not known; allowed: {list(PLACEMENTS)}")
+    if not isinstance(team_size, int) or team_size < 1:
+        raise ValueError(f"team_size must be an integer >= 1, got {team_size!r}")
+    uninstall()
+    _INSTALLED["config"] = {"team_size": team_size, "placement": placement, "kernel": kernel}
+    orig_init = parallel_state.initialize_model_parallel
+    orig_destroy = parallel_state.destroy_model_parallel
+
+    @functools.wraps(orig_init)
+    def initialize_model_parallel(*args, **kwargs):
+        out = orig_init(*args, **kwargs)
+        cfg = _INSTALLED["config"]
+        create_startrail_groups(
+            parallel_state.get_context_parallel_group(),
+            cfg["team_size"],
+            cfg["placement"],
+            cfg["kernel"],
+        )
+        return out
+
+    @functools.wraps(orig_destroy)
+    def destroy_model_parallel(*args, **kwargs):
+        clear_startrail_groups()
+        return orig_destroy(*args, **kwargs)
+
+    parallel_state.initialize_model_parallel = initialize_model_parallel
+    parallel_state.destroy_model_parallel = destroy_model_parallel
+    undo = [
+        lambda: setattr(parallel_state, "initialize_model_parallel", orig_init),
+        lambda: setattr(parallel_state, "destroy_model_parallel", orig_destroy),
+    ]
+    if spec_hook:
+        from megatron.core.models.gpt import gpt_model
+
+        from .spec import apply_startrail_spec
+
+        orig_gpt_init = gpt_model.GPTModel.__init__
+
+        @functools.wraps(orig_gpt_init)
+        def gpt_init(self, *args, **kwargs):
+            if "transformer_layer_spec" in kwargs:
+                kwargs["transformer_layer_spec"] = apply_startrail_spec(
+                    kwargs["transformer_layer_spec"]
+                )
+            elif len(args) >= 2:
+                args = (args[0], apply_startrail_spec(args[1]), *args[2:])
+            return orig_gpt_init(self, *args, **kwargs)
+
+        gpt_model.GPTModel.__init__ = gpt_init
+        undo.append(lambda: setattr(gpt_model.GPTModel, "__init__", orig_gpt_init))
+    _INSTALLED["undo"] = undo
+
+
+def uninstall() -> None:
+    for fn in reversed(_INSTALLED.pop("undo", [])):
+        fn()
+    _INSTALLED.pop("config", None)
