@@ -16,7 +16,13 @@ import argparse
 
 from ..layout import PLACEMENTS, valid_team_sizes
 
-__all__ = ["add_startrail_args", "validate_startrail_args", "install_from_args", "IMPLS"]
+__all__ = [
+    "IMPLS",
+    "add_startrail_args",
+    "extra_args_provider",
+    "install_from_args",
+    "validate_startrail_args",
+]
 
 IMPLS = ("te", "startrail")
 
@@ -107,3 +113,31 @@ def install_from_args(args: argparse.Namespace, team_size: int | None = None) ->
     if c == "auto":
         c = 1  # placeholder until the autotuner picks one
     install(int(c), args.startrail_placement)
+
+
+def extra_args_provider(parser: argparse.ArgumentParser, *, chain=None) -> argparse.ArgumentParser:
+    """Megatron-LM ``extra_args_provider``: adds the flags and turns StarTrail on after parsing.
+
+    ``chain`` is another provider to run first (e.g. Megatron-LM's
+    ``add_modelopt_args``). The parser's ``parse_known_args`` (which
+    ``parse_args`` calls) is wrapped so that, once Megatron-LM has parsed,
+    StarTrail's flags are validated (a bad one exits naming it, like any
+    argparse error) and the hooks are installed before Megatron initializes
+    its process groups.
+    """
+    if chain is not None:
+        parser = chain(parser)
+    add_startrail_args(parser)
+    parse_known = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        ns, rest = parse_known(args, namespace)
+        try:
+            validate_startrail_args(ns)
+        except ValueError as e:
+            parser.error(str(e))
+        install_from_args(ns)
+        return ns, rest
+
+    parser.parse_known_args = parse_known_args
+    return parser

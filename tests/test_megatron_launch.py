@@ -1,0 +1,169 @@
+"""The Megatron-LM hooks: extra_args_provider chaining and the launcher, on a stand-in tree.
+
+Megatron-LM's training package is not installable here, so the launcher runs a
+stand-in ``megatron.training`` with the same ``parse_args(extra_args_provider,
+ignore_unknown_args)`` contract; the real core_r0.16.0 tree was checked by hand
+(README, "Upstream Megatron-LM").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from startrail_megatron.megatron import state  # noqa: E402
+from startrail_megatron.megatron.arguments import extra_args_provider  # noqa: E402
+
+
+def _parser(chain=None):
+    p = argparse.ArgumentParser(prog="pretrain_gpt.py")
+    p.add_argument("--context-parallel-size", type=int, default=1)
+    p.add_argument("--seq-length", type=int, default=64)
+    return extra_args_provider(p, chain=chain)
+
+
+def test_extra_args_provider_validates_and_installs():
+    seen = []
+
+    def other(p):
+        seen.append("chained")
+        p.add_argument("--other", default="x")
+        return p
+
+    try:
+        args = _parser(other).parse_args(
+            [
+                "--context-parallel-size",
+                "8",
+                "--context-parallel-impl",
+                "startrail",
+                "--startrail-team-size",
+                "2",
+                "--startrail-placement",
+                "ring",
+                "--other",
+                "y",
+            ]
+        )
+        assert seen == ["chained"] and args.other == "y"
+        assert state.installed_config() == {"team_size": 2, "placement": "ring", "kernel": "auto"}
+    finally:
+        state.uninstall()
+    assert state.installed_config() is None
+    # te (the default) installs nothing
+    _parser().parse_args(["--context-parallel-size", "8"])
+    assert state.installed_config() is None
+
+
+def test_extra_args_provider_rejects_bad_flags(capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(
+            [
+                "--context-parallel-size",
+                "8",
+                "--context-parallel-impl",
+                "startrail",
+                "--startrail-team-size",
+                "4",
+            ]
+        )
+    assert (
+        "--startrail-team-size 4 does not fit --context-parallel-size 8" in capsys.readouterr().err
+    )
+    assert state.installed_config() is None
+
+
+FAKE_ARGUMENTS = """
+import argparse
+
+def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--seq-length", type=int, default=64)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    if ignore_unknown_args:
+        return parser.parse_known_args()[0]
+    return parser.parse_args()
+"""
+
+FAKE_SCRIPT = """
+import json
+from megatron.training.initialize import parse_args
+from startrail_megatron.megatron import state
+args = parse_args(None)
+print(json.dumps({"impl": args.context_parallel_impl, "installed": state.installed_config()}))
+"""
+
+
+@pytest.fixture
+def fake_megatron_lm(tmp_path):
+    root = tmp_path / "Megatron-LM"
+    (root / "megatron" / "training").mkdir(parents=True)
+    (root / "megatron" / "__init__.py").write_text(
+        "import pkgutil\n__path__ = pkgutil.extend_path(__path__, __name__)\n"
+    )
+    (root / "megatron" / "training" / "__init__.py").write_text("")
+    (root / "megatron" / "training" / "arguments.py").write_text(textwrap.dedent(FAKE_ARGUMENTS))
+    (root / "megatron" / "training" / "initialize.py").write_text(
+        "from megatron.training.arguments import parse_args\n"
+    )
+    (root / "pretrain_gpt.py").write_text(textwrap.dedent(FAKE_SCRIPT))
+    return root
+
+
+def _launch(root, *flags):
+    return subprocess.run(
+        [sys.executable, "-m", "startrail_megatron.launch", str(root / "pretrain_gpt.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(root),
+    )
+
+
+def test_launcher_runs_script_with_hooks(fake_megatron_lm):
+    res = _launch(
+        fake_megatron_lm,
+        "--context-parallel-size",
+        "4",
+        "--context-parallel-impl",
+        "startrail",
+        "--startrail-team-size",
+        "2",
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out == {
+        "impl": "startrail",
+        "installed": {"team_size": 2, "placement": "team", "kernel": "auto"},
+    }
+
+
+def test_launcher_bad_flag_names_it(fake_megatron_lm):
+    res = _launch(
+        fake_megatron_lm,
+        "--context-parallel-size",
+        "4",
+        "--context-parallel-impl",
+        "startrail",
+        "--seq-length",
+        "60",
+    )
+    assert res.returncode == 2
+    assert "--seq-length 60 must be divisible by 2 * --context-parallel-size = 8" in res.stderr
+
+
+def test_patch_targets_pretrain_gpt():
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    patch = open(os.path.join(here, "patches", "megatron-lm-core_r0.16.0-startrail.patch")).read()
+    assert "+++ b/pretrain_gpt.py" in patch
+    assert "startrail_megatron.megatron.arguments import extra_args_provider" in patch
