@@ -299,7 +299,8 @@ def startrail_attention(
             of 2P, as ``zigzag_shard`` / ``get_batch_on_this_cp_rank`` give).
             Without it any token layout works.
         softmax_scale: defaults to ``head_dim ** -0.5``.
-        kernel: a kernel name (``"auto"``, ``"torch"``, ``"sdpa"``) or object.
+        kernel: a kernel name (``"auto"`` or one of ``backends.KERNEL_NAMES``;
+            ``$STARTRAIL_KERNEL`` replaces ``"auto"``) or a kernel object.
         ledger: a ``CommLedger`` that records every transfer (forward and
             backward) of this call on this rank.
 
@@ -313,7 +314,10 @@ def startrail_attention(
     validate_inputs(q, k, v, groups.cp_size, causal)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    kern = get_kernel(kernel, q.dtype) if isinstance(kernel, str) else kernel
+    if isinstance(kernel, str):
+        kern = get_kernel(kernel, q.dtype, device=q.device, head_dim=q.shape[-1])
+    else:
+        kern = kernel
     return _StarTrailAttention.apply(
         q, k, v, groups, bool(causal), float(softmax_scale), kern, ledger
     )
