@@ -55,9 +55,11 @@ parameter names, never counts outputs:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -192,8 +194,9 @@ class KernelQuery:
         return cls(dev.type, dtype, head_dim, cap, cudnn)  # type: ignore[arg-type]
 
 
+@functools.cache
 def _installed(module: str) -> bool:
-    """Whether ``module`` can be found, without importing it."""
+    """Whether ``module`` can be found, without importing it (cached per process)."""
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
@@ -285,12 +288,19 @@ def build_kernel(
     errors = []
     for cand in candidates:
         try:
-            return _CONSTRUCTORS[cand]()
+            return _instance(_CONSTRUCTORS[cand])
         except (ImportError, OSError) as e:
             if len(candidates) == 1:
                 raise
             errors.append(f"{cand}: {e}")
     raise RuntimeError(f"no attention kernel could be built: {errors}")  # "torch" never fails
+
+
+@functools.cache
+def _instance(constructor: Callable[[], Any]) -> Any:
+    """One kernel object per constructor: kernels hold no per-call state, and
+    flash-attn's import and signature detection then run once per process."""
+    return constructor()
 
 
 # ---- layouts and row statistics ---------------------------------------------------------
@@ -337,10 +347,15 @@ def lse_to_bhs(lse: Tensor, b: int, h: int, sq: int) -> Tensor:
 
 
 def _pad_rows(lse: Tensor, multiple: int) -> Tensor:
-    """[b, h, sq] -> [b, h, ceil(sq/multiple)*multiple], contiguous (pad rows unused)."""
+    """[b, h, sq] -> [b, h, ceil(sq/multiple)*multiple] contiguous, the extra rows +inf.
+
+    The efficient-attention forward returns its lse in this padded form and the
+    backward takes the head stride from it; +inf is what the kernel means the
+    padding to hold (a row with lse = +inf has zero probabilities).
+    """
     sq = lse.shape[-1]
     pad = -sq % multiple
-    return torch.nn.functional.pad(lse.float(), (0, pad)).contiguous()
+    return torch.nn.functional.pad(lse.float(), (0, pad), value=math.inf).contiguous()
 
 
 # ---- PyTorch's fused CUDA SDPA ops ------------------------------------------------------

@@ -131,7 +131,9 @@ def test_lse_forms():
     padded = torch.nn.functional.pad(lse, (0, 24))
     assert torch.equal(bk.lse_to_bhs(padded, 2, 3, 40), lse)
     assert torch.equal(bk.lse_to_bhs(lse.unsqueeze(-1), 2, 3, 40), lse)
-    assert bk._pad_rows(lse, 32).shape == (2, 3, 64)
+    padded_inf = bk._pad_rows(lse, 32)
+    assert padded_inf.shape == (2, 3, 64) and padded_inf.is_contiguous()
+    assert torch.equal(padded_inf[..., :40], lse) and torch.isposinf(padded_inf[..., 40:]).all()
     with pytest.raises(RuntimeError, match=r"expected \[2, 3, >= 41\]"):
         bk.lse_to_bhs(lse, 2, 3, 41)
 
