@@ -279,7 +279,7 @@ def _environment(device: torch.device) -> dict[str, Any]:
         env["cuda"] = torch.version.cuda
         env["cudnn"] = torch.backends.cudnn.version()
     try:
-        import flash_attn  # noqa: PLC0415
+        import flash_attn
 
         env["flash_attn"] = getattr(flash_attn, "__version__", "?")
     except Exception as e:  # not installed, or a broken build
@@ -289,6 +289,8 @@ def _environment(device: torch.device) -> dict[str, Any]:
 
 @dataclass
 class Report:
+    """Everything one run found; written as the JSON (plus ``passed`` and ``sizes``)."""
+
     mode: str
     command: list[str]
     environment: dict[str, Any]
