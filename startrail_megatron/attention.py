@@ -96,15 +96,30 @@ def _plan(
 
 
 class _Ctx:
-    """Per-call state shared by the forward and backward of one rank."""
+    """Per-call state shared by the forward and backward of one rank.
 
-    def __init__(self, groups: StarTrailGroups, causal: bool, ledger: CommLedger | None):
+    ``comms`` replaces the ``(TeamComm, P2PComm)`` pair built from ``groups``
+    with objects of the same interface (``one_process.py`` passes in-process
+    ones); the algorithm below is the same either way.
+    """
+
+    def __init__(
+        self,
+        groups: StarTrailGroups,
+        causal: bool,
+        ledger: CommLedger | None,
+        comms: tuple[TeamComm, P2PComm] | None = None,
+    ):
         lay = groups.layout
         self.layout, self.causal, self.ledger = lay, causal, ledger
         self.rank = groups.cp_rank
         self.team, self.member = lay.coord(self.rank)
-        self.team_comm = TeamComm(groups.team_group, lay.team_size, ledger)
-        self.p2p = P2PComm(groups.cp_group, self.rank, ledger)
+        if comms is None:
+            comms = (
+                TeamComm(groups.team_group, lay.team_size, ledger),
+                P2PComm(groups.cp_group, self.rank, ledger),
+            )
+        self.team_comm, self.p2p = comms
         self.subring = groups.subring_group
         c2 = 2 * lay.team_size
         perm = lay.team_chunk_order(self.team) if causal else list(range(c2))
@@ -140,8 +155,8 @@ class _Ctx:
         )
 
 
-def _forward(q, k, v, groups, causal, scale, kernel, ledger):
-    cx = _Ctx(groups, causal, ledger)
+def _forward(q, k, v, groups, causal, scale, kernel, ledger, comms=None):
+    cx = _Ctx(groups, causal, ledger, comms)
     lay, C = cx.layout, groups.layout.team_size
     s, b, hq, d = q.shape
     hkv = k.shape[2]
@@ -299,7 +314,8 @@ def startrail_attention(
             of 2P, as ``zigzag_shard`` / ``get_batch_on_this_cp_rank`` give).
             Without it any token layout works.
         softmax_scale: defaults to ``head_dim ** -0.5``.
-        kernel: a kernel name (``"auto"``, ``"torch"``, ``"sdpa"``) or object.
+        kernel: a kernel name (``"auto"`` or one of ``backends.KERNEL_NAMES``;
+            ``$STARTRAIL_KERNEL`` replaces ``"auto"``) or a kernel object.
         ledger: a ``CommLedger`` that records every transfer (forward and
             backward) of this call on this rank.
 
@@ -313,7 +329,10 @@ def startrail_attention(
     validate_inputs(q, k, v, groups.cp_size, causal)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    kern = get_kernel(kernel, q.dtype) if isinstance(kernel, str) else kernel
+    if isinstance(kernel, str):
+        kern = get_kernel(kernel, q.dtype, device=q.device, head_dim=q.shape[-1])
+    else:
+        kern = kernel
     return _StarTrailAttention.apply(
         q, k, v, groups, bool(causal), float(softmax_scale), kern, ledger
     )

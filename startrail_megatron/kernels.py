@@ -12,10 +12,12 @@ repeated in memory by the reference kernel. In the backward, ``out`` and
 ``lse`` are the *final* (merged) output and log-sum-exp of the rows, so that
 a partial block's gradients are exact (``D = rowsum(dout * out)``).
 
-Kernels: ``"torch"`` (pure PyTorch, any device and dtype, float64-capable: the
-reference) and ``"sdpa"`` (PyTorch's fused SDPA ops that return the
-log-sum-exp: the CPU flash kernel here; CUDA's efficient-attention kernel).
-``get_kernel("auto")`` picks the fastest available for the inputs.
+Kernels here: ``"torch"`` (pure PyTorch, any device and dtype, float64-capable:
+the reference) and ``"sdpa"`` (PyTorch's fused SDPA ops that return the
+log-sum-exp: the CPU flash kernel; on CUDA the efficient-attention kernel).
+The GPU backends (flash-attn 2, PyTorch's CUDA flash / cuDNN / efficient ops)
+live in ``backends.py``. ``get_kernel("auto")`` picks the fastest available
+for the inputs; ``$STARTRAIL_KERNEL`` overrides ``"auto"``.
 """
 
 from __future__ import annotations
@@ -138,88 +140,68 @@ class SdpaKernel:
     def _bhsd(x: Tensor) -> Tensor:
         return x.permute(1, 2, 0, 3)  # [s, b, h, d] -> (b, h, s, d)
 
-    @staticmethod
-    def _expand_kv(x: Tensor, hq: int) -> Tensor:
-        b, hkv, s, d = x.shape
-        if hkv == hq:
-            return x
-        return x.unsqueeze(2).expand(b, hkv, hq // hkv, s, d).reshape(b, hq, s, d)
-
     def forward(self, q, k, v, *, causal, scale):
+        if q.device.type != "cpu":
+            return self._cuda().forward(q, k, v, causal=causal, scale=scale)
         qb, kb, vb = self._bhsd(q), self._bhsd(k), self._bhsd(v)
-        if q.device.type == "cpu":
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qb, kb, vb, 0.0, causal, scale=scale
-            )
-        else:
-            hq = qb.shape[1]
-            out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-                qb,
-                self._expand_kv(kb, hq),
-                self._expand_kv(vb, hq),
-                None,
-                True,
-                0.0,
-                causal,
-                scale=scale,
-            )
-            lse = lse[..., : qb.shape[2]]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qb, kb, vb, 0.0, causal, scale=scale
+        )
         return out.permute(2, 0, 1, 3), lse.to(acc_dtype(q.dtype))
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+        if q.device.type != "cpu":
+            return self._cuda().backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
         qb, kb, vb = self._bhsd(q), self._bhsd(k), self._bhsd(v)
         dob, ob = self._bhsd(dout.to(q.dtype)), self._bhsd(out.to(q.dtype))
-        if q.device.type == "cpu":
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dob,
-                qb,
-                kb,
-                vb,
-                ob,
-                lse.to(acc_dtype(q.dtype)).contiguous(),
-                0.0,
-                causal,
-                scale=scale,
-            )
-        else:
-            hq, hkv = qb.shape[1], kb.shape[1]
-            seed = torch.zeros((), dtype=torch.int64, device=q.device)
-            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dob,
-                qb,
-                self._expand_kv(kb, hq),
-                self._expand_kv(vb, hq),
-                None,
-                ob,
-                lse.float().contiguous(),
-                seed,
-                seed,
-                0.0,
-                [True, True, True, False],
-                causal,
-                scale=scale,
-            )
-            if hkv != hq:
-                b, _, s, d = dk.shape
-                dk = dk.reshape(b, hkv, hq // hkv, s, d).sum(2)
-                dv = dv.reshape(b, hkv, hq // hkv, s, d).sum(2)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dob,
+            qb,
+            kb,
+            vb,
+            ob,
+            lse.to(acc_dtype(q.dtype)).contiguous(),
+            0.0,
+            causal,
+            scale=scale,
+        )
         return dq.permute(2, 0, 1, 3), dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)
+
+    @staticmethod
+    def _cuda() -> AttentionKernel:
+        from .backends import SdpaEfficientKernel  # lazy: backends imports this module
+
+        return SdpaEfficientKernel()
 
 
 KERNELS: dict[str, type] = {"torch": TorchKernel, "sdpa": SdpaKernel}
+"""The kernels of this module; ``backends.KERNEL_NAMES`` lists every name."""
 
 
-def get_kernel(name: str = "auto", dtype: torch.dtype | None = None) -> AttentionKernel:
-    """A kernel by name: ``"torch"``, ``"sdpa"`` or ``"auto"``.
+def get_kernel(
+    name: str = "auto",
+    dtype: torch.dtype | None = None,
+    *,
+    device: torch.device | str | None = None,
+    head_dim: int | None = None,
+) -> AttentionKernel:
+    """A kernel by name, or the fastest one that runs these inputs.
 
-    ``"auto"`` takes ``"sdpa"`` for fp32/bf16/fp16 and the exact ``"torch"``
-    kernel for float64.
+    Args:
+        name: ``"auto"`` or one of ``backends.KERNEL_NAMES`` (``"torch"``,
+            ``"sdpa"``, ``"flash_attn"``, ``"sdpa_flash"``, ``"sdpa_cudnn"``,
+            ``"sdpa_efficient"``; ``"te"`` raises ``NotImplementedError``).
+            ``"auto"`` is replaced by ``$STARTRAIL_KERNEL`` when that is set.
+        dtype, device, head_dim: the inputs' (device defaults to CPU); ``"auto"``
+            picks by them (float64 always gets the exact ``"torch"`` kernel),
+            an explicit name raises ``NotImplementedError`` if it cannot run them.
+
+    Raises:
+        ValueError: an unknown name (naming the setting and the allowed values).
     """
-    if name == "auto":
-        name = "torch" if dtype == torch.float64 else "sdpa"
-    if name not in KERNELS:
-        raise ValueError(f"kernel={name!r} is not known; allowed: {['auto', *KERNELS]}")
-    return KERNELS[name]()
+    from .backends import build_kernel  # lazy: backends imports this module
+
+    return build_kernel(name, dtype, device=device, head_dim=head_dim)
 
 
 def merge_partial(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
