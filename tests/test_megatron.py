@@ -317,3 +317,46 @@ def test_readme_main_command():
     losses = [float(ln.split("lm loss")[1].split("|")[0]) for ln in lines]
     assert losses[-1] < losses[0]
     assert "less), collectives" in lines[-1]
+
+
+def _build_both_ways(rank, world):
+    """megatron-core 0.13/0.14 pass ``model_comm_pgs`` through ``build_module``; 0.15+ call the
+    class with ``pg_collection``: both build the same module and compute the same output."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    args = T.parse_args(BASE + GQA + ["--context-parallel-impl", "startrail"])
+    T.initialize(args)
+    try:
+        cfg = T.transformer_config(args)
+        pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        common = dict(
+            config=cfg,
+            layer_number=1,
+            attn_mask_type=AttnMaskType.causal,
+            attention_type="self",
+            cp_comm_type=None,
+            softmax_scale=None,
+        )
+        old = build_module(ModuleSpec(module=StarTrailCoreAttention), model_comm_pgs=pgs, **common)
+        new = StarTrailCoreAttention(pg_collection=pgs, **common)
+        assert old.cp_group is new.cp_group is parallel_state.get_context_parallel_group()
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(8, 2, 4, 16, generator=g)
+        k, v = torch.randn(8, 2, 2, 16, generator=g), torch.randn(8, 2, 2, 16, generator=g)
+        a, b = old(q, k, v, None), new(q, k, v, None)
+        assert a.shape == (8, 2, 64)
+        assert torch.equal(a, b)
+        with pytest.raises(NotImplementedError, match="packed sequences"):
+            new(q, k, v, None, packed_seq_params=object())
+        with pytest.raises(NotImplementedError, match="attention dropout"):
+            StarTrailCoreAttention(pg_collection=pgs, attention_dropout=0.1, **common)
+        return True
+    finally:
+        T.teardown()
+
+
+def test_core_attention_builds_with_either_process_group_argument():
+    assert run_ranks(1, _build_both_ways) == [True]
