@@ -73,6 +73,7 @@ class StarTrailGroups:
                 to_global(layout.team_ranks(team)),
                 timeout=timeout,
                 use_local_synchronization=True,
+                sort_ranks=False,  # group rank order = member / ring order, as listed
                 group_desc=f"startrail_team_{team}",
             )
         if layout.ring_size > 1:
@@ -81,6 +82,7 @@ class StarTrailGroups:
                 to_global(layout.subring_ranks(g, member)),
                 timeout=timeout,
                 use_local_synchronization=True,
+                sort_ranks=False,  # group rank order = member / ring order, as listed
                 group_desc=f"startrail_subring_{g}_{member}",
             )
         return cls(layout, cp_group, cp_rank, team_group, subring_group)

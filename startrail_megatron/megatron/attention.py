@@ -74,7 +74,13 @@ class StarTrailCoreAttention(MegatronModule):
         # scores back in the softmax: the effective scale is unchanged.
         self.softmax_scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
         self.cp_group = cp_group_from(pg_collection, model_comm_pgs)
-        self.state = get_startrail_state(self.cp_group)
+        get_startrail_state(self.cp_group)  # fail at build time when the groups are missing
+
+    @property
+    def state(self):
+        """The StarTrail groups of this CP group, looked up per call (``--startrail-team-size
+        auto`` swaps them between trials)."""
+        return get_startrail_state(self.cp_group)
 
     def forward(
         self,
@@ -100,15 +106,16 @@ class StarTrailCoreAttention(MegatronModule):
             )
         # A causal mask tensor, if the data loader made one, is the standard causal mask
         # (as TEDotProductAttention, we follow attn_mask_type and ignore it).
+        state = self.state
         out = startrail_attention(
             query,
             key,
             value,
-            self.state.groups,
+            state.groups,
             causal=mask_type == AttnMaskType.causal,
             softmax_scale=self.softmax_scale,
-            kernel=self.state.kernel,
-            ledger=self.state.ledger,
+            kernel=state.kernel,
+            ledger=state.ledger,
         )
         sq, b = out.shape[:2]
         return out.reshape(sq, b, -1)  # [sq, b, np*hn]
