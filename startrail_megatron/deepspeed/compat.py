@@ -1,0 +1,47 @@
+"""The one place that touches DeepSpeed's module namespace (deepspeed 0.16 - 0.19).
+
+``patch()`` makes ``deepspeed.initialize`` StarTrail-aware (``entry.initialize``:
+a config without an enabled ``"startrail"`` section goes to DeepSpeed untouched);
+``unpatch()`` restores the original. Opt-in: nothing is patched on import.
+``original_initialize`` is DeepSpeed's own function, whatever the patch state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import deepspeed
+
+__all__ = ["is_patched", "original_initialize", "patch", "patched", "unpatch"]
+
+original_initialize = deepspeed.initialize
+if getattr(original_initialize, "_startrail_patch", False):  # pragma: no cover - reload safety
+    original_initialize = original_initialize.__wrapped__
+
+
+def is_patched() -> bool:
+    return deepspeed.initialize is not original_initialize
+
+
+def patch() -> None:
+    """Route ``deepspeed.initialize`` through ``startrail_megatron.deepspeed.initialize``."""
+    from .entry import initialize
+
+    deepspeed.initialize = initialize
+
+
+def unpatch() -> None:
+    deepspeed.initialize = original_initialize
+
+
+@contextlib.contextmanager
+def patched() -> Iterator[None]:
+    """``with patched():`` StarTrail-aware ``deepspeed.initialize`` inside the block only."""
+    was = is_patched()
+    patch()
+    try:
+        yield
+    finally:
+        if not was:
+            unpatch()
