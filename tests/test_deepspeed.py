@@ -4,11 +4,12 @@ ZeRO 1/2/3 and matches a single-rank run without sequence parallelism (fp32, 1e-
 from __future__ import annotations
 
 import gc
+import json
 import os
 
 import pytest
 import torch
-from ds_common import LR, global_batches, reference_run, tiny_llama
+from ds_common import LR, REPO, SEQ, global_batches, reference_run, tiny_llama
 from ds_common import ds_config as make_cfg
 from harness import run_ranks
 
@@ -145,3 +146,136 @@ def test_hpz_team_is_the_hierarchical_partition_group():
 def test_dataloader_adapter_path():
     cfg = make_cfg(2, dp=1, startrail=_st(4, 2, placement="ring"))
     _check(run_ranks(4, _train, cfg, True), world=4, p=4)
+
+
+# ---- the launcher: an unmodified DeepSpeed script gets StarTrail ----------------------------
+
+
+def _launch(rank: int, world: int, cfg_path: str, out: str):
+    import deepspeed
+
+    from startrail_megatron.deepspeed import compat, launch
+
+    _ds_env(rank, world)
+    script = os.path.join(REPO, "scripts", "train_tiny_llama.py")
+    launch.main([script, "--deepspeed_config", cfg_path, "--seq", str(SEQ), "--out", out])
+    restored = deepspeed.initialize is compat.original_initialize and not compat.is_patched()
+    gc.collect()
+    with open(f"{out}.{rank}") as f:
+        return json.load(f), restored
+
+
+def test_launcher_runs_unmodified_script(tmp_path):
+    cfg = make_cfg(2, dp=1, startrail=_st(4, 2))
+    cfg_path = tmp_path / "ds.json"
+    cfg_path.write_text(json.dumps(cfg))
+    results = run_ranks(4, _launch, str(cfg_path), str(tmp_path / "out"))
+    ref_losses, _ = _reference(1)
+    for res, restored in results:
+        assert restored, "the deepspeed.initialize patch was not undone"
+        assert res["startrail"], "the script's deepspeed.initialize did not go through StarTrail"
+        for got, ref in zip(res["losses"], ref_losses):
+            assert abs(got - ref) <= REL * abs(ref), (res["losses"], ref_losses)
+
+
+# ---- invalid sections fail before training, naming the key --------------------------------
+
+
+@pytest.mark.parametrize(
+    "section, zero, match",
+    [
+        (
+            _st(4, 3),
+            {},
+            r"startrail\.team_size=3 does not fit .*allowed team_size values: \[1, 2\]",
+        ),
+        ({**_st(4, 2), "teamsize": 2}, {}, r"startrail\.teamsize is not a known key"),
+        (_st(4, "2"), {}, r"startrail\.team_size='2'.*valid integer"),
+        ({**_st(4, 2), "enabled": "yes"}, {}, r"startrail\.enabled='yes'"),
+        ({**_st(4, 2), "placement": "node"}, {}, r"startrail\.placement='node'.*'team', 'ring'"),
+        ({**_st(4, 2), "zero_mapping": "hpz"}, {}, r"startrail\.zero_mapping='hpz'.*hpz_team"),
+        (_st(4, 2, zero_mapping="hpz_team"), {}, r"needs zero_optimization\.stage=3"),
+        (
+            _st(4, 2, zero_mapping="hpz_team", placement="ring"),
+            {"stage": 3},
+            r"startrail\.zero_mapping='hpz_team' needs startrail\.placement='team'",
+        ),
+        (_st(4, 2), {"stage": 3, "reduce_scatter": False}, r"zero_optimization\.reduce_scatter"),
+    ],
+)
+def test_invalid_sections_fail_before_anything(section, zero, match):
+    import torch.distributed as dist
+
+    model = tiny_llama()
+    cfg = make_cfg(zero.pop("stage", 1), dp=1, startrail=section, **zero)
+    with pytest.raises((ValueError, NotImplementedError), match=match):
+        sds.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg
+        )
+    assert not dist.is_initialized()  # failed before any distributed set-up
+    assert model.config._attn_implementation == "sdpa" and not hasattr(model, "_startrail_handle")
+
+
+def _p_not_dividing_world(rank: int, world: int):
+    _ds_env(rank, world)
+    model = tiny_llama()
+    try:
+        sds.initialize(
+            model=model, model_parameters=model.parameters(), config=make_cfg(1, 1, _st(3, 1))
+        )
+    except ValueError as e:
+        return str(e), model.config._attn_implementation
+    return None, model.config._attn_implementation
+
+
+def test_sequence_parallel_size_must_divide_world():
+    for msg, attn in run_ranks(4, _p_not_dividing_world):
+        assert msg is not None and "startrail.sequence_parallel_size=3 does not divide" in msg
+        assert "allowed: [1, 2, 4]" in msg and attn == "sdpa"
+
+
+# ---- without an enabled section: exactly plain DeepSpeed ----------------------------------
+
+
+@pytest.mark.parametrize("section", [None, {"enabled": False, "sequence_parallel_size": 4}])
+def test_config_without_startrail_is_plain_deepspeed(monkeypatch, section, tmp_path):
+    import argparse
+
+    from startrail_megatron.deepspeed import compat
+
+    calls = []
+    sentinel = object()
+
+    def spy(**kwargs):
+        calls.append(kwargs)
+        return sentinel
+
+    monkeypatch.setattr(compat, "original_initialize", spy)
+    model = tiny_llama()
+    cfg = make_cfg(2, dp=1, startrail=section)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    args = argparse.Namespace(deepspeed_config=str(path), local_rank=0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    assert sds.initialize(args=args, model=model, optimizer=opt) is sentinel
+    (kw,) = calls
+    assert kw["args"] is args and kw["model"] is model and kw["optimizer"] is opt
+    assert kw["config"] is None and kw["mpu"] is None and args.deepspeed_config == str(path)
+    assert model.config._attn_implementation == "sdpa" and not model._forward_pre_hooks
+    assert sds.initialize(model=model, config=cfg) is sentinel and calls[1]["config"] is cfg
+
+
+def test_shard_causal_lm_batch_shifts_before_sharding():
+    ids = torch.arange(2 * 16).reshape(2, 16)
+    shards = [sds.shard_causal_lm_batch(ids, ids, None, r, 4) for r in range(4)]
+    from startrail_megatron import zigzag_unshard
+
+    got_ids = zigzag_unshard([s["input_ids"] for s in shards], dim=1)
+    got_pos = zigzag_unshard([s["position_ids"] for s in shards], dim=1)
+    got_lab = zigzag_unshard([s["shift_labels"] for s in shards], dim=1)
+    assert torch.equal(got_ids, ids)
+    assert torch.equal(got_pos, torch.arange(16).expand(2, 16))  # global positions
+    assert torch.equal(got_lab[:, :-1], ids[:, 1:]) and (got_lab[:, -1] == -100).all()
+    # rank 0 holds chunks 0 and 7: tokens 0, 1 and 14, 15; its label for token 1 is token 2
+    assert shards[0]["position_ids"][0].tolist() == [0, 1, 14, 15]
+    assert shards[0]["shift_labels"][0].tolist() == [1, 2, 15, -100]
