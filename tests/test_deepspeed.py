@@ -126,23 +126,6 @@ def test_zero_stages_match_single_rank_p4(stage, c):
     _check(run_ranks(4, _train, cfg), world=4, p=4)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_dp2_x_p4_on_8_ranks(stage):
-    cfg = make_cfg(stage, dp=2, startrail=_st(4, 2))
-    _check(run_ranks(8, _train, cfg), world=8, p=4)
-
-
-@pytest.mark.slow
-def test_hpz_team_is_the_hierarchical_partition_group():
-    cfg = make_cfg(3, dp=2, startrail=_st(4, 2, zero_mapping="hpz_team"))
-    results = run_ranks(8, _train, cfg)
-    _check(results, world=8, p=4)
-    for rank, (_, _, info) in enumerate(results):
-        assert info["hpz"] == info["team"], (rank, info)
-        assert len(info["hpz"]) == 2 and rank in info["hpz"]
-
-
 def test_dataloader_adapter_path():
     cfg = make_cfg(2, dp=1, startrail=_st(4, 2, placement="ring"))
     _check(run_ranks(4, _train, cfg, True), world=4, p=4)
@@ -279,3 +262,52 @@ def test_shard_causal_lm_batch_shifts_before_sharding():
     # rank 0 holds chunks 0 and 7: tokens 0, 1 and 14, 15; its label for token 1 is token 2
     assert shards[0]["position_ids"][0].tolist() == [0, 1, 14, 15]
     assert shards[0]["shift_labels"][0].tolist() == [1, 2, 15, -100]
+
+
+def _misuse(rank: int, world: int):
+    from startrail_megatron.deepspeed.config import StarTrailConfig
+
+    mpu = sds.StarTrailMPU.create(
+        StarTrailConfig(strict=True, enabled=True, sequence_parallel_size=4)
+    )
+    model = tiny_llama()
+    handle = sds.prepare_hf_model(model, mpu)
+    errors = []
+    ids = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(rank))
+    for kwargs in (
+        {"input_ids": ids, "labels": ids},  # a different batch on every rank
+        {"input_ids": ids * 0, "attention_mask": torch.zeros_like(ids)},  # padding
+    ):
+        try:
+            model(**kwargs)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    out = model(input_ids=ids * 0, attention_mask=torch.ones_like(ids))  # all ones: accepted
+    handle.remove()
+    restored = model.config._attn_implementation == "sdpa" and not model._forward_pre_hooks
+    return errors, out.logits.shape[1], restored
+
+
+def test_misuse_is_refused_and_prepare_is_reversible():
+    for errors, local_len, restored in run_ranks(4, _misuse):
+        assert "were given different batches" in errors[0]
+        assert "attention_mask with padding is not supported" in errors[1]
+        assert local_len == SEQ // 4 and restored
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_dp2_x_p4_on_8_ranks(stage):
+    cfg = make_cfg(stage, dp=2, startrail=_st(4, 2))
+    _check(run_ranks(8, _train, cfg), world=8, p=4)
+
+
+@pytest.mark.slow
+def test_hpz_team_is_the_hierarchical_partition_group():
+    cfg = make_cfg(3, dp=2, startrail=_st(4, 2, zero_mapping="hpz_team"))
+    results = run_ranks(8, _train, cfg)
+    _check(results, world=8, p=4)
+    for rank, (_, _, info) in enumerate(results):
+        assert info["hpz"] == info["team"], (rank, info)
+        assert len(info["hpz"]) == 2 and rank in info["hpz"]
