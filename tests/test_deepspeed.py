@@ -48,7 +48,7 @@ def _ds_env(rank: int, world: int) -> None:
     )
 
 
-def _train(rank: int, world: int, cfg: dict, use_adapter: bool = False):
+def _train(rank: int, world: int, cfg: dict, use_adapter: bool = False, as_tuple: bool = False):
     _ds_env(rank, world)
     st = cfg["startrail"]
     p = st["sequence_parallel_size"]
@@ -69,6 +69,7 @@ def _train(rank: int, world: int, cfg: dict, use_adapter: bool = False):
         team = lay.team_ranks(lay.coord(cp)[0])
         info["hpz"] = list(ds_groups._get_zero_param_intra_parallel_group_ranks())
         info["team"] = [d * p + r for r in team]
+        info["stage3_hpz"] = engine.optimizer.zero_hpz_partition_size
     batches = [(ids[d : d + 1], lab[d : d + 1]) for ids, lab in global_batches(dp)]
     if use_adapter:
         engine.startrail_handle.shard_inputs = False
@@ -79,10 +80,13 @@ def _train(rank: int, world: int, cfg: dict, use_adapter: bool = False):
         feed = [{"input_ids": i, "labels": lab} for i, lab in batches]
     losses = []
     for batch in feed:
-        out = engine(**batch)
-        engine.backward(out.loss)
+        if as_tuple:  # return_dict=False: (loss, logits, ...)
+            loss = engine(**batch, return_dict=False)[0]
+        else:
+            loss = engine(**batch).loss
+        engine.backward(loss)
         engine.step()
-        losses.append(out.loss.item())
+        losses.append(loss.item())
     params = _full_params(engine, cfg["zero_optimization"]["stage"])
     _teardown(engine)
     return losses, (params if rank == 0 else None), info
@@ -119,11 +123,16 @@ def _st(p: int, c: int, **kw) -> dict:
     return {"enabled": True, "sequence_parallel_size": p, "team_size": c, **kw}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("c", [2, 1])
 def test_zero_stages_match_single_rank_p4(stage, c):
     cfg = make_cfg(stage, dp=1, startrail=_st(4, c))
     _check(run_ranks(4, _train, cfg), world=4, p=4)
+
+
+def test_tuple_outputs_zero3():
+    cfg = make_cfg(3, dp=1, startrail=_st(4, 2))
+    _check(run_ranks(4, _train, cfg, False, True), world=4, p=4)
 
 
 def test_dataloader_adapter_path():
@@ -310,4 +319,4 @@ def test_hpz_team_is_the_hierarchical_partition_group():
     _check(results, world=8, p=4)
     for rank, (_, _, info) in enumerate(results):
         assert info["hpz"] == info["team"], (rank, info)
-        assert len(info["hpz"]) == 2 and rank in info["hpz"]
+        assert len(info["hpz"]) == 2 and rank in info["hpz"] and info["stage3_hpz"] == 2

@@ -4,6 +4,7 @@
 a config without an enabled ``"startrail"`` section goes to DeepSpeed untouched);
 ``unpatch()`` restores the original. Opt-in: nothing is patched on import.
 ``original_initialize`` is DeepSpeed's own function, whatever the patch state.
+``hpz_group_ranks`` reads DeepSpeed's (private) ZeRO++ hpZ group.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ from collections.abc import Iterator
 
 import deepspeed
 
-__all__ = ["is_patched", "original_initialize", "patch", "patched", "unpatch"]
+__all__ = [
+    "hpz_group_ranks",
+    "is_patched",
+    "original_initialize",
+    "patch",
+    "patched",
+    "unpatch",
+]
 
 original_initialize = deepspeed.initialize
 if getattr(original_initialize, "_startrail_patch", False):  # pragma: no cover - reload safety
@@ -45,3 +53,12 @@ def patched() -> Iterator[None]:
     finally:
         if not was:
             unpatch()
+
+
+def hpz_group_ranks() -> list[int] | None:
+    """Global ranks of DeepSpeed's ZeRO-3 hierarchical-partition group of this rank, if any."""
+    from deepspeed.utils import groups
+
+    if groups._get_zero_param_intra_parallel_group() is None:
+        return None
+    return list(groups._get_zero_param_intra_parallel_group_ranks())

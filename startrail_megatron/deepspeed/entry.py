@@ -88,6 +88,19 @@ def _zero_settings(cfg: dict, st: StarTrailConfig) -> None:
         )
 
 
+def _check_hpz_is_team(mpu: StarTrailMPU) -> None:
+    """DeepSpeed builds hpZ groups of contiguous global ranks; assert they are our teams."""
+    from .compat import hpz_group_ranks
+
+    lay, d = mpu.startrail.layout, mpu.data_parallel_rank
+    team = [d * lay.cp_size + r for r in lay.team_ranks(lay.coord(mpu.startrail.cp_rank)[0])]
+    got = hpz_group_ranks()
+    if got != team:
+        raise RuntimeError(
+            f"DeepSpeed's hpZ partition group {got} is not this rank's StarTrail team {team}"
+        )
+
+
 def initialize(
     args=None,
     model=None,
@@ -182,6 +195,8 @@ def initialize(
                 setattr(args, name, None)
     plain.update(args=args, mpu=st_mpu, config=cfg, config_params=None)
     engine, opt, loader, sched = original_initialize(**plain)
+    if st.zero_mapping == "hpz_team":
+        _check_hpz_is_team(st_mpu)
     engine.startrail_mpu = st_mpu
     engine.startrail_handle = handle
     return engine, opt, loader, sched

@@ -238,15 +238,29 @@ class HFHandle:
         return args, kwargs
 
     def _post_hook(self, module, args, kwargs, output):
-        loss = output.get("loss") if isinstance(output, Mapping) else None
-        if loss is not None:
-            output["loss"] = _ReplicaLoss.apply(loss, self.mpu.sequence_parallel_group)
-        if self.grad_scale != 1.0 and isinstance(output, Mapping):
-            for k in list(output.keys()):
-                v = output[k]
+        # return_dict=True gives a ModelOutput (a mapping); return_dict=False a tuple whose
+        # first item is the loss when labels were passed.
+        has_loss = kwargs.get("labels") is not None
+        if isinstance(output, Mapping):
+            items = {k: output[k] for k in output.keys()}
+        elif isinstance(output, tuple):
+            items = dict(enumerate(output))
+        else:
+            raise NotImplementedError(
+                f"StarTrail's HF adapter expects a ModelOutput or tuple, got {type(output).__name__}"
+            )
+        loss_key = "loss" if isinstance(output, Mapping) else (0 if has_loss else None)
+        if loss_key in items and items[loss_key] is not None:
+            items[loss_key] = _ReplicaLoss.apply(items[loss_key], self.mpu.sequence_parallel_group)
+        if self.grad_scale != 1.0:
+            for k, v in items.items():
                 if isinstance(v, Tensor) and v.requires_grad:
-                    output[k] = _ScaleGrad.apply(v, self.grad_scale)
-        return output
+                    items[k] = _ScaleGrad.apply(v, self.grad_scale)
+        if isinstance(output, Mapping):
+            for k, v in items.items():
+                output[k] = v
+            return output
+        return tuple(items[i] for i in range(len(output)))
 
 
 def prepare_hf_model(model: nn.Module, mpu: StarTrailMPU, *, shard_inputs: bool = True) -> HFHandle:
