@@ -188,9 +188,9 @@ def test_launcher_runs_unmodified_script(tmp_path):
         ({**_st(4, 2), "zero_mapping": "hpz"}, {}, r"startrail\.zero_mapping='hpz'.*hpz_team"),
         (_st(4, 2, zero_mapping="hpz_team"), {}, r"needs zero_optimization\.stage=3"),
         (
-            _st(4, 2, zero_mapping="hpz_team", placement="ring"),
+            _st(4, 1, zero_mapping="hpz_team"),
             {"stage": 3},
-            r"startrail\.zero_mapping='hpz_team' needs startrail\.placement='team'",
+            r"startrail\.zero_mapping='hpz_team' needs startrail\.team_size > 1",
         ),
         (_st(4, 2), {"stage": 3, "reduce_scatter": False}, r"zero_optimization\.reduce_scatter"),
     ],
@@ -313,10 +313,14 @@ def test_dp2_x_p4_on_8_ranks(stage):
 
 
 @pytest.mark.slow
-def test_hpz_team_is_the_hierarchical_partition_group():
-    cfg = make_cfg(3, dp=2, startrail=_st(4, 2, zero_mapping="hpz_team"))
+@pytest.mark.parametrize("p, placement", [(4, "team"), (8, "ring")])
+def test_hpz_team_is_the_hierarchical_partition_group(p, placement):
+    # (8, "ring"): G = 2, so a team is ranks {t, t + 2}: not DeepSpeed's contiguous groups
+    cfg = make_cfg(3, dp=8 // p, startrail=_st(p, 2, zero_mapping="hpz_team", placement=placement))
     results = run_ranks(8, _train, cfg)
-    _check(results, world=8, p=4)
+    _check(results, world=8, p=p)
+    if placement == "ring":
+        assert results[0][2]["team"] == [0, 2]
     for rank, (_, _, info) in enumerate(results):
         assert info["hpz"] == info["team"], (rank, info)
         assert len(info["hpz"]) == 2 and rank in info["hpz"] and info["stage3_hpz"] == 2

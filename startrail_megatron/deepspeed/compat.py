@@ -4,7 +4,8 @@
 a config without an enabled ``"startrail"`` section goes to DeepSpeed untouched);
 ``unpatch()`` restores the original. Opt-in: nothing is patched on import.
 ``original_initialize`` is DeepSpeed's own function, whatever the patch state.
-``hpz_group_ranks`` reads DeepSpeed's (private) ZeRO++ hpZ group.
+``hpz_group_ranks`` / ``set_hpz_group`` read and set DeepSpeed's (private, module
+global) ZeRO++ hpZ group, which its ZeRO-3 reuses when set and creates otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import deepspeed
 
 __all__ = [
     "hpz_group_ranks",
+    "set_hpz_group",
     "is_patched",
     "original_initialize",
     "patch",
@@ -62,3 +64,14 @@ def hpz_group_ranks() -> list[int] | None:
     if groups._get_zero_param_intra_parallel_group() is None:
         return None
     return list(groups._get_zero_param_intra_parallel_group_ranks())
+
+
+def set_hpz_group(group) -> None:
+    """Make ``group`` DeepSpeed's ZeRO-3 hpZ group (``None``: let ZeRO-3 create its own).
+
+    DeepSpeed keeps it in a module global that outlives an engine; a stale one
+    would silently switch hpZ on for the next ZeRO-3 engine, so ``initialize``
+    sets it every time."""
+    from deepspeed.utils import groups
+
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = group

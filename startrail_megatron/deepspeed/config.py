@@ -53,9 +53,10 @@ class StarTrailConfig(DeepSpeedConfigModel):
     zero_mapping: Literal["none", "hpz_team"] = "none"
     """``"none"``: ZeRO partitions over sequence x data parallel ranks.
     ``"hpz_team"``: ZeRO-3's hierarchical partition (ZeRO++ hpZ,
-    ``zero_hpz_partition_size``) is the StarTrail team, so the secondary
-    parameter all-gather stays inside a team. Needs ZeRO stage 3, team_size > 1
-    and ``placement: "team"`` (teams on contiguous ranks)."""
+    ``zero_hpz_partition_size`` = C) is the StarTrail team, so the secondary
+    parameter all-gather stays inside a team. Needs ZeRO stage 3 and
+    team_size > 1. With ``placement: "team"`` DeepSpeed's own contiguous hpZ
+    groups are the teams; with ``"ring"`` the team groups are handed to it."""
 
     @model_validator(mode="after")
     def _check(self) -> StarTrailConfig:
@@ -70,13 +71,6 @@ class StarTrailConfig(DeepSpeedConfigModel):
                 raise ValueError(
                     "startrail.zero_mapping='hpz_team' needs startrail.team_size > 1 (a team of "
                     "one rank is no hierarchical partition); allowed with team_size=1: 'none'"
-                )
-            if self.placement != "team":
-                raise ValueError(
-                    f"startrail.zero_mapping='hpz_team' needs startrail.placement='team' "
-                    f"(DeepSpeed's hpZ groups are contiguous ranks; with placement="
-                    f"{self.placement!r} a team is not); allowed: placement in "
-                    f"{list(PLACEMENTS)} with zero_mapping 'none', or placement 'team'"
                 )
         return self
 

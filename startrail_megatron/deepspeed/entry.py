@@ -89,7 +89,7 @@ def _zero_settings(cfg: dict, st: StarTrailConfig) -> None:
 
 
 def _check_hpz_is_team(mpu: StarTrailMPU) -> None:
-    """DeepSpeed builds hpZ groups of contiguous global ranks; assert they are our teams."""
+    """Assert that DeepSpeed's hpZ group is this rank's StarTrail team."""
     from .compat import hpz_group_ranks
 
     lay, d = mpu.startrail.layout, mpu.data_parallel_rank
@@ -183,6 +183,14 @@ def initialize(
     handle = prepare_hf_model(model, st_mpu)
     stage = int(cfg["zero_optimization"].get("stage", 0))
     handle.grad_scale = float(st.sequence_parallel_size) if stage == 3 else 1.0
+
+    if stage == 3:
+        from .compat import set_hpz_group
+
+        ring_hpz = st.zero_mapping == "hpz_team" and st.placement != "team"
+        # team placement: DeepSpeed's contiguous hpZ groups are the teams (checked below);
+        # ring placement: teams are strided, so hand DeepSpeed the team groups themselves.
+        set_hpz_group(st_mpu.startrail.team_group if ring_hpz else None)
 
     cfg.pop(STARTRAIL_KEY)
     if args is not None and (
