@@ -127,9 +127,10 @@ def shard_causal_lm_batch(
 
 def _loss_normalizer(shift_labels: Tensor, mpu: StarTrailMPU) -> Tensor:
     """Valid tokens of the global batch (all replicas) / D, as DeepSpeed averages over D."""
-    n = (shift_labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+    n = (shift_labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)  # exact count
     dist.all_reduce(n, group=mpu.sequence_data_parallel_group)
-    return (n / mpu.data_parallel_size).clamp_min(1.0)[0]
+    # fp32, so that the fp32 loss stays fp32 (a float64 divisor would promote it)
+    return (n / mpu.data_parallel_size).clamp_min(1.0)[0].to(torch.float32)
 
 
 def _check_same_batch(input_ids: Tensor, group: dist.ProcessGroup) -> None:
