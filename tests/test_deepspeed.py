@@ -193,17 +193,23 @@ def test_launcher_runs_unmodified_script(tmp_path):
             r"startrail\.zero_mapping='hpz_team' needs startrail\.team_size > 1",
         ),
         (_st(4, 2), {"stage": 3, "reduce_scatter": False}, r"zero_optimization\.reduce_scatter"),
+        (
+            {**_st(4, 2), "sequence_parallel_size": 4.0},
+            {},
+            r"startrail\.sequence_parallel_size=4\.0",
+        ),
+        (_st(4, 2), {"training_data": [1, 2]}, r"training_data with startrail"),
     ],
 )
 def test_invalid_sections_fail_before_anything(section, zero, match):
     import torch.distributed as dist
 
     model = tiny_llama()
+    data = zero.pop("training_data", None)
     cfg = make_cfg(zero.pop("stage", 1), dp=1, startrail=section, **zero)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
     with pytest.raises((ValueError, NotImplementedError), match=match):
-        sds.initialize(
-            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg
-        )
+        sds.initialize(model=model, optimizer=opt, config=cfg, training_data=data)
     assert not dist.is_initialized()  # failed before any distributed set-up
     assert model.config._attn_implementation == "sdpa" and not hasattr(model, "_startrail_handle")
 

@@ -157,6 +157,13 @@ def initialize(
                 f"top-level {key!r} selects DeepSpeed's own sequence-parallel mesh; with startrail "
                 f"set startrail.sequence_parallel_size instead and remove {key!r}"
             )
+    if training_data is not None:
+        raise NotImplementedError(
+            "training_data with startrail: DeepSpeed's loader gives every sequence rank other "
+            "samples, but the P ranks of a replica need the same batch; pass training_data=None "
+            "and shard your data over engine.startrail_mpu.data_parallel_rank / "
+            "data_parallel_size"
+        )
     _zero_settings(cfg, st)
     from transformers import PreTrainedModel
 
@@ -202,9 +209,13 @@ def initialize(
             if hasattr(args, name):
                 setattr(args, name, None)
     plain.update(args=args, mpu=st_mpu, config=cfg, config_params=None)
-    engine, opt, loader, sched = original_initialize(**plain)
-    if st.zero_mapping == "hpz_team":
-        _check_hpz_is_team(st_mpu)
+    try:
+        engine, opt, loader, sched = original_initialize(**plain)
+        if st.zero_mapping == "hpz_team":
+            _check_hpz_is_team(st_mpu)
+    except BaseException:
+        handle.remove()  # leave the model as it was given
+        raise
     engine.startrail_mpu = st_mpu
     engine.startrail_handle = handle
     return engine, opt, loader, sched
