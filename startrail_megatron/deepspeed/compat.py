@@ -1,4 +1,4 @@
-"""The one place that touches DeepSpeed's module namespace (deepspeed 0.16 - 0.19).
+"""The one place that touches DeepSpeed's module namespace (written against deepspeed 0.19.8).
 
 ``patch()`` makes ``deepspeed.initialize`` StarTrail-aware (``entry.initialize``:
 a config without an enabled ``"startrail"`` section goes to DeepSpeed untouched);
