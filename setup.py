@@ -11,7 +11,7 @@ setup(
     install_requires=["torch>=2.4"],
     extras_require={
         "megatron": ["megatron-core>=0.13,<0.17", "einops"],
-        "deepspeed": ["deepspeed>=0.16", "pydantic>=2"],
+        "deepspeed": ["deepspeed>=0.16", "pydantic>=2", "transformers>=5.0"],
         "gpu": ["flash-attn>=2.5"],
         "dev": ["pytest", "ruff", "numpy", "matplotlib"],
     },

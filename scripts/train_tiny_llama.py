@@ -1,0 +1,72 @@
+"""A plain DeepSpeed training script (no StarTrail code): a tiny Llama on random tokens.
+
+    torchrun --nproc-per-node 4 -m startrail_megatron.deepspeed.launch \
+        scripts/train_tiny_llama.py --deepspeed_config configs/startrail_deepspeed.json
+
+Each data-parallel replica takes its rows of one global batch; the ranks that
+share a replica (DeepSpeed's sequence-parallel ranks, if any) get the same rows.
+Without the launcher (``torchrun ... scripts/train_tiny_llama.py ...``) it is
+ordinary data-parallel DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import deepspeed
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--deepspeed_config", required=True)
+    ap.add_argument("--local_rank", type=int, default=-1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=0.3)
+    ap.add_argument("--out", default=None, help="write this rank's losses as JSON here")
+    args = ap.parse_args()
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max(64, args.seq),
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=opt)
+
+    world = torch.distributed.get_world_size()
+    replicas = engine.train_batch_size() // (
+        engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
+    )
+    replica = torch.distributed.get_rank() // (world // replicas)
+    micro = engine.train_micro_batch_size_per_gpu()
+    g = torch.Generator().manual_seed(1234)
+    losses = []
+    for step in range(args.steps):
+        ids = torch.randint(0, cfg.vocab_size, (replicas * micro, args.seq), generator=g)
+        mine = ids[replica * micro : (replica + 1) * micro]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if torch.distributed.get_rank() == 0:
+            print(f"step {step} loss {loss.item():.6f}")
+    if args.out:
+        with open(f"{args.out}.{torch.distributed.get_rank()}", "w") as f:
+            json.dump({"losses": losses, "startrail": hasattr(engine, "startrail_mpu")}, f)
+    del engine
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""StarTrail in DeepSpeed: a ``"startrail"`` config section, groups mapped onto ZeRO.
+
+Entry points:
+  initialize(...)                      ``deepspeed.initialize`` with StarTrail (same signature)
+  python -m startrail_megatron.deepspeed.launch train.py --deepspeed_config ds.json
+                                       an unmodified script's ``deepspeed.initialize`` gets it
+  StarTrailConfig                      the validated ``"startrail"`` section
+  StarTrailMPU                         the groups handed to DeepSpeed (``mpu=``)
+  prepare_hf_model / StarTrailDataLoaderAdapter / shard_causal_lm_batch
+                                       transformers causal LMs and their data
+  compat.patch / compat.unpatch        the opt-in, reversible ``deepspeed.initialize`` patch
+"""
+
+from . import compat
+from .config import StarTrailConfig
+from .entry import initialize
+from .hf import (
+    HFHandle,
+    StarTrailDataLoaderAdapter,
+    prepare_hf_model,
+    shard_causal_lm_batch,
+    startrail_hf_attention,
+)
+from .mpu import StarTrailMPU
+
+__all__ = [
+    "HFHandle",
+    "StarTrailConfig",
+    "StarTrailDataLoaderAdapter",
+    "StarTrailMPU",
+    "compat",
+    "initialize",
+    "prepare_hf_model",
+    "shard_causal_lm_batch",
+    "startrail_hf_attention",
+]

@@ -1,0 +1,128 @@
+"""The ``"startrail"`` section of a DeepSpeed JSON config.
+
+DeepSpeed ignores top-level keys it does not know, so a config with this
+section is still a valid plain DeepSpeed config::
+
+    "startrail": {
+        "enabled": true,
+        "sequence_parallel_size": 4,
+        "team_size": 2,
+        "placement": "team",
+        "zero_mapping": "none"
+    }
+
+The model follows DeepSpeed's own config models (``DeepSpeedConfigModel``:
+unknown keys rejected, assignments validated). Every error is a
+``ValueError`` whose message names the key as ``startrail.<key>`` and the
+allowed values. Checks that need the world size are in
+``StarTrailConfig.check_world``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import Field, ValidationError, model_validator
+
+from ..layout import PLACEMENTS, valid_team_sizes
+
+__all__ = ["STARTRAIL_KEY", "ZERO_MAPPINGS", "StarTrailConfig"]
+
+STARTRAIL_KEY = "startrail"
+ZERO_MAPPINGS: tuple[str, ...] = ("none", "hpz_team")
+
+
+class StarTrailConfig(DeepSpeedConfigModel):
+    """StarTrail sequence parallelism inside DeepSpeed."""
+
+    enabled: bool = Field(False, strict=True)
+    """Turn StarTrail on. ``false`` (or no section) leaves DeepSpeed exactly as it is."""
+
+    sequence_parallel_size: int = Field(1, ge=1, strict=True)
+    """P: ranks sharing one sequence (StarTrail's context-parallel group). It must
+    divide the world size; world / P ranks are data parallel."""
+
+    team_size: int = Field(1, ge=1, strict=True)
+    """C: StarTrail's team size; C*C must divide P. 1 is zigzag ring attention."""
+
+    placement: Literal["team", "ring"] = "team"
+    """``"team"``: team members on adjacent ranks (team collectives inside a node);
+    ``"ring"``: sub-ring neighbours on adjacent ranks (ring P2P inside a node)."""
+
+    zero_mapping: Literal["none", "hpz_team"] = "none"
+    """``"none"``: ZeRO partitions over sequence x data parallel ranks.
+    ``"hpz_team"``: ZeRO-3's hierarchical partition (ZeRO++ hpZ,
+    ``zero_hpz_partition_size`` = C) is the StarTrail team, so the secondary
+    parameter all-gather stays inside a team. Needs ZeRO stage 3 and
+    team_size > 1. With ``placement: "team"`` DeepSpeed's own contiguous hpZ
+    groups are the teams; with ``"ring"`` the team groups are handed to it."""
+
+    @model_validator(mode="after")
+    def _check(self) -> StarTrailConfig:
+        p, c = self.sequence_parallel_size, self.team_size
+        if p % (c * c) != 0:
+            raise ValueError(
+                f"startrail.team_size={c} does not fit startrail.sequence_parallel_size={p}: "
+                f"team_size**2 must divide it; allowed team_size values: {valid_team_sizes(p)}"
+            )
+        if self.zero_mapping == "hpz_team":
+            if c == 1:
+                raise ValueError(
+                    "startrail.zero_mapping='hpz_team' needs startrail.team_size > 1 (a team of "
+                    "one rank is no hierarchical partition); allowed with team_size=1: 'none'"
+                )
+        return self
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict[str, Any]) -> StarTrailConfig:
+        """Validate ``ds_config["startrail"]`` (absent: disabled). ``ValueError`` names the key."""
+        section = ds_config.get(STARTRAIL_KEY, {})
+        if not isinstance(section, dict):
+            raise ValueError(f"{STARTRAIL_KEY} must be a JSON object, got {type(section).__name__}")
+        try:
+            # strict=True: DeepSpeed's lenient mode silently drops "auto" values.
+            return cls(strict=True, **section)
+        except ValidationError as e:
+            raise ValueError(_describe(e)) from None
+
+    def check_world(self, world_size: int) -> None:
+        """Checks that need the world size (``ValueError`` naming the key)."""
+        p = self.sequence_parallel_size
+        if world_size % p != 0:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(
+                f"startrail.sequence_parallel_size={p} does not divide the world size "
+                f"{world_size}; allowed: {divisors}"
+            )
+
+    @property
+    def active(self) -> bool:
+        """StarTrail changes something: enabled with P > 1."""
+        return self.enabled and self.sequence_parallel_size > 1
+
+
+_FIELD_HINTS = {
+    "enabled": "true or false",
+    "sequence_parallel_size": "an integer >= 1",
+    "team_size": "an integer >= 1 with team_size**2 dividing sequence_parallel_size",
+    "placement": f"one of {list(PLACEMENTS)}",
+    "zero_mapping": f"one of {list(ZERO_MAPPINGS)}",
+}
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        key = f"{STARTRAIL_KEY}.{loc}" if loc else STARTRAIL_KEY
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{key} is not a known key; allowed keys: {list(_FIELD_HINTS)}")
+        elif e["type"] == "value_error":
+            lines.append(str(e["ctx"]["error"]))
+        else:
+            hint = _FIELD_HINTS.get(loc, "")
+            lines.append(
+                f"{key}={e.get('input')!r}: {e['msg']}" + (f"; allowed: {hint}" if hint else "")
+            )
+    return "invalid DeepSpeed config section: " + "; ".join(lines)

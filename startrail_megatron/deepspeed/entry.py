@@ -1,0 +1,221 @@
+"""``initialize``: ``deepspeed.initialize`` with StarTrail sequence parallelism.
+
+Same signature and return value as ``deepspeed.initialize``. With no enabled
+``"startrail"`` section (or P = 1) it is a plain call of DeepSpeed's function
+with the arguments untouched. Otherwise, before DeepSpeed sees anything:
+
+1. validate the section (``ValueError`` naming ``startrail.<key>``) and the
+   ZeRO settings it interacts with;
+2. create the groups (``StarTrailMPU``) and prepare the model
+   (``prepare_hf_model``);
+3. call DeepSpeed with ``mpu=`` those groups and the config minus the section
+   (plus ``zero_hpz_partition_size = C`` for ``zero_mapping: "hpz_team"``).
+
+Gradient reduction (deepspeed 0.19.8, checked by the tests numerically):
+ZeRO 0/1/2 and ZeRO-3 with ``reduce_scatter: false`` and contiguous buckets
+divide the sum over sequence x data ranks by (sequence x data) / P = D,
+which is right for our loss. ZeRO-3's default path
+(``reduce_scatter_coalesced``) divides by sequence x data, i.e. P times too
+much: ``initialize`` corrects it by scaling the model outputs' gradient by P
+(``HFHandle.grad_scale``). ZeRO-3 with ``reduce_scatter: false`` picks
+either path per bucket, so it is refused rather than trained wrong.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+
+from .config import STARTRAIL_KEY, StarTrailConfig
+from .mpu import StarTrailMPU
+
+__all__ = ["initialize", "resolve_config"]
+
+
+def resolve_config(args: Any = None, config: Any = None, config_params: Any = None) -> dict | None:
+    """The config dict ``deepspeed.initialize`` would use (``args.deepspeed_config``,
+    ``config`` or ``config_params``), or ``None`` if none is given (DeepSpeed then raises)."""
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    if config is None and config_params is not None:
+        config = config_params
+    for name in ("deepspeed_config", "deepscale_config"):
+        value = getattr(args, name, None)
+        if value is not None:
+            if config is not None:
+                return None  # DeepSpeed refuses two configs; let it say so
+            config = value
+    if config is None:
+        return None
+    return copy.deepcopy(config) if isinstance(config, dict) else load_ds_config(config)
+
+
+def _zero_settings(cfg: dict, st: StarTrailConfig) -> None:
+    """Check (and for hpz_team, set) the ZeRO keys; ``cfg`` is our copy."""
+    zero = cfg.setdefault("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    if stage == 3 and zero.get("reduce_scatter", True) is False:
+        raise NotImplementedError(
+            "zero_optimization.reduce_scatter=false with ZeRO-3 and startrail: DeepSpeed 0.19 then "
+            "averages some buckets over sequence x data ranks and others over data ranks only; "
+            "allowed: reduce_scatter true (the default)"
+        )
+    if stage == 3 and zero.get("zero_quantized_gradients", False):
+        raise NotImplementedError(
+            "zero_optimization.zero_quantized_gradients with startrail is not supported; "
+            "allowed: false"
+        )
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if st.zero_mapping == "hpz_team":
+        if stage != 3:
+            raise ValueError(
+                f"startrail.zero_mapping='hpz_team' needs zero_optimization.stage=3 (ZeRO++ hpZ is "
+                f"a ZeRO-3 feature), got stage {stage}; allowed with stage {stage}: 'none'"
+            )
+        if hpz not in (1, st.team_size):
+            raise ValueError(
+                f"zero_optimization.zero_hpz_partition_size={hpz} conflicts with "
+                f"startrail.zero_mapping='hpz_team' (which sets it to team_size={st.team_size}); "
+                f"allowed: leave it out, 1 or {st.team_size}"
+            )
+        zero["zero_hpz_partition_size"] = st.team_size
+    elif hpz not in (0, 1):
+        raise NotImplementedError(
+            f"zero_optimization.zero_hpz_partition_size={hpz} with startrail: set "
+            "startrail.zero_mapping='hpz_team' instead (hpZ groups must be StarTrail teams)"
+        )
+
+
+def _check_hpz_is_team(mpu: StarTrailMPU) -> None:
+    """Assert that DeepSpeed's hpZ group is this rank's StarTrail team."""
+    from .compat import hpz_group_ranks
+
+    lay, d = mpu.startrail.layout, mpu.data_parallel_rank
+    team = [d * lay.cp_size + r for r in lay.team_ranks(lay.coord(mpu.startrail.cp_rank)[0])]
+    got = hpz_group_ranks()
+    if got != team:
+        raise RuntimeError(
+            f"DeepSpeed's hpZ partition group {got} is not this rank's StarTrail team {team}"
+        )
+
+
+def initialize(
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config=None,
+    mesh_param=None,
+    config_params=None,
+):
+    """``deepspeed.initialize`` with StarTrail (see the module docstring).
+
+    Returns DeepSpeed's ``(engine, optimizer, training_dataloader, lr_scheduler)``;
+    ``engine.startrail_mpu`` holds the groups (``StarTrailMPU``), ``engine.startrail_handle``
+    the model preparation (``HFHandle``; set its ``shard_inputs = False`` to feed batches
+    from ``StarTrailDataLoaderAdapter``).
+    """
+    from .compat import original_initialize
+
+    plain = dict(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        distributed_port=distributed_port,
+        mpu=mpu,
+        dist_init_required=dist_init_required,
+        collate_fn=collate_fn,
+        config=config,
+        mesh_param=mesh_param,
+        config_params=config_params,
+    )
+    cfg = resolve_config(args, config, config_params)
+    st = StarTrailConfig.from_ds_config(cfg) if cfg is not None else None
+    if st is None or not st.active:
+        return original_initialize(**plain)
+
+    # Checks that need no communication first.
+    if mpu is not None or mesh_param is not None:
+        raise ValueError(
+            "startrail creates the sequence-parallel groups itself: pass mpu=None and "
+            "mesh_param=None (or disable startrail.enabled)"
+        )
+    for key in ("sequence_parallel_size", "data_parallel_size"):
+        if key in cfg:
+            raise ValueError(
+                f"top-level {key!r} selects DeepSpeed's own sequence-parallel mesh; with startrail "
+                f"set startrail.sequence_parallel_size instead and remove {key!r}"
+            )
+    if training_data is not None:
+        raise NotImplementedError(
+            "training_data with startrail: DeepSpeed's loader gives every sequence rank other "
+            "samples, but the P ranks of a replica need the same batch; pass training_data=None "
+            "and shard your data over engine.startrail_mpu.data_parallel_rank / "
+            "data_parallel_size"
+        )
+    _zero_settings(cfg, st)
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise NotImplementedError(
+            f"startrail in DeepSpeed prepares transformers causal LMs; got {type(model).__name__} "
+            "(Megatron-core models go through the Megatron integration)"
+        )
+
+    import deepspeed.comm as ds_dist
+    from deepspeed.accelerator import get_accelerator
+
+    ds_dist.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        distributed_port=distributed_port,
+        dist_init_required=dist_init_required,
+    )
+    import torch.distributed as dist
+
+    st.check_world(dist.get_world_size())  # identical on every rank: fails before any group
+    st_mpu = StarTrailMPU.create(st)
+    from .hf import prepare_hf_model
+
+    handle = prepare_hf_model(model, st_mpu)
+    stage = int(cfg["zero_optimization"].get("stage", 0))
+    handle.grad_scale = float(st.sequence_parallel_size) if stage == 3 else 1.0
+
+    if stage == 3:
+        from .compat import set_hpz_group
+
+        ring_hpz = st.zero_mapping == "hpz_team" and st.placement != "team"
+        # team placement: DeepSpeed's contiguous hpZ groups are the teams (checked below);
+        # ring placement: teams are strided, so hand DeepSpeed the team groups themselves.
+        set_hpz_group(st_mpu.startrail.team_group if ring_hpz else None)
+
+    cfg.pop(STARTRAIL_KEY)
+    if args is not None and (
+        getattr(args, "deepspeed_config", None) is not None
+        or getattr(args, "deepscale_config", None) is not None
+    ):
+        args = copy.copy(args)
+        for name in ("deepspeed_config", "deepscale_config"):
+            if hasattr(args, name):
+                setattr(args, name, None)
+    plain.update(args=args, mpu=st_mpu, config=cfg, config_params=None)
+    try:
+        engine, opt, loader, sched = original_initialize(**plain)
+        if st.zero_mapping == "hpz_team":
+            _check_hpz_is_team(st_mpu)
+    except BaseException:
+        handle.remove()  # leave the model as it was given
+        raise
+    engine.startrail_mpu = st_mpu
+    engine.startrail_handle = handle
+    return engine, opt, loader, sched

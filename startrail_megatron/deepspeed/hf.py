@@ -1,0 +1,330 @@
+"""Hugging Face ``transformers`` causal LMs on StarTrail, without model-code changes.
+
+``prepare_hf_model(model, mpu)`` does three things, all undone by the handle:
+
+1. Attention: registers ``"startrail"`` in transformers' ``AttentionInterface``
+   and switches the model to it (``set_attn_implementation``), the way
+   DeepSpeed's Ulysses-for-HF plugs in. transformers calls it with query
+   ``[b, hq, s, d]``, key/value ``[b, hkv, s, d]`` (after RoPE) and expects
+   ``([b, s, hq, d], weights)``; we transpose to and from our
+   ``[s, b, h, d]``. transformers builds no mask for an implementation it does
+   not know, so none is materialised: causality comes from StarTrail.
+2. Inputs (``shard_inputs=True``): a forward pre-hook takes the full-sequence
+   batch the script passes (the same on every rank of a sequence group) and
+   keeps this rank's zigzag shard (``shard_causal_lm_batch``): input_ids,
+   position_ids (global, so RoPE is right) and labels shifted *before*
+   sharding. Scripts that shard in their data loader
+   (``StarTrailDataLoaderAdapter``) use ``shard_inputs=False``.
+3. Loss: transformers' causal-LM loss is given ``shift_labels`` and
+   ``num_items_in_batch`` = (valid tokens of the global batch) / D, so each
+   rank's loss is (its token-loss sum) / that count: the sequence ranks'
+   gradients sum to the replica's true gradient and DeepSpeed's average over
+   the D replicas gives the global batch's gradient. A forward hook makes the
+   returned loss *value* the whole replica's loss (sum over the sequence
+   group) while its gradient stays this rank's part, and applies
+   ``grad_scale`` (set by ``initialize`` for ZeRO-3, see ``entry.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..attention import startrail_attention
+from ..groups import StarTrailGroups
+from ..sequence import zigzag_shard
+from .mpu import StarTrailMPU
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "HFHandle",
+    "StarTrailDataLoaderAdapter",
+    "prepare_hf_model",
+    "shard_causal_lm_batch",
+    "startrail_hf_attention",
+]
+
+ATTN_IMPLEMENTATION = "startrail"
+_SPEC_ATTR = "_startrail_groups"
+IGNORE_INDEX = -100
+
+
+def startrail_hf_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers ``AttentionInterface`` function: query ``[b, hq, s, d]`` -> ``[b, s, hq, d]``."""
+    groups: StarTrailGroups | None = getattr(module, _SPEC_ATTR, None)
+    if groups is None:
+        raise RuntimeError(
+            f"{type(module).__name__} uses attn_implementation={ATTN_IMPLEMENTATION!r} but was not "
+            "prepared by startrail_megatron.deepspeed.prepare_hf_model"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            "StarTrail attention takes no attention_mask (only causal or full attention over "
+            "unpadded sequences); pass attention_mask=None or all ones"
+        )
+    if dropout:
+        raise NotImplementedError(f"attention dropout={dropout} is not supported by StarTrail")
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    out = startrail_attention(
+        query.permute(2, 0, 1, 3),  # [s, b, hq, d]
+        key.permute(2, 0, 1, 3),  # [s, b, hkv, d]
+        value.permute(2, 0, 1, 3),
+        groups,
+        causal=bool(causal),
+        softmax_scale=scaling,
+    )  # [s, b, hq, d]
+    return out.transpose(0, 1), None  # [b, s, hq, d]
+
+
+def shard_causal_lm_batch(
+    input_ids: Tensor,
+    labels: Tensor | None,
+    position_ids: Tensor | None,
+    sp_rank: int,
+    sp_size: int,
+) -> dict[str, Tensor]:
+    """This sequence rank's zigzag shard of a full ``[b, S]`` causal-LM batch.
+
+    Labels are shifted over the *global* sequence first (token i predicts
+    label i+1; the last gets ``-100``), then sharded; position_ids default to
+    ``arange(S)`` and keep their global values. Returns ``input_ids``,
+    ``position_ids`` and, with labels, ``shift_labels`` (all ``[b, S/P]``).
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    b, s = input_ids.shape
+    if position_ids is None:
+        position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)
+    position_ids = position_ids.expand(b, s)
+    out = {
+        "input_ids": zigzag_shard(input_ids, sp_rank, sp_size, dim=1),
+        "position_ids": zigzag_shard(position_ids, sp_rank, sp_size, dim=1),
+    }
+    if labels is not None:
+        if labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels {tuple(labels.shape)} must be shaped like input_ids {tuple(input_ids.shape)}"
+            )
+        shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        out["shift_labels"] = zigzag_shard(shifted, sp_rank, sp_size, dim=1)
+    return out
+
+
+def _loss_normalizer(shift_labels: Tensor, mpu: StarTrailMPU) -> Tensor:
+    """Valid tokens of the global batch (all replicas) / D, as DeepSpeed averages over D."""
+    n = (shift_labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)  # exact count
+    dist.all_reduce(n, group=mpu.sequence_data_parallel_group)
+    # fp32, so that the fp32 loss stays fp32 (a float64 divisor would promote it)
+    return (n / mpu.data_parallel_size).clamp_min(1.0)[0].to(torch.float32)
+
+
+def _check_same_batch(input_ids: Tensor, group: dist.ProcessGroup) -> None:
+    """Every rank of a sequence group must pass the same full batch (one small all-reduce)."""
+    w = torch.arange(1, input_ids.numel() + 1, dtype=torch.float64).reshape(input_ids.shape)
+    h = (input_ids.to(torch.float64) * w).sum()
+    t = torch.stack([h, -h])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if t[0].item() != -t[1].item():
+        raise ValueError(
+            "the ranks of a sequence-parallel group were given different batches; with "
+            "StarTrail the P ranks of a replica must see the same full sequence (shard the data "
+            "over StarTrailMPU.data_parallel_rank / data_parallel_size, not over the world)"
+        )
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the incoming gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g * ctx.factor, None
+
+
+class _ReplicaLoss(torch.autograd.Function):
+    """Value: the sum of the sequence group's partial losses; gradient: this rank's part."""
+
+    @staticmethod
+    def forward(ctx, loss: Tensor, group: dist.ProcessGroup) -> Tensor:
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g, None
+
+
+@dataclass
+class HFHandle:
+    """What ``prepare_hf_model`` changed; ``remove()`` undoes it."""
+
+    model: nn.Module
+    mpu: StarTrailMPU
+    shard_inputs: bool
+    previous_attn_implementation: str | None
+    grad_scale: float = 1.0
+    """Factor on every output's gradient (``initialize`` sets P for ZeRO-3)."""
+    _hooks: list = field(default_factory=list)
+    _modules: list = field(default_factory=list)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        for m in self._modules:
+            if hasattr(m, _SPEC_ATTR):
+                delattr(m, _SPEC_ATTR)
+        if self.previous_attn_implementation is not None:
+            self.model.set_attn_implementation(self.previous_attn_implementation)
+        self._hooks, self._modules = [], []
+        if getattr(self.model, "_startrail_handle", None) is self:
+            del self.model._startrail_handle
+
+    # ---- hooks ---------------------------------------------------------------
+    def _pre_hook(self, module, args, kwargs):
+        if args:
+            raise ValueError(
+                "pass the batch to a StarTrail model as keywords (input_ids=..., labels=...)"
+            )
+        if kwargs.get("inputs_embeds") is not None:
+            raise NotImplementedError("StarTrail's HF adapter needs input_ids, not inputs_embeds")
+        mask = kwargs.pop("attention_mask", None)
+        if mask is not None and not bool((mask == 1).all()):
+            raise ValueError(
+                "attention_mask with padding is not supported by StarTrail; pack or trim the "
+                "batch so every token is valid (an all-ones mask is accepted)"
+            )
+        mpu = self.mpu
+        if self.shard_inputs:
+            ids = kwargs["input_ids"]
+            _check_same_batch(ids, mpu.sequence_parallel_group)
+            shard = shard_causal_lm_batch(
+                ids,
+                kwargs.get("labels"),
+                kwargs.get("position_ids"),
+                mpu.get_sequence_parallel_rank(),
+                mpu.get_sequence_parallel_world_size(),
+            )
+            kwargs.update(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+            if "shift_labels" in shard:
+                kwargs["shift_labels"] = shard["shift_labels"]
+        if kwargs.get("shift_labels") is not None:
+            kwargs["labels"] = kwargs["shift_labels"]  # non-None so transformers computes the loss
+            if kwargs.get("num_items_in_batch") is None:
+                kwargs["num_items_in_batch"] = _loss_normalizer(kwargs["shift_labels"], mpu)
+        elif kwargs.get("labels") is not None:
+            raise ValueError(
+                "with shard_inputs=False pass shift_labels (StarTrailDataLoaderAdapter gives "
+                "them), not labels: labels must be shifted over the global sequence"
+            )
+        return args, kwargs
+
+    def _post_hook(self, module, args, kwargs, output):
+        # return_dict=True gives a ModelOutput (a mapping); return_dict=False a tuple whose
+        # first item is the loss when labels were passed.
+        has_loss = kwargs.get("labels") is not None
+        if isinstance(output, Mapping):
+            items = {k: output[k] for k in output.keys()}
+        elif isinstance(output, tuple):
+            items = dict(enumerate(output))
+        else:
+            raise NotImplementedError(
+                f"StarTrail's HF adapter expects a ModelOutput or tuple, got {type(output).__name__}"
+            )
+        loss_key = "loss" if isinstance(output, Mapping) else (0 if has_loss else None)
+        if loss_key in items and items[loss_key] is not None:
+            items[loss_key] = _ReplicaLoss.apply(items[loss_key], self.mpu.sequence_parallel_group)
+        if self.grad_scale != 1.0:
+            for k, v in items.items():
+                if isinstance(v, Tensor) and v.requires_grad:
+                    items[k] = _ScaleGrad.apply(v, self.grad_scale)
+        if isinstance(output, Mapping):
+            for k, v in items.items():
+                output[k] = v
+            return output
+        return tuple(items[i] for i in range(len(output)))
+
+
+def prepare_hf_model(model: nn.Module, mpu: StarTrailMPU, *, shard_inputs: bool = True) -> HFHandle:
+    """Run a transformers causal LM on StarTrail (see the module docstring); reversible."""
+    try:
+        from transformers import AttentionInterface, PreTrainedModel
+    except ImportError as e:  # pragma: no cover - the extra is pinned
+        raise ImportError("prepare_hf_model needs transformers (pip install '.[deepspeed]')") from e
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(
+            f"prepare_hf_model needs a transformers PreTrainedModel, got {type(model).__name__}"
+        )
+    if getattr(model, "_startrail_handle", None) is not None:
+        raise ValueError("this model is already prepared for StarTrail (model._startrail_handle)")
+    AttentionInterface.register(ATTN_IMPLEMENTATION, startrail_hf_attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"{type(model).__name__} cannot switch its attention implementation "
+            "(it does not use transformers' AttentionInterface)"
+        )
+    handle = HFHandle(model, mpu, shard_inputs, previous)
+    for m in model.modules():
+        # transformers' attention modules: the ones that call the interface carry is_causal.
+        if hasattr(m, "is_causal") and hasattr(m, "config") and not isinstance(m, PreTrainedModel):
+            setattr(m, _SPEC_ATTR, mpu.startrail)
+            handle._modules.append(m)
+    if not handle._modules:
+        handle.remove()
+        raise ValueError(f"found no attention modules (with is_causal) in {type(model).__name__}")
+    handle._hooks.append(model.register_forward_pre_hook(handle._pre_hook, with_kwargs=True))
+    handle._hooks.append(model.register_forward_hook(handle._post_hook, with_kwargs=True))
+    model._startrail_handle = handle
+    return handle
+
+
+class StarTrailDataLoaderAdapter:
+    """Wraps an iterable of full-sequence batches (dicts with ``input_ids``, optional
+    ``labels``/``position_ids``) and yields this sequence rank's zigzag shard:
+    ``input_ids``, ``position_ids``, ``shift_labels`` and ``num_items_in_batch``.
+
+    For a model prepared with ``shard_inputs=False``. The P ranks of a replica
+    must iterate the same batches (shard the data over
+    ``mpu.data_parallel_rank``); ``num_items_in_batch`` is an all-reduce.
+    """
+
+    def __init__(self, batches: Iterable[Mapping[str, Tensor]], mpu: StarTrailMPU):
+        self.batches, self.mpu = batches, mpu
+
+    def __len__(self) -> int:
+        return len(self.batches)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        mpu = self.mpu
+        for batch in self.batches:
+            out = shard_causal_lm_batch(
+                batch["input_ids"],
+                batch.get("labels"),
+                batch.get("position_ids"),
+                mpu.get_sequence_parallel_rank(),
+                mpu.get_sequence_parallel_world_size(),
+            )
+            if "shift_labels" in out:
+                out["num_items_in_batch"] = _loss_normalizer(out["shift_labels"], mpu)
+            yield out

@@ -1,0 +1,332 @@
+"""DeepSpeed integration on CPU gloo ranks: a tiny Llama trains with StarTrail under
+ZeRO 1/2/3 and matches a single-rank run without sequence parallelism (fp32, 1e-5)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+
+import pytest
+import torch
+from ds_common import LR, REPO, SEQ, global_batches, reference_run, tiny_llama
+from ds_common import ds_config as make_cfg
+from harness import run_ranks
+
+import startrail_megatron.deepspeed as sds  # after ds_common, which sets DS_ACCELERATOR
+
+REL = 1e-5
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def _full_params(engine, stage: int) -> dict:
+    import deepspeed
+
+    params = list(engine.module.named_parameters())
+    if stage == 3:
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            return {k: v.detach().clone() for k, v in params}
+    return {k: v.detach().clone() for k, v in params}
+
+
+def _teardown(engine) -> None:
+    """CPU_NOTES: drop the engine before anything else; reset DeepSpeed's hpZ global."""
+    from deepspeed.utils import groups as ds_groups
+
+    del engine
+    gc.collect()
+    ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+
+
+def _ds_env(rank: int, world: int) -> None:
+    """What a launcher sets and DeepSpeed's engine checks (one process per rank here)."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+
+
+def _train(rank: int, world: int, cfg: dict, use_adapter: bool = False, as_tuple: bool = False):
+    _ds_env(rank, world)
+    st = cfg["startrail"]
+    p = st["sequence_parallel_size"]
+    dp, d = world // p, rank // p
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    engine, _, _, _ = sds.initialize(model=model, optimizer=opt, config=cfg)
+    mpu = engine.startrail_mpu
+    assert (mpu.data_parallel_rank, mpu.data_parallel_size) == (d, dp)
+    assert mpu.get_sequence_parallel_world_size() == p
+    assert mpu.get_sequence_data_parallel_world_size() == world
+    assert engine.sequence_parallel_size == p and engine.seq_dp_world_size == world
+    info = {}
+    from deepspeed.utils import groups as ds_groups
+
+    if ds_groups._get_zero_param_intra_parallel_group() is not None:
+        lay, cp = mpu.startrail.layout, mpu.startrail.cp_rank
+        team = lay.team_ranks(lay.coord(cp)[0])
+        info["hpz"] = list(ds_groups._get_zero_param_intra_parallel_group_ranks())
+        info["team"] = [d * p + r for r in team]
+        info["stage3_hpz"] = engine.optimizer.zero_hpz_partition_size
+    batches = [(ids[d : d + 1], lab[d : d + 1]) for ids, lab in global_batches(dp)]
+    if use_adapter:
+        engine.startrail_handle.shard_inputs = False
+        feed = sds.StarTrailDataLoaderAdapter(
+            [{"input_ids": i, "labels": lab} for i, lab in batches], mpu
+        )
+    else:
+        feed = [{"input_ids": i, "labels": lab} for i, lab in batches]
+    losses = []
+    for batch in feed:
+        if as_tuple:  # return_dict=False: (loss, logits, ...)
+            loss = engine(**batch, return_dict=False)[0]
+        else:
+            loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    params = _full_params(engine, cfg["zero_optimization"]["stage"])
+    _teardown(engine)
+    return losses, (params if rank == 0 else None), info
+
+
+_REF: dict = {}
+
+
+def _reference(dp: int):
+    if dp not in _REF:
+        _REF[dp] = reference_run(dp)
+    return _REF[dp]
+
+
+def _check(results, world: int, p: int):
+    dp = world // p
+    ref_losses, ref_params = _reference(dp)
+    for step in range(len(ref_losses)):
+        replica = [results[d * p][0][step] for d in range(dp)]
+        for d in range(dp):  # every rank of a replica reports the replica's loss
+            assert all(results[d * p + r][0][step] == replica[d] for r in range(p))
+        got = sum(replica) / dp
+        assert abs(got - ref_losses[step]) <= REL * abs(ref_losses[step]), (step, got, ref_losses)
+    params = results[0][1]
+    assert params.keys() == ref_params.keys()
+    worst = max(_rel(params[k], ref_params[k]) for k in ref_params)
+    assert worst <= REL, worst
+    # Training moved the parameters far beyond the tolerance (the check can fail).
+    init = dict(tiny_llama().named_parameters())
+    assert max(_rel(ref_params[k], init[k].detach()) for k in ref_params) > 1e3 * REL
+
+
+def _st(p: int, c: int, **kw) -> dict:
+    return {"enabled": True, "sequence_parallel_size": p, "team_size": c, **kw}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("c", [2, 1])
+def test_zero_stages_match_single_rank_p4(stage, c):
+    cfg = make_cfg(stage, dp=1, startrail=_st(4, c))
+    _check(run_ranks(4, _train, cfg), world=4, p=4)
+
+
+def test_tuple_outputs_zero3():
+    cfg = make_cfg(3, dp=1, startrail=_st(4, 2))
+    _check(run_ranks(4, _train, cfg, False, True), world=4, p=4)
+
+
+def test_dataloader_adapter_path():
+    cfg = make_cfg(2, dp=1, startrail=_st(4, 2, placement="ring"))
+    _check(run_ranks(4, _train, cfg, True), world=4, p=4)
+
+
+# ---- the launcher: an unmodified DeepSpeed script gets StarTrail ----------------------------
+
+
+def _launch(rank: int, world: int, cfg_path: str, out: str):
+    import deepspeed
+
+    from startrail_megatron.deepspeed import compat, launch
+
+    _ds_env(rank, world)
+    script = os.path.join(REPO, "scripts", "train_tiny_llama.py")
+    launch.main([script, "--deepspeed_config", cfg_path, "--seq", str(SEQ), "--out", out])
+    restored = deepspeed.initialize is compat.original_initialize and not compat.is_patched()
+    gc.collect()
+    with open(f"{out}.{rank}") as f:
+        return json.load(f), restored
+
+
+def test_launcher_runs_unmodified_script(tmp_path):
+    cfg = make_cfg(2, dp=1, startrail=_st(4, 2))
+    cfg_path = tmp_path / "ds.json"
+    cfg_path.write_text(json.dumps(cfg))
+    results = run_ranks(4, _launch, str(cfg_path), str(tmp_path / "out"))
+    ref_losses, _ = _reference(1)
+    for res, restored in results:
+        assert restored, "the deepspeed.initialize patch was not undone"
+        assert res["startrail"], "the script's deepspeed.initialize did not go through StarTrail"
+        for got, ref in zip(res["losses"], ref_losses):
+            assert abs(got - ref) <= REL * abs(ref), (res["losses"], ref_losses)
+
+
+# ---- invalid sections fail before training, naming the key --------------------------------
+
+
+@pytest.mark.parametrize(
+    "section, zero, match",
+    [
+        (
+            _st(4, 3),
+            {},
+            r"startrail\.team_size=3 does not fit .*allowed team_size values: \[1, 2\]",
+        ),
+        ({**_st(4, 2), "teamsize": 2}, {}, r"startrail\.teamsize is not a known key"),
+        (_st(4, "2"), {}, r"startrail\.team_size='2'.*valid integer"),
+        ({**_st(4, 2), "enabled": "yes"}, {}, r"startrail\.enabled='yes'"),
+        ({**_st(4, 2), "placement": "node"}, {}, r"startrail\.placement='node'.*'team', 'ring'"),
+        ({**_st(4, 2), "zero_mapping": "hpz"}, {}, r"startrail\.zero_mapping='hpz'.*hpz_team"),
+        (_st(4, 2, zero_mapping="hpz_team"), {}, r"needs zero_optimization\.stage=3"),
+        (
+            _st(4, 1, zero_mapping="hpz_team"),
+            {"stage": 3},
+            r"startrail\.zero_mapping='hpz_team' needs startrail\.team_size > 1",
+        ),
+        (_st(4, 2), {"stage": 3, "reduce_scatter": False}, r"zero_optimization\.reduce_scatter"),
+        (
+            {**_st(4, 2), "sequence_parallel_size": 4.0},
+            {},
+            r"startrail\.sequence_parallel_size=4\.0",
+        ),
+        (_st(4, 2), {"training_data": [1, 2]}, r"training_data with startrail"),
+    ],
+)
+def test_invalid_sections_fail_before_anything(section, zero, match):
+    import torch.distributed as dist
+
+    model = tiny_llama()
+    data = zero.pop("training_data", None)
+    cfg = make_cfg(zero.pop("stage", 1), dp=1, startrail=section, **zero)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with pytest.raises((ValueError, NotImplementedError), match=match):
+        sds.initialize(model=model, optimizer=opt, config=cfg, training_data=data)
+    assert not dist.is_initialized()  # failed before any distributed set-up
+    assert model.config._attn_implementation == "sdpa" and not hasattr(model, "_startrail_handle")
+
+
+def _p_not_dividing_world(rank: int, world: int):
+    _ds_env(rank, world)
+    model = tiny_llama()
+    try:
+        sds.initialize(
+            model=model, model_parameters=model.parameters(), config=make_cfg(1, 1, _st(3, 1))
+        )
+    except ValueError as e:
+        return str(e), model.config._attn_implementation
+    return None, model.config._attn_implementation
+
+
+def test_sequence_parallel_size_must_divide_world():
+    for msg, attn in run_ranks(4, _p_not_dividing_world):
+        assert msg is not None and "startrail.sequence_parallel_size=3 does not divide" in msg
+        assert "allowed: [1, 2, 4]" in msg and attn == "sdpa"
+
+
+# ---- without an enabled section: exactly plain DeepSpeed ----------------------------------
+
+
+@pytest.mark.parametrize("section", [None, {"enabled": False, "sequence_parallel_size": 4}])
+def test_config_without_startrail_is_plain_deepspeed(monkeypatch, section, tmp_path):
+    import argparse
+
+    from startrail_megatron.deepspeed import compat
+
+    calls = []
+    sentinel = object()
+
+    def spy(**kwargs):
+        calls.append(kwargs)
+        return sentinel
+
+    monkeypatch.setattr(compat, "original_initialize", spy)
+    model = tiny_llama()
+    cfg = make_cfg(2, dp=1, startrail=section)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    args = argparse.Namespace(deepspeed_config=str(path), local_rank=0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    assert sds.initialize(args=args, model=model, optimizer=opt) is sentinel
+    (kw,) = calls
+    assert kw["args"] is args and kw["model"] is model and kw["optimizer"] is opt
+    assert kw["config"] is None and kw["mpu"] is None and args.deepspeed_config == str(path)
+    assert model.config._attn_implementation == "sdpa" and not model._forward_pre_hooks
+    assert sds.initialize(model=model, config=cfg) is sentinel and calls[1]["config"] is cfg
+
+
+def test_shard_causal_lm_batch_shifts_before_sharding():
+    ids = torch.arange(2 * 16).reshape(2, 16)
+    shards = [sds.shard_causal_lm_batch(ids, ids, None, r, 4) for r in range(4)]
+    from startrail_megatron import zigzag_unshard
+
+    got_ids = zigzag_unshard([s["input_ids"] for s in shards], dim=1)
+    got_pos = zigzag_unshard([s["position_ids"] for s in shards], dim=1)
+    got_lab = zigzag_unshard([s["shift_labels"] for s in shards], dim=1)
+    assert torch.equal(got_ids, ids)
+    assert torch.equal(got_pos, torch.arange(16).expand(2, 16))  # global positions
+    assert torch.equal(got_lab[:, :-1], ids[:, 1:]) and (got_lab[:, -1] == -100).all()
+    # rank 0 holds chunks 0 and 7: tokens 0, 1 and 14, 15; its label for token 1 is token 2
+    assert shards[0]["position_ids"][0].tolist() == [0, 1, 14, 15]
+    assert shards[0]["shift_labels"][0].tolist() == [1, 2, 15, -100]
+
+
+def _misuse(rank: int, world: int):
+    from startrail_megatron.deepspeed.config import StarTrailConfig
+
+    mpu = sds.StarTrailMPU.create(
+        StarTrailConfig(strict=True, enabled=True, sequence_parallel_size=4)
+    )
+    model = tiny_llama()
+    handle = sds.prepare_hf_model(model, mpu)
+    errors = []
+    ids = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(rank))
+    for kwargs in (
+        {"input_ids": ids, "labels": ids},  # a different batch on every rank
+        {"input_ids": ids * 0, "attention_mask": torch.zeros_like(ids)},  # padding
+    ):
+        try:
+            model(**kwargs)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    out = model(input_ids=ids * 0, attention_mask=torch.ones_like(ids))  # all ones: accepted
+    handle.remove()
+    restored = model.config._attn_implementation == "sdpa" and not model._forward_pre_hooks
+    return errors, out.logits.shape[1], restored
+
+
+def test_misuse_is_refused_and_prepare_is_reversible():
+    for errors, local_len, restored in run_ranks(4, _misuse):
+        assert "were given different batches" in errors[0]
+        assert "attention_mask with padding is not supported" in errors[1]
+        assert local_len == SEQ // 4 and restored
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_dp2_x_p4_on_8_ranks(stage):
+    cfg = make_cfg(stage, dp=2, startrail=_st(4, 2))
+    _check(run_ranks(8, _train, cfg), world=8, p=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p, placement", [(4, "team"), (8, "ring")])
+def test_hpz_team_is_the_hierarchical_partition_group(p, placement):
+    # (8, "ring"): G = 2, so a team is ranks {t, t + 2}: not DeepSpeed's contiguous groups
+    cfg = make_cfg(3, dp=8 // p, startrail=_st(p, 2, zero_mapping="hpz_team", placement=placement))
+    results = run_ranks(8, _train, cfg)
+    _check(results, world=8, p=p)
+    if placement == "ring":
+        assert results[0][2]["team"] == [0, 2]
+    for rank, (_, _, info) in enumerate(results):
+        assert info["hpz"] == info["team"], (rank, info)
+        assert len(info["hpz"]) == 2 and rank in info["hpz"] and info["stage3_hpz"] == 2
