@@ -165,13 +165,17 @@ def initialize(
             "data_parallel_size"
         )
     _zero_settings(cfg, st)
-    from transformers import PreTrainedModel
+    from .megatron_gpt import is_megatron_gpt
 
-    if not isinstance(model, PreTrainedModel):
-        raise NotImplementedError(
-            f"startrail in DeepSpeed prepares transformers causal LMs; got {type(model).__name__} "
-            "(Megatron-core models go through the Megatron integration)"
-        )
+    megatron_model = is_megatron_gpt(model)
+    if not megatron_model:
+        from transformers import PreTrainedModel
+
+        if not isinstance(model, PreTrainedModel):
+            raise NotImplementedError(
+                f"startrail in DeepSpeed prepares transformers causal LMs and megatron-core "
+                f"GPTModels; got {type(model).__name__}"
+            )
 
     import deepspeed.comm as ds_dist
     from deepspeed.accelerator import get_accelerator
@@ -184,10 +188,16 @@ def initialize(
     import torch.distributed as dist
 
     st.check_world(dist.get_world_size())  # identical on every rank: fails before any group
-    st_mpu = StarTrailMPU.create(st)
-    from .hf import prepare_hf_model
+    if megatron_model:
+        from .megatron_gpt import megatron_mpu, prepare_megatron_gpt
 
-    handle = prepare_hf_model(model, st_mpu)
+        st_mpu = megatron_mpu(st)  # Megatron's CP group and its StarTrail groups
+        handle = prepare_megatron_gpt(model, st_mpu)
+    else:
+        st_mpu = StarTrailMPU.create(st)
+        from .hf import prepare_hf_model
+
+        handle = prepare_hf_model(model, st_mpu)
     stage = int(cfg["zero_optimization"].get("stage", 0))
     handle.grad_scale = float(st.sequence_parallel_size) if stage == 3 else 1.0
 

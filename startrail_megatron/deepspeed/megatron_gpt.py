@@ -1,0 +1,175 @@
+"""A megatron-core ``GPTModel`` trained by DeepSpeed with StarTrail (issue: DeepSpeed 4b).
+
+The model comes from the Megatron integration: Megatron's parallel state with
+``context_parallel_size = P`` and StarTrail's groups (``megatron.install`` or
+the DeepSpeed launcher, which installs it when megatron-core is present), and
+a layer spec whose core attention is ``StarTrailCoreAttention``.
+``prepare_megatron_gpt`` then makes the model look, to an unmodified training
+loop, like a model of the whole sequence:
+
+* a forward pre-hook cuts full-length ``input_ids``, ``position_ids`` and
+  ``labels`` ``[b, s]`` into this CP rank's zigzag shard (the P ranks of a
+  replica must be given the same batch; checked);
+* a forward hook all-gathers the output (per-token losses ``[b, s_local]`` or
+  logits ``[b, s_local, V]``) over the CP group and restores sequence order,
+  so ``loss = (losses * loss_mask).sum() / loss_mask.sum()`` is the exact
+  global value on every rank. Its backward keeps this rank's slice of the
+  incoming gradient: each rank's parameter gradient is that of the global loss
+  through its own tokens, and the sum over the CP group is the full gradient.
+
+DeepSpeed (ZeRO 0/1/2) divides the sum over sequence x data ranks by the data
+ranks D, which is then exactly right; ZeRO-3 divides by P*D, so ``grad_scale``
+is P there (set by ``initialize``), as for the Hugging Face path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..sequence import zigzag_shard, zigzag_unshard
+from .config import StarTrailConfig
+from .hf import _check_same_batch, _ScaleGrad
+from .mpu import StarTrailMPU
+
+__all__ = ["is_megatron_gpt", "megatron_mpu", "prepare_megatron_gpt"]
+
+
+def is_megatron_gpt(model: nn.Module) -> bool:
+    try:
+        from megatron.core.models.gpt import GPTModel
+    except ImportError:
+        return False
+    return isinstance(model, GPTModel)
+
+
+def megatron_mpu(config: StarTrailConfig) -> StarTrailMPU:
+    """DeepSpeed's sequence-parallel mpu from Megatron's CP group and StarTrail's groups."""
+    from megatron.core import parallel_state
+
+    from ..megatron.state import get_startrail_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise ValueError(
+            "a megatron-core GPTModel needs Megatron's parallel state: call "
+            "parallel_state.initialize_model_parallel(context_parallel_size="
+            f"{config.sequence_parallel_size}) before building the model"
+        )
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp != config.sequence_parallel_size:
+        raise ValueError(
+            f"startrail.sequence_parallel_size={config.sequence_parallel_size} differs from "
+            f"Megatron's context_parallel_size={cp}; allowed: {cp}"
+        )
+    for name, size in (
+        ("tensor", parallel_state.get_tensor_model_parallel_world_size()),
+        ("pipeline", parallel_state.get_pipeline_model_parallel_world_size()),
+    ):
+        if size != 1:
+            raise NotImplementedError(
+                f"a megatron-core GPTModel in DeepSpeed with {name} parallel size {size}: only 1 "
+                "is supported (use the Megatron entry point for TP/PP)"
+            )
+    cp_group = parallel_state.get_context_parallel_group()
+    groups = get_startrail_state(cp_group).groups
+    lay = groups.layout
+    if (lay.team_size, lay.placement) != (config.team_size, config.placement):
+        raise ValueError(
+            f"startrail.team_size={config.team_size}, placement={config.placement!r} differ from "
+            f"the Megatron StarTrail groups (team_size={lay.team_size}, "
+            f"placement={lay.placement!r}); build both from the same setting"
+        )
+    return StarTrailMPU(
+        config,
+        cp_group,
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+        groups,
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+
+
+class _GatherSequence(torch.autograd.Function):
+    """[b, s_local, ...] zigzag shards -> [b, s, ...] on every CP rank; backward: own slice."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, rank: int, size: int) -> Tensor:
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.rank, ctx.size = rank, size
+        return zigzag_unshard(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return zigzag_shard(g, ctx.rank, ctx.size, dim=1).contiguous(), None, None, None
+
+
+_ARG_NAMES = ("input_ids", "position_ids", "attention_mask")
+
+
+@dataclass
+class MegatronHandle:
+    """What ``prepare_megatron_gpt`` changed; ``remove()`` undoes it."""
+
+    model: nn.Module
+    mpu: StarTrailMPU
+    grad_scale: float = 1.0
+    _hooks: list = field(default_factory=list)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _pre_hook(self, module, args, kwargs):
+        args = list(args)
+        for i, name in enumerate(_ARG_NAMES[: len(args)]):
+            kwargs[name] = args[i]
+        args = []
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError(
+                "pass attention_mask=None: StarTrail's causal attention needs no mask tensor "
+                "(padding masks are not supported)"
+            )
+        mpu = self.mpu
+        p, r = mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank()
+        ids = kwargs["input_ids"]
+        _check_same_batch(ids, mpu.sequence_parallel_group)
+        for name in ("input_ids", "position_ids", "labels"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = zigzag_shard(kwargs[name], r, p, dim=1)
+        return tuple(args), kwargs
+
+    def _post_hook(self, module, args, kwargs, output):
+        if not isinstance(output, Tensor):
+            raise NotImplementedError(
+                f"StarTrail's GPTModel adapter expects a tensor output, got {type(output).__name__}"
+            )
+        mpu = self.mpu
+        out = _GatherSequence.apply(
+            output,
+            mpu.sequence_parallel_group,
+            mpu.get_sequence_parallel_rank(),
+            mpu.get_sequence_parallel_world_size(),
+        )
+        return _ScaleGrad.apply(out, self.grad_scale) if self.grad_scale != 1.0 else out
+
+
+def prepare_megatron_gpt(model: nn.Module, mpu: StarTrailMPU) -> MegatronHandle:
+    """Hook a StarTrail GPTModel so an unmodified loop feeds and reads full sequences."""
+    from ..megatron.attention import StarTrailCoreAttention
+
+    if not any(isinstance(m, StarTrailCoreAttention) for m in model.modules()):
+        raise ValueError(
+            "this GPTModel has no StarTrail attention: build it with "
+            "startrail_megatron.megatron.apply_startrail_spec(spec) or after "
+            "startrail_megatron.megatron.install(team_size=...) (the DeepSpeed launcher does "
+            "this when megatron-core is installed)"
+        )
+    handle = MegatronHandle(model, mpu)
+    handle._hooks.append(model.register_forward_pre_hook(handle._pre_hook, with_kwargs=True))
+    handle._hooks.append(model.register_forward_hook(handle._post_hook, with_kwargs=True))
+    return handle

@@ -1,0 +1,167 @@
+"""A megatron-core GPTModel with StarTrail trained by DeepSpeed (ZeRO 1 and 3, P = 4, C = 2)
+matches a single-rank Megatron run without CP or DeepSpeed (losses and final parameters, fp32)."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings(
+    "ignore", message=r".*(Apex|Transformer Engine and Apex) (is|are) not installed"
+)
+pytest.importorskip("megatron.core")
+from ds_common import ds_config  # noqa: E402  (sets DS_ACCELERATOR=cpu first)
+from harness import run_ranks  # noqa: E402
+
+import startrail_megatron.deepspeed as sds  # noqa: E402
+from startrail_megatron.megatron import training as T  # noqa: E402
+
+ARGV = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "1",
+    "--untie-embeddings-and-output-weights",
+]
+LR, STEPS, CLIP = 0.1, 3, 1.0
+
+
+def _batches():
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 128, (1, 33), generator=g)
+        out.append(
+            (ids[:, :-1].contiguous(), torch.arange(32).unsqueeze(0), ids[:, 1:].contiguous())
+        )
+    return out
+
+
+def _model(argv):
+    from megatron.core.models.gpt import GPTModel
+
+    args = T.parse_args(argv)
+    T.initialize(args)
+    return GPTModel(
+        config=T.transformer_config(args),
+        transformer_layer_spec=T.layer_spec(args),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.seq_length,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
+
+
+def _reference(rank, world):
+    model = _model(ARGV)
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        losses = []
+        for ids, pos, labels in _batches():
+            loss = model(ids, pos, None, labels=labels).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    finally:
+        T.teardown()
+
+
+def _deepspeed(rank, world, stage, team):
+    import os
+
+    import deepspeed
+    from deepspeed.utils import groups as ds_groups
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    model = _model(
+        ARGV
+        + [
+            "--context-parallel-size",
+            "4",
+            "--context-parallel-impl",
+            "startrail",
+            "--startrail-team-size",
+            str(team),
+        ]
+    )
+    try:
+        cfg = ds_config(stage, 1, {"enabled": True, "sequence_parallel_size": 4, "team_size": team})
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        engine, _, _, _ = sds.initialize(model=model, optimizer=opt, config=cfg)
+        losses = []
+        for ids, pos, labels in _batches():  # full sequences: the adapter shards them
+            per_token = engine(ids, pos, None, labels=labels)
+            assert per_token.shape == (1, 32)  # gathered back to the whole sequence
+            loss = per_token.mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        params = list(engine.module.named_parameters())
+        if stage == 3:
+            with deepspeed.zero.GatheredParameters([p for _, p in params]):
+                final = {k: v.detach().clone() for k, v in params}
+        else:
+            final = {k: v.detach().clone() for k, v in params}
+        del engine
+        gc.collect()
+        ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+        return losses, final
+    finally:
+        T.teardown()
+
+
+@pytest.mark.parametrize("stage,team", [(1, 2), (3, 2), (2, 1)])
+def test_megatron_gpt_through_deepspeed_matches_single_rank(stage, team):
+    ref_losses, ref_params = run_ranks(1, _reference)[0]
+    for losses, params in run_ranks(4, _deepspeed, stage, team):
+        for a, b in zip(losses, ref_losses):
+            assert abs(a - b) <= 1e-5 * abs(b), (losses, ref_losses)
+        assert params.keys() == ref_params.keys()
+        for k, ref in ref_params.items():
+            err = ((params[k] - ref).abs().max() / ref.abs().max()).item()
+            assert err <= 1e-5, f"{k}: {err:.2e}"
+
+
+def _no_startrail_spec(rank, world):
+    import os
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    model = _model(ARGV)  # CP = 1, Megatron's own attention
+    try:
+        try:
+            sds.initialize(
+                model=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                config=ds_config(
+                    1, 1, {"enabled": True, "sequence_parallel_size": 4, "team_size": 2}
+                ),
+            )
+        except (ValueError, NotImplementedError) as e:
+            return str(e)
+        return None
+    finally:
+        T.teardown()
+
+
+def test_megatron_gpt_mismatched_cp_size_is_refused():
+    msg = run_ranks(4, _no_startrail_spec)
+    assert all(m is not None and "startrail.sequence_parallel_size=4" in m for m in msg), msg
