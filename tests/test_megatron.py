@@ -42,6 +42,13 @@ BASE = [
 GQA = ["--group-query-attention", "--num-query-groups", "2"]
 
 
+def st_flags(cp: int, team, placement: str | None = None) -> list[str]:
+    """StarTrail's flags for CP size ``cp`` and team size ``team``."""
+    flags = ["--context-parallel-size", str(cp), "--context-parallel-impl", "startrail"]
+    flags += ["--startrail-team-size", str(team)]
+    return flags + (["--startrail-placement", placement] if placement else [])
+
+
 def _train(rank, world, argv, steps, save=None, load=None, grads=True):
     """The entry point's own pieces, step by step; returns losses and main_grads per step."""
     args = T.parse_args(argv)
@@ -94,18 +101,7 @@ def test_gpt_startrail_cp4_matches_cp1(heads, team):
     Adam runs are compared on losses in the other tests)."""
     extra = (GQA if heads == "gqa" else []) + ["--optimizer", "sgd"]
     ref = _baseline(extra)
-    argv = (
-        BASE
-        + extra
-        + [
-            "--context-parallel-size",
-            "4",
-            "--context-parallel-impl",
-            "startrail",
-            "--startrail-team-size",
-            str(team),
-        ]
-    )
+    argv = BASE + extra + st_flags(4, team)
     res = run_ranks(4, _train, argv, 3)
     for r in res:  # every CP rank holds the same all-reduced gradients
         _assert_close_runs(r, ref)
@@ -113,18 +109,7 @@ def test_gpt_startrail_cp4_matches_cp1(heads, team):
 
 def test_adam_losses_and_first_gradients_match():
     ref = _baseline(GQA)
-    argv = (
-        BASE
-        + GQA
-        + [
-            "--context-parallel-size",
-            "4",
-            "--context-parallel-impl",
-            "startrail",
-            "--startrail-team-size",
-            "2",
-        ]
-    )
+    argv = BASE + GQA + st_flags(4, 2)
     res = run_ranks(4, _train, argv, 3)
     for losses, grads in res:
         _assert_close_runs((losses, grads[:1]), (ref[0], ref[1][:1]))
@@ -132,16 +117,7 @@ def test_adam_losses_and_first_gradients_match():
 
 def test_tp2_cp2_ring_matches_cp1():
     ref = _baseline()
-    argv = BASE + [
-        "--tensor-model-parallel-size",
-        "2",
-        "--context-parallel-size",
-        "2",
-        "--context-parallel-impl",
-        "startrail",
-        "--startrail-team-size",
-        "1",
-    ]
+    argv = BASE + ["--tensor-model-parallel-size", "2"] + st_flags(2, 1)
     res = run_ranks(4, _train, argv, 3, None, None, False)
     for r in res:
         _assert_close_runs(r, ref, grads=False)
@@ -150,16 +126,7 @@ def test_tp2_cp2_ring_matches_cp1():
 @pytest.mark.slow
 def test_dp2_cp4_startrail_matches_cp1():
     ref = _baseline(gbs=4)
-    argv = BASE + [
-        "--context-parallel-size",
-        "4",
-        "--context-parallel-impl",
-        "startrail",
-        "--startrail-team-size",
-        "2",
-        "--startrail-placement",
-        "ring",
-    ]
+    argv = BASE + st_flags(4, 2, placement="ring")
     res = run_ranks(8, _train, argv, 3)
     for losses, grads in res:
         _assert_close_runs((losses, grads[:1]), (ref[0], ref[1][:1]))
@@ -167,14 +134,7 @@ def test_dp2_cp4_startrail_matches_cp1():
 
 def test_checkpoint_from_startrail_loads_into_cp1(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    argv = BASE + [
-        "--context-parallel-size",
-        "4",
-        "--context-parallel-impl",
-        "startrail",
-        "--startrail-team-size",
-        "2",
-    ]
+    argv = BASE + st_flags(4, 2)
     st_run = run_ranks(4, _train, argv, 3, (ckpt, 2), None, False)[0]
     assert os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt"))
     cp1 = run_ranks(1, _train, BASE, 1, None, ckpt, False)[0]
@@ -255,14 +215,7 @@ def test_module_level_spec_object():
     [
         (["--context-parallel-impl", "ring"], "--context-parallel-impl: invalid choice: 'ring'"),
         (
-            [
-                "--context-parallel-size",
-                "4",
-                "--context-parallel-impl",
-                "startrail",
-                "--startrail-team-size",
-                "3",
-            ],
+            st_flags(4, 3),
             "--startrail-team-size 3 does not fit --context-parallel-size 4",
         ),
         (
