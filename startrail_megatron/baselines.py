@@ -51,6 +51,7 @@ from .kernels import AttentionKernel, acc_dtype, get_kernel, merge_partial
 
 __all__ = [
     "allgather_attention",
+    "allgather_calls",
     "allgather_comm_bytes",
     "allgather_comm_calls",
     "ulysses_attention",
@@ -158,8 +159,14 @@ def _resolve(q: Tensor, kernel: str | AttentionKernel, softmax_scale: float | No
 
 
 # ---- all-gather KV ----------------------------------------------------------
-def _ag_calls(rank: int, p: int, causal: bool, s_local: int):
-    """(q rows, kv rows of the natural-order KV, causal) per kernel call."""
+def allgather_calls(
+    rank: int, cp_size: int, causal: bool, s_local: int
+) -> list[tuple[slice, slice, bool]]:
+    """Kernel calls of one rank: (local q rows, rows of the natural-order KV, causal).
+
+    Pure arithmetic; the planner counts compute from it.
+    """
+    p = cp_size
     if not causal:
         return [(slice(0, s_local), slice(0, p * s_local), False)]
     c = s_local // 2
@@ -186,7 +193,7 @@ class _AllGatherAttention(torch.autograd.Function):
         acc = acc_dtype(q.dtype)
         out = torch.zeros(s, b, hq, d, dtype=acc, device=q.device)
         lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
-        for qs, ks, cz in _ag_calls(rank, p, causal, s):
+        for qs, ks, cz in allgather_calls(rank, p, causal, s):
             o, l_ = kernel.forward(q[qs], kv[ks, 0], kv[ks, 1], causal=cz, scale=scale)
             merge_partial(out[qs], lse[..., qs], o, l_)
         out = out.to(q.dtype)
@@ -209,7 +216,7 @@ class _AllGatherAttention(torch.autograd.Function):
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # [P*s, 2, b, hkv, d]
-        for qs, ks, cz in _ag_calls(rank, p, causal, q.shape[0]):
+        for qs, ks, cz in allgather_calls(rank, p, causal, q.shape[0]):
             g_q, g_k, g_v = kernel.backward(
                 dout[qs],
                 q[qs],
