@@ -3,21 +3,21 @@
     startrail-bench --nproc 4 --seq-len 4096          # or scripts/bench_attention.py
 
 One run, the same inputs, shapes and ranks for every strategy. For each it
-times forward + backward (``--warmup`` untimed, then ``--repeats`` timed; a
-repeat's time is the slowest rank's), and records the bytes each rank sent
+times forward + backward (``--warmup`` untimed, then ``--repeats`` timed rounds;
+a repeat's time is the slowest rank's; the rounds interleave all strategies and
+the microbenchmarks, so load from elsewhere on a shared host falls on all alike), and records the bytes each rank sent
 (P2P and collective, from the ``CommLedger``), the communication calls, the
 peak memory, and the largest error against a float64 reference. It also
 times a few kernel calls, P2P exchanges and all-gathers, fits the cost
 model's constants to them (``planner.calibrate``) and prints the calibrated
 model's prediction beside each measured time.
 
-Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over one iteration;
-on CPU the growth of the process's resident set (Linux ``VmHWM`` after
-resetting it through ``/proc/self/clear_refs``, minus ``VmRSS`` before), the
-largest growth over ranks. RSS counts pages the allocator touched, not
-tensors: memory the allocator kept from an earlier strategy is reused
-without growth (an underestimate), and allocator slack counts (an
-overestimate). Compare strategies, not absolute numbers.
+Peak memory (``--memory``, largest over ranks): on CUDA
+``torch.cuda.max_memory_allocated`` over one iteration; on CPU by default the
+peak of live tensor bytes allocated during one iteration, read from PyTorch's
+profiler memory timeline (tensors only: inputs allocated before the
+iteration and allocator slack are not counted); ``--memory rss`` uses the
+resident-set high-water growth instead (see ``PeakMemory``).
 
 Outputs: a table on stdout, ``--json`` (all numbers), ``--png`` (time and
 bytes per strategy). Runs on CPU with gloo (spawns ``--nproc`` ranks), or
@@ -60,36 +60,76 @@ def _status_kib(field: str) -> int:
 
 
 class PeakMemory:
-    """Peak memory of a region: CUDA allocator peak, or RSS high-water growth on CPU."""
+    """Peak memory of a region on one rank.
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.method = (
-            "torch.cuda.max_memory_allocated"
-            if device.type == "cuda"
-            else "RSS high-water growth (VmHWM reset via /proc/self/clear_refs)"
-        )
+    ``"cuda"``: ``torch.cuda.max_memory_allocated`` above the allocation at entry.
+    ``"profiler"`` (CPU): the peak of live tensor bytes allocated inside the
+    region, from PyTorch's profiler memory timeline (tensors only, no
+    allocator slack; slow: a few seconds per region).
+    ``"rss"`` (CPU): growth of the resident set (Linux ``VmHWM`` after a reset
+    through ``/proc/self/clear_refs``, minus ``VmRSS`` at entry); pages kept
+    by the allocator from earlier work are reused without growth, so it can
+    read low (even 0) for whatever runs after a larger run.
+    """
+
+    METHODS = {
+        "cuda": "torch.cuda.max_memory_allocated above the allocation at entry",
+        "profiler": "peak live tensor bytes allocated in one iteration (torch profiler "
+        "memory timeline, CPU)",
+        "rss": "RSS high-water growth (VmHWM reset via /proc/self/clear_refs)",
+        "none": "not measured",
+    }
+
+    def __init__(self, device: torch.device, method: str = "auto"):
+        if method == "auto":
+            method = "cuda" if device.type == "cuda" else "profiler"
+        if method not in self.METHODS:
+            raise ValueError(f"memory method {method!r} not known; allowed: {list(self.METHODS)}")
+        self.device, self.method, self.peak = device, method, 0
+
+    @property
+    def description(self) -> str:
+        return self.METHODS[self.method]
 
     def __enter__(self) -> PeakMemory:
-        if self.device.type == "cuda":
+        if self.method == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
-        else:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                self.method = "RSS high-water (not resettable here: process lifetime)"
+        elif self.method == "rss":
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
             self.base = _status_kib("VmRSS") * 1024
+        elif self.method == "profiler":
+            from torch.profiler import ProfilerActivity, profile
+
+            self.prof = profile(
+                activities=[ProfilerActivity.CPU],
+                profile_memory=True,
+                record_shapes=True,
+                with_stack=True,
+            )
+            self.prof.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
+        if self.method == "cuda":
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self.base
-        else:
+        elif self.method == "rss":
             self.peak = _status_kib("VmHWM") * 1024 - self.base
+        elif self.method == "profiler":
+            import warnings
+
+            self.prof.__exit__(*exc)
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "timeline.json")
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    self.prof.export_memory_timeline(path, device="cpu")
+                with open(path) as f:
+                    _, sizes = json.load(f)
+            self.peak = max((sum(row) for row in sizes), default=0)
 
 
 # ---- reference ------------------------------------------------------------------
@@ -143,34 +183,29 @@ def _max_over_ranks(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
-def _time(fn, device, warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        out.append(time.perf_counter() - t0)
-    return _max_over_ranks(out, device)
+def _time_once(fn, device) -> float:
+    dist.barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
 
 
-def _microbench(args, rank, world, device, dtype) -> dict:
-    """Kernel calls, P2P exchanges and all-gathers, on all ranks at once."""
+def _micro_tasks(args, rank, world, device, dtype) -> list[tuple[str, dict, object]]:
+    """Kernel calls, P2P exchanges and all-gathers to time: (table, row, fn)."""
     kern = get_kernel("auto", dtype)
     b, h, hkv, d = args.batch, args.heads, args.kv_heads, args.head_dim
     s = args.seq_len // world
     scale = d**-0.5
-    rows = []
+    tasks: list[tuple[str, dict, object]] = []
     for n in sorted({max(s // 4, 1), max(s // 2, 1), s, 2 * s}):
         q = torch.randn(n, b, h, d, device=device, dtype=dtype)
         kv = torch.randn(n, b, hkv, d, device=device, dtype=dtype)
         acc = torch.zeros(n, b, h, d, device=device, dtype=torch.float32)
         lse0 = torch.full((b, h, n), -math.inf, device=device)
 
-        def fwd(q=q, kv=kv, acc=acc, lse0=lse0):
+        def fwd(q=q, kv=kv, acc=acc, lse0=lse0):  # a call and the merge after it
             o, lse = kern.forward(q, kv, kv, causal=False, scale=scale)
             merge_partial(acc, lse0.clone(), o, lse)
             return o, lse
@@ -180,11 +215,8 @@ def _microbench(args, rank, world, device, dtype) -> dict:
         def bwd(o=o, q=q, kv=kv, lse=lse):
             kern.backward(o, q, kv, kv, o, lse, causal=False, scale=scale)
 
-        tf = min(_time(fwd, device, 1, args.micro_repeats))
-        tb = min(_time(bwd, device, 1, args.micro_repeats))
-        pairs = n * n
-        rows.append({"pairs": pairs, "flops": 4 * d * h * b * pairs, "fwd_s": tf, "bwd_s": tb})
-    p2p_rows, ag_rows = [], []
+        row = {"pairs": n * n, "flops": 4 * d * h * b * n * n}
+        tasks += [("kernel_fwd", row, fwd), ("kernel_bwd", row, bwd)]
     if world > 1:
         p2p = P2PComm(None, rank, None)
         team = TeamComm(None, world, None)
@@ -196,19 +228,26 @@ def _microbench(args, rank, world, device, dtype) -> dict:
             def ex(x=x):
                 p2p.exchange(x, (rank + 1) % world, (rank - 1) % world, "x").wait()
 
-            p2p_rows.append({"bytes": nb, "s": min(_time(ex, device, 1, args.micro_repeats))})
-
             def ag(x=x):
                 team.all_gather(x, "x")
 
-            ag_rows.append(
-                {
-                    "bytes": (world - 1) * nb,
-                    "ranks": world,
-                    "s": min(_time(ag, device, 1, args.micro_repeats)),
-                }
-            )
-    return {"kernel": rows, "p2p": p2p_rows, "all_gather": ag_rows}
+            tasks.append(("p2p", {"bytes": nb}, ex))
+            tasks.append(("all_gather", {"bytes": (world - 1) * nb, "ranks": world}, ag))
+    return tasks
+
+
+def _micro_record(tasks, times: list[list[float]]) -> dict:
+    """The fastest round of every microbenchmark, as ``planner.calibrate`` reads it."""
+    kernel: dict[int, dict] = {}
+    out: dict[str, list] = {"kernel": [], "p2p": [], "all_gather": []}
+    for (table, row, _), ts in zip(tasks, times):
+        if table.startswith("kernel"):
+            k = kernel.setdefault(row["pairs"], dict(row))
+            k["fwd_s" if table == "kernel_fwd" else "bwd_s"] = min(ts)
+        else:
+            out[table].append({**row, "s": min(ts)})
+    out["kernel"] = [kernel[p] for p in sorted(kernel)]
+    return out
 
 
 def _progress(rank: int, msg: str) -> None:
@@ -254,7 +293,7 @@ def _run(rank: int, world: int, args) -> dict | None:
         acc_bytes=8 if dtype == torch.float64 else 4,
         causal=causal,
     )
-    results = []
+    steps, info = [], []
     for i, st in enumerate(strategies):
         t_start = time.perf_counter()
         groups = (
@@ -287,48 +326,69 @@ def _run(rank: int, world: int, args) -> dict | None:
                     r = ref[j]
                     errs.append(((full.double().cpu() - r).abs().max() / r.abs().max()).item())
             err = max(errs) if rank == 0 else None
-        with PeakMemory(device) as mem:
+        del out
+        with PeakMemory(device, args.memory) as mem:
             step()
         peak = _max_over_ranks([float(mem.peak)], device)[0]
-        times = _time(step, device, args.warmup, args.repeats)
+        for _ in range(args.warmup):
+            step()
         summary = ledger.summary()
         led = _max_over_ranks([float(v) for v in summary.values()], device)
-        if rank == 0:
-            med = statistics.median(times)
-            q1, q3 = (
-                statistics.quantiles(times, n=4, method="inclusive")[::2]
-                if len(times) > 1
-                else (med, med)
-            )
-            results.append(
-                {
-                    "strategy": st.name,
-                    "kind": st.kind,
-                    "team_size": st.team_size,
-                    "placement": st.placement
-                    if st.kind == "startrail" and st.team_size > 1
-                    else "-",
-                    "median_s": med,
-                    "min_s": min(times),
-                    "max_s": max(times),
-                    "iqr_s": q3 - q1,
-                    "times_s": times,
-                    "ledger_max_over_ranks": dict(zip(summary, (int(v) for v in led))),
-                    "model_bytes_max_over_ranks": {
-                        k: max(b[k] for b in comm_bytes(st, shape))
-                        for k in comm_bytes(st, shape)[0]
-                    },
-                    "peak_memory_bytes": peak,
-                    "max_rel_error": err,
-                }
-            )
+        steps.append(step)
+        info.append((st, err, peak, dict(zip(summary, (int(v) for v in led)))))
         _progress(
             rank,
-            f"[{i + 1}/{len(strategies)}] {st.name:22s} median "
-            f"{statistics.median(times) * 1e3:9.2f} ms  ({time.perf_counter() - t_start:.1f}s)",
+            f"[{i + 1}/{len(strategies)}] {st.name}: checked, memory, warm-up "
+            f"({time.perf_counter() - t_start:.1f}s)",
         )
-    _progress(rank, "microbenchmarks for the cost model ...")
-    micro = _microbench(args, rank, world, device, dtype)
+    # Interleaved rounds: each times every strategy once, then every microbenchmark,
+    # so that load from elsewhere on the host falls on all of them alike.
+    tasks = _micro_tasks(args, rank, world, device, dtype)
+    times = [[] for _ in steps]
+    micro_times = [[] for _ in tasks]
+    for rnd in range(args.repeats):
+        t_start = time.perf_counter()
+        for j, fn in enumerate(steps):
+            times[j].append(_time_once(fn, device))
+        for j, (_, _, fn) in enumerate(tasks):
+            micro_times[j].append(_time_once(fn, device))
+        _progress(
+            rank,
+            f"round {rnd + 1}/{args.repeats}: "
+            + ", ".join(f"{st.name} {t[-1] * 1e3:.0f} ms" for (st, *_), t in zip(info, times))
+            + f" ({time.perf_counter() - t_start:.1f}s)",
+        )
+    flat = _max_over_ranks([t for ts in times + micro_times for t in ts], device)
+    r_ = args.repeats
+    times = [flat[j * r_ : (j + 1) * r_] for j in range(len(times))]
+    off = len(steps) * r_
+    micro_times = [flat[off + j * r_ : off + (j + 1) * r_] for j in range(len(tasks))]
+    micro = _micro_record(tasks, micro_times)
+    results = []
+    for (st, err, peak, led), ts in zip(info, times):
+        med = statistics.median(ts)
+        q1, q3 = (
+            statistics.quantiles(ts, n=4, method="inclusive")[::2] if len(ts) > 1 else (med, med)
+        )
+        results.append(
+            {
+                "strategy": st.name,
+                "kind": st.kind,
+                "team_size": st.team_size,
+                "placement": st.placement if st.kind == "startrail" and st.team_size > 1 else "-",
+                "median_s": med,
+                "min_s": min(ts),
+                "max_s": max(ts),
+                "iqr_s": q3 - q1,
+                "times_s": ts,
+                "ledger_max_over_ranks": led,
+                "model_bytes_max_over_ranks": {
+                    k: max(b[k] for b in comm_bytes(st, shape)) for k in comm_bytes(st, shape)[0]
+                },
+                "peak_memory_bytes": peak,
+                "max_rel_error": err,
+            }
+        )
     if rank != 0:
         return None
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -363,8 +423,9 @@ def _run(rank: int, world: int, args) -> dict | None:
             "cpus": os.cpu_count(),
             "host": platform.machine(),
         },
-        "memory_method": mem.method,
-        "time_method": "forward+backward wall time, slowest rank per repeat (barrier before)",
+        "memory_method": PeakMemory(device, args.memory).description,
+        "time_method": "forward+backward wall time, slowest rank per repeat (barrier before); "
+        "repeats interleaved across strategies and microbenchmarks",
         "results": results,
         "calibration": {"microbenchmarks": micro, "cluster": cluster.__dict__},
     }
@@ -487,7 +548,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="no causal mask (default: causal, zigzag)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--micro-repeats", type=int, default=5)
+    p.add_argument(
+        "--memory",
+        choices=["auto", *PeakMemory.METHODS],
+        default="auto",
+        help="peak-memory method (auto: cuda on GPUs, profiler on CPU)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--strategies", nargs="*", help="only these names (e.g. ring startrail-C2-team)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference")
@@ -511,7 +577,7 @@ def run(argv: list[str] | None = None) -> dict:
     under_torchrun = "RANK" in os.environ
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
     args.cuda = under_torchrun and torch.cuda.is_available()
-    for name in ("warmup", "micro_repeats", "threads"):
+    for name in ("warmup", "threads"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}")
     if args.repeats < 1:

@@ -19,7 +19,7 @@ def _bench_rank(rank, world, args):
 
 
 TINY = ["--seq-len", "32", "--heads", "4", "--kv-heads", "4", "--head-dim", "16"]
-TINY += ["--warmup", "0", "--repeats", "2", "--micro-repeats", "1"]
+TINY += ["--warmup", "0", "--repeats", "2"]
 
 
 def test_bench_tiny_all_strategies(tmp_path):
@@ -36,13 +36,13 @@ def test_bench_tiny_all_strategies(tmp_path):
         led, model = r["ledger_max_over_ranks"], r["model_bytes_max_over_ranks"]
         for key in model:
             assert led[f"{key}_bytes"] == model[key], (r["strategy"], key)
-        assert r["predicted_s"] > 0 and r["peak_memory_bytes"] >= 0
+        assert r["predicted_s"] > 0 and r["peak_memory_bytes"] > 0
     ring = report["results"][0]["ledger_max_over_ranks"]
     star = report["results"][1]["ledger_max_over_ranks"]
     assert star["fwd_p2p_bytes"] < ring["fwd_p2p_bytes"] and ring["fwd_collective_bytes"] == 0
     assert report["calibration"]["cluster"]["attn_flops"] > 0
     table = bench.format_table(report)
-    assert "startrail-C2-team" in table and "RSS" in table
+    assert "startrail-C2-team" in table and "profiler" in table
     png = tmp_path / "b.png"
     bench.write_png(report, str(png))
     assert png.read_bytes()[:4] == b"\x89PNG"

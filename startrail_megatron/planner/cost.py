@@ -318,9 +318,9 @@ def memory_bytes(
 ) -> dict[str, float]:
     """Peak memory per rank, refined from real tensor sizes (GQA included).
 
-    ``model_states``: bf16 weights and gradients plus fp32 master weights and
-    Adam moments sharded over ``zero_shards`` ranks (ZeRO-2 over the CP group
-    by default, as in the paper). ``checkpoints``: one layer input
+    ``model_states``: bf16 weights (replicated), bf16 gradients and fp32
+    master weights and Adam moments (12 bytes/param) sharded over
+    ``zero_shards`` ranks (ZeRO-2 over the CP group by default, as in the paper). ``checkpoints``: one layer input
     ``[s, b, H]`` per layer (full activation checkpointing). ``layer``: the
     layer recomputed in the backward, its MLP intermediates, and the
     attention's working set at its peak (the backward) for this strategy.
@@ -332,7 +332,7 @@ def memory_bytes(
     uq = tok * shape.heads_q * shape.head_dim  # one local q (or out) tensor, elements
     ukv = tok * shape.heads_kv * shape.head_dim  # one local k (or v)
     h = model.hidden
-    states = model.params * (2 + 2) + model.params * 12 / zero
+    states = model.params * 2 + model.params * (2 + 12) / zero
     checkpoints = model.layers * tok * h * e
     dense = tok * (3 * h + 2 * model.ffn_hidden) * e  # ln/qkv/proj outputs, MLP intermediates
     local = (2 * uq + 2 * ukv) * e * 2  # q, k, v, out and their gradients
