@@ -14,9 +14,8 @@ model's prediction beside each measured time.
 
 Peak memory (``--memory``, largest over ranks): on CUDA
 ``torch.cuda.max_memory_allocated`` over one iteration; on CPU by default the
-peak of live tensor bytes allocated during one iteration, read from PyTorch's
-profiler memory timeline (tensors only: inputs allocated before the
-iteration and allocator slack are not counted); ``--memory rss`` uses the
+peak of live tensor bytes during one iteration, tracked at PyTorch's
+dispatch level (``MemTracker``: tensors only, no allocator slack); ``--memory rss`` uses the
 resident-set high-water growth instead (see ``PeakMemory``).
 
 Outputs: a table on stdout, ``--json`` (all numbers), ``--png`` (time and
@@ -63,9 +62,10 @@ class PeakMemory:
     """Peak memory of a region on one rank.
 
     ``"cuda"``: ``torch.cuda.max_memory_allocated`` above the allocation at entry.
-    ``"profiler"`` (CPU): the peak of live tensor bytes allocated inside the
-    region, from PyTorch's profiler memory timeline (tensors only, no
-    allocator slack; slow: a few seconds per region).
+    ``"tracker"`` (CPU): the peak of live tensor bytes during the region,
+    from PyTorch's dispatch-level ``MemTracker``
+    (``torch.distributed._tools.mem_tracker``, a private tool; tensors only,
+    including those alive at entry, no allocator slack).
     ``"rss"`` (CPU): growth of the resident set (Linux ``VmHWM`` after a reset
     through ``/proc/self/clear_refs``, minus ``VmRSS`` at entry); pages kept
     by the allocator from earlier work are reused without growth, so it can
@@ -74,15 +74,14 @@ class PeakMemory:
 
     METHODS = {
         "cuda": "torch.cuda.max_memory_allocated above the allocation at entry",
-        "profiler": "peak live tensor bytes allocated in one iteration (torch profiler "
-        "memory timeline, CPU)",
+        "tracker": "peak live tensor bytes in one iteration (torch MemTracker, CPU)",
         "rss": "RSS high-water growth (VmHWM reset via /proc/self/clear_refs)",
         "none": "not measured",
     }
 
     def __init__(self, device: torch.device, method: str = "auto"):
         if method == "auto":
-            method = "cuda" if device.type == "cuda" else "profiler"
+            method = "cuda" if device.type == "cuda" else "tracker"
         if method not in self.METHODS:
             raise ValueError(f"memory method {method!r} not known; allowed: {list(self.METHODS)}")
         self.device, self.method, self.peak = device, method, 0
@@ -100,16 +99,11 @@ class PeakMemory:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
             self.base = _status_kib("VmRSS") * 1024
-        elif self.method == "profiler":
-            from torch.profiler import ProfilerActivity, profile
+        elif self.method == "tracker":
+            from torch.distributed._tools.mem_tracker import MemTracker
 
-            self.prof = profile(
-                activities=[ProfilerActivity.CPU],
-                profile_memory=True,
-                record_shapes=True,
-                with_stack=True,
-            )
-            self.prof.__enter__()
+            self.tracker = MemTracker()
+            self.tracker.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -118,18 +112,10 @@ class PeakMemory:
             self.peak = torch.cuda.max_memory_allocated() - self.base
         elif self.method == "rss":
             self.peak = _status_kib("VmHWM") * 1024 - self.base
-        elif self.method == "profiler":
-            import warnings
-
-            self.prof.__exit__(*exc)
-            with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "timeline.json")
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    self.prof.export_memory_timeline(path, device="cpu")
-                with open(path) as f:
-                    _, sizes = json.load(f)
-            self.peak = max((sum(row) for row in sizes), default=0)
+        elif self.method == "tracker":
+            self.tracker.__exit__(*exc)
+            peak = self.tracker.get_tracker_snapshot("peak")
+            self.peak = max((v.get("Total", 0) for v in peak.values()), default=0)
 
 
 # ---- reference ------------------------------------------------------------------
@@ -552,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory",
         choices=["auto", *PeakMemory.METHODS],
         default="auto",
-        help="peak-memory method (auto: cuda on GPUs, profiler on CPU)",
+        help="peak-memory method (auto: cuda on GPUs, tracker on CPU)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--strategies", nargs="*", help="only these names (e.g. ring startrail-C2-team)")

@@ -42,7 +42,7 @@ def test_bench_tiny_all_strategies(tmp_path):
     assert star["fwd_p2p_bytes"] < ring["fwd_p2p_bytes"] and ring["fwd_collective_bytes"] == 0
     assert report["calibration"]["cluster"]["attn_flops"] > 0
     table = bench.format_table(report)
-    assert "startrail-C2-team" in table and "profiler" in table
+    assert "startrail-C2-team" in table and "MemTracker" in table
     png = tmp_path / "b.png"
     bench.write_png(report, str(png))
     assert png.read_bytes()[:4] == b"\x89PNG"
