@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from datetime import timedelta
 
 import torch
@@ -103,6 +104,9 @@ class PeakMemory:
             from torch.distributed._tools.mem_tracker import MemTracker
 
             self.tracker = MemTracker()
+            self._quiet = warnings.catch_warnings()
+            self._quiet.__enter__()
+            warnings.simplefilter("ignore")  # its module hooks warn about non-modules
             self.tracker.__enter__()
         return self
 
@@ -114,6 +118,7 @@ class PeakMemory:
             self.peak = _status_kib("VmHWM") * 1024 - self.base
         elif self.method == "tracker":
             self.tracker.__exit__(*exc)
+            self._quiet.__exit__(*exc)
             peak = self.tracker.get_tracker_snapshot("peak")
             self.peak = max((v.get("Total", 0) for v in peak.values()), default=0)
 
@@ -203,6 +208,18 @@ def _micro_tasks(args, rank, world, device, dtype) -> list[tuple[str, dict, obje
 
         row = {"pairs": n * n, "flops": 4 * d * h * b * n * n}
         tasks += [("kernel_fwd", row, fwd), ("kernel_bwd", row, bwd)]
+        if n >= s // 2:  # causal diagonal calls, as the schedules make them
+
+            def cfwd(q=q, kv=kv):
+                return kern.forward(q, kv, kv, causal=True, scale=scale)
+
+            co, clse = cfwd()
+
+            def cbwd(o=co, q=q, kv=kv, lse=clse):
+                kern.backward(o, q, kv, kv, o, lse, causal=True, scale=scale)
+
+            crow = {"pairs": n * (n + 1) // 2, "flops": 4 * d * h * b * (n * (n + 1) // 2)}
+            tasks += [("kernel_causal_fwd", crow, cfwd), ("kernel_causal_bwd", crow, cbwd)]
     if world > 1:
         p2p = P2PComm(None, rank, None)
         team = TeamComm(None, world, None)
@@ -224,15 +241,17 @@ def _micro_tasks(args, rank, world, device, dtype) -> list[tuple[str, dict, obje
 
 def _micro_record(tasks, times: list[list[float]]) -> dict:
     """The fastest round of every microbenchmark, as ``planner.calibrate`` reads it."""
-    kernel: dict[int, dict] = {}
-    out: dict[str, list] = {"kernel": [], "p2p": [], "all_gather": []}
+    kernel: dict[tuple[str, int], dict] = {}
+    out: dict[str, list] = {"kernel": [], "kernel_causal": [], "p2p": [], "all_gather": []}
     for (table, row, _), ts in zip(tasks, times):
         if table.startswith("kernel"):
-            k = kernel.setdefault(row["pairs"], dict(row))
-            k["fwd_s" if table == "kernel_fwd" else "bwd_s"] = min(ts)
+            name, _, phase = table.rpartition("_")
+            k = kernel.setdefault((name, row["pairs"]), dict(row))
+            k[f"{phase}_s"] = min(ts)
         else:
             out[table].append({**row, "s": min(ts)})
-    out["kernel"] = [kernel[p] for p in sorted(kernel)]
+    for name, pairs in sorted(kernel):
+        out[name].append(kernel[name, pairs])
     return out
 
 

@@ -50,6 +50,8 @@ class ClusterSpec:
     """Memory per GPU, bytes."""
     overlap: bool = True
     """Whether P2P overlaps compute and the team all-gather the QKV projection."""
+    causal_efficiency: float = 1.0
+    """Throughput of a causal (diagonal) call relative to a full one, per unmasked pair."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -62,7 +64,14 @@ class ClusterSpec:
             raise ValueError(
                 f"gpus_per_node={self.gpus_per_node} and num_nodes={self.num_nodes} must be >= 1"
             )
-        for f in ("intra_bw", "inter_bw", "inter_bw_per_gpu", "attn_flops", "matmul_flops"):
+        for f in (
+            "intra_bw",
+            "inter_bw",
+            "inter_bw_per_gpu",
+            "attn_flops",
+            "matmul_flops",
+            "causal_efficiency",
+        ):
             if getattr(self, f) <= 0:
                 raise ValueError(f"cluster setting {f} must be > 0, got {getattr(self, f)!r}")
 

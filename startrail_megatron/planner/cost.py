@@ -272,7 +272,7 @@ def _all_to_all(cl: ClusterSpec, p: int, nbytes: int, calls: int) -> float:
 # ---- compute ----------------------------------------------------------------
 @lru_cache(maxsize=256)
 def _startrail_work(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
-    """[step][rank] -> (query-key pairs per (batch, head), kernel calls)."""
+    """[step][rank] -> ((full pairs, causal pairs) per (batch, head), kernel calls)."""
     c = lay.team_size
     chunk = s_local // 2 if causal else c * s_local
     plans: dict[tuple[int, int], tuple[int, int]] = {}
@@ -287,15 +287,21 @@ def _startrail_work(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
                     calls = plan_block(lay.team_chunks(t), lay.team_chunks(kv), True)
                 else:
                     calls = plan_block([0], [0], False)
-                plans[t, kv] = (sum(x.pairs(chunk) for x in calls), len(calls))
+                full = sum(x.pairs(chunk) for x in calls if not x.causal)
+                diag = sum(x.pairs(chunk) for x in calls if x.causal)
+                plans[t, kv] = ((full, diag), len(calls))
             row.append(plans[t, kv])
         steps.append(row)
     return tuple(tuple(r) for r in steps)
 
 
-def _kernel_time(cl: ClusterSpec, shape: AttnShape, pairs: int, calls: int, bwd: bool) -> float:
-    flops = 4 * shape.head_dim * shape.heads_q * shape.batch * pairs
-    t = calls * cl.kernel_overhead + flops / cl.attn_flops
+def _kernel_time(
+    cl: ClusterSpec, shape: AttnShape, pairs: tuple[int, int], calls: int, bwd: bool
+) -> float:
+    """Kernel time of (full pairs, causal-diagonal pairs) in ``calls`` calls."""
+    per_pair = 4 * shape.head_dim * shape.heads_q * shape.batch
+    full, diag = pairs
+    t = calls * cl.kernel_overhead + per_pair * (full + diag / cl.causal_efficiency) / cl.attn_flops
     return t * cl.attn_bwd_ratio if bwd else t
 
 
@@ -454,8 +460,9 @@ def _peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
         ]
 
         def work(r):
-            pairs = sum(nq * (nq + 1) // 2 if cz else nq * nk for nq, nk, cz in calls[r])
-            return pairs, len(calls[r])
+            full = sum(nq * nk for nq, nk, cz in calls[r] if not cz)
+            diag = sum(nq * (nq + 1) // 2 for nq, nk, cz in calls[r] if cz)
+            return (full, diag), len(calls[r])
 
         fwd_c = max(_kernel_time(cl, shape, *work(r), False) for r in range(p))
         bwd_c = max(_kernel_time(cl, shape, *work(r), True) for r in range(p))
@@ -463,7 +470,7 @@ def _peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
         bwd = _collective(cl, everyone, b["bwd_collective"], 2) + bwd_c
         return fwd, bwd, 0.0
     n = shape.seq_len
-    pairs = n * (n + 1) // 2 if shape.causal else n * n
+    pairs = (0, n * (n + 1) // 2) if shape.causal else (n * n, 0)
     local = (
         AttnShape(
             p,
