@@ -218,7 +218,8 @@ def _micro_tasks(args, rank, world, device, dtype) -> list[tuple[str, dict, obje
             def cbwd(o=co, q=q, kv=kv, lse=clse):
                 kern.backward(o, q, kv, kv, o, lse, causal=True, scale=scale)
 
-            crow = {"pairs": n * (n + 1) // 2, "flops": 4 * d * h * b * (n * (n + 1) // 2)}
+            cp = n * (n + 1) // 2
+            crow = {"rows": n, "pairs": cp, "flops": 4 * d * h * b * cp}
             tasks += [("kernel_causal_fwd", crow, cfwd), ("kernel_causal_bwd", crow, cbwd)]
     if world > 1:
         p2p = P2PComm(None, rank, None)

@@ -255,14 +255,15 @@ def test_fit_recovers_known_constants():
             }
             for n in (1024, 4096, 16384)
         ],
-        "kernel_causal": [  # causal calls at half the full-call throughput
+        "kernel_causal": [  # causal calls that also compute 100 masked pairs per row
             {
-                "pairs": n,
-                "flops": 4 * 64 * 8 * n,
-                "fwd_s": over + 2 * 4 * 64 * 8 * n / tput,
-                "bwd_s": 2.5 * (over + 2 * 4 * 64 * 8 * n / tput),
+                "rows": n,
+                "pairs": n * (n + 1) // 2,
+                "flops": 4 * 64 * 8 * n * (n + 1) // 2,
+                "fwd_s": over + 4 * 64 * 8 * (n * (n + 1) // 2 + 100 * n) / tput,
+                "bwd_s": 2.5 * (over + 4 * 64 * 8 * (n * (n + 1) // 2 + 100 * n) / tput),
             }
-            for n in (2080, 8256)
+            for n in (512, 2048)
         ],
         "p2p": [{"bytes": b, "s": alpha + b / bw} for b in (1024, 1 << 20, 1 << 22)],
         "all_gather": [
@@ -275,7 +276,7 @@ def test_fit_recovers_known_constants():
     assert cl.kernel_overhead == pytest.approx(over, rel=1e-6)
     assert cl.attn_flops == pytest.approx(tput, rel=1e-6)
     assert cl.attn_bwd_ratio == pytest.approx(2.5)
-    assert cl.causal_efficiency == pytest.approx(0.5)
+    assert cl.causal_tile_waste == pytest.approx(100)
     assert not cl.overlap and cl.num_gpus == 4
     assert fit_linear([(1, 1), (1, 2)], [-1.0, -2.0]) == [0.0, 0.0]
     flat = {**micro, "kernel": [{**r, "fwd_s": 0.01} for r in micro["kernel"]]}

@@ -9,8 +9,8 @@ on a shared host). Least squares on relative errors then gives:
 
   kernel:  t_fwd = overhead + flops / attn_flops      (flops = 4 d h b pairs)
            attn_bwd_ratio = median(t_bwd / t_fwd)
-           causal_efficiency = median over causal calls of (full-call model time of
-           their unmasked pairs) / (measured time), forward + backward
+           causal_tile_waste = median over causal calls of the pairs their time
+           buys beyond the unmasked ones, per query row (fwd + bwd)
   links:   t = k * alpha + bytes / bw, k = 1 for a P2P, n-1 for an n-rank all-gather
 
 The fitted ``ClusterSpec`` is one node holding every rank (all links
@@ -61,7 +61,7 @@ def fit_cluster(micro: dict, *, num_ranks: int, memory_bytes: float) -> ClusterS
     """A ``ClusterSpec`` from the benchmark's ``calibration`` record.
 
     ``micro`` holds ``kernel``: rows {pairs, flops, fwd_s, bwd_s} of full calls;
-    ``kernel_causal`` (optional): the same for causal calls (unmasked pairs);
+    ``kernel_causal`` (optional): causal calls, {rows, pairs (unmasked), flops, fwd_s, bwd_s};
     ``p2p``: rows {bytes, s}; ``all_gather``: rows {bytes (per-rank volume), ranks, s}.
     """
     k = micro["kernel"]
@@ -72,16 +72,13 @@ def fit_cluster(micro: dict, *, num_ranks: int, memory_bytes: float) -> ClusterS
         overhead, inv_tp = 0.0, big["fwd_s"] / big["flops"]
         note = "; kernel fit degenerate: throughput of the largest call, no overhead"
     bwd_ratio = statistics.median(r["bwd_s"] / r["fwd_s"] for r in k)
-    # Causal (diagonal) calls: measured against what a full call of as many pairs takes.
-    causal = micro.get("kernel_causal", [])
-    eff = [
-        (r["flops"] * inv_tp)
-        / (r["fwd_s"] + r["bwd_s"] - (1 + bwd_ratio) * overhead)
-        * (1 + bwd_ratio)
-        for r in causal
-        if r["fwd_s"] + r["bwd_s"] > (1 + bwd_ratio) * overhead
-    ]
-    causal_eff = statistics.median(eff) if eff else 1.0
+    # Causal (diagonal) calls: the work beyond their unmasked pairs, per query row.
+    waste = []
+    for r in micro.get("kernel_causal", []):
+        t = (r["fwd_s"] + r["bwd_s"]) / (1 + bwd_ratio) - overhead
+        per_pair = r["flops"] / r["pairs"]
+        waste.append(max(t / inv_tp / per_pair - r["pairs"], 0.0) / r["rows"])
+    tile_waste = statistics.median(waste) if waste else 0.0
     rows = [((1.0, r["bytes"]), r["s"]) for r in micro["p2p"]]
     rows += [((r["ranks"] - 1.0, r["bytes"]), r["s"]) for r in micro["all_gather"]]
     alpha, inv_bw = fit_linear([x for x, _ in rows], [y for _, y in rows])
@@ -101,5 +98,5 @@ def fit_cluster(micro: dict, *, num_ranks: int, memory_bytes: float) -> ClusterS
         kernel_overhead=overhead,
         gpu_memory=memory_bytes,
         overlap=False,
-        causal_efficiency=causal_eff,
+        causal_tile_waste=tile_waste,
     )

@@ -31,7 +31,7 @@ _CLUSTER_OVERRIDES = {
     "attn_tflops": ("attn_flops", 1e12),
     "matmul_tflops": ("matmul_flops", 1e12),
     "gpu_memory": ("gpu_memory", 2**30),
-    "causal_efficiency": ("causal_efficiency", 1.0),
+    "causal_tile_waste": ("causal_tile_waste", 1.0),
 }
 _MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
 

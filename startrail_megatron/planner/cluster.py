@@ -50,8 +50,9 @@ class ClusterSpec:
     """Memory per GPU, bytes."""
     overlap: bool = True
     """Whether P2P overlaps compute and the team all-gather the QKV projection."""
-    causal_efficiency: float = 1.0
-    """Throughput of a causal (diagonal) call relative to a full one, per unmasked pair."""
+    causal_tile_waste: float = 64.0
+    """Masked (q, k) pairs a causal call still computes per query row (diagonal tiles;
+    about half the kernel's key-block size: 64 for flash-attn's 128-key blocks)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -70,7 +71,6 @@ class ClusterSpec:
             "inter_bw_per_gpu",
             "attn_flops",
             "matmul_flops",
-            "causal_efficiency",
         ):
             if getattr(self, f) <= 0:
                 raise ValueError(f"cluster setting {f} must be > 0, got {getattr(self, f)!r}")

@@ -272,7 +272,7 @@ def _all_to_all(cl: ClusterSpec, p: int, nbytes: int, calls: int) -> float:
 # ---- compute ----------------------------------------------------------------
 @lru_cache(maxsize=256)
 def _startrail_work(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
-    """[step][rank] -> ((full pairs, causal pairs) per (batch, head), kernel calls)."""
+    """[step][rank] -> ((full pairs, causal pairs, causal rows) per (batch, head), calls)."""
     c = lay.team_size
     chunk = s_local // 2 if causal else c * s_local
     plans: dict[tuple[int, int], tuple[int, int]] = {}
@@ -289,19 +289,25 @@ def _startrail_work(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
                     calls = plan_block([0], [0], False)
                 full = sum(x.pairs(chunk) for x in calls if not x.causal)
                 diag = sum(x.pairs(chunk) for x in calls if x.causal)
-                plans[t, kv] = ((full, diag), len(calls))
+                rows = sum((x.q_hi - x.q_lo) * chunk for x in calls if x.causal)
+                plans[t, kv] = ((full, diag, rows), len(calls))
             row.append(plans[t, kv])
         steps.append(row)
     return tuple(tuple(r) for r in steps)
 
 
 def _kernel_time(
-    cl: ClusterSpec, shape: AttnShape, pairs: tuple[int, int], calls: int, bwd: bool
+    cl: ClusterSpec, shape: AttnShape, pairs: tuple[int, int, int], calls: int, bwd: bool
 ) -> float:
-    """Kernel time of (full pairs, causal-diagonal pairs) in ``calls`` calls."""
+    """Kernel time of (full pairs, causal-diagonal pairs, causal rows) in ``calls`` calls.
+
+    A causal call also computes the masked part of its diagonal tiles:
+    ``causal_tile_waste`` extra pairs per query row.
+    """
     per_pair = 4 * shape.head_dim * shape.heads_q * shape.batch
-    full, diag = pairs
-    t = calls * cl.kernel_overhead + per_pair * (full + diag / cl.causal_efficiency) / cl.attn_flops
+    full, diag, rows = pairs
+    work = full + diag + rows * cl.causal_tile_waste
+    t = calls * cl.kernel_overhead + per_pair * work / cl.attn_flops
     return t * cl.attn_bwd_ratio if bwd else t
 
 
@@ -462,7 +468,8 @@ def _peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
         def work(r):
             full = sum(nq * nk for nq, nk, cz in calls[r] if not cz)
             diag = sum(nq * (nq + 1) // 2 for nq, nk, cz in calls[r] if cz)
-            return (full, diag), len(calls[r])
+            rows = sum(nq for nq, nk, cz in calls[r] if cz)
+            return (full, diag, rows), len(calls[r])
 
         fwd_c = max(_kernel_time(cl, shape, *work(r), False) for r in range(p))
         bwd_c = max(_kernel_time(cl, shape, *work(r), True) for r in range(p))
@@ -470,7 +477,7 @@ def _peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
         bwd = _collective(cl, everyone, b["bwd_collective"], 2) + bwd_c
         return fwd, bwd, 0.0
     n = shape.seq_len
-    pairs = (0, n * (n + 1) // 2) if shape.causal else (n * n, 0)
+    pairs = (0, n * (n + 1) // 2, n) if shape.causal else (n * n, 0, 0)
     local = (
         AttnShape(
             p,
