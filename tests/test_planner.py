@@ -279,6 +279,8 @@ def test_fit_recovers_known_constants():
     assert cl.causal_tile_waste == pytest.approx(100)
     assert not cl.overlap and cl.num_gpus == 4
     assert fit_linear([(1, 1), (1, 2)], [-1.0, -2.0]) == [0.0, 0.0]
+    alone = fit_cluster({**micro, "p2p": [], "all_gather": []}, num_ranks=1, memory_bytes=1e10)
+    assert alone.intra_latency == 0.0 and alone.num_gpus == 1
     flat = {**micro, "kernel": [{**r, "fwd_s": 0.01} for r in micro["kernel"]]}
     degenerate = fit_cluster(flat, num_ranks=4, memory_bytes=1e10)
     assert "degenerate" in degenerate.name and degenerate.kernel_overhead == 0.0

@@ -81,7 +81,10 @@ def fit_cluster(micro: dict, *, num_ranks: int, memory_bytes: float) -> ClusterS
     tile_waste = statistics.median(waste) if waste else 0.0
     rows = [((1.0, r["bytes"]), r["s"]) for r in micro["p2p"]]
     rows += [((r["ranks"] - 1.0, r["bytes"]), r["s"]) for r in micro["all_gather"]]
-    alpha, inv_bw = fit_linear([x for x, _ in rows], [y for _, y in rows])
+    if len(rows) >= 2:
+        alpha, inv_bw = fit_linear([x for x, _ in rows], [y for _, y in rows])
+    else:  # one rank: nothing to send
+        alpha, inv_bw = 0.0, 0.0
     bw = 1.0 / inv_bw if inv_bw > 0 else 1e15
     return ClusterSpec(
         name=f"calibrated CPU ranks ({num_ranks} gloo ranks, one host){note}",
