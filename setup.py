@@ -14,5 +14,12 @@ setup(
         "deepspeed": ["deepspeed>=0.16", "pydantic>=2", "transformers>=5.0"],
         "gpu": ["flash-attn>=2.5"],
         "dev": ["pytest", "ruff", "numpy", "matplotlib"],
+        "bench": ["matplotlib"],
+    },
+    entry_points={
+        "console_scripts": [
+            "startrail-bench=startrail_megatron.bench:main",
+            "startrail-plan=startrail_megatron.planner.cli:main",
+        ]
     },
 )

@@ -6,12 +6,16 @@ Entry points:
   zigzag_shard / zigzag_unshard                                        sequence layout
   StarTrailLayout                                                      pure rank arithmetic
   CommLedger                                                           communication accounting
+  allgather_attention / ulysses_attention                             the peers (baselines)
+  planner (subpackage)                                                 cost model, startrail-plan
 
 The core imports neither Megatron nor DeepSpeed; their adapters live in
 their own subpackages.
 """
 
+from . import baselines
 from .attention import startrail_attention
+from .baselines import allgather_attention, ulysses_attention
 from .comm import CommEvent, CommLedger
 from .groups import StarTrailGroups
 from .kernels import get_kernel, merge_partial
@@ -26,9 +30,12 @@ __all__ = [
     "PLACEMENTS",
     "StarTrailGroups",
     "StarTrailLayout",
+    "allgather_attention",
+    "baselines",
     "get_kernel",
     "merge_partial",
     "startrail_attention",
+    "ulysses_attention",
     "valid_team_sizes",
     "zigzag_shard",
     "zigzag_unshard",

@@ -10,7 +10,10 @@ synchronizes the device: ``Work.wait()`` only orders streams on NCCL.
 Accounting: pass a ``CommLedger`` and every call appends a ``CommEvent``.
 ``nbytes`` is what *this rank sends*: the message size for a P2P send, and
 the ring-algorithm volume ``(n-1)/n`` of the full buffer for an all-gather or
-reduce-scatter over ``n`` ranks. Transfers to oneself are never made.
+reduce-scatter over ``n`` ranks, ``(n-1)/n`` of the input for an all-to-all.
+Transfers to oneself are never made. One exception to "every call goes
+through here": DeepSpeed-Ulysses (``baselines.py``) runs DeepSpeed's own
+all-to-alls; ``tap_all_to_all`` records them in the ledger.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ Kind = Literal["p2p", "collective"]
 class CommEvent:
     phase: str  # "fwd" or "bwd"
     kind: Kind
-    op: str  # "send", "all_gather", "reduce_scatter"
+    op: str  # "send", "all_gather", "reduce_scatter", "all_to_all"
     what: str  # which tensor: "kv", "dkv", "qkv", "lse", ...
     nbytes: int
     peer: int | None = None  # CP rank for P2P
@@ -87,7 +90,11 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class TeamComm:
-    """Collectives over one team (a process group of C ranks)."""
+    """All-gather / reduce-scatter over one process group of ``size`` ranks.
+
+    StarTrail uses it over a team (C ranks); the all-gather-KV peer over the
+    whole CP group (P ranks).
+    """
 
     def __init__(self, group: dist.ProcessGroup | None, size: int, ledger: CommLedger | None):
         self.group, self.size, self.ledger = group, size, ledger
@@ -177,3 +184,42 @@ class P2PComm:
         if self.ledger is not None:
             self.ledger.record("p2p", "send", what, _nbytes(send), dst)
         return P2PHandle(works, recv)
+
+
+class _AllToAllTap(torch.autograd.Function):
+    """Identity that records one all-to-all of its input (forward) and of its gradient."""
+
+    @staticmethod
+    def forward(ctx, x, ledger, size, what, grad_what):
+        ctx.ledger, ctx.size, ctx.grad_what = ledger, size, grad_what
+        ledger.record("collective", "all_to_all", what, all_to_all_bytes(x, size))
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.ledger.phase = "bwd"
+        ctx.ledger.record(
+            "collective", "all_to_all", ctx.grad_what, all_to_all_bytes(grad, ctx.size)
+        )
+        return grad, None, None, None, None
+
+
+def all_to_all_bytes(x: Tensor, size: int) -> int:
+    """Bytes a rank sends in an even all-to-all of ``x`` over ``size`` ranks: (size-1)/size."""
+    return (size - 1) * _nbytes(x) // size
+
+
+def tap_all_to_all(
+    x: Tensor, ledger: CommLedger | None, size: int, what: str, grad_what: str
+) -> Tensor:
+    """Account an all-to-all that another library performs on ``x`` (and on its gradient).
+
+    DeepSpeed-Ulysses issues its own all-to-alls inside ``DistributedAttention``;
+    placing this identity at the tensor that crosses each one records the
+    transfer in ``ledger`` (``what`` in the forward, ``grad_what`` when the
+    gradient crosses back in the backward). Tests compare these records with
+    the ``torch.distributed.all_to_all_single`` calls actually made.
+    """
+    if ledger is None or size == 1:
+        return x
+    return _AllToAllTap.apply(x, ledger, size, what, grad_what)

@@ -1,0 +1,352 @@
+"""StarTrail's peers as attention functions with the same contract, for benchmarks.
+
+Same call shape as ``startrail_attention``: q ``[s_local, b, heads_q, head_dim]``,
+k/v ``[s_local, b, heads_kv, head_dim]`` (Megatron layout; causal expects the
+zigzag split), an explicit process group, ``ledger=CommLedger`` accounting.
+
+``allgather_attention`` (Megatron's ``cp_comm_type="all_gather"``, i.e.
+TransformerEngine's ``AttnFuncWithCPAndKVAllGather``): all-gather K and V over
+the whole CP group, compute the local queries against the keys they need, and
+in the backward all-gather K, V again and reduce-scatter dK, dV. Causal, for
+CP rank r with zigzag chunks r and 2P-1-r (c tokens per chunk)::
+
+    q chunk r        : full against chunks [0, r)        + causal on chunk r
+    q chunk 2P-1-r   : full against chunks [0, 2P-1-r)   + causal on chunk 2P-1-r
+
+so every rank computes the same number of (q, k) pairs.
+
+``ulysses_attention`` (DeepSpeed-Ulysses): DeepSpeed's own
+``deepspeed.sequence.layer.DistributedAttention`` around our local kernel.
+Its all-to-alls turn the sequence shard into a head shard (every rank: the
+whole sequence, heads/P heads), the local kernel runs full causal attention
+(the zigzag-ordered gathered sequence is put in natural order first), and the
+output goes back by the inverse all-to-all. Needs ``heads_q`` and
+``heads_kv`` divisible by P. DeepSpeed is imported lazily, only here.
+
+Ring attention is ``startrail_attention`` with ``team_size=1``.
+
+Communication per rank and call (u_q, u_kv: elements of one local q / k
+tensor; ``elem``: input dtype bytes; ``acc``: fp32, fp64 for fp64):
+
+  all-gather   fwd  all-gather K,V           (P-1) 2 u_kv elem
+               bwd  all-gather K,V again     (P-1) 2 u_kv elem
+                    reduce-scatter dK,dV     (P-1) 2 u_kv acc
+  Ulysses      fwd  all-to-all q, k, v, out  (P-1)/P (2 u_q + 2 u_kv) elem
+               bwd  dout, dq, dk, dv         (P-1)/P (2 u_q + 2 u_kv) elem
+
+``allgather_comm_bytes`` / ``ulysses_comm_bytes`` give these numbers (pure
+arithmetic); the tests check them against the ledger, and the planner uses
+them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .attention import validate_inputs
+from .comm import CommLedger, TeamComm, tap_all_to_all
+from .kernels import AttentionKernel, acc_dtype, get_kernel, merge_partial
+
+__all__ = [
+    "allgather_attention",
+    "allgather_calls",
+    "allgather_comm_bytes",
+    "allgather_comm_calls",
+    "ulysses_attention",
+    "ulysses_comm_bytes",
+    "ulysses_comm_calls",
+    "ulysses_supported",
+]
+
+
+# ---- accounting (pure) ------------------------------------------------------
+def allgather_comm_bytes(
+    cp_size: int,
+    *,
+    s_local: int,
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    elem_bytes: int,
+    acc_bytes: int = 4,
+) -> dict[str, int]:
+    """Bytes one rank sends in one all-gather-KV attention forward and backward.
+
+    Same keys as ``StarTrailLayout.comm_bytes``; every transfer is a collective.
+    """
+    kv = 2 * s_local * batch * heads_kv * head_dim  # local K and V elements
+    p1 = cp_size - 1
+    return {
+        "fwd_p2p": 0,
+        "bwd_p2p": 0,
+        "fwd_collective": p1 * kv * elem_bytes,
+        "bwd_collective": p1 * kv * (elem_bytes + acc_bytes),
+    }
+
+
+def allgather_comm_calls(cp_size: int) -> dict[str, int]:
+    """Collective calls per rank: forward 1 (all-gather), backward 2."""
+    n = int(cp_size > 1)
+    return {"fwd_p2p": 0, "bwd_p2p": 0, "fwd_collective": n, "bwd_collective": 2 * n}
+
+
+def ulysses_comm_bytes(
+    cp_size: int,
+    *,
+    s_local: int,
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    elem_bytes: int,
+    acc_bytes: int = 4,
+) -> dict[str, int]:
+    """Bytes one rank sends in one Ulysses attention forward and backward.
+
+    ``acc_bytes`` is accepted for a uniform signature; Ulysses moves only
+    input-dtype tensors.
+    """
+    del acc_bytes
+    tok = s_local * batch
+    per = 2 * tok * heads_q * head_dim + 2 * tok * heads_kv * head_dim  # q, out, k, v
+    each = (cp_size - 1) * per * elem_bytes // cp_size
+    return {"fwd_p2p": 0, "bwd_p2p": 0, "fwd_collective": each, "bwd_collective": each}
+
+
+def ulysses_comm_calls(cp_size: int) -> dict[str, int]:
+    """All-to-all calls per rank: forward 4 (q, k, v, out), backward 4."""
+    n = 4 * int(cp_size > 1)
+    return {"fwd_p2p": 0, "bwd_p2p": 0, "fwd_collective": n, "bwd_collective": n}
+
+
+def ulysses_supported(cp_size: int, heads_q: int, heads_kv: int) -> bool:
+    """Ulysses shards heads: both head counts must be multiples of the CP size."""
+    return heads_q % cp_size == 0 and heads_kv % cp_size == 0
+
+
+# ---- shared pieces ----------------------------------------------------------
+def _cp(cp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_initialized():
+        raise RuntimeError("this attention needs torch.distributed to be initialized")
+    return dist.get_rank(cp_group), dist.get_world_size(cp_group)
+
+
+def _natural_order(p: int) -> list[int]:
+    """Chunk positions of the rank-ordered gathered buffer, in global chunk order.
+
+    The gathered buffer holds ``[c0, c(2P-1), c1, c(2P-2), ...]``; chunk ``j`` sits
+    at position ``2j`` for ``j < P`` and at ``2(2P-1-j) + 1`` otherwise.
+    """
+    return [2 * j if j < p else 2 * (2 * p - 1 - j) + 1 for j in range(2 * p)]
+
+
+def _reorder(x: Tensor, order: list[int]) -> Tensor:
+    chunks = x.chunk(len(order), dim=0)
+    return torch.cat([chunks[i] for i in order], dim=0)
+
+
+def _inverse(order: list[int]) -> list[int]:
+    return sorted(range(len(order)), key=order.__getitem__)
+
+
+def _resolve(q: Tensor, kernel: str | AttentionKernel, softmax_scale: float | None):
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    kern = get_kernel(kernel, q.dtype) if isinstance(kernel, str) else kernel
+    return scale, kern
+
+
+# ---- all-gather KV ----------------------------------------------------------
+def allgather_calls(
+    rank: int, cp_size: int, causal: bool, s_local: int
+) -> list[tuple[slice, slice, bool]]:
+    """Kernel calls of one rank: (local q rows, rows of the natural-order KV, causal).
+
+    Pure arithmetic; the planner counts compute from it.
+    """
+    p = cp_size
+    if not causal:
+        return [(slice(0, s_local), slice(0, p * s_local), False)]
+    c = s_local // 2
+    out = []
+    for half, chunk in ((0, rank), (1, 2 * p - 1 - rank)):
+        qs = slice(half * c, (half + 1) * c)
+        if chunk > 0:
+            out.append((qs, slice(0, chunk * c), False))
+        out.append((qs, slice(chunk * c, (chunk + 1) * c), True))
+    return out
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp_group, causal, scale, kernel, ledger):
+        rank, p = _cp(cp_group)
+        if ledger is not None:
+            ledger.phase = "fwd"
+        comm = TeamComm(cp_group, p, ledger)
+        kv = comm.all_gather(torch.stack((k, v), dim=1), "kv")  # [P*s, 2, b, hkv, d] rank order
+        if causal:
+            kv = _reorder(kv, _natural_order(p))  # natural chunk order
+        s, b, hq, d = q.shape
+        acc = acc_dtype(q.dtype)
+        out = torch.zeros(s, b, hq, d, dtype=acc, device=q.device)
+        lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
+        for qs, ks, cz in allgather_calls(rank, p, causal, s):
+            o, l_ = kernel.forward(q[qs], kv[ks, 0], kv[ks, 1], causal=cz, scale=scale)
+            merge_partial(out[qs], lse[..., qs], o, l_)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = (cp_group, causal, scale, kernel, ledger, rank, p)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp_group, causal, scale, kernel, ledger, rank, p = ctx.cfg
+        if ledger is not None:
+            ledger.phase = "bwd"
+        comm = TeamComm(cp_group, p, ledger)
+        dout = dout.contiguous()
+        kv = comm.all_gather(torch.stack((k, v), dim=1), "kv")  # gathered again, as TE does
+        order = _natural_order(p) if causal else list(range(2 * p))
+        if causal:
+            kv = _reorder(kv, order)
+        acc = acc_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # [P*s, 2, b, hkv, d]
+        for qs, ks, cz in allgather_calls(rank, p, causal, q.shape[0]):
+            g_q, g_k, g_v = kernel.backward(
+                dout[qs],
+                q[qs],
+                kv[ks, 0],
+                kv[ks, 1],
+                out[qs],
+                lse[..., qs],
+                causal=cz,
+                scale=scale,
+            )
+            dq[qs] += g_q
+            dkv[ks, 0] += g_k
+            dkv[ks, 1] += g_v
+        if causal:
+            dkv = _reorder(dkv, _inverse(order))  # back to rank order
+        dkv = comm.reduce_scatter(dkv, "dkv")  # [s, 2, b, hkv, d]
+        dt = q.dtype
+        return dq.to(dt), dkv[:, 0].to(dt), dkv[:, 1].to(dt), None, None, None, None, None
+
+
+def allgather_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cp_group: dist.ProcessGroup | None = None,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    kernel: str | AttentionKernel = "auto",
+    ledger: CommLedger | None = None,
+) -> Tensor:
+    """Exact attention with K and V all-gathered over the CP group (Megatron's ``all_gather``).
+
+    Args: as ``startrail_attention``, with the CP group (``None`` = world)
+    instead of StarTrail's groups. Returns out ``[s_local, b, heads_q, head_dim]``.
+    """
+    _, p = _cp(cp_group)
+    validate_inputs(q, k, v, p, causal)
+    scale, kern = _resolve(q, kernel, softmax_scale)
+    return _AllGatherAttention.apply(q, k, v, cp_group, bool(causal), scale, kern, ledger)
+
+
+# ---- Ulysses ----------------------------------------------------------------
+class _LocalAttention(torch.autograd.Function):
+    """One kernel call with autograd: the kernel contract's forward and backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, kernel):
+        out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = (causal, scale, kernel)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale, kernel = ctx.cfg
+        dq, dk, dv = kernel.backward(
+            dout.contiguous(), q, k, v, out, lse, causal=causal, scale=scale
+        )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+class _UlyssesLocal:
+    """The local attention DeepSpeed's DistributedAttention calls: full sequence, heads/P."""
+
+    def __init__(self, p: int, causal: bool, scale: float, kernel: AttentionKernel):
+        self.p, self.causal, self.scale, self.kernel = p, causal, scale, kernel
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [N, b, h/P, d] each
+        if not self.causal:
+            return _LocalAttention.apply(q, k, v, False, self.scale, self.kernel)
+        order = _natural_order(self.p)
+        q, k, v = (_reorder(x, order) for x in (q, k, v))  # zigzag -> natural order
+        out = _LocalAttention.apply(q, k, v, True, self.scale, self.kernel)
+        return _reorder(out, _inverse(order))
+
+
+def _deepspeed_comm_ready() -> None:
+    try:
+        import deepspeed.comm as dscomm
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "ulysses_attention needs DeepSpeed: pip install 'startrail_megatron[deepspeed]'"
+        ) from e
+    if not dscomm.is_initialized():
+        # Wraps the already initialized torch.distributed world; no new rendezvous.
+        dscomm.init_distributed(
+            dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False
+        )
+
+
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cp_group: dist.ProcessGroup | None = None,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    kernel: str | AttentionKernel = "auto",
+    ledger: CommLedger | None = None,
+) -> Tensor:
+    """DeepSpeed-Ulysses: ``DistributedAttention`` (DeepSpeed's) around our local kernel.
+
+    Args: as ``allgather_attention``. ``heads_q`` and ``heads_kv`` must be
+    multiples of the CP size (``ValueError`` otherwise, before any
+    communication). The all-to-alls are DeepSpeed's; ``ledger`` records them
+    through ``comm.tap_all_to_all``.
+    """
+    _, p = _cp(cp_group)
+    validate_inputs(q, k, v, p, causal)
+    hq, hkv = q.shape[2], k.shape[2]
+    if not ulysses_supported(p, hq, hkv):
+        raise ValueError(
+            f"Ulysses shards heads over the CP group: heads_q ({hq}) and heads_kv ({hkv}) must "
+            f"be multiples of the CP size {p}"
+        )
+    scale, kern = _resolve(q, kernel, softmax_scale)
+    _deepspeed_comm_ready()
+    from deepspeed.sequence.layer import DistributedAttention
+
+    group = cp_group if cp_group is not None else dist.group.WORLD
+    attn = DistributedAttention(
+        _UlyssesLocal(p, bool(causal), scale, kern), group, scatter_idx=2, gather_idx=0
+    )
+    if ledger is not None:
+        ledger.phase = "fwd"
+    qt, kt, vt = (
+        tap_all_to_all(x, ledger, p, w, "d" + w) for x, w in ((q, "q"), (k, "k"), (v, "v"))
+    )
+    out = attn(qt, kt, vt, 1)  # batch_dim_idx=1: [s, b, h, d]
+    return tap_all_to_all(out, ledger, p, "out", "dout")

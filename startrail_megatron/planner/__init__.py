@@ -1,0 +1,52 @@
+"""Cost model, planner and autotuner for StarTrail's team size and placement.
+
+Entry points:
+  predict(strategy, cluster, shape, model)   time, bytes, memory of one strategy
+  plan(cluster, model, seq_len, cp_size)     every candidate, ranked, with a recommendation
+  autotune(candidates, run_trial)            pick by measuring (``--startrail-team-size auto``)
+  fit_cluster(measurements)                  calibrate a ClusterSpec from benchmark JSON
+  CLUSTER_PRESETS, MODEL_PRESETS             documented presets
+CLI: ``startrail-plan`` / ``python -m startrail_megatron.planner``.
+"""
+
+from .autotune import AutotuneResult, Trial, autotune, startrail_candidates
+from .calibrate import fit_cluster, fit_linear
+from .cluster import CLUSTER_PRESETS, MODEL_PRESETS, ClusterSpec, ModelSpec
+from .cost import (
+    AttnShape,
+    Prediction,
+    Strategy,
+    candidate_strategies,
+    comm_bytes,
+    comm_calls,
+    memory_bytes,
+    paper_comm_bytes,
+    paper_memory_units,
+    predict,
+)
+from .plan import Plan, plan
+
+__all__ = [
+    "AttnShape",
+    "AutotuneResult",
+    "Plan",
+    "Trial",
+    "autotune",
+    "fit_cluster",
+    "fit_linear",
+    "plan",
+    "startrail_candidates",
+    "CLUSTER_PRESETS",
+    "ClusterSpec",
+    "MODEL_PRESETS",
+    "ModelSpec",
+    "Prediction",
+    "Strategy",
+    "candidate_strategies",
+    "comm_bytes",
+    "comm_calls",
+    "memory_bytes",
+    "paper_comm_bytes",
+    "paper_memory_units",
+    "predict",
+]

@@ -1,0 +1,134 @@
+"""``startrail-plan``: predicted time, bytes and memory of every (C, placement) and the peers.
+
+    startrail-plan --cluster h100-ib --model gpt-7b --seq-len 64K --cp-size 32
+    startrail-plan --cluster a100-eth --nodes 4 --model llama3-8b --seq-len 128K --cp-size 32 --json
+    startrail-plan --cluster h100-ib --inter-bw 100 --inter-bw-per-gpu 12.5 --hidden 4096 \\
+        --heads 32 --kv-heads 8 --layers 32 --ffn-hidden 14336 --seq-len 256K --cp-size 64
+
+Presets are starting points; every number can be overridden. Bandwidths in
+GB/s (1e9 bytes), latencies in microseconds, throughputs in TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from .cluster import CLUSTER_PRESETS, MODEL_PRESETS, ModelSpec
+from .plan import Plan, plan
+
+_CLUSTER_OVERRIDES = {
+    # flag: (field, scale)
+    "gpus_per_node": ("gpus_per_node", None),
+    "nodes": ("num_nodes", None),
+    "intra_bw": ("intra_bw", 1e9),
+    "intra_latency": ("intra_latency", 1e-6),
+    "inter_bw": ("inter_bw", 1e9),
+    "inter_bw_per_gpu": ("inter_bw_per_gpu", 1e9),
+    "inter_latency": ("inter_latency", 1e-6),
+    "attn_tflops": ("attn_flops", 1e12),
+    "matmul_tflops": ("matmul_flops", 1e12),
+    "gpu_memory": ("gpu_memory", 2**30),
+    "causal_tile_waste": ("causal_tile_waste", 1.0),
+}
+_MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
+
+
+def parse_size(text: str) -> int:
+    """``65536``, ``64K``, ``1M`` -> tokens (K = 1024)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 65536, 64K, 1M)")
+    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[m.group(2).lower()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="startrail-plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--cluster", choices=sorted(CLUSTER_PRESETS), default="h100-ib")
+    for flag in _CLUSTER_OVERRIDES:
+        kind = int if flag in ("gpus_per_node", "nodes") else float
+        p.add_argument(f"--{flag.replace('_', '-')}", type=kind, help="override the preset")
+    p.add_argument("--no-overlap", action="store_true", help="communication never overlaps")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="gpt-7b")
+    for f in _MODEL_FIELDS:
+        p.add_argument(f"--{f.replace('_', '-')}", type=int, help="override the model preset")
+    p.add_argument("--gated-mlp", action="store_true", default=None)
+    p.add_argument("--seq-len", type=parse_size, required=True, help="global tokens (64K ok)")
+    p.add_argument("--cp-size", type=int, required=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def format_plan(pl: Plan) -> str:
+    gib, mib = 2**30, 2**20
+    m = pl.model
+    lines = [
+        f"cluster: {pl.cluster.name} ({pl.cluster.num_nodes} x {pl.cluster.gpus_per_node} GPUs, "
+        f"{pl.cluster.gpu_memory / gib:.0f} GiB each)",
+        f"model: {m.name} ({m.layers} layers, hidden {m.hidden}, {m.heads} heads, "
+        f"{m.kv_heads} kv heads), seq {pl.seq_len}, batch {pl.batch}, CP {pl.cp_size}",
+        f"{'strategy':22s}{'attn ms':>9s}{'layer ms':>10s}{'step s':>8s}"
+        f"{'P2P MiB':>10s}{'coll MiB':>10s}{'mem GiB':>9s}  fits",
+    ]
+    for r in pl.rows:
+        mark = " <- recommended" if pl.recommended is r else ""
+        lines.append(
+            f"{r.strategy:22s}{r.attn_s * 1e3:9.2f}{r.layer_s * 1e3:10.2f}{r.step_s:8.2f}"
+            f"{r.p2p_bytes / mib:10.0f}{r.collective_bytes / mib:10.0f}"
+            f"{r.memory_bytes / gib:9.1f}  {'yes' if r.fits else 'NO'}{mark}"
+        )
+    ring = next((r for r in pl.rows if r.strategy == "ring"), None)
+    if pl.recommended is None:
+        lines.append("no StarTrail configuration fits in GPU memory")
+    elif ring is not None:
+        lines.append(
+            f"recommended: {pl.recommended.strategy} (C={pl.recommended.team_size}, "
+            f"placement {pl.recommended.placement}), predicted "
+            f"{ring.layer_s / pl.recommended.layer_s:.2f}x ring's layer throughput"
+        )
+    if pl.fastest is not None and pl.fastest is not pl.recommended:
+        lines.append(f"fastest overall (peers included): {pl.fastest.strategy}")
+    lines.append(
+        "times: one layer forward+backward (layer) and all layers (step), per rank; bytes: "
+        "max over ranks, fwd+bwd; mem: peak per rank with full checkpointing and ZeRO-2"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    cluster = CLUSTER_PRESETS[args.cluster]
+    changes = {}
+    for flag, (field, scale) in _CLUSTER_OVERRIDES.items():
+        v = getattr(args, flag)
+        if v is not None:
+            changes[field] = v * scale if scale else v
+    if args.no_overlap:
+        changes["overlap"] = False
+    base = MODEL_PRESETS[args.model]
+    mchanges = {f: getattr(args, f) for f in _MODEL_FIELDS if getattr(args, f) is not None}
+    if args.gated_mlp is not None:
+        mchanges["gated_mlp"] = True
+    try:
+        if changes:
+            cluster = cluster.with_(**changes, name=f"{cluster.name} (modified)")
+        model = ModelSpec(
+            **{**base.__dict__, **mchanges, "name": base.name + ("*" if mchanges else "")}
+        )
+        result = plan(cluster, model, args.seq_len, args.cp_size, batch=args.batch)
+    except ValueError as e:
+        p.error(str(e))
+    if args.json:
+        json.dump(result.as_dict(), sys.stdout, indent=1)
+        print()
+    else:
+        print(format_plan(result))
+    return 0

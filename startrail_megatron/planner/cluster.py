@@ -1,0 +1,211 @@
+"""Cluster and model descriptions for the cost model, with documented presets.
+
+Numbers are *achieved* rates (what NCCL / the kernels reach), not data-sheet
+peaks; each preset says where its numbers come from. Units: bytes, seconds,
+FLOP/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+__all__ = ["ClusterSpec", "ModelSpec", "CLUSTER_PRESETS", "MODEL_PRESETS"]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """An alpha-beta (latency-bandwidth) model of a GPU cluster.
+
+    CP rank r runs on GPU r; GPUs ``[k*gpus_per_node, (k+1)*gpus_per_node)``
+    share node k. A transfer between two GPUs of one node uses the intra-node
+    link; otherwise the inter-node network: one GPU alone reaches
+    ``inter_bw_per_gpu`` (its NIC), and the GPUs of a node that send off-node
+    at the same time share the node's ``inter_bw``.
+    """
+
+    name: str
+    gpus_per_node: int
+    """GPUs in one node (one CP rank each)."""
+    num_nodes: int
+    """Nodes available."""
+    intra_bw: float
+    """Achieved intra-node bandwidth per GPU and direction, bytes/s."""
+    intra_latency: float
+    """Latency of one intra-node message, s."""
+    inter_bw: float
+    """Achieved inter-node bandwidth per *node* and direction (all its NICs), bytes/s."""
+    inter_bw_per_gpu: float
+    """Achieved inter-node bandwidth one GPU reaches alone (its NIC rail), bytes/s."""
+    inter_latency: float
+    """Latency of one inter-node message, s."""
+    attn_flops: float
+    """Achieved attention-kernel throughput (forward), FLOP/s."""
+    attn_bwd_ratio: float
+    """Attention backward time / forward time at equal work (flash: 5 matmuls vs 2 -> 2.5)."""
+    matmul_flops: float
+    """Achieved dense GEMM throughput (projections, MLP), FLOP/s."""
+    kernel_overhead: float
+    """Fixed cost per attention kernel call (launch, small-block inefficiency), s."""
+    gpu_memory: float
+    """Memory per GPU, bytes."""
+    overlap: bool = True
+    """Whether P2P overlaps compute and the team all-gather the QKV projection."""
+    causal_tile_waste: float = 64.0
+    """Masked (q, k) pairs a causal call still computes per query row (diagonal tiles;
+    about half the kernel's key-block size: 64 for flash-attn's 128-key blocks)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("name", "overlap"):
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"cluster setting {f.name}={v!r} must be a number >= 0")
+        if self.gpus_per_node < 1 or self.num_nodes < 1:
+            raise ValueError(
+                f"gpus_per_node={self.gpus_per_node} and num_nodes={self.num_nodes} must be >= 1"
+            )
+        for f in (
+            "intra_bw",
+            "inter_bw",
+            "inter_bw_per_gpu",
+            "attn_flops",
+            "matmul_flops",
+        ):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"cluster setting {f} must be > 0, got {getattr(self, f)!r}")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.gpus_per_node * self.num_nodes
+
+    def node(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def with_(self, **changes) -> ClusterSpec:
+        return replace(self, **changes)
+
+
+GB = 1e9
+GiB = 2**30
+
+CLUSTER_PRESETS: dict[str, ClusterSpec] = {
+    # 8 x 8 H100 SXM (DGX H100 class), the paper's cluster (sec. 5).
+    # NVLink 4: 900 GB/s bidirectional per GPU = 450 GB/s per direction; NCCL
+    # reaches ~80% of it -> 360 GB/s, ~3 us per message.
+    # 8 x 400 Gb/s ConnectX-7 per node (one NIC per GPU) = 400 GB/s per node per
+    # direction; ~90% achieved -> 360 GB/s per node, 45 GB/s for one GPU on its
+    # own rail, ~8 us per message.
+    # FlashAttention-2 forward on H100 bf16 at head_dim 128 runs ~330-350
+    # TFLOP/s (FA2 paper, fig. 7-8 class numbers); we take 300e12 in a real
+    # training step. Dense bf16 GEMMs: 989 TFLOP/s peak, ~60% -> 600e12.
+    "h100-ib": ClusterSpec(
+        name="8 x 8 H100 NVLink + 8 x 400 Gb/s IB",
+        gpus_per_node=8,
+        num_nodes=8,
+        intra_bw=360 * GB,
+        intra_latency=3e-6,
+        inter_bw=360 * GB,
+        inter_bw_per_gpu=45 * GB,
+        inter_latency=8e-6,
+        attn_flops=300e12,
+        attn_bwd_ratio=2.5,
+        matmul_flops=600e12,
+        kernel_overhead=10e-6,
+        gpu_memory=80 * GiB,
+    ),
+    # A100 40GB nodes (8 per node, NVLink 3: 600 GB/s bidirectional = 300 per
+    # direction, ~77% achieved -> 230 GB/s) joined by one 100 GbE port per node
+    # (12.5 GB/s; TCP/RoCE reach ~10 GB/s, ~30 us per message). FA2 forward on
+    # A100 ~ 180-190 TFLOP/s of 312 peak: take 150e12; GEMMs ~ 200e12.
+    "a100-eth": ClusterSpec(
+        name="A100 40GB nodes with 100 GbE",
+        gpus_per_node=8,
+        num_nodes=8,
+        intra_bw=230 * GB,
+        intra_latency=5e-6,
+        inter_bw=10 * GB,
+        inter_bw_per_gpu=10 * GB,
+        inter_latency=30e-6,
+        attn_flops=150e12,
+        attn_bwd_ratio=2.5,
+        matmul_flops=200e12,
+        kernel_overhead=10e-6,
+        gpu_memory=40 * GiB,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The transformer whose attention is planned (a decoder layer: attention + MLP)."""
+
+    name: str
+    layers: int
+    """Transformer layers (Y in the paper's memory formula)."""
+    hidden: int
+    """Hidden size H."""
+    heads: int
+    """Query heads."""
+    kv_heads: int
+    """Key/value heads (= heads without GQA)."""
+    ffn_hidden: int
+    """MLP inner size."""
+    gated_mlp: bool = False
+    """SwiGLU-style MLP (three matrices) instead of two."""
+    vocab: int = 50304
+    """Vocabulary size (embedding parameters)."""
+
+    def __post_init__(self) -> None:
+        for f in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"model setting {f}={v!r} must be an integer >= 1")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} must be a multiple of heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def params_per_layer(self) -> int:
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden
+        return h * (h + 2 * kv) + h * h + mlp
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.params_per_layer + self.vocab * self.hidden
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    # GPT-7B of the paper's H100 runs (GPT-3 "6.7B" shape).
+    "gpt-7b": ModelSpec("gpt-7b", layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=16384),
+    # GPT-3B of the paper's A100 runs (GPT-3 "2.7B" shape).
+    "gpt-3b": ModelSpec("gpt-3b", layers=32, hidden=2560, heads=32, kv_heads=32, ffn_hidden=10240),
+    # LLaMA-30B, the paper's worked communication example (H = 6656).
+    "llama-30b": ModelSpec(
+        "llama-30b",
+        layers=60,
+        hidden=6656,
+        heads=52,
+        kv_heads=52,
+        ffn_hidden=17920,
+        gated_mlp=True,
+        vocab=32000,
+    ),
+    # LLaMA-3-8B: GQA (8 KV heads).
+    "llama3-8b": ModelSpec(
+        "llama3-8b",
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        ffn_hidden=14336,
+        gated_mlp=True,
+        vocab=128256,
+    ),
+}

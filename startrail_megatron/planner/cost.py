@@ -1,0 +1,556 @@
+"""An alpha-beta cost model of StarTrail and its peers: time, bytes and memory per rank.
+
+Byte counts are never re-derived here: they come from
+``StarTrailLayout.comm_bytes`` / ``p2p_sends`` (StarTrail, ring = C 1) and from
+``baselines.allgather_comm_bytes`` / ``ulysses_comm_bytes``, the same
+functions the tests check against the ledger of real runs. Compute comes
+from the real kernel-call plans (``masking.plan_block`` on the StarTrail
+schedule, ``baselines.allgather_calls``), so causal balance and the
+diagonal blocks are counted exactly.
+
+Time of one transfer: ``alpha + bytes / bw`` (Hockney). A P2P step takes
+its slowest rank; a link is intra-node or inter-node by the placement, and
+the GPUs of a node that send off-node at once share the node's network
+bandwidth. A ring collective over n ranks takes ``(n-1) alpha + bytes/bw``
+with ``bytes`` the ledger's per-rank volume and ``bw`` its slowest ring edge;
+an all-to-all ``(n-1) alpha`` plus its intra-node and inter-node shares.
+
+StarTrail forward = team all-gather q,k,v + initial KV placement + G ring
+steps (step s: max(compute_s, send KV) with overlap, their sum without) +
+team combine (lse all-gather, out reduce-scatter). Backward = dout/delta
+all-gather + initial placement + G steps (KV and dK/dV in flight) + the dK/dV
+return + dq,dk,dv reduce-scatter. In a layer, the team all-gather overlaps
+the QKV projection (paper, sec. 4.3) when the cluster overlaps.
+All-gather-KV and Ulysses expose their collectives (no overlap), as their
+reference implementations do by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Literal
+
+from ..baselines import (
+    allgather_calls,
+    allgather_comm_bytes,
+    allgather_comm_calls,
+    ulysses_comm_bytes,
+    ulysses_comm_calls,
+    ulysses_supported,
+)
+from ..layout import PLACEMENTS, Placement, StarTrailLayout, valid_team_sizes
+from ..masking import plan_block
+from .cluster import ClusterSpec, ModelSpec
+
+__all__ = [
+    "AttnShape",
+    "Prediction",
+    "Strategy",
+    "StrategyKind",
+    "candidate_strategies",
+    "comm_bytes",
+    "memory_bytes",
+    "paper_comm_bytes",
+    "paper_memory_units",
+    "predict",
+]
+
+StrategyKind = Literal["startrail", "allgather", "ulysses"]
+STRATEGY_KINDS: tuple[str, ...] = ("startrail", "allgather", "ulysses")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run context-parallel attention."""
+
+    kind: StrategyKind
+    team_size: int = 1
+    """StarTrail's C (1 = ring attention); 1 for the peers."""
+    placement: Placement = "team"
+    """StarTrail's placement; ignored by the peers."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRATEGY_KINDS:
+            raise ValueError(f"strategy kind={self.kind!r} is not known; allowed: {STRATEGY_KINDS}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement={self.placement!r} is not known; allowed: {PLACEMENTS}")
+
+    @property
+    def name(self) -> str:
+        if self.kind != "startrail":
+            return self.kind
+        if self.team_size == 1:
+            return "ring"
+        return f"startrail-C{self.team_size}-{self.placement}"
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """The attention one CP group runs (Megatron layout, per rank)."""
+
+    cp_size: int
+    s_local: int
+    batch: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    elem_bytes: int = 2
+    """Input dtype bytes (bf16: 2)."""
+    acc_bytes: int = 4
+    """Accumulation dtype bytes (fp32: 4; fp64 runs: 8)."""
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        for f in ("cp_size", "s_local", "batch", "heads_q", "heads_kv", "head_dim", "elem_bytes"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{f}={v!r} must be an integer >= 1")
+        if self.causal and self.s_local % 2:
+            raise ValueError(
+                f"causal zigzag needs an even s_local (sequence / cp_size), got {self.s_local}"
+            )
+
+    @classmethod
+    def for_model(
+        cls, model: ModelSpec, seq_len: int, cp_size: int, batch: int = 1, **kw
+    ) -> AttnShape:
+        if seq_len % (2 * cp_size):
+            raise ValueError(
+                f"seq_len={seq_len} must be divisible by 2*cp_size = {2 * cp_size} (zigzag)"
+            )
+        return cls(
+            cp_size, seq_len // cp_size, batch, model.heads, model.kv_heads, model.head_dim, **kw
+        )
+
+    @property
+    def seq_len(self) -> int:
+        return self.s_local * self.cp_size
+
+    def kwargs(self) -> dict[str, int]:
+        return dict(
+            s_local=self.s_local,
+            batch=self.batch,
+            heads_q=self.heads_q,
+            heads_kv=self.heads_kv,
+            head_dim=self.head_dim,
+            elem_bytes=self.elem_bytes,
+            acc_bytes=self.acc_bytes,
+        )
+
+
+def candidate_strategies(cp_size: int, heads_q: int, heads_kv: int) -> list[Strategy]:
+    """StarTrail for every valid C and distinct placement (C = 1 is ring), then the peers.
+
+    A placement is listed once when both give the same rank map (C = 1 and C*C = P).
+    """
+    out: list[Strategy] = []
+    for c in valid_team_sizes(cp_size):
+        seen: set[tuple] = set()
+        for pl in PLACEMENTS:
+            lay = StarTrailLayout(cp_size, c, pl)
+            key = tuple(lay.coord(r) for r in range(cp_size))
+            if key not in seen:
+                seen.add(key)
+                out.append(Strategy("startrail", c, pl))
+    out.append(Strategy("allgather"))
+    if ulysses_supported(cp_size, heads_q, heads_kv):
+        out.append(Strategy("ulysses"))
+    return out
+
+
+# ---- bytes ------------------------------------------------------------------
+def comm_bytes(strategy: Strategy, shape: AttnShape) -> list[dict[str, int]]:
+    """Per rank: ``fwd_p2p``, ``bwd_p2p``, ``fwd_collective``, ``bwd_collective`` bytes sent."""
+    p = shape.cp_size
+    if strategy.kind == "startrail":
+        lay = StarTrailLayout(p, strategy.team_size, strategy.placement)
+        return [lay.comm_bytes(r, **shape.kwargs()) for r in range(p)]
+    fn = allgather_comm_bytes if strategy.kind == "allgather" else ulysses_comm_bytes
+    return [fn(p, **shape.kwargs())] * p
+
+
+def comm_calls(strategy: Strategy, shape: AttnShape) -> list[dict[str, int]]:
+    """Per rank: communication calls, same keys as ``comm_bytes``."""
+    p = shape.cp_size
+    if strategy.kind == "allgather":
+        return [allgather_comm_calls(p)] * p
+    if strategy.kind == "ulysses":
+        return [ulysses_comm_calls(p)] * p
+    lay = StarTrailLayout(p, strategy.team_size, strategy.placement)
+    n_coll = 3 if strategy.team_size > 1 else 0
+    out = []
+    for r in range(p):
+        s = lay.p2p_sends(r, backward=True)
+        out.append(
+            {
+                "fwd_p2p": s["kv"],
+                "bwd_p2p": s["kv"] + s["dkv"],
+                "fwd_collective": n_coll,
+                "bwd_collective": n_coll,
+            }
+        )
+    return out
+
+
+def paper_comm_bytes(
+    seq_len: int, hidden: int, cp_size: int, team_size: int, batch: int = 1, elem_bytes: int = 2
+) -> dict[str, float]:
+    """The paper's per-rank forward volumes (eqs. 4-7), in bytes.
+
+    ring ``2BNH`` (K and V of the whole sequence, P steps), StarTrail P2P
+    ``2BNH/C``, StarTrail team collectives ``4BNH(C-1)/P`` (q, k, v gathered,
+    out reduce-scattered, all in the input dtype).
+    """
+    bnh = batch * seq_len * hidden * elem_bytes
+    return {
+        "ring_p2p": 2 * bnh,
+        "startrail_p2p": 2 * bnh / team_size,
+        "startrail_collective": 4 * bnh * (team_size - 1) / cp_size,
+    }
+
+
+# ---- links ------------------------------------------------------------------
+def _inter_bw(cl: ClusterSpec, senders: int) -> float:
+    """Inter-node bandwidth of one GPU while ``senders`` GPUs of its node send off-node."""
+    return min(cl.inter_bw_per_gpu, cl.inter_bw / max(senders, 1))
+
+
+def _p2p_step(cl: ClusterSpec, sends: list[tuple[int, int, int]]) -> float:
+    """One P2P step, every (src, dst, bytes) at once: the slowest sender's time."""
+    off: dict[int, int] = {}
+    for s, d, b in sends:
+        if b and cl.node(s) != cl.node(d):
+            off[cl.node(s)] = off.get(cl.node(s), 0) + 1
+    t = 0.0
+    for s, d, b in sends:
+        if not b or s == d:
+            continue
+        if cl.node(s) == cl.node(d):
+            t = max(t, cl.intra_latency + b / cl.intra_bw)
+        else:
+            t = max(t, cl.inter_latency + b / _inter_bw(cl, off[cl.node(s)]))
+    return t
+
+
+def _collective(cl: ClusterSpec, groups: list[list[int]], nbytes: int, calls: int) -> float:
+    """Ring collectives on every group at once; ``nbytes`` = per-rank volume sent."""
+    if not nbytes:
+        return 0.0
+    off: dict[int, int] = {}
+    edges = []
+    for g in groups:
+        n = len(g)
+        e = [(g[i], g[(i + 1) % n]) for i in range(n)] if n > 1 else []
+        edges.append(e)
+        for s, d in e:
+            if cl.node(s) != cl.node(d):
+                off[cl.node(s)] = off.get(cl.node(s), 0) + 1
+    t = 0.0
+    for g, e in zip(groups, edges):
+        if not e:
+            continue
+        inter = [s for s, d in e if cl.node(s) != cl.node(d)]
+        bw = min([cl.intra_bw] + [_inter_bw(cl, off[cl.node(s)]) for s in inter])
+        alpha = cl.inter_latency if inter else cl.intra_latency
+        t = max(t, calls * (len(g) - 1) * alpha + nbytes / bw)
+    return t
+
+
+def _all_to_all(cl: ClusterSpec, p: int, nbytes: int, calls: int) -> float:
+    """All-to-all over CP ranks 0..p-1; ``nbytes`` = per-rank volume sent."""
+    if p == 1 or not nbytes:
+        return 0.0
+    local = min(cl.gpus_per_node, p)
+    n_in, n_out = local - 1, p - local
+    per_peer = nbytes / (p - 1)
+    t_in = n_in * per_peer / cl.intra_bw
+    t_out = n_out * per_peer / _inter_bw(cl, local) if n_out else 0.0
+    return calls * (n_in * cl.intra_latency + n_out * cl.inter_latency) + max(t_in, t_out)
+
+
+# ---- compute ----------------------------------------------------------------
+@lru_cache(maxsize=256)
+def _startrail_work(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
+    """[step][rank] -> ((full pairs, causal pairs, causal rows) per (batch, head), calls)."""
+    c = lay.team_size
+    chunk = s_local // 2 if causal else c * s_local
+    plans: dict[tuple[int, int], tuple[int, int]] = {}
+    steps = []
+    for step in range(lay.ring_size):
+        row = []
+        for r in range(lay.cp_size):
+            t = lay.coord(r)[0]
+            kv = lay.kv_team_at_step(r, step)
+            if (t, kv) not in plans:
+                if causal:
+                    calls = plan_block(lay.team_chunks(t), lay.team_chunks(kv), True)
+                else:
+                    calls = plan_block([0], [0], False)
+                full = sum(x.pairs(chunk) for x in calls if not x.causal)
+                diag = sum(x.pairs(chunk) for x in calls if x.causal)
+                rows = sum((x.q_hi - x.q_lo) * chunk for x in calls if x.causal)
+                plans[t, kv] = ((full, diag, rows), len(calls))
+            row.append(plans[t, kv])
+        steps.append(row)
+    return tuple(tuple(r) for r in steps)
+
+
+def _kernel_time(
+    cl: ClusterSpec, shape: AttnShape, pairs: tuple[int, int, int], calls: int, bwd: bool
+) -> float:
+    """Kernel time of (full pairs, causal-diagonal pairs, causal rows) in ``calls`` calls.
+
+    A causal call also computes the masked part of its diagonal tiles:
+    ``causal_tile_waste`` extra pairs per query row.
+    """
+    per_pair = 4 * shape.head_dim * shape.heads_q * shape.batch
+    full, diag, rows = pairs
+    work = full + diag + rows * cl.causal_tile_waste
+    t = calls * cl.kernel_overhead + per_pair * work / cl.attn_flops
+    return t * cl.attn_bwd_ratio if bwd else t
+
+
+def _step(cl: ClusterSpec, comp: float, comm: float) -> float:
+    return max(comp, comm) if cl.overlap else comp + comm
+
+
+# ---- memory -----------------------------------------------------------------
+def paper_memory_units(strategy: Strategy, layers: int) -> int:
+    """Activation memory in units of A = BNH/P (paper, eqs. 8-10), beyond model states M.
+
+    Ring / all-gather / Ulysses: Y + 4; StarTrail: Y + 3C + 1.
+    """
+    c = strategy.team_size if strategy.kind == "startrail" else 1
+    return layers + 3 * c + 1 if c > 1 else layers + 4
+
+
+def memory_bytes(
+    strategy: Strategy, shape: AttnShape, model: ModelSpec, zero_shards: int | None = None
+) -> dict[str, float]:
+    """Peak memory per rank, refined from real tensor sizes (GQA included).
+
+    ``model_states``: bf16 weights (replicated), bf16 gradients and fp32
+    master weights and Adam moments (12 bytes/param) sharded over
+    ``zero_shards`` ranks (ZeRO-2 over the CP group by default, as in the paper). ``checkpoints``: one layer input
+    ``[s, b, H]`` per layer (full activation checkpointing). ``layer``: the
+    layer recomputed in the backward, its MLP intermediates, and the
+    attention's working set at its peak (the backward) for this strategy.
+    """
+    p = shape.cp_size
+    zero = zero_shards or p
+    e, a = shape.elem_bytes, shape.acc_bytes
+    tok = shape.s_local * shape.batch
+    uq = tok * shape.heads_q * shape.head_dim  # one local q (or out) tensor, elements
+    ukv = tok * shape.heads_kv * shape.head_dim  # one local k (or v)
+    h = model.hidden
+    states = model.params * 2 + model.params * (2 + 12) / zero
+    checkpoints = model.layers * tok * h * e
+    dense = tok * (3 * h + 2 * model.ffn_hidden) * e  # ln/qkv/proj outputs, MLP intermediates
+    local = (2 * uq + 2 * ukv) * e * 2  # q, k, v, out and their gradients
+    c = strategy.team_size
+    if strategy.kind == "startrail":
+        n = c  # team tokens / local tokens
+        work = (
+            n * (uq + 2 * ukv) * e  # team q, k, v (saved)
+            + n * tok * shape.heads_q * a  # team lse
+            + 2 * n * uq * e  # team dout and the out stand-in
+            + 2 * n * 2 * ukv * e  # KV in use + KV in flight
+            + n * uq * a  # dq accumulator
+            + 2 * n * 2 * ukv * a  # dK/dV in use + in flight
+            + n * (uq + 2 * ukv) * a  # the dq,dk,dv reduce-scatter buffer
+        )
+    elif strategy.kind == "allgather":
+        work = p * 2 * ukv * e * 2 + p * 2 * ukv * a + tok * shape.heads_q * a + uq * a
+    else:  # ulysses: whole sequence, heads/P; the same element counts as local tensors
+        work = (2 * uq + 2 * ukv) * e * 2 + (uq + 2 * ukv) * a + tok * shape.heads_q * a
+    total = states + checkpoints + dense + local + work
+    return {
+        "model_states": states,
+        "checkpoints": checkpoints,
+        "layer": dense + local + work,
+        "attention_work": work,
+        "total": total,
+    }
+
+
+# ---- prediction -------------------------------------------------------------
+@dataclass(frozen=True)
+class Prediction:
+    strategy: str
+    team_size: int
+    placement: str
+    attn_fwd_s: float
+    attn_bwd_s: float
+    attn_s: float
+    """Attention forward + backward of one layer, nothing overlapped with the projections."""
+    layer_s: float
+    """One transformer layer forward + backward, team all-gather overlapped with QKV."""
+    step_s: float
+    """All layers (layer_s * layers), without embedding, loss and optimizer."""
+    p2p_bytes: int
+    """Max over ranks of P2P bytes sent, forward + backward."""
+    collective_bytes: int
+    """Max over ranks of collective bytes sent, forward + backward."""
+    fwd_p2p_bytes: int
+    fwd_collective_bytes: int
+    memory_bytes: float
+    fits: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _dense_flops(model: ModelSpec, tokens: int) -> tuple[float, float]:
+    """(QKV projection, everything else dense) forward FLOPs for ``tokens`` tokens."""
+    h, kv = model.hidden, model.kv_heads * model.head_dim
+    qkv = 2 * tokens * h * (h + 2 * kv)
+    rest = 2 * tokens * (h * h + (3 if model.gated_mlp else 2) * h * model.ffn_hidden)
+    return qkv, rest
+
+
+def _startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
+    """(fwd, bwd, team all-gather of q,k,v) seconds for StarTrail / ring."""
+    p = shape.cp_size
+    lay = StarTrailLayout(p, st.team_size, st.placement)
+    byts = comm_bytes(st, shape)
+    qkv = max(
+        lay.comm_bytes(r, **{**shape.kwargs(), "acc_bytes": 0})["fwd_collective"] for r in range(p)
+    )
+    teams = lay.all_team_ranks()
+    team_kv = st.team_size * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
+    kv_msg = team_kv * shape.elem_bytes
+    dkv_msg = team_kv * shape.acc_bytes
+    work = _startrail_work(lay, shape.causal, shape.s_local)
+    g = lay.ring_size
+
+    def init_step() -> float:
+        return _p2p_step(cl, [(r, lay.initial_send_peer(r), kv_msg) for r in range(p)])
+
+    def ring_step(msg: int) -> float:
+        return _p2p_step(cl, [(r, lay.ring_next(r), msg) for r in range(p)])
+
+    def comp(step: int, bwd: bool) -> float:
+        return max(_kernel_time(cl, shape, pr, nc, bwd) for pr, nc in work[step])
+
+    # Forward
+    t_qkv = _collective(cl, teams, qkv, 1)
+    fwd_coll = max(b["fwd_collective"] for b in byts)
+    t_comb = _collective(cl, teams, fwd_coll - qkv, 2)
+    fwd = t_qkv + init_step() + t_comb
+    for s in range(g):
+        fwd += _step(cl, comp(s, False), ring_step(kv_msg) if s < g - 1 else 0.0)
+    # Backward
+    bwd_coll = max(b["bwd_collective"] for b in byts)
+    bwd = _collective(cl, teams, bwd_coll, 3) + init_step()
+    for s in range(g):
+        if s < g - 1:
+            bwd += _step(cl, comp(s, True), ring_step(kv_msg + dkv_msg))
+        else:
+            ret = [(r, lay.dkv_return_peers(r)[0], dkv_msg) for r in range(p)]
+            bwd += comp(s, True) + _p2p_step(cl, ret)
+    return fwd, bwd, t_qkv
+
+
+def _peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
+    p = shape.cp_size
+    b = comm_bytes(st, shape)[0]
+    everyone = [list(range(p))]
+    if st.kind == "allgather":
+        calls = [
+            [
+                (qs.stop - qs.start, ks.stop - ks.start, cz)
+                for qs, ks, cz in allgather_calls(r, p, shape.causal, shape.s_local)
+            ]
+            for r in range(p)
+        ]
+
+        def work(r):
+            full = sum(nq * nk for nq, nk, cz in calls[r] if not cz)
+            diag = sum(nq * (nq + 1) // 2 for nq, nk, cz in calls[r] if cz)
+            rows = sum(nq for nq, nk, cz in calls[r] if cz)
+            return (full, diag, rows), len(calls[r])
+
+        fwd_c = max(_kernel_time(cl, shape, *work(r), False) for r in range(p))
+        bwd_c = max(_kernel_time(cl, shape, *work(r), True) for r in range(p))
+        fwd = _collective(cl, everyone, b["fwd_collective"], 1) + fwd_c
+        bwd = _collective(cl, everyone, b["bwd_collective"], 2) + bwd_c
+        return fwd, bwd, 0.0
+    n = shape.seq_len
+    pairs = (0, n * (n + 1) // 2, n) if shape.causal else (n * n, 0, 0)
+    local = (
+        AttnShape(
+            p,
+            shape.s_local,
+            shape.batch,
+            shape.heads_q // p,
+            shape.heads_kv // p,
+            shape.head_dim,
+            shape.elem_bytes,
+            shape.acc_bytes,
+            shape.causal,
+        )
+        if p > 1
+        else shape
+    )
+    fwd = _all_to_all(cl, p, b["fwd_collective"], 4) + _kernel_time(cl, local, pairs, 1, False)
+    bwd = _all_to_all(cl, p, b["bwd_collective"], 4) + _kernel_time(cl, local, pairs, 1, True)
+    return fwd, bwd, 0.0
+
+
+def predict(
+    strategy: Strategy, cluster: ClusterSpec, shape: AttnShape, model: ModelSpec | None = None
+) -> Prediction:
+    """Predicted time, bytes and memory per rank of one strategy on one cluster.
+
+    Without ``model`` the layer is attention only (no projections, no MLP) and
+    memory counts the attention's working set alone.
+    """
+    if shape.cp_size > cluster.num_gpus:
+        raise ValueError(
+            f"cp_size={shape.cp_size} exceeds the cluster's {cluster.num_gpus} GPUs "
+            f"({cluster.num_nodes} nodes x {cluster.gpus_per_node})"
+        )
+    if strategy.kind == "ulysses" and not ulysses_supported(
+        shape.cp_size, shape.heads_q, shape.heads_kv
+    ):
+        raise ValueError(
+            f"Ulysses needs heads_q ({shape.heads_q}) and heads_kv ({shape.heads_kv}) divisible "
+            f"by cp_size {shape.cp_size}"
+        )
+    if strategy.kind == "startrail":
+        fwd, bwd, t_qkv = _startrail_times(strategy, cluster, shape)
+    else:
+        fwd, bwd, t_qkv = _peer_times(strategy, cluster, shape)
+    attn = fwd + bwd
+    layer, mem = attn, None
+    if model is not None:
+        qkv_f, rest_f = _dense_flops(model, shape.s_local * shape.batch)
+        t_qkvp, t_rest = qkv_f / cluster.matmul_flops, rest_f / cluster.matmul_flops
+        hidden_ag = min(t_qkv, t_qkvp) if cluster.overlap else 0.0
+        layer = attn + 3 * (t_qkvp + t_rest) - hidden_ag  # dense backward = 2x forward
+        mem = memory_bytes(strategy, shape, model)["total"]
+    else:
+        model_free = ModelSpec(
+            "attn", 1, shape.heads_q * shape.head_dim, shape.heads_q, shape.heads_kv, 1, vocab=1
+        )
+        mem = memory_bytes(strategy, shape, model_free)["attention_work"]
+    byts = comm_bytes(strategy, shape)
+    return Prediction(
+        strategy=strategy.name,
+        team_size=strategy.team_size,
+        placement=strategy.placement
+        if strategy.kind == "startrail" and strategy.team_size > 1
+        else "-",
+        attn_fwd_s=fwd,
+        attn_bwd_s=bwd,
+        attn_s=attn,
+        layer_s=layer,
+        step_s=layer * (model.layers if model is not None else 1),
+        p2p_bytes=max(b["fwd_p2p"] + b["bwd_p2p"] for b in byts),
+        collective_bytes=max(b["fwd_collective"] + b["bwd_collective"] for b in byts),
+        fwd_p2p_bytes=max(b["fwd_p2p"] for b in byts),
+        fwd_collective_bytes=max(b["fwd_collective"] for b in byts),
+        memory_bytes=mem,
+        fits=mem <= cluster.gpu_memory,
+    )

@@ -1,0 +1,77 @@
+"""Rank every candidate strategy for one cluster, model, sequence length and CP size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cluster import ClusterSpec, ModelSpec
+from .cost import AttnShape, Prediction, candidate_strategies, predict
+
+__all__ = ["Plan", "plan"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    cluster: ClusterSpec
+    model: ModelSpec
+    seq_len: int
+    cp_size: int
+    batch: int
+    rows: list[Prediction]
+    """Every candidate, in candidate order (StarTrail by C and placement, then peers)."""
+    recommended: Prediction | None
+    """The fastest StarTrail (C, placement) that fits in memory (None if none fits)."""
+    fastest: Prediction | None
+    """The fastest fitting strategy of all, peers included."""
+
+    def as_dict(self) -> dict:
+        return {
+            "cluster": self.cluster.__dict__,
+            "model": self.model.__dict__,
+            "seq_len": self.seq_len,
+            "cp_size": self.cp_size,
+            "batch": self.batch,
+            "rows": [r.as_dict() for r in self.rows],
+            "recommended": self.recommended.as_dict() if self.recommended else None,
+            "fastest": self.fastest.as_dict() if self.fastest else None,
+        }
+
+
+def plan(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    seq_len: int,
+    cp_size: int,
+    *,
+    batch: int = 1,
+    elem_bytes: int = 2,
+) -> Plan:
+    """Predict every valid (C, placement) and the peers; recommend the fastest that fits.
+
+    Raises ``ValueError`` for a CP size larger than the cluster or a sequence
+    that does not split into 2*cp_size zigzag chunks.
+    """
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size={cp_size!r} must be an integer >= 1")
+    if cp_size > cluster.num_gpus:
+        raise ValueError(
+            f"cp_size={cp_size} exceeds the cluster's {cluster.num_gpus} GPUs "
+            f"({cluster.num_nodes} nodes x {cluster.gpus_per_node})"
+        )
+    shape = AttnShape.for_model(model, seq_len, cp_size, batch, elem_bytes=elem_bytes)
+    rows = [
+        predict(s, cluster, shape, model)
+        for s in candidate_strategies(cp_size, model.heads, model.kv_heads)
+    ]
+    fitting = [r for r in rows if r.fits]
+    star = [r for r in fitting if r.strategy.startswith(("startrail", "ring"))]
+    return Plan(
+        cluster,
+        model,
+        seq_len,
+        cp_size,
+        batch,
+        rows,
+        min(star, key=lambda r: r.layer_s) if star else None,
+        min(fitting, key=lambda r: r.layer_s) if fitting else None,
+    )

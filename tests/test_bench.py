@@ -1,0 +1,61 @@
+"""The benchmark at a tiny size on 4 ranks: every strategy runs, is exact, and reports.
+
+No timing assertions: only that times exist, bytes match the model, errors are
+small and the outputs (table, JSON, PNG) are written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from harness import run_ranks
+
+from startrail_megatron import bench
+
+
+def _bench_rank(rank, world, args):
+    return bench._run(rank, world, args)
+
+
+TINY = ["--seq-len", "32", "--heads", "4", "--kv-heads", "4", "--head-dim", "16"]
+TINY += ["--warmup", "0", "--repeats", "2"]
+
+
+def test_bench_tiny_all_strategies(tmp_path):
+    args = bench.build_parser().parse_args(TINY)
+    args.cuda = False
+    reports = run_ranks(4, _bench_rank, args)
+    assert all(r is None for r in reports[1:])
+    report = reports[0]
+    names = [r["strategy"] for r in report["results"]]
+    assert names == ["ring", "startrail-C2-team", "allgather", "ulysses"]
+    for r in report["results"]:
+        assert r["max_rel_error"] <= 1e-5, r
+        assert len(r["times_s"]) == 2 and r["min_s"] <= r["median_s"] <= r["max_s"]
+        led, model = r["ledger_max_over_ranks"], r["model_bytes_max_over_ranks"]
+        for key in model:
+            assert led[f"{key}_bytes"] == model[key], (r["strategy"], key)
+        assert r["predicted_s"] > 0 and r["peak_memory_bytes"] > 0
+    ring = report["results"][0]["ledger_max_over_ranks"]
+    star = report["results"][1]["ledger_max_over_ranks"]
+    assert star["fwd_p2p_bytes"] < ring["fwd_p2p_bytes"] and ring["fwd_collective_bytes"] == 0
+    assert report["calibration"]["cluster"]["attn_flops"] > 0
+    table = bench.format_table(report)
+    assert "startrail-C2-team" in table and "MemTracker" in table
+    png = tmp_path / "b.png"
+    bench.write_png(report, str(png))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    json.dumps(report)  # serializable as written by main()
+
+
+def test_bench_argument_errors(capsys):
+    for argv, msg in (
+        (["--seq-len", "30"], "divisible by 2*nproc = 8"),
+        (["--heads", "8", "--kv-heads", "3"], "multiple of --kv-heads"),
+        (["--strategies", "startrail-C3-team"], "not valid here"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+    ):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert msg in capsys.readouterr().err

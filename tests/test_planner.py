@@ -1,0 +1,336 @@
+"""The cost model, planner CLI, calibration fit and autotuner.
+
+Byte counts: the model's per-rank bytes and calls equal what the ledger
+records in real runs of every strategy. Worked example: the paper's llama-30B
+numbers. H100 preset: StarTrail ahead of ring for GPT-7B at 64K on 32 GPUs.
+No timing assertions: predicted times are model outputs, not measurements.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from common import make_inputs, shard
+from harness import run_ranks
+
+import startrail_megatron as st
+from startrail_megatron import baselines
+from startrail_megatron.planner import (
+    CLUSTER_PRESETS,
+    MODEL_PRESETS,
+    AttnShape,
+    ClusterSpec,
+    ModelSpec,
+    Strategy,
+    autotune,
+    candidate_strategies,
+    cli,
+    comm_bytes,
+    comm_calls,
+    fit_cluster,
+    fit_linear,
+    memory_bytes,
+    paper_comm_bytes,
+    paper_memory_units,
+    plan,
+    predict,
+    startrail_candidates,
+)
+
+GIB = 2**30
+
+
+# ---- bytes: model == ledger ---------------------------------------------------
+def _ledger_run(rank, world, kind, c, placement, hq, hkv, causal):
+    q, k, v, do = make_inputs(3, 8 * world, 1, hq, hkv, 16)
+    local = [shard(x, rank, world, causal).float().requires_grad_() for x in (q, k, v)]
+    ledger = st.CommLedger()
+    if kind == "startrail":
+        from common import groups_for
+
+        out = st.startrail_attention(*local, groups_for(c, placement), causal=causal, ledger=ledger)
+    elif kind == "allgather":
+        out = baselines.allgather_attention(*local, None, causal=causal, ledger=ledger)
+    else:
+        out = baselines.ulysses_attention(*local, None, causal=causal, ledger=ledger)
+    out.backward(shard(do, rank, world, causal).float())
+    return ledger.summary()
+
+
+@pytest.mark.parametrize("p,hq,hkv", [(4, 8, 4), (8, 8, 8)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_model_bytes_equal_ledger_for_every_strategy(p, hq, hkv, causal):
+    shape = AttnShape(p, 8, 1, hq, hkv, 16, elem_bytes=4, acc_bytes=4, causal=causal)
+    strategies = candidate_strategies(p, hq, hkv)
+    kinds = {s.kind for s in strategies}
+    assert kinds == {"startrail", "allgather", "ulysses"}
+    if p == 8:
+        names = {s.name for s in strategies}
+        assert {"ring", "startrail-C2-team", "startrail-C2-ring"} <= names
+    for s in strategies:
+        got = run_ranks(p, _ledger_run, s.kind, s.team_size, s.placement, hq, hkv, causal)
+        want_b, want_c = comm_bytes(s, shape), comm_calls(s, shape)
+        for r in range(p):
+            for key in want_b[r]:
+                assert got[r][f"{key}_bytes"] == want_b[r][key], (s.name, r, key)
+                assert got[r][f"{key}_calls"] == want_c[r][key], (s.name, r, key)
+
+
+# ---- the paper's worked example -------------------------------------------------
+def test_paper_worked_example_exactly():
+    # llama-30B, N = 64K, H = 6656, P = 64, C = 4, bf16; the paper's "GB" are GiB.
+    ex = paper_comm_bytes(65536, 6656, 64, 4, batch=1, elem_bytes=2)
+    assert ex["ring_p2p"] / GIB == 1.625
+    assert ex["startrail_p2p"] / GIB == 0.40625  # printed 0.406
+    assert ex["startrail_collective"] / GIB == 0.15234375  # printed 0.152
+    assert round((ex["startrail_p2p"] + ex["startrail_collective"]) / GIB, 3) == 0.559  # 0.558
+    # 2BNH counts K and V (B*N*H elements each, 2 bytes): 2 * 65536 * 6656 * 2 bytes.
+    assert ex["ring_p2p"] == 2 * 65536 * 6656 * 2
+
+
+def test_worked_example_with_exact_counts():
+    """The same setting counted by the layout (what the ledger records)."""
+    m = MODEL_PRESETS["llama-30b"]
+    shape = AttnShape.for_model(m, 65536, 64, elem_bytes=2)
+    ring = comm_bytes(Strategy("startrail", 1), shape)
+    star = comm_bytes(Strategy("startrail", 4, "team"), shape)
+    # Ring: P-1 = 63 steps of the local KV, not P: 63/64 of 1.625 GiB.
+    assert {b["fwd_p2p"] for b in ring} == {63 * 2 * 1024 * 6656 * 2}
+    assert ring[0]["fwd_p2p"] / GIB == pytest.approx(1.625 * 63 / 64)
+    # StarTrail P2P: G = 4 messages of the team KV = 2BNH/C exactly, except on the
+    # ranks whose initial placement is a self-send (G - 1 messages).
+    p2p = sorted({b["fwd_p2p"] for b in star})
+    assert [x / GIB for x in p2p] == [0.40625 * 3 / 4, 0.40625]
+    # Collectives: q, k, v all-gathered in bf16 = 3/4 of the paper's 4BNH(C-1)/P;
+    # the partial outputs are reduce-scattered in fp32 and the lse gathered in fp32.
+    u = 1024 * 6656  # local tokens x H
+    want = 3 * (3 * u * 2 + 4 * 1024 * 52 * 4 + u * 4)
+    assert {b["fwd_collective"] for b in star} == {want}
+    assert want / GIB == pytest.approx(
+        0.15234375 * 3 / 4 + 3 * u * 4 / GIB + 12 * 1024 * 52 * 4 / GIB
+    )
+
+
+# ---- H100 preset: GPT-7B, 64K, 32 GPUs ---------------------------------------------
+def _speedups(seq_len):
+    pl = plan(CLUSTER_PRESETS["h100-ib"], MODEL_PRESETS["gpt-7b"], seq_len, 32)
+    rows = {r.strategy: r for r in pl.rows}
+    return pl, rows, rows["ring"].layer_s / pl.recommended.layer_s
+
+
+def test_h100_gpt7b_64k_startrail_ahead_of_ring():
+    pl, rows, speedup = _speedups(65536)
+    # The paper measured +77% (C = 4) end to end; the model's per-layer margin must be of
+    # that order: more than +30%, less than +300%.
+    assert 1.3 < speedup < 4.0, speedup
+    assert pl.recommended.team_size in (2, 4)
+    c4 = min(rows["startrail-C4-team"].layer_s, rows["startrail-C4-ring"].layer_s)
+    assert c4 <= 1.10 * pl.recommended.layer_s  # C = 4 within 10% of the best
+    assert all(r.fits for r in pl.rows)
+    # The gain shrinks at 128K as attention compute grows (paper: +77% -> +35%).
+    _, _, speedup_128k = _speedups(131072)
+    assert 1.0 < speedup_128k < speedup
+
+
+def test_bytes_shrink_with_team_size_and_gqa():
+    m = MODEL_PRESETS["gpt-7b"]
+    shape = AttnShape.for_model(m, 65536, 64)
+    fwd = {
+        c: max(b["fwd_p2p"] for b in comm_bytes(Strategy("startrail", c), shape))
+        for c in (1, 2, 4, 8)
+    }
+    kv = 2 * 1024 * 4096 * 2  # one rank's K and V, bf16
+    # ring: P-1 steps; C: G = P/C^2 messages of C local KVs (C*C = P: only the placement)
+    assert [fwd[c] // kv for c in (1, 2, 4, 8)] == [63, 32, 16, 8]
+    gqa = AttnShape.for_model(MODEL_PRESETS["llama3-8b"], 65536, 64)
+    assert (
+        comm_bytes(Strategy("startrail", 2), gqa)[0]["fwd_p2p"] * 4
+        == comm_bytes(Strategy("startrail", 2), shape)[0]["fwd_p2p"]
+    )
+
+
+# ---- memory -------------------------------------------------------------------------
+def test_memory_paper_units_and_refinement():
+    assert paper_memory_units(Strategy("startrail", 1), 32) == 36  # Y + 4
+    assert paper_memory_units(Strategy("startrail", 4), 32) == 32 + 13  # Y + 3C + 1
+    m = MODEL_PRESETS["gpt-7b"]
+    shape = AttnShape.for_model(m, 65536, 32)
+    mem = {c: memory_bytes(Strategy("startrail", c), shape, m) for c in (1, 2, 4)}
+    assert mem[1]["total"] < mem[2]["total"] < mem[4]["total"]
+    a = shape.s_local * shape.batch * m.hidden * shape.elem_bytes  # the paper's A
+    # The team copies of q, k, v alone: 3C A in the paper; the refined count is above it.
+    assert mem[4]["attention_work"] > 3 * 4 * a
+    gqa = MODEL_PRESETS["llama3-8b"]
+    g_shape = AttnShape.for_model(gqa, 65536, 32)
+    mha = ModelSpec(**{**gqa.__dict__, "kv_heads": gqa.heads})
+    m_shape = AttnShape.for_model(mha, 65536, 32)
+    s4 = Strategy("startrail", 4)
+    assert (
+        memory_bytes(s4, g_shape, gqa)["attention_work"]
+        < memory_bytes(s4, m_shape, mha)["attention_work"]
+    )
+    tiny = CLUSTER_PRESETS["a100-eth"].with_(gpu_memory=1 * GIB)
+    assert not any(r.fits for r in plan(tiny, m, 65536, 32).rows)
+    assert plan(tiny, m, 65536, 32).recommended is None
+
+
+# ---- validation ---------------------------------------------------------------------
+def test_bad_settings_raise_value_error():
+    h100 = CLUSTER_PRESETS["h100-ib"]
+    m = MODEL_PRESETS["gpt-7b"]
+    with pytest.raises(ValueError, match="intra_bw"):
+        h100.with_(intra_bw=-1.0)
+    with pytest.raises(ValueError, match="kind='tree'"):
+        Strategy("tree")
+    with pytest.raises(ValueError, match="placement='node'"):
+        Strategy("startrail", 2, "node")
+    with pytest.raises(ValueError, match="divisible by 2\\*cp_size = 64"):
+        AttnShape.for_model(m, 65536 + 2, 32)
+    with pytest.raises(ValueError, match="exceeds the cluster's 64 GPUs"):
+        plan(h100, m, 131072, 128)
+    with pytest.raises(ValueError, match="kv_heads"):
+        ModelSpec("x", 1, 64, 8, 3, 256)
+    shape = AttnShape(4, 8, 1, 8, 2, 16)
+    with pytest.raises(ValueError, match="Ulysses needs heads_q"):
+        predict(Strategy("ulysses"), h100, shape)
+    assert "ulysses" not in {s.name for s in candidate_strategies(4, 8, 2)}
+
+
+# ---- CLI ------------------------------------------------------------------------------
+def test_cli_table_and_json(capsys):
+    assert (
+        cli.main(
+            ["--cluster", "h100-ib", "--model", "gpt-7b", "--seq-len", "64K", "--cp-size", "32"]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "<- recommended" in out and "startrail-C4-team" in out and "ring" in out
+    assert cli.main(["--model", "llama3-8b", "--seq-len", "128k", "--cp-size", "16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    names = [r["strategy"] for r in data["rows"]]
+    assert names[0] == "ring" and "ulysses" not in names  # 8 kv heads do not split over 16
+    assert data["recommended"]["strategy"] in names
+    assert (
+        cli.main(
+            ["--cluster", "a100-eth", "--gpu-memory", "1", "--seq-len", "65536", "--cp-size", "16"]
+        )
+        == 0
+    )
+    assert "NO" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--seq-len", "64K", "--cp-size", "100"], "exceeds the cluster"),
+        (["--seq-len", "1000", "--cp-size", "16"], "divisible by 2\\*cp_size"),
+        (["--seq-len", "64K", "--cp-size", "8", "--intra-bw", "0"], "intra_bw"),
+    ],
+)
+def test_cli_errors(argv, msg, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert msg.replace("\\", "") in capsys.readouterr().err
+
+
+def test_parse_size():
+    assert cli.parse_size("64K") == 65536 and cli.parse_size("1m") == 2**20
+    with pytest.raises(Exception, match="not a size"):
+        cli.parse_size("64KB")
+
+
+# ---- calibration ---------------------------------------------------------------------
+def test_fit_recovers_known_constants():
+    alpha, bw, over, tput = 50e-6, 2e9, 1e-3, 20e9
+    micro = {
+        "kernel": [
+            {
+                "pairs": n,
+                "flops": 4 * 64 * 8 * n,
+                "fwd_s": over + 4 * 64 * 8 * n / tput,
+                "bwd_s": 2.5 * (over + 4 * 64 * 8 * n / tput),
+            }
+            for n in (1024, 4096, 16384)
+        ],
+        "kernel_causal": [  # causal calls that also compute 100 masked pairs per row
+            {
+                "rows": n,
+                "pairs": n * (n + 1) // 2,
+                "flops": 4 * 64 * 8 * n * (n + 1) // 2,
+                "fwd_s": over + 4 * 64 * 8 * (n * (n + 1) // 2 + 100 * n) / tput,
+                "bwd_s": 2.5 * (over + 4 * 64 * 8 * (n * (n + 1) // 2 + 100 * n) / tput),
+            }
+            for n in (512, 2048)
+        ],
+        "p2p": [{"bytes": b, "s": alpha + b / bw} for b in (1024, 1 << 20, 1 << 22)],
+        "all_gather": [
+            {"bytes": 3 * b, "ranks": 4, "s": 3 * alpha + 3 * b / bw} for b in (1024, 1 << 20)
+        ],
+    }
+    cl = fit_cluster(micro, num_ranks=4, memory_bytes=1e10)
+    assert cl.intra_latency == pytest.approx(alpha, rel=1e-6)
+    assert cl.intra_bw == pytest.approx(bw, rel=1e-6)
+    assert cl.kernel_overhead == pytest.approx(over, rel=1e-6)
+    assert cl.attn_flops == pytest.approx(tput, rel=1e-6)
+    assert cl.attn_bwd_ratio == pytest.approx(2.5)
+    assert cl.causal_tile_waste == pytest.approx(100)
+    assert not cl.overlap and cl.num_gpus == 4
+    assert fit_linear([(1, 1), (1, 2)], [-1.0, -2.0]) == [0.0, 0.0]
+    alone = fit_cluster({**micro, "p2p": [], "all_gather": []}, num_ranks=1, memory_bytes=1e10)
+    assert alone.intra_latency == 0.0 and alone.num_gpus == 1
+    flat = {**micro, "kernel": [{**r, "fwd_s": 0.01} for r in micro["kernel"]]}
+    degenerate = fit_cluster(flat, num_ranks=4, memory_bytes=1e10)
+    assert "degenerate" in degenerate.name and degenerate.kernel_overhead == 0.0
+    assert degenerate.attn_flops == pytest.approx(4 * 64 * 8 * 16384 / 0.01)
+    with pytest.raises(ValueError, match=">= 2 points"):
+        fit_linear([(1, 1)], [1.0])
+
+
+# ---- autotune --------------------------------------------------------------------------
+def test_autotune_picks_fastest_and_logs():
+    cands = startrail_candidates(16)
+    assert [c.name for c in cands] == [
+        "ring",
+        "startrail-C2-team",
+        "startrail-C2-ring",
+        "startrail-C4-team",
+    ]
+    fake = {
+        "ring": [3.0, 3.2, 2.9],
+        "startrail-C2-team": [1.0, 1.1, 5.0],
+        "startrail-C2-ring": [1.5, 1.4, 1.6],
+    }
+
+    def run(c):
+        if c.name == "startrail-C4-team":
+            raise RuntimeError("CUDA out of memory")
+        return fake[c.name]
+
+    log: list[str] = []
+    res = autotune(cands, run, log=log.append)
+    assert res.best.name == "startrail-C2-team"  # median 1.1 beats 1.5 despite one slow outlier
+    assert [t.candidate.name for t in res.trials] == [c.name for c in cands]
+    assert res.trials[-1].median_s is None and "out of memory" in res.trials[-1].error
+    assert log[-1] == "startrail autotune: chose startrail-C2-team" and len(log) == 5
+    assert "* startrail-C2-team" in res.summary()
+    # ties go to the earlier candidate; scalars are accepted
+    assert autotune(cands[:2], lambda c: 1.0).best.name == "ring"
+    with pytest.raises(RuntimeError, match="every candidate failed"):
+        autotune(cands[:1], lambda c: (_ for _ in ()).throw(MemoryError("oom")))
+    with pytest.raises(ValueError, match="at least one candidate"):
+        autotune([], run)
+    with pytest.raises(ValueError, match="need times >= 0"):
+        autotune(cands[:1], lambda c: [])
+
+
+def test_prediction_is_deterministic_and_sane():
+    shape = AttnShape(4, 512, 1, 8, 8, 64, elem_bytes=4)
+    cl = ClusterSpec("t", 4, 1, 1e9, 1e-5, 1e9, 1e9, 1e-5, 1e10, 2.5, 1e10, 1e-4, 1e10, False)
+    a = predict(Strategy("startrail", 2), cl, shape)
+    b = predict(Strategy("startrail", 2), cl, shape)
+    assert a == b and a.attn_s == pytest.approx(a.attn_fwd_s + a.attn_bwd_s)
+    assert a.attn_bwd_s > a.attn_fwd_s > 0
+    _ = torch  # the shapes above mirror a CPU benchmark
