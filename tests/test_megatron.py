@@ -313,3 +313,36 @@ def _build_both_ways(rank, world):
 
 def test_core_attention_builds_with_either_process_group_argument():
     assert run_ranks(1, _build_both_ways) == [True]
+
+
+def _autotune_then_train(rank, world, argv):
+    args = T.parse_args(argv)
+    T.initialize(args)
+    try:
+        model = T.build_model(args)
+        lines = T.autotune_team_size(args, model, log=None)
+        opt = T.build_optimizer(args, model)
+        batches = T.global_batches(args, T.build_dataset(args, 8 * args.global_batch_size))
+        losses = []
+        for _ in range(2):
+            losses.append(T.forward_backward(args, model, next(batches)))
+            T.optimizer_step(model, opt)
+        return (args.startrail_team_size, args.startrail_placement), lines, losses
+    finally:
+        T.teardown()
+
+
+def test_team_size_auto_profiles_candidates_and_trains_exactly():
+    extra = ["--optimizer", "sgd", "--startrail-autotune-iters", "1"]
+    ref = _baseline(extra, steps=2)
+    res = run_ranks(4, _autotune_then_train, BASE + extra + st_flags(4, "auto"))
+    choices = {r[0] for r in res}
+    assert len(choices) == 1  # every rank chose the same
+    (c, placement), lines, _ = res[0]
+    assert c in (1, 2) and placement in ("team", "ring")
+    tried = [ln for ln in lines if "median" in ln]
+    assert len(tried) == 2  # ring and C=2 (at P=4, G=1: both placements are the same layout)
+    assert lines[-1].startswith("startrail autotune: chose")
+    for _, _, losses in res:
+        for a, b in zip(losses, ref[0]):
+            assert abs(a - b) <= 1e-5 * abs(b)

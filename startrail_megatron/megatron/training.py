@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--log-json", type=str, default=None, help="write per-iteration figures here")
+    g.add_argument(
+        "--startrail-autotune-iters",
+        type=int,
+        default=3,
+        help="timed iterations per candidate for --startrail-team-size auto (after 1 warm-up)",
+    )
     add_startrail_args(p)
     return p
 
@@ -153,10 +159,6 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} must be a multiple of "
             f"--micro-batch-size x data-parallel size = {per_step}"
-        )
-    if args.startrail_team_size == "auto" and args.context_parallel_impl == "startrail":
-        raise ValueError(
-            "--startrail-team-size auto is not available in this entry point yet; give an integer"
         )
 
 
@@ -381,6 +383,54 @@ def optimizer_step(model, optimizer) -> None:
     model.zero_grad_buffer()
 
 
+def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
+    """``--startrail-team-size auto``: time each valid (C, placement), keep the fastest.
+
+    The paper's scheduler (sec. 4.4): every candidate runs a warm-up and
+    ``--startrail-autotune-iters`` forward-backward passes of the first batch
+    (gradients discarded, weights untouched); times are reduced with MAX over
+    all ranks so every rank picks the same. Sets ``args.startrail_team_size`` and
+    ``args.startrail_placement`` and leaves the chosen groups installed.
+    """
+    from megatron.core import parallel_state
+
+    from ..planner.autotune import autotune, startrail_candidates
+    from .state import create_startrail_groups
+
+    cp_group = parallel_state.get_context_parallel_group()
+    sample = next(global_batches(args, build_dataset(args, args.global_batch_size)))
+    lines: list[str] = []
+
+    def say(msg: str) -> None:
+        lines.append(msg)
+        if log is not None and dist.get_rank() == 0:
+            log(msg)
+
+    def run_trial(cand) -> list[float]:
+        create_startrail_groups(cp_group, cand.team_size, cand.placement)
+        times = []
+        for i in range(args.startrail_autotune_iters + 1):
+            t0 = time.perf_counter()
+            forward_backward(args, model, sample)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            model.zero_grad_buffer()
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if i:
+                times.append(t.item())
+        return times
+
+    # catch=(): a failure on one rank must not let the ranks choose differently.
+    result = autotune(
+        startrail_candidates(args.context_parallel_size), run_trial, log=say, catch=()
+    )
+    best = result.best
+    create_startrail_groups(cp_group, best.team_size, best.placement)
+    args.startrail_team_size, args.startrail_placement = best.team_size, best.placement
+    return lines
+
+
 # ---- checkpoints -------------------------------------------------------------------
 
 
@@ -461,6 +511,8 @@ def train(args: argparse.Namespace) -> list[dict]:
     try:
         model = build_model(args)
         optimizer = build_optimizer(args, model)
+        if args.context_parallel_impl == "startrail" and args.startrail_team_size == "auto":
+            autotune_team_size(args, model)
         start = 0
         if args.load:
             start = load_checkpoint(args.load, model)
