@@ -126,16 +126,18 @@ def test_p2p_bytes_vs_ring_at_p8():
     assert fwd == pytest.approx(0.5)  # the spec's (8, 2) figure
 
 
+_CP_GROUPS: dict = {}
+
+
 def _subgroup_case(rank, world, c):
     """World 8 = 2 CP groups of 4 (like cp x dp): each group runs its own sequence."""
     import torch.distributed as dist
 
     cp_ranks = [list(range(0, 4)), list(range(4, 8))]
     mine = rank // 4
-    cp_groups = [
-        dist.new_group(r, use_local_synchronization=True) if rank in r else None for r in cp_ranks
-    ]
-    groups = groups_for(c, "team", cp_group=cp_groups[mine], key=("sub", mine))
+    if ("sub", mine) not in _CP_GROUPS:  # every rank creates every group, in the same order
+        _CP_GROUPS[("sub", mine)] = [dist.new_group(r) for r in cp_ranks][mine]
+    groups = groups_for(c, "team", cp_group=_CP_GROUPS[("sub", mine)], key=("sub", mine))
     cp_rank = groups.cp_rank
     q, k, v, do = make_inputs(10 + mine, S_LOCAL * 4, BATCH, 8, 2, HEAD_DIM)
     local = [st.zigzag_shard(x, cp_rank, 4).requires_grad_() for x in (q, k, v)]
