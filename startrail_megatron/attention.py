@@ -42,9 +42,10 @@ from torch import Tensor
 
 from .comm import CommLedger, P2PComm, TeamComm
 from .groups import StarTrailGroups
-from .kernels import AttentionKernel, acc_dtype, get_kernel, merge_partial
+from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
 from .layout import StarTrailLayout
 from .masking import BlockCall, plan_block
+from .sequence import inverse_order, reorder_chunks
 
 __all__ = ["startrail_attention", "validate_inputs"]
 
@@ -124,14 +125,7 @@ class _Ctx:
         c2 = 2 * lay.team_size
         perm = lay.team_chunk_order(self.team) if causal else list(range(c2))
         self.perm = perm
-        self.inv_perm = sorted(range(c2), key=perm.__getitem__)
-
-    def reorder(self, x: Tensor, order: list[int], dim: int = 0) -> Tensor:
-        """Permute the 2C chunks of ``x`` along ``dim``."""
-        if order == sorted(order):
-            return x
-        chunks = x.chunk(len(order), dim=dim)
-        return torch.cat([chunks[i] for i in order], dim=dim)
+        self.inv_perm = inverse_order(perm)
 
     def calls(self, kv_team: int) -> tuple[BlockCall, ...]:
         return _plan(self.layout, self.team, kv_team, self.causal)
@@ -163,7 +157,7 @@ def _forward(q, k, v, groups, causal, scale, kernel, ledger, comms=None):
     # 1. team all-gather of q, k, v as one flat message per rank.
     kv_local = torch.stack((k, v), dim=1)  # [s, 2, b, hkv, d]
     packed = torch.cat((q.reshape(s, -1), kv_local.reshape(s, -1)), dim=1)  # [s, F]
-    packed = cx.reorder(cx.team_comm.all_gather(packed, "qkv"), cx.perm)  # [n, F], chunk order
+    packed = reorder_chunks(cx.team_comm.all_gather(packed, "qkv"), cx.perm)  # [n, F], chunk order
     n = C * s
     q_team = packed[:, : b * hq * d].reshape(n, b, hq, d)
     kv_team = packed[:, b * hq * d :].contiguous().view(n, 2, b, hkv, d)
@@ -190,10 +184,10 @@ def _forward(q, k, v, groups, causal, scale, kernel, ledger, comms=None):
         lse_team = torch.logsumexp(lse_all, dim=0)
         safe = torch.where(torch.isneginf(lse_team), torch.zeros_like(lse_team), lse_team)
         acc_out.mul_(torch.exp(acc_lse - safe).permute(2, 0, 1).unsqueeze(-1))
-        out = cx.team_comm.reduce_scatter(cx.reorder(acc_out, cx.inv_perm), "out")
+        out = cx.team_comm.reduce_scatter(reorder_chunks(acc_out, cx.inv_perm), "out")
     else:
         lse_team = acc_lse
-        out = cx.reorder(acc_out, cx.inv_perm)
+        out = reorder_chunks(acc_out, cx.inv_perm)
     out = out.to(q.dtype)
     return out, (q_team, kv_team, lse_team), cx
 
@@ -223,8 +217,8 @@ def _backward(dout, out, saved, cx: _Ctx, scale, kernel):
     acc = acc_dtype(dout.dtype)
     # Team rows' dout and D = rowsum(dout * out), gathered in chunk order.
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [s, b, hq]
-    do_team = cx.reorder(cx.team_comm.all_gather(dout, "dout"), cx.perm)
-    delta_team = cx.reorder(cx.team_comm.all_gather(delta, "delta"), cx.perm)
+    do_team = reorder_chunks(cx.team_comm.all_gather(dout, "dout"), cx.perm)
+    delta_team = reorder_chunks(cx.team_comm.all_gather(delta, "delta"), cx.perm)
     out_eff = _delta_out(do_team, delta_team)
     # KV travels as in the forward; its dK/dV follow one step behind.
     kv_cur = cx.initial_placement(kv_team).wait()
@@ -260,8 +254,8 @@ def _backward(dout, out, saved, cx: _Ctx, scale, kernel):
             kv_cur = pending.wait()
     dkv = dkv_pending.wait()  # this team's dK/dV as seen by this member's KV copy
     # Sum over the team and keep this rank's rows: one reduce-scatter.
-    dq_m = cx.reorder(dq, cx.inv_perm).reshape(C, -1)
-    dkv_m = cx.reorder(dkv, cx.inv_perm).reshape(C, -1)
+    dq_m = reorder_chunks(dq, cx.inv_perm).reshape(C, -1)
+    dkv_m = reorder_chunks(dkv, cx.inv_perm).reshape(C, -1)
     flat = cx.team_comm.reduce_scatter(torch.cat((dq_m, dkv_m), dim=1), "dqkv")
     flat = flat.reshape(-1)
     nq = s * b * hq * d
@@ -327,12 +321,5 @@ def startrail_attention(
             f"groups must be a StarTrailGroups (StarTrailGroups.create), got {type(groups).__name__}"
         )
     validate_inputs(q, k, v, groups.cp_size, causal)
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    if isinstance(kernel, str):
-        kern = get_kernel(kernel, q.dtype, device=q.device, head_dim=q.shape[-1])
-    else:
-        kern = kernel
-    return _StarTrailAttention.apply(
-        q, k, v, groups, bool(causal), float(softmax_scale), kern, ledger
-    )
+    kern, scale = resolve_kernel(q, kernel, softmax_scale)
+    return _StarTrailAttention.apply(q, k, v, groups, bool(causal), scale, kern, ledger)

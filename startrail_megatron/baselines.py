@@ -47,7 +47,8 @@ from torch import Tensor
 
 from .attention import validate_inputs
 from .comm import CommLedger, TeamComm, tap_all_to_all
-from .kernels import AttentionKernel, acc_dtype, get_kernel, merge_partial
+from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
+from .sequence import inverse_order, reorder_chunks
 
 __all__ = [
     "allgather_attention",
@@ -143,21 +144,6 @@ def _natural_order(p: int) -> list[int]:
     return [2 * j if j < p else 2 * (2 * p - 1 - j) + 1 for j in range(2 * p)]
 
 
-def _reorder(x: Tensor, order: list[int]) -> Tensor:
-    chunks = x.chunk(len(order), dim=0)
-    return torch.cat([chunks[i] for i in order], dim=0)
-
-
-def _inverse(order: list[int]) -> list[int]:
-    return sorted(range(len(order)), key=order.__getitem__)
-
-
-def _resolve(q: Tensor, kernel: str | AttentionKernel, softmax_scale: float | None):
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    kern = get_kernel(kernel, q.dtype) if isinstance(kernel, str) else kernel
-    return scale, kern
-
-
 # ---- all-gather KV ----------------------------------------------------------
 def allgather_calls(
     rank: int, cp_size: int, causal: bool, s_local: int
@@ -188,7 +174,7 @@ class _AllGatherAttention(torch.autograd.Function):
         comm = TeamComm(cp_group, p, ledger)
         kv = comm.all_gather(torch.stack((k, v), dim=1), "kv")  # [P*s, 2, b, hkv, d] rank order
         if causal:
-            kv = _reorder(kv, _natural_order(p))  # natural chunk order
+            kv = reorder_chunks(kv, _natural_order(p))  # natural chunk order
         s, b, hq, d = q.shape
         acc = acc_dtype(q.dtype)
         out = torch.zeros(s, b, hq, d, dtype=acc, device=q.device)
@@ -212,7 +198,7 @@ class _AllGatherAttention(torch.autograd.Function):
         kv = comm.all_gather(torch.stack((k, v), dim=1), "kv")  # gathered again, as TE does
         order = _natural_order(p) if causal else list(range(2 * p))
         if causal:
-            kv = _reorder(kv, order)
+            kv = reorder_chunks(kv, order)
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # [P*s, 2, b, hkv, d]
@@ -231,7 +217,7 @@ class _AllGatherAttention(torch.autograd.Function):
             dkv[ks, 0] += g_k
             dkv[ks, 1] += g_v
         if causal:
-            dkv = _reorder(dkv, _inverse(order))  # back to rank order
+            dkv = reorder_chunks(dkv, inverse_order(order))  # back to rank order
         dkv = comm.reduce_scatter(dkv, "dkv")  # [s, 2, b, hkv, d]
         dt = q.dtype
         return dq.to(dt), dkv[:, 0].to(dt), dkv[:, 1].to(dt), None, None, None, None, None
@@ -255,7 +241,7 @@ def allgather_attention(
     """
     _, p = _cp(cp_group)
     validate_inputs(q, k, v, p, causal)
-    scale, kern = _resolve(q, kernel, softmax_scale)
+    kern, scale = resolve_kernel(q, kernel, softmax_scale)
     return _AllGatherAttention.apply(q, k, v, cp_group, bool(causal), scale, kern, ledger)
 
 
@@ -290,9 +276,9 @@ class _UlyssesLocal:
         if not self.causal:
             return _LocalAttention.apply(q, k, v, False, self.scale, self.kernel)
         order = _natural_order(self.p)
-        q, k, v = (_reorder(x, order) for x in (q, k, v))  # zigzag -> natural order
+        q, k, v = (reorder_chunks(x, order) for x in (q, k, v))  # zigzag -> natural order
         out = _LocalAttention.apply(q, k, v, True, self.scale, self.kernel)
-        return _reorder(out, _inverse(order))
+        return reorder_chunks(out, inverse_order(order))
 
 
 def _deepspeed_comm_ready() -> None:
@@ -335,7 +321,7 @@ def ulysses_attention(
             f"Ulysses shards heads over the CP group: heads_q ({hq}) and heads_kv ({hkv}) must "
             f"be multiples of the CP size {p}"
         )
-    scale, kern = _resolve(q, kernel, softmax_scale)
+    kern, scale = resolve_kernel(q, kernel, softmax_scale)
     _deepspeed_comm_ready()
     from deepspeed.sequence.layer import DistributedAttention
 

@@ -34,6 +34,7 @@ __all__ = [
     "TorchKernel",
     "SdpaKernel",
     "get_kernel",
+    "resolve_kernel",
     "merge_partial",
     "acc_dtype",
 ]
@@ -202,6 +203,20 @@ def get_kernel(
     from .backends import build_kernel  # lazy: backends imports this module
 
     return build_kernel(name, dtype, device=device, head_dim=head_dim)
+
+
+def resolve_kernel(
+    q: Tensor, kernel: str | AttentionKernel, softmax_scale: float | None
+) -> tuple[AttentionKernel, float]:
+    """The kernel object and softmax scale an attention call on ``q`` uses.
+
+    A name is looked up with ``get_kernel`` for q's dtype, device and head_dim;
+    the scale defaults to ``head_dim ** -0.5``.
+    """
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if isinstance(kernel, str):
+        kernel = get_kernel(kernel, q.dtype, device=q.device, head_dim=q.shape[-1])
+    return kernel, scale
 
 
 def merge_partial(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:

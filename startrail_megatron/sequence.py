@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["zigzag_shard", "zigzag_unshard"]
+__all__ = ["inverse_order", "reorder_chunks", "zigzag_shard", "zigzag_unshard"]
 
 
 def zigzag_shard(x: Tensor, cp_rank: int, cp_size: int, dim: int = 0) -> Tensor:
@@ -41,3 +41,19 @@ def zigzag_unshard(shards: Sequence[Tensor], dim: int = 0) -> Tensor:
     halves = [s.chunk(2, dim=dim) for s in shards]
     ordered = [h[0] for h in halves] + [h[1] for h in reversed(halves)]
     return torch.cat(ordered, dim=dim)
+
+
+def reorder_chunks(x: Tensor, order: Sequence[int], dim: int = 0) -> Tensor:
+    """Cut ``x`` into ``len(order)`` equal chunks along ``dim`` and put chunk ``order[i]`` i-th.
+
+    The identity order returns ``x`` itself (no copy).
+    """
+    if list(order) == sorted(order):
+        return x
+    chunks = x.chunk(len(order), dim=dim)
+    return torch.cat([chunks[i] for i in order], dim=dim)
+
+
+def inverse_order(order: Sequence[int]) -> list[int]:
+    """The permutation that undoes ``reorder_chunks(x, order)``."""
+    return sorted(range(len(order)), key=order.__getitem__)
