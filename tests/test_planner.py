@@ -25,6 +25,7 @@ from startrail_megatron.planner import (
     ModelSpec,
     Strategy,
     autotune,
+    buffer_bytes,
     candidate_strategies,
     cli,
     comm_bytes,
@@ -265,6 +266,7 @@ def test_fit_recovers_known_constants():
             }
             for n in (512, 2048)
         ],
+        "buffer": [{"bytes": b, "s": b / 5e9} for b in (6 << 20, 6 << 24)],
         "p2p": [{"bytes": b, "s": alpha + b / bw} for b in (1024, 1 << 20, 1 << 22)],
         "all_gather": [
             {"bytes": 3 * b, "ranks": 4, "s": 3 * alpha + 3 * b / bw} for b in (1024, 1 << 20)
@@ -277,10 +279,12 @@ def test_fit_recovers_known_constants():
     assert cl.attn_flops == pytest.approx(tput, rel=1e-6)
     assert cl.attn_bwd_ratio == pytest.approx(2.5)
     assert cl.causal_tile_waste == pytest.approx(100)
+    assert cl.mem_bw == pytest.approx(5e9)
     assert not cl.overlap and cl.num_gpus == 4
     assert fit_linear([(1, 1), (1, 2)], [-1.0, -2.0]) == [0.0, 0.0]
     alone = fit_cluster({**micro, "p2p": [], "all_gather": []}, num_ranks=1, memory_bytes=1e10)
     assert alone.intra_latency == 0.0 and alone.num_gpus == 1
+    assert fit_cluster({**micro, "buffer": []}, num_ranks=4, memory_bytes=1e10).mem_bw == 0.0
     flat = {**micro, "kernel": [{**r, "fwd_s": 0.01} for r in micro["kernel"]]}
     degenerate = fit_cluster(flat, num_ranks=4, memory_bytes=1e10)
     assert "degenerate" in degenerate.name and degenerate.kernel_overhead == 0.0
@@ -334,3 +338,34 @@ def test_prediction_is_deterministic_and_sane():
     assert a == b and a.attn_s == pytest.approx(a.attn_fwd_s + a.attn_bwd_s)
     assert a.attn_bwd_s > a.attn_fwd_s > 0
     _ = torch  # the shapes above mirror a CPU benchmark
+
+
+def test_buffer_bytes_from_real_sizes():
+    """All-gather-KV's elementwise work is on full-sequence buffers; counted by hand here."""
+    p, s, h, d = 4, 8, 2, 16
+    shape = AttnShape(p, s, 1, h, h, d, elem_bytes=4, acc_bytes=4, causal=False)
+    u = s * h * d  # one local q, k or v tensor, elements
+    full = p * 2 * u  # the gathered K,V
+    fwd, bwd = buffer_bytes(Strategy("allgather"), shape)
+    assert fwd == (4 * u + u) * 4  # stack k,v; zero the fp32 output (no cast: fp32 input)
+    # stack; dq and dK/dV zeros; dq += g_q (s rows) and dK/dV += (P s rows); the
+    # reduce-scatter's P-1 sums of a 2u chunk
+    assert bwd == (4 * u + u + full + (u + 2 * p * u) * 3 + 3 * (p - 1) * 2 * u) * 4
+    causal = AttnShape(p, s, 1, h, h, d, elem_bytes=4, acc_bytes=4)
+    c_fwd, c_bwd = buffer_bytes(Strategy("allgather"), causal)
+    assert c_fwd == fwd + 2 * full * 4  # the gathered K,V reordered into chunk order
+    # Full-sequence buffers: all-gather's work per rank grows with P at a fixed local size,
+    # StarTrail's (team buffers) does not beyond its ring steps.
+    big = AttnShape(16, s, 1, h, h, d, elem_bytes=4, acc_bytes=4)
+    assert buffer_bytes(Strategy("allgather"), big)[1] > 3 * c_bwd
+    assert (
+        buffer_bytes(Strategy("startrail", 2), big)[0]
+        == buffer_bytes(
+            Strategy("startrail", 2), AttnShape(4, s, 1, h, h, d, elem_bytes=4, acc_bytes=4)
+        )[0]
+    )
+    # Without a memory bandwidth the work is not modelled; with one it adds bytes / mem_bw.
+    cl = ClusterSpec("t", 4, 1, 1e9, 1e-5, 1e9, 1e9, 1e-5, 1e10, 2.5, 1e10, 1e-4, 1e10, False)
+    base = predict(Strategy("allgather"), cl, causal)
+    with_mem = predict(Strategy("allgather"), cl.with_(mem_bw=1e9), causal)
+    assert with_mem.attn_s == pytest.approx(base.attn_s + (c_fwd + c_bwd) / 1e9)
