@@ -423,7 +423,9 @@ def _run(rank: int, world: int, args) -> dict | None:
     if rank != 0:
         return None
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cluster = fit_cluster(micro, num_ranks=world, memory_bytes=float(mem_total))
+    cluster = fit_cluster(
+        micro, num_ranks=world, memory_bytes=float(mem_total), backend=dist.get_backend()
+    )
     for r in results:
         st = Strategy(
             r["kind"], r["team_size"], r["placement"] if r["placement"] != "-" else "team"

@@ -60,13 +60,16 @@ def fit_linear(
     return [max(b1 / a11, 0.0) if a11 else 0.0, 0.0]
 
 
-def fit_cluster(micro: dict, *, num_ranks: int, memory_bytes: float) -> ClusterSpec:
+def fit_cluster(
+    micro: dict, *, num_ranks: int, memory_bytes: float, backend: str = "gloo"
+) -> ClusterSpec:
     """A ``ClusterSpec`` from the benchmark's ``calibration`` record.
 
     ``micro`` holds ``kernel``: rows {pairs, flops, fwd_s, bwd_s} of full calls;
     ``kernel_causal`` (optional): causal calls, {rows, pairs (unmasked), flops, fwd_s, bwd_s};
     ``buffer`` (optional): rows {bytes (read + written), s};
     ``p2p``: rows {bytes, s}; ``all_gather``: rows {bytes (per-rank volume), ranks, s}.
+    ``backend``: the process group's; gloo runs a reduce-scatter as an all-reduce.
     """
     k = micro["kernel"]
     overhead, inv_tp = fit_linear([(1.0, r["flops"]) for r in k], [r["fwd_s"] for r in k])
@@ -110,4 +113,5 @@ def fit_cluster(micro: dict, *, num_ranks: int, memory_bytes: float) -> ClusterS
         overlap=False,
         causal_tile_waste=tile_waste,
         mem_bw=mem_bw,
+        reduce_scatter_via_allreduce=backend == "gloo",
     )

@@ -57,11 +57,16 @@ class ClusterSpec:
     """Achieved memory bandwidth of the elementwise tensor ops outside the kernels and the
     communication (copies, reorders, zero-fills, accumulations, dtype casts), bytes read +
     written per second per rank; 0 = that work is not modelled."""
+    reduce_scatter_via_allreduce: bool = False
+    """The backend runs a reduce-scatter as clone + all-reduce of the whole input + copy of
+    this rank's chunk (PyTorch's gloo ``reduce_scatter_tensor``, ProcessGroupGloo.cpp):
+    twice a ring reduce-scatter's bytes and steps, plus the clone and the copy. NCCL runs
+    a real reduce-scatter (False)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("name", "overlap"):
+            if f.name in ("name", "overlap", "reduce_scatter_via_allreduce"):
                 continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"cluster setting {f.name}={v!r} must be a number >= 0")

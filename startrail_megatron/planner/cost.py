@@ -338,7 +338,9 @@ def _startrail_rows(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
     return tuple(out)
 
 
-def buffer_bytes(strategy: Strategy, shape: AttnShape) -> tuple[int, int]:
+def buffer_bytes(
+    strategy: Strategy, shape: AttnShape, *, rs_via_allreduce: bool = False
+) -> tuple[int, int]:
     """(forward, backward) bytes read + written per rank by the tensor ops outside the
     kernels and the communication, max over ranks, counted from the implementation's buffers.
 
@@ -346,7 +348,8 @@ def buffer_bytes(strategy: Strategy, shape: AttnShape) -> tuple[int, int]:
     zero-fill X, an accumulation ``acc[rows] += g`` reads and writes ``acc`` and reads ``g``,
     a dtype cast reads one dtype and writes the other (nothing when the dtypes agree).
     A reduce-scatter over n ranks adds its reductions: ``n-1`` sums of one output-sized
-    chunk (a ring reduce-scatter), 3 (n-1) output bytes. The all-gathered buffers'
+    chunk (a ring reduce-scatter), 3 (n-1) output bytes; ``rs_via_allreduce`` (gloo: clone,
+    all-reduce, copy out) adds the clone of the input and the copy of the output. The all-gathered buffers'
     own writes are the collectives' (calibrated with them); the merges after each forward
     call are the kernel's (calibrated with it); row statistics (lse, delta: 1/head_dim of
     the tensors beside them) are left out.
@@ -363,8 +366,8 @@ def buffer_bytes(strategy: Strategy, shape: AttnShape) -> tuple[int, int]:
     uq, ukv = shape.s_local * rq, shape.s_local * rkv
     conv = 0 if e == a else a + e  # bytes per element of a cast
 
-    def rs(n: int, out_elems: int) -> int:  # a reduce-scatter's reductions
-        return 3 * (n - 1) * out_elems * a
+    def rs(n: int, out_elems: int) -> int:  # a reduce-scatter's reductions (+ gloo's copies)
+        return (3 * (n - 1) + (2 * n + 2 if rs_via_allreduce else 0)) * out_elems * a
 
     if strategy.kind == "ulysses":
         moved = (2 * uq + 2 * ukv) * e  # q, k, v, out (forward); dout, dq, dk, dv (backward)
@@ -405,6 +408,12 @@ def buffer_bytes(strategy: Strategy, shape: AttnShape) -> tuple[int, int]:
     b0 += (rs(c, uq + 2 * ukv) if c > 1 else 0) + (uq + 2 * ukv) * conv
     bwd = max(b0 + (qr * rq + 2 * kr * rkv) * (2 * a + e) for qr, kr in rows)
     return f, bwd
+
+
+def _reduce_scatter_extra(cl: ClusterSpec, groups: list[list[int]], nbytes: int) -> float:
+    """What a reduce-scatter of ``nbytes`` (ledger volume) costs beyond a ring collective of
+    that volume: on gloo (an all-reduce of the whole input) as much again."""
+    return _collective(cl, groups, nbytes, 1) if cl.reduce_scatter_via_allreduce else 0.0
 
 
 def _buffer_time(cl: ClusterSpec, nbytes: int) -> float:
@@ -567,12 +576,17 @@ def _startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
     t_qkv = _collective(cl, teams, qkv, 1)
     fwd_coll = max(b["fwd_collective"] for b in byts)
     t_comb = _collective(cl, teams, fwd_coll - qkv, 2)
+    uq = shape.s_local * shape.batch * shape.heads_q * shape.head_dim
+    ukv = shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
+    c1 = st.team_size - 1
+    t_comb += _reduce_scatter_extra(cl, teams, c1 * uq * shape.acc_bytes)  # out
     fwd = t_qkv + init_step() + t_comb
     for s in range(g):
         fwd += _step(cl, comp(s, False), ring_step(kv_msg) if s < g - 1 else 0.0)
     # Backward
     bwd_coll = max(b["bwd_collective"] for b in byts)
     bwd = _collective(cl, teams, bwd_coll, 3) + init_step()
+    bwd += _reduce_scatter_extra(cl, teams, c1 * (uq + 2 * ukv) * shape.acc_bytes)  # dq,dk,dv
     for s in range(g):
         if s < g - 1:
             bwd += _step(cl, comp(s, True), ring_step(kv_msg + dkv_msg))
@@ -605,6 +619,8 @@ def _peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
         bwd_c = max(_kernel_time(cl, shape, *work(r), True) for r in range(p))
         fwd = _collective(cl, everyone, b["fwd_collective"], 1) + fwd_c
         bwd = _collective(cl, everyone, b["bwd_collective"], 2) + bwd_c
+        dkv = (p - 1) * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
+        bwd += _reduce_scatter_extra(cl, everyone, dkv * shape.acc_bytes)
         return fwd, bwd, 0.0
     n = shape.seq_len
     pairs = (0, n * (n + 1) // 2, n) if shape.causal else (n * n, 0, 0)
@@ -660,7 +676,9 @@ def predict(
         fwd, bwd, t_qkv = _startrail_times(strategy, cluster, shape)
     else:
         fwd, bwd, t_qkv = _peer_times(strategy, cluster, shape)
-    buf_f, buf_b = buffer_bytes(strategy, shape)
+    buf_f, buf_b = buffer_bytes(
+        strategy, shape, rs_via_allreduce=cluster.reduce_scatter_via_allreduce
+    )
     fwd += _buffer_time(cluster, buf_f)
     bwd += _buffer_time(cluster, buf_b)
     attn = fwd + bwd
