@@ -23,6 +23,13 @@ return + dq,dk,dv reduce-scatter. In a layer, the team all-gather overlaps
 the QKV projection (paper, sec. 4.3) when the cluster overlaps.
 All-gather-KV and Ulysses expose their collectives (no overlap), as their
 reference implementations do by default.
+
+Every strategy also pays its elementwise work on buffers (``buffer_bytes``:
+copies, reorders, zero-fills, accumulations, casts, counted from the
+implementation's tensors) at ``mem_bw``. A layer adds the QKV, output and MLP
+GEMMs forward and backward, with the forward rerun under activation recompute;
+an iteration (``step_s``) adds the LM head, ZeRO-2's gradient reduce-scatter
+and weight all-gather, and the Adam step.
 """
 
 from __future__ import annotations
@@ -348,11 +355,11 @@ def buffer_bytes(
     zero-fill X, an accumulation ``acc[rows] += g`` reads and writes ``acc`` and reads ``g``,
     a dtype cast reads one dtype and writes the other (nothing when the dtypes agree).
     A reduce-scatter over n ranks adds its reductions: ``n-1`` sums of one output-sized
-    chunk (a ring reduce-scatter), 3 (n-1) output bytes; ``rs_via_allreduce`` (gloo: clone,
-    all-reduce, copy out) adds the clone of the input and the copy of the output. The all-gathered buffers'
-    own writes are the collectives' (calibrated with them); the merges after each forward
-    call are the kernel's (calibrated with it); row statistics (lse, delta: 1/head_dim of
-    the tensors beside them) are left out.
+    chunk (a ring reduce-scatter), 3 (n-1) output bytes; ``rs_via_allreduce`` (gloo:
+    clone, all-reduce, copy out) adds the clone of the input and the copy of the output.
+    The all-gathered buffers' own writes are the collectives' (calibrated with them); the
+    merges after each forward call are the kernel's (calibrated with it); row statistics
+    (lse, delta: 1/head_dim of the tensors beside them) are left out.
 
     All-gather-KV works on full-sequence buffers: the gathered K,V reordered into chunk
     order (forward and again in the backward), the fp32 dK/dV accumulator over the whole
