@@ -8,7 +8,8 @@ a repeat's time is the slowest rank's; the rounds interleave all strategies and
 the microbenchmarks, so load from elsewhere on a shared host falls on all alike), and records the bytes each rank sent
 (P2P and collective, from the ``CommLedger``), the communication calls, the
 peak memory, and the largest error against a float64 reference. It also
-times a few kernel calls, P2P exchanges and all-gathers, fits the cost
+times a few kernel calls, elementwise buffer operations, P2P exchanges and
+all-gathers, fits the cost
 model's constants to them (``planner.calibrate``) and prints the calibrated
 model's prediction beside each measured time.
 
@@ -184,7 +185,7 @@ def _time_once(fn, device) -> float:
 
 
 def _micro_tasks(args, rank, world, device, dtype) -> list[tuple[str, dict, object]]:
-    """Kernel calls, P2P exchanges and all-gathers to time: (table, row, fn)."""
+    """Kernel calls, buffer work, P2P exchanges and all-gathers to time: (table, row, fn)."""
     kern = get_kernel("auto", dtype)
     b, h, hkv, d = args.batch, args.heads, args.kv_heads, args.head_dim
     s = args.seq_len // world
@@ -221,6 +222,24 @@ def _micro_tasks(args, rank, world, device, dtype) -> list[tuple[str, dict, obje
             cp = n * (n + 1) // 2
             crow = {"rows": n, "pairs": cp, "flops": 4 * d * h * b * cp}
             tasks += [("kernel_causal_fwd", crow, cfwd), ("kernel_causal_bwd", crow, cbwd)]
+    # Elementwise work on buffers (the cost model's ``mem_bw``), done as the schedules do
+    # it: a fresh zero-filled [n, 2, b, hkv, d] dK/dV accumulator in the accumulation
+    # dtype, the K and V halves accumulated through strided views, then the 2P chunks
+    # reordered; n = one rank's tokens and the whole sequence (all-gather-KV's buffer).
+    # Bytes moved: X (zeros) + 3X (accumulate: read, read, write) + 2X (reorder) = 6X.
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    order = list(range(2 * world))[::-1]
+    for n in sorted({s, world * s}):
+        g = torch.randn(n, b, hkv, d, device=device, dtype=acc)
+
+        def buf(g=g):
+            z = torch.zeros(g.shape[0], 2, *g.shape[1:], device=g.device, dtype=g.dtype)
+            z[:, 0] += g
+            z[:, 1] += g
+            chunks = z.chunk(len(order))
+            return torch.cat([chunks[i] for i in order])
+
+        tasks.append(("buffer", {"bytes": 6 * 2 * g.numel() * g.element_size()}, buf))
     if world > 1:
         p2p = P2PComm(None, rank, None)
         team = TeamComm(None, world, None)
@@ -243,7 +262,13 @@ def _micro_tasks(args, rank, world, device, dtype) -> list[tuple[str, dict, obje
 def _micro_record(tasks, times: list[list[float]]) -> dict:
     """The fastest round of every microbenchmark, as ``planner.calibrate`` reads it."""
     kernel: dict[tuple[str, int], dict] = {}
-    out: dict[str, list] = {"kernel": [], "kernel_causal": [], "p2p": [], "all_gather": []}
+    out: dict[str, list] = {
+        "kernel": [],
+        "kernel_causal": [],
+        "buffer": [],
+        "p2p": [],
+        "all_gather": [],
+    }
     for (table, row, _), ts in zip(tasks, times):
         if table.startswith("kernel"):
             name, _, phase = table.rpartition("_")
@@ -398,7 +423,9 @@ def _run(rank: int, world: int, args) -> dict | None:
     if rank != 0:
         return None
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cluster = fit_cluster(micro, num_ranks=world, memory_bytes=float(mem_total))
+    cluster = fit_cluster(
+        micro, num_ranks=world, memory_bytes=float(mem_total), backend=dist.get_backend()
+    )
     for r in results:
         st = Strategy(
             r["kind"], r["team_size"], r["placement"] if r["placement"] != "-" else "team"

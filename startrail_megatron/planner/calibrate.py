@@ -11,6 +11,9 @@ on a shared host). Least squares on relative errors then gives:
            attn_bwd_ratio = median(t_bwd / t_fwd)
            causal_tile_waste = median over causal calls of the pairs their time
            buys beyond the unmasked ones, per query row (fwd + bwd)
+  buffers: t = bytes / mem_bw (bytes read + written by a zero-fill, an accumulation
+           and a chunk reorder of a K,V-sized and a full-sequence K,V-sized buffer;
+           least squares on relative errors through the origin)
   links:   t = k * alpha + bytes / bw, k = 1 for a P2P, n-1 for an n-rank all-gather
 
 The fitted ``ClusterSpec`` is one node holding every rank (all links
@@ -57,12 +60,16 @@ def fit_linear(
     return [max(b1 / a11, 0.0) if a11 else 0.0, 0.0]
 
 
-def fit_cluster(micro: dict, *, num_ranks: int, memory_bytes: float) -> ClusterSpec:
+def fit_cluster(
+    micro: dict, *, num_ranks: int, memory_bytes: float, backend: str = "gloo"
+) -> ClusterSpec:
     """A ``ClusterSpec`` from the benchmark's ``calibration`` record.
 
     ``micro`` holds ``kernel``: rows {pairs, flops, fwd_s, bwd_s} of full calls;
     ``kernel_causal`` (optional): causal calls, {rows, pairs (unmasked), flops, fwd_s, bwd_s};
+    ``buffer`` (optional): rows {bytes (read + written), s};
     ``p2p``: rows {bytes, s}; ``all_gather``: rows {bytes (per-rank volume), ranks, s}.
+    ``backend``: the process group's; gloo runs a reduce-scatter as an all-reduce.
     """
     k = micro["kernel"]
     overhead, inv_tp = fit_linear([(1.0, r["flops"]) for r in k], [r["fwd_s"] for r in k])
@@ -79,6 +86,9 @@ def fit_cluster(micro: dict, *, num_ranks: int, memory_bytes: float) -> ClusterS
         per_pair = r["flops"] / r["pairs"]
         waste.append(max(t / inv_tp / per_pair - r["pairs"], 0.0) / r["rows"])
     tile_waste = statistics.median(waste) if waste else 0.0
+    # Buffers: minimize sum (1 - c bytes/s)^2 over c = 1/mem_bw.
+    ratios = [r["bytes"] / r["s"] for r in micro.get("buffer", []) if r["s"] > 0]
+    mem_bw = sum(x * x for x in ratios) / sum(ratios) if ratios else 0.0
     rows = [((1.0, r["bytes"]), r["s"]) for r in micro["p2p"]]
     rows += [((r["ranks"] - 1.0, r["bytes"]), r["s"]) for r in micro["all_gather"]]
     if len(rows) >= 2:
@@ -102,4 +112,6 @@ def fit_cluster(micro: dict, *, num_ranks: int, memory_bytes: float) -> ClusterS
         gpu_memory=memory_bytes,
         overlap=False,
         causal_tile_waste=tile_waste,
+        mem_bw=mem_bw,
+        reduce_scatter_via_allreduce=backend == "gloo",
     )

@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=parse_size, required=True, help="global tokens (64K ok)")
     p.add_argument("--cp-size", type=int, required=True)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument(
+        "--no-recompute",
+        action="store_true",
+        help="no activation recompute (default: full checkpointing, forward rerun in backward)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
@@ -91,13 +96,16 @@ def format_plan(pl: Plan) -> str:
         lines.append(
             f"recommended: {pl.recommended.strategy} (C={pl.recommended.team_size}, "
             f"placement {pl.recommended.placement}), predicted "
-            f"{ring.layer_s / pl.recommended.layer_s:.2f}x ring's layer throughput"
+            f"{ring.layer_s / pl.recommended.layer_s:.2f}x ring's layer throughput, "
+            f"{ring.step_s / pl.recommended.step_s:.2f}x its iteration throughput"
         )
     if pl.fastest is not None and pl.fastest is not pl.recommended:
         lines.append(f"fastest overall (peers included): {pl.fastest.strategy}")
     lines.append(
-        "times: one layer forward+backward (layer) and all layers (step), per rank; bytes: "
-        "max over ranks, fwd+bwd; mem: peak per rank with full checkpointing and ZeRO-2"
+        "times: one layer forward+backward (layer; with recompute unless --no-recompute) and "
+        f"one training iteration (step: all layers, LM head, optimizer and "
+        f"{pl.rows[0].grad_sync_s:.2f} s of ZeRO-2 gradient/parameter collectives), per rank; "
+        "bytes: max over ranks, fwd+bwd; mem: peak per rank with full checkpointing and ZeRO-2"
     )
     return "\n".join(lines)
 
@@ -123,7 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         model = ModelSpec(
             **{**base.__dict__, **mchanges, "name": base.name + ("*" if mchanges else "")}
         )
-        result = plan(cluster, model, args.seq_len, args.cp_size, batch=args.batch)
+        result = plan(
+            cluster,
+            model,
+            args.seq_len,
+            args.cp_size,
+            batch=args.batch,
+            recompute=not args.no_recompute,
+        )
     except ValueError as e:
         p.error(str(e))
     if args.json:

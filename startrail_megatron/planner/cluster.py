@@ -53,11 +53,20 @@ class ClusterSpec:
     causal_tile_waste: float = 64.0
     """Masked (q, k) pairs a causal call still computes per query row (diagonal tiles;
     about half the kernel's key-block size: 64 for flash-attn's 128-key blocks)."""
+    mem_bw: float = 0.0
+    """Achieved memory bandwidth of the elementwise tensor ops outside the kernels and the
+    communication (copies, reorders, zero-fills, accumulations, dtype casts), bytes read +
+    written per second per rank; 0 = that work is not modelled."""
+    reduce_scatter_via_allreduce: bool = False
+    """The backend runs a reduce-scatter as clone + all-reduce of the whole input + copy of
+    this rank's chunk (PyTorch's gloo ``reduce_scatter_tensor``, ProcessGroupGloo.cpp):
+    twice a ring reduce-scatter's bytes and steps, plus the clone and the copy. NCCL runs
+    a real reduce-scatter (False)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("name", "overlap"):
+            if f.name in ("name", "overlap", "reduce_scatter_via_allreduce"):
                 continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"cluster setting {f.name}={v!r} must be a number >= 0")
@@ -99,6 +108,8 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     # FlashAttention-2 forward on H100 bf16 at head_dim 128 runs ~330-350
     # TFLOP/s (FA2 paper, fig. 7-8 class numbers); we take 300e12 in a real
     # training step. Dense bf16 GEMMs: 989 TFLOP/s peak, ~60% -> 600e12.
+    # HBM3: 3.35 TB/s peak (H100 SXM datasheet); copy/elementwise kernels reach
+    # ~90% of it (STREAM-like copies) -> 3.0e12 bytes read + written per second.
     "h100-ib": ClusterSpec(
         name="8 x 8 H100 NVLink + 8 x 400 Gb/s IB",
         gpus_per_node=8,
@@ -113,11 +124,13 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
         matmul_flops=600e12,
         kernel_overhead=10e-6,
         gpu_memory=80 * GiB,
+        mem_bw=3.0e12,
     ),
     # A100 40GB nodes (8 per node, NVLink 3: 600 GB/s bidirectional = 300 per
     # direction, ~77% achieved -> 230 GB/s) joined by one 100 GbE port per node
     # (12.5 GB/s; TCP/RoCE reach ~10 GB/s, ~30 us per message). FA2 forward on
     # A100 ~ 180-190 TFLOP/s of 312 peak: take 150e12; GEMMs ~ 200e12.
+    # HBM2: 1.555 TB/s peak (A100 40GB datasheet), ~90% for copies -> 1.4e12.
     "a100-eth": ClusterSpec(
         name="A100 40GB nodes with 100 GbE",
         gpus_per_node=8,
@@ -132,6 +145,7 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
         matmul_flops=200e12,
         kernel_overhead=10e-6,
         gpu_memory=40 * GiB,
+        mem_bw=1.4e12,
     ),
 }
 

@@ -23,6 +23,13 @@ return + dq,dk,dv reduce-scatter. In a layer, the team all-gather overlaps
 the QKV projection (paper, sec. 4.3) when the cluster overlaps.
 All-gather-KV and Ulysses expose their collectives (no overlap), as their
 reference implementations do by default.
+
+Every strategy also pays its elementwise work on buffers (``buffer_bytes``:
+copies, reorders, zero-fills, accumulations, casts, counted from the
+implementation's tensors) at ``mem_bw``. A layer adds the QKV, output and MLP
+GEMMs forward and backward, with the forward rerun under activation recompute;
+an iteration (``step_s``) adds the LM head, ZeRO-2's gradient reduce-scatter
+and weight all-gather, and the Adam step.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ __all__ = [
     "Prediction",
     "Strategy",
     "StrategyKind",
+    "buffer_bytes",
     "candidate_strategies",
     "comm_bytes",
     "memory_bytes",
@@ -315,6 +323,110 @@ def _step(cl: ClusterSpec, comp: float, comm: float) -> float:
     return max(comp, comm) if cl.overlap else comp + comm
 
 
+# ---- elementwise work on buffers ---------------------------------------------
+@lru_cache(maxsize=256)
+def _startrail_rows(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
+    """[rank] -> (q rows, kv rows) summed over this rank's kernel calls of every step (tokens)."""
+    c = lay.team_size
+    chunk = s_local // 2 if causal else c * s_local
+    out = []
+    for r in range(lay.cp_size):
+        t = lay.coord(r)[0]
+        qr = kr = 0
+        for step in range(lay.ring_size):
+            kv = lay.kv_team_at_step(r, step)
+            if causal:
+                calls = plan_block(lay.team_chunks(t), lay.team_chunks(kv), True)
+            else:
+                calls = plan_block([0], [0], False)
+            qr += sum((x.q_hi - x.q_lo) * chunk for x in calls)
+            kr += sum((x.kv_hi - x.kv_lo) * chunk for x in calls)
+        out.append((qr, kr))
+    return tuple(out)
+
+
+def buffer_bytes(
+    strategy: Strategy, shape: AttnShape, *, rs_via_allreduce: bool = False
+) -> tuple[int, int]:
+    """(forward, backward) bytes read + written per rank by the tensor ops outside the
+    kernels and the communication, max over ranks, counted from the implementation's buffers.
+
+    A copy (reorder, ``cat``, ``stack``, ``contiguous``, a permute) of X bytes moves 2X, a
+    zero-fill X, an accumulation ``acc[rows] += g`` reads and writes ``acc`` and reads ``g``,
+    a dtype cast reads one dtype and writes the other (nothing when the dtypes agree).
+    A reduce-scatter over n ranks adds its reductions: ``n-1`` sums of one output-sized
+    chunk (a ring reduce-scatter), 3 (n-1) output bytes; ``rs_via_allreduce`` (gloo:
+    clone, all-reduce, copy out) adds the clone of the input and the copy of the output.
+    The all-gathered buffers' own writes are the collectives' (calibrated with them); the
+    merges after each forward call are the kernel's (calibrated with it); row statistics
+    (lse, delta: 1/head_dim of the tensors beside them) are left out.
+
+    All-gather-KV works on full-sequence buffers: the gathered K,V reordered into chunk
+    order (forward and again in the backward), the fp32 dK/dV accumulator over the whole
+    sequence, its reorder back and the reduce-scatter's reductions of it; StarTrail and ring
+    on team buffers (C times the local size); Ulysses copies each all-to-all'd tensor once
+    (DeepSpeed's permute) and reorders the gathered sequence into natural order.
+    """
+    p, e, a = shape.cp_size, shape.elem_bytes, shape.acc_bytes
+    rq = shape.batch * shape.heads_q * shape.head_dim  # elements of one q row
+    rkv = shape.batch * shape.heads_kv * shape.head_dim  # one k (or v) row
+    uq, ukv = shape.s_local * rq, shape.s_local * rkv
+    conv = 0 if e == a else a + e  # bytes per element of a cast
+
+    def rs(n: int, out_elems: int) -> int:  # a reduce-scatter's reductions (+ gloo's copies)
+        return (3 * (n - 1) + (2 * n + 2 if rs_via_allreduce else 0)) * out_elems * a
+
+    if strategy.kind == "ulysses":
+        moved = (2 * uq + 2 * ukv) * e  # q, k, v, out (forward); dout, dq, dk, dv (backward)
+        each = 2 * moved * (2 if shape.causal else 1)  # DeepSpeed's permute (+ our reorder)
+        return each, each
+    if strategy.kind == "allgather":
+        full = p * 2 * ukv  # the gathered K,V
+        fwd = bwd = 0
+        for r in range(p):
+            calls = allgather_calls(r, p, shape.causal, shape.s_local)
+            qr = sum(qs.stop - qs.start for qs, _, _ in calls)
+            kr = sum(ks.stop - ks.start for _, ks, _ in calls)
+            reord = 2 * full * e if shape.causal and p > 1 else 0
+            f = 4 * ukv * e + reord + uq * a + uq * conv  # stack, reorder, out zeros, cast
+            b = 4 * ukv * e + reord + uq * a + full * a  # stack, reorder, dq and dK/dV zeros
+            b += (qr * rq + 2 * kr * rkv) * (2 * a + e)  # dq[qs] += g_q, dkv[ks] += g_k, g_v
+            if shape.causal and p > 1:
+                b += 2 * full * a  # dK/dV back to rank order
+            b += rs(p, full // p) + (uq + 2 * ukv) * conv
+            fwd, bwd = max(fwd, f), max(bwd, b)
+        return fwd, bwd
+    c = strategy.team_size
+    lay = StarTrailLayout(p, c, strategy.placement)
+    reord = shape.causal and c > 1  # the team's [fronts, backs] order (identity for C = 1)
+    rows = _startrail_rows(lay, shape.causal, shape.s_local)
+    g = lay.ring_size
+    f = 4 * ukv * e + 2 * (uq + 2 * ukv) * e  # stack k,v; cat q with it
+    f += (2 * c * (uq + 2 * ukv) * e if reord else 0) + 2 * c * 2 * ukv * e  # reorder; KV copy
+    f += c * uq * a  # output accumulator zeros
+    if c > 1:
+        f += 2 * c * uq * a + (2 * c * uq * a if reord else 0) + rs(c, uq)  # rescale, reorder
+    f += uq * conv
+    b0 = 4 * uq * a + 2 * uq * conv  # delta = rowsum(dout * out)
+    b0 += 2 * c * uq * e if reord else 0  # team dout reorder
+    b0 += 3 * c * uq * a + 2 * c * uq * conv  # the out stand-in
+    b0 += c * uq * a + g * c * 2 * ukv * a + (g - 1) * 3 * c * 2 * ukv * a  # zeros; dkv += recv
+    b0 += 2 * c * (uq + 2 * ukv) * a * (2 if reord else 1)  # reorders back; cat
+    b0 += (rs(c, uq + 2 * ukv) if c > 1 else 0) + (uq + 2 * ukv) * conv
+    bwd = max(b0 + (qr * rq + 2 * kr * rkv) * (2 * a + e) for qr, kr in rows)
+    return f, bwd
+
+
+def _reduce_scatter_extra(cl: ClusterSpec, groups: list[list[int]], nbytes: int) -> float:
+    """What a reduce-scatter of ``nbytes`` (ledger volume) costs beyond a ring collective of
+    that volume: on gloo (an all-reduce of the whole input) as much again."""
+    return _collective(cl, groups, nbytes, 1) if cl.reduce_scatter_via_allreduce else 0.0
+
+
+def _buffer_time(cl: ClusterSpec, nbytes: int) -> float:
+    return nbytes / cl.mem_bw if cl.mem_bw > 0 else 0.0
+
+
 # ---- memory -----------------------------------------------------------------
 def paper_memory_units(strategy: Strategy, layers: int) -> int:
     """Activation memory in units of A = BNH/P (paper, eqs. 8-10), beyond model states M.
@@ -385,9 +497,13 @@ class Prediction:
     attn_s: float
     """Attention forward + backward of one layer, nothing overlapped with the projections."""
     layer_s: float
-    """One transformer layer forward + backward, team all-gather overlapped with QKV."""
+    """One transformer layer forward + backward (the forward twice with activation
+    recompute), team all-gather overlapped with QKV."""
     step_s: float
-    """All layers (layer_s * layers), without embedding, loss and optimizer."""
+    """One training iteration: all layers, the LM head, the ZeRO-2 gradient
+    reduce-scatter and parameter all-gather, the optimizer (``grad_sync_s`` and the rest)."""
+    grad_sync_s: float
+    """ZeRO-2 gradient reduce-scatter + parameter all-gather over the CP group (exposed)."""
     p2p_bytes: int
     """Max over ranks of P2P bytes sent, forward + backward."""
     collective_bytes: int
@@ -407,6 +523,36 @@ def _dense_flops(model: ModelSpec, tokens: int) -> tuple[float, float]:
     qkv = 2 * tokens * h * (h + 2 * kv)
     rest = 2 * tokens * (h * h + (3 if model.gated_mlp else 2) * h * model.ffn_hidden)
     return qkv, rest
+
+
+ADAM_BYTES_PER_PARAM = 28
+"""Bytes an Adam step reads + writes per parameter (ZeRO-2 shard): fp32 master, m and v
+read and written (24), the bf16 gradient read (2) and the bf16 weight written (2)."""
+
+
+def _iteration_extra(cl: ClusterSpec, model: ModelSpec, shape: AttnShape) -> tuple[float, float]:
+    """(ZeRO-2 gradient + parameter collectives, LM head + optimizer) seconds per iteration.
+
+    Per iteration (batch 1: one micro-batch): ZeRO-2 over the CP group reduce-scatters the
+    gradients and all-gathers the updated weights, both in the input dtype, each rank
+    sending ``(P-1)/P`` of the model. NCCL runs such a large collective on several rings
+    (one channel per NIC rail), so across nodes it reaches the node's ``inter_bw``, not one
+    GPU's rail. Exposed: DeepSpeed's ZeRO-2 default ``overlap_comm=False``. The LM head
+    (``2 t H V`` FLOPs forward, twice that backward) at ``matmul_flops``; the Adam step on
+    this rank's ``params/P`` shard at ``mem_bw``.
+    """
+    p, e = shape.cp_size, shape.elem_bytes
+    tokens = shape.s_local * shape.batch
+    sync = 0.0
+    if p > 1:
+        multi = p > cl.gpus_per_node
+        bw = min(cl.intra_bw, cl.inter_bw) if multi else cl.intra_bw
+        alpha = cl.inter_latency if multi else cl.intra_latency
+        nbytes = (p - 1) * model.params * e / p
+        sync = 2 * ((p - 1) * alpha + nbytes / bw)
+    head = 3 * 2 * tokens * model.hidden * model.vocab / cl.matmul_flops
+    optim = _buffer_time(cl, model.params / p * ADAM_BYTES_PER_PARAM)
+    return sync, head + optim
 
 
 def _startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
@@ -437,12 +583,17 @@ def _startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
     t_qkv = _collective(cl, teams, qkv, 1)
     fwd_coll = max(b["fwd_collective"] for b in byts)
     t_comb = _collective(cl, teams, fwd_coll - qkv, 2)
+    uq = shape.s_local * shape.batch * shape.heads_q * shape.head_dim
+    ukv = shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
+    c1 = st.team_size - 1
+    t_comb += _reduce_scatter_extra(cl, teams, c1 * uq * shape.acc_bytes)  # out
     fwd = t_qkv + init_step() + t_comb
     for s in range(g):
         fwd += _step(cl, comp(s, False), ring_step(kv_msg) if s < g - 1 else 0.0)
     # Backward
     bwd_coll = max(b["bwd_collective"] for b in byts)
     bwd = _collective(cl, teams, bwd_coll, 3) + init_step()
+    bwd += _reduce_scatter_extra(cl, teams, c1 * (uq + 2 * ukv) * shape.acc_bytes)  # dq,dk,dv
     for s in range(g):
         if s < g - 1:
             bwd += _step(cl, comp(s, True), ring_step(kv_msg + dkv_msg))
@@ -475,6 +626,8 @@ def _peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
         bwd_c = max(_kernel_time(cl, shape, *work(r), True) for r in range(p))
         fwd = _collective(cl, everyone, b["fwd_collective"], 1) + fwd_c
         bwd = _collective(cl, everyone, b["bwd_collective"], 2) + bwd_c
+        dkv = (p - 1) * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
+        bwd += _reduce_scatter_extra(cl, everyone, dkv * shape.acc_bytes)
         return fwd, bwd, 0.0
     n = shape.seq_len
     pairs = (0, n * (n + 1) // 2, n) if shape.causal else (n * n, 0, 0)
@@ -499,12 +652,20 @@ def _peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
 
 
 def predict(
-    strategy: Strategy, cluster: ClusterSpec, shape: AttnShape, model: ModelSpec | None = None
+    strategy: Strategy,
+    cluster: ClusterSpec,
+    shape: AttnShape,
+    model: ModelSpec | None = None,
+    *,
+    recompute: bool = True,
 ) -> Prediction:
     """Predicted time, bytes and memory per rank of one strategy on one cluster.
 
-    Without ``model`` the layer is attention only (no projections, no MLP) and
-    memory counts the attention's working set alone.
+    Without ``model`` the layer is attention only (no projections, no MLP, no
+    iteration terms) and memory counts the attention's working set alone.
+    ``recompute``: full activation checkpointing, as ``memory_bytes`` assumes (the
+    paper's eqs. 8-10): the backward first reruns the layer's forward, attention and
+    its communication included.
     """
     if shape.cp_size > cluster.num_gpus:
         raise ValueError(
@@ -522,14 +683,23 @@ def predict(
         fwd, bwd, t_qkv = _startrail_times(strategy, cluster, shape)
     else:
         fwd, bwd, t_qkv = _peer_times(strategy, cluster, shape)
+    buf_f, buf_b = buffer_bytes(
+        strategy, shape, rs_via_allreduce=cluster.reduce_scatter_via_allreduce
+    )
+    fwd += _buffer_time(cluster, buf_f)
+    bwd += _buffer_time(cluster, buf_b)
     attn = fwd + bwd
-    layer, mem = attn, None
+    layer, mem, step, sync = attn, None, attn, 0.0
     if model is not None:
         qkv_f, rest_f = _dense_flops(model, shape.s_local * shape.batch)
         t_qkvp, t_rest = qkv_f / cluster.matmul_flops, rest_f / cluster.matmul_flops
         hidden_ag = min(t_qkv, t_qkvp) if cluster.overlap else 0.0
-        layer = attn + 3 * (t_qkvp + t_rest) - hidden_ag  # dense backward = 2x forward
+        layer_fwd = fwd + t_qkvp + t_rest - hidden_ag
+        passes = 2 if recompute else 1
+        layer = passes * layer_fwd + bwd + 2 * (t_qkvp + t_rest)  # dense backward = 2x forward
         mem = memory_bytes(strategy, shape, model)["total"]
+        sync, other = _iteration_extra(cluster, model, shape)
+        step = model.layers * layer + sync + other
     else:
         model_free = ModelSpec(
             "attn", 1, shape.heads_q * shape.head_dim, shape.heads_q, shape.heads_kv, 1, vocab=1
@@ -546,7 +716,8 @@ def predict(
         attn_bwd_s=bwd,
         attn_s=attn,
         layer_s=layer,
-        step_s=layer * (model.layers if model is not None else 1),
+        step_s=step,
+        grad_sync_s=sync,
         p2p_bytes=max(b["fwd_p2p"] + b["bwd_p2p"] for b in byts),
         collective_bytes=max(b["fwd_collective"] + b["bwd_collective"] for b in byts),
         fwd_p2p_bytes=max(b["fwd_p2p"] for b in byts),

@@ -45,9 +45,11 @@ def plan(
     *,
     batch: int = 1,
     elem_bytes: int = 2,
+    recompute: bool = True,
 ) -> Plan:
     """Predict every valid (C, placement) and the peers; recommend the fastest that fits.
 
+    ``recompute``: full activation checkpointing (the layer's forward rerun in the backward).
     Raises ``ValueError`` for a CP size larger than the cluster or a sequence
     that does not split into 2*cp_size zigzag chunks.
     """
@@ -60,7 +62,7 @@ def plan(
         )
     shape = AttnShape.for_model(model, seq_len, cp_size, batch, elem_bytes=elem_bytes)
     rows = [
-        predict(s, cluster, shape, model)
+        predict(s, cluster, shape, model, recompute=recompute)
         for s in candidate_strategies(cp_size, model.heads, model.kv_heads)
     ]
     fitting = [r for r in rows if r.fits]
