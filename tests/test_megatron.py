@@ -56,7 +56,7 @@ def _train(rank, world, argv, steps, save=None, load=None, grads=True):
     try:
         model = T.build_model(args)
         opt = T.build_optimizer(args, model)
-        start = T.load_checkpoint(load, model) if load else 0
+        start = T.load_checkpoint(load, model, opt) if load else 0
         batches = T.global_batches(args, T.build_dataset(args, 64 * args.global_batch_size))
         for _ in range(start):
             next(batches)
@@ -69,7 +69,7 @@ def _train(rank, world, argv, steps, save=None, load=None, grads=True):
                 )
             T.optimizer_step(model, opt)
             if save and it == save[1]:
-                T.save_checkpoint(save[0], model, it)
+                T.save_checkpoint(save[0], model, it, opt)
         return losses, all_grads
     finally:
         T.teardown()
@@ -130,6 +130,15 @@ def test_dp2_cp4_startrail_matches_cp1():
     res = run_ranks(8, _train, argv, 3)
     for losses, grads in res:
         _assert_close_runs((losses, grads[:1]), (ref[0], ref[1][:1]))
+
+
+def test_resume_continues_exactly(tmp_path):
+    """Adam state and data position are restored: 2 + 2 steps = 4 steps."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = BASE + GQA + st_flags(4, 2)
+    straight = run_ranks(4, _train, argv, 4, (ckpt, 2), None, False)[0][0]
+    resumed = run_ranks(4, _train, argv, 2, None, ckpt, False)[0][0]
+    assert resumed == straight[2:]
 
 
 def test_checkpoint_from_startrail_loads_into_cp1(tmp_path):
