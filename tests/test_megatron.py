@@ -67,7 +67,7 @@ def _train(rank, world, argv, steps, save=None, load=None, grads=True):
                 all_grads.append(
                     {n: p.main_grad.detach().clone() for n, p in model.module.named_parameters()}
                 )
-            T.optimizer_step(model, opt)
+            T.optimizer_step(model, opt, args.clip_grad)
             if save and it == save[1]:
                 T.save_checkpoint(save[0], model, it, opt)
         return losses, all_grads
@@ -105,6 +105,36 @@ def test_gpt_startrail_cp4_matches_cp1(heads, team):
     res = run_ranks(4, _train, argv, 3)
     for r in res:  # every CP rank holds the same all-reduced gradients
         _assert_close_runs(r, ref)
+
+
+def test_tp2_gradient_clipping_matches_cp1():
+    """A tiny --clip-grad always clips: the TP-aware global norm must equal TP = 1's."""
+    extra = ["--optimizer", "sgd", "--clip-grad", "0.01"]
+    ref = _baseline(extra)
+    argv = BASE + extra + ["--tensor-model-parallel-size", "2"] + st_flags(2, 1)
+    for r in run_ranks(4, _train, argv, 3, None, None, False):
+        _assert_close_runs(r, ref, grads=False)
+
+
+def _grad_norm(rank, world, argv):
+    args = T.parse_args(argv)
+    T.initialize(args)
+    try:
+        model = T.build_model(args)
+        batches = T.global_batches(args, T.build_dataset(args, 4 * args.global_batch_size))
+        T.forward_backward(args, model, next(batches))
+        for p in model.parameters():
+            p.grad = p.main_grad
+        return T.clip_grad_norm(model, 0.0)
+    finally:
+        T.teardown()
+
+
+def test_grad_norm_counts_tp_shards_once():
+    ref = run_ranks(1, _grad_norm, BASE)[0]
+    argv = BASE + ["--tensor-model-parallel-size", "2"] + st_flags(2, 1)
+    for norm in run_ranks(4, _grad_norm, argv):
+        assert abs(norm - ref) <= 1e-6 * ref, (norm, ref)
 
 
 def test_adam_losses_and_first_gradients_match():
@@ -335,7 +365,7 @@ def _autotune_then_train(rank, world, argv):
         losses = []
         for _ in range(2):
             losses.append(T.forward_backward(args, model, next(batches)))
-            T.optimizer_step(model, opt)
+            T.optimizer_step(model, opt, args.clip_grad)
         return (args.startrail_team_size, args.startrail_placement), lines, losses
     finally:
         T.teardown()

@@ -17,7 +17,7 @@ CP size or implementation (tests compare CP = 4 with CP = 1).
 
 Optimizer: megatron-core's optimizer wrapper allocates on CUDA, so on CPU
 ranks the loop uses ``torch.optim.AdamW`` (or SGD) on megatron DDP's
-``main_grad`` (the update megatron's fp32 path makes; no gradient clipping).
+``main_grad``, with megatron's global-norm clipping (``clip_grad_norm``).
 """
 
 from __future__ import annotations
@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument(
+        "--clip-grad",
+        type=float,
+        default=1.0,
+        help="clip the global gradient norm to this (0: off), as Megatron-LM",
+    )
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--seed", type=int, default=1234)
@@ -371,14 +377,40 @@ def forward_backward(args: argparse.Namespace, model, micro_batches) -> float:
     return loss_sum.item() / total
 
 
-def optimizer_step(model, optimizer) -> None:
+def clip_grad_norm(model, max_norm: float) -> float:
+    """Megatron's global gradient-norm clipping on ``.grad``, for the CPU optimizer path.
+
+    The norm counts each parameter once over the tensor-parallel group (TP shards
+    summed, TP-replicated parameters once), as ``clip_grad_by_total_norm_fp32``;
+    clipped when ``max_norm / (norm + 1e-6) < 1``. Returns the norm before clipping.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
+    for p in model.parameters():
+        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+            sq += p.grad.double().pow(2).sum()
+    dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+    norm = sq.sqrt().item()
+    coef = max_norm / (norm + 1e-6)
+    if max_norm > 0 and coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+def optimizer_step(model, optimizer, clip_grad: float = 0.0) -> None:
     if isinstance(optimizer, torch.optim.Optimizer):
         for p in model.parameters():
             p.grad = p.main_grad.to(p.dtype) if p.main_grad.dtype != p.dtype else p.main_grad
+        if clip_grad > 0:
+            clip_grad_norm(model, clip_grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     else:
-        optimizer.step()
+        optimizer.step()  # megatron's optimizer clips by its config
         optimizer.zero_grad()
     model.zero_grad_buffer()
 
@@ -553,7 +585,7 @@ def train(args: argparse.Namespace) -> list[dict]:
         for it in range(start + 1, args.train_iters + 1):
             t0 = time.perf_counter()
             loss = forward_backward(args, model, next(batches))
-            optimizer_step(model, optimizer)
+            optimizer_step(model, optimizer, args.clip_grad)
             dt = time.perf_counter() - t0
             entry = {
                 "iteration": it,
