@@ -513,6 +513,20 @@ def _param_names(fn: Any) -> tuple[tuple[str, ...], frozenset[str]]:
     raise NotImplementedError(f"cannot read the parameters of {fn!r}")
 
 
+def _fixed_kwargs(causal: bool, scale: float) -> dict[str, Any]:
+    """flash-attn arguments shared by forward and backward: no dropout, window, softcap, alibi."""
+    return {
+        "dropout_p": 0.0,
+        "softmax_scale": scale,
+        "causal": causal,
+        "window_size": (-1, -1),
+        "window_size_left": -1,
+        "window_size_right": -1,
+        "softcap": 0.0,
+        "alibi_slopes": None,
+    }
+
+
 @dataclass(frozen=True)
 class FlashAttnAPI:
     """flash-attn's private forward/backward as detected from their signatures.
@@ -573,20 +587,7 @@ class FlashAttnAPI:
 
     def forward_kwargs(self, q, k, v, *, causal: bool, scale: float) -> dict[str, Any]:
         """Keyword arguments of ``_flash_attn_forward`` for [b, s, h, d] inputs."""
-        values = {
-            "q": q,
-            "k": k,
-            "v": v,
-            "dropout_p": 0.0,
-            "softmax_scale": scale,
-            "causal": causal,
-            "window_size": (-1, -1),
-            "window_size_left": -1,
-            "window_size_right": -1,
-            "softcap": 0.0,
-            "alibi_slopes": None,
-            "return_softmax": False,
-        }
+        values = {"q": q, "k": k, "v": v, **_fixed_kwargs(causal, scale), "return_softmax": False}
         return self._kwargs(self.fwd_params, self.fwd_required, values, "_flash_attn_forward")
 
     def backward_kwargs(self, dout, q, k, v, out, lse, dq, dk, dv, *, causal, scale):
@@ -601,14 +602,7 @@ class FlashAttnAPI:
             "dq": dq,
             "dk": dk,
             "dv": dv,
-            "dropout_p": 0.0,
-            "softmax_scale": scale,
-            "causal": causal,
-            "window_size": (-1, -1),
-            "window_size_left": -1,
-            "window_size_right": -1,
-            "softcap": 0.0,
-            "alibi_slopes": None,
+            **_fixed_kwargs(causal, scale),
             "deterministic": False,
             "rng_state": None,
         }
