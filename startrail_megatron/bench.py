@@ -47,6 +47,7 @@ from .attention import startrail_attention
 from .comm import CommLedger, P2PComm, TeamComm
 from .groups import StarTrailGroups
 from .kernels import get_kernel, merge_partial
+from .local_ranks import spawn_local_ranks
 from .planner.calibrate import fit_cluster
 from .planner.cost import AttnShape, Strategy, candidate_strategies, comm_bytes, predict
 from .sequence import zigzag_shard, zigzag_unshard
@@ -545,22 +546,11 @@ def write_png(report: dict, path: str) -> None:
 
 
 # ---- entry ----------------------------------------------------------------------
-def _spawned(rank: int, world: int, init_file: str, args, out_file: str) -> None:
-    torch.set_num_threads(args.threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=args.timeout),
-    )
-    try:
-        report = _run(rank, world, args)
-        if report is not None:
-            with open(out_file, "w") as f:
-                json.dump(report, f)
-    finally:
-        dist.destroy_process_group()
+def _bench_rank(rank: int, world: int, args, out_file: str) -> None:
+    report = _run(rank, world, args)
+    if report is not None:
+        with open(out_file, "w") as f:
+            json.dump(report, f)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -640,11 +630,13 @@ def run(argv: list[str] | None = None) -> dict:
     else:
         with tempfile.TemporaryDirectory() as tmp:
             out_file = os.path.join(tmp, "report.json")
-            torch.multiprocessing.start_processes(
-                _spawned,
-                args=(world, os.path.join(tmp, "rdv"), args, out_file),
-                nprocs=world,
-                start_method="spawn",
+            spawn_local_ranks(
+                _bench_rank,
+                world,
+                args,
+                out_file,
+                timeout=timedelta(seconds=args.timeout),
+                threads=args.threads,
             )
             with open(out_file) as f:
                 report = json.load(f)

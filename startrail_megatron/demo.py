@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import tempfile
 from datetime import timedelta
 
 import torch
@@ -23,6 +22,7 @@ from .attention import startrail_attention
 from .comm import CommLedger
 from .groups import StarTrailGroups
 from .layout import StarTrailLayout
+from .local_ranks import spawn_local_ranks
 from .sequence import zigzag_shard, zigzag_unshard
 
 
@@ -95,20 +95,6 @@ def _run(rank: int, world: int, args) -> None:
         )
 
 
-def _spawned(rank: int, world: int, init_file: str, args) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=120),
-    )
-    try:
-        _run(rank, world, args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -138,10 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             dist.destroy_process_group()
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.spawn(
-            _spawned, args=(world, os.path.join(tmp, "rdv"), args), nprocs=world
-        )
+    spawn_local_ranks(_run, world, args, timeout=timedelta(seconds=120))
 
 
 if __name__ == "__main__":

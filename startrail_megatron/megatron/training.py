@@ -626,31 +626,22 @@ def _print_iteration(args, e: dict) -> None:
     print(line, flush=True)
 
 
-def _worker(rank: int, world: int, init_file: str, args) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(minutes=args.distributed_timeout_minutes),
-    )
-    try:
-        train(args)
-    finally:
-        dist.destroy_process_group()
+def _train_rank(rank: int, world: int, args) -> None:
+    train(args)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.nproc:
-        import tempfile
+        from ..local_ranks import spawn_local_ranks
 
         _banner(args)
-        with tempfile.TemporaryDirectory() as tmp:
-            torch.multiprocessing.spawn(
-                _worker, args=(args.nproc, os.path.join(tmp, "rdv"), args), nprocs=args.nproc
-            )
+        spawn_local_ranks(
+            _train_rank,
+            args.nproc,
+            args,
+            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+        )
         return
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():

@@ -1,0 +1,41 @@
+"""Spawn gloo ranks on this machine: the entry points' ``--nproc`` mode."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["spawn_local_ranks"]
+
+
+def _entry(rank, world, init_file, timeout, threads, fn, args) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout
+    )
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_local_ranks(
+    fn: Callable, nprocs: int, *args, timeout: timedelta, threads: int = 1
+) -> None:
+    """Run the module-level ``fn(rank, nprocs, *args)`` on ``nprocs`` spawned processes.
+
+    Each joins a gloo process group (file:// rendezvous in a temporary folder, so
+    no port is needed) with ``timeout`` and destroys it afterwards.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.start_processes(
+            _entry,
+            args=(nprocs, os.path.join(tmp, "rdv"), timeout, threads, fn, args),
+            nprocs=nprocs,
+            start_method="spawn",
+        )
