@@ -192,36 +192,44 @@ def _micro_tasks(args, rank, world, device, dtype) -> list[tuple[str, dict, obje
     s = args.seq_len // world
     scale = d**-0.5
     tasks: list[tuple[str, dict, object]] = []
-    for n in sorted({max(s // 4, 1), max(s // 2, 1), s, 2 * s}):
-        q = torch.randn(n, b, h, d, device=device, dtype=dtype)
-        kv = torch.randn(n, b, hkv, d, device=device, dtype=dtype)
-        acc = torch.zeros(n, b, h, d, device=device, dtype=torch.float32)
-        lse0 = torch.full((b, h, n), -math.inf, device=device)
+    # Kernel calls as the schedules make them: K and V are views of one stacked
+    # [n, 2, b, hkv, d] buffer. Square calls of 4 sizes; the long-key calls of
+    # all-gather-KV (s/2 query rows against up to (2P-1) s/2 keys), whose K,V may not
+    # fit in the cache (the model's re-streaming term); causal diagonal calls.
+    half = max(s // 2, 1)
+    shapes = [(n, n) for n in sorted({max(s // 4, 1), half, s, 2 * s})]
+    shapes += [(half, m * half) for m in sorted({world + 1, 2 * world - 1}) if m * half > 2 * s]
+    for nq, nk in shapes:
+        q = torch.randn(nq, b, h, d, device=device, dtype=dtype)
+        kv = torch.randn(nk, 2, b, hkv, d, device=device, dtype=dtype)
+        acc = torch.zeros(nq, b, h, d, device=device, dtype=torch.float32)
+        lse0 = torch.full((b, h, nq), -math.inf, device=device)
 
         def fwd(q=q, kv=kv, acc=acc, lse0=lse0):  # a call and the merge after it
-            o, lse = kern.forward(q, kv, kv, causal=False, scale=scale)
+            o, lse = kern.forward(q, kv[:, 0], kv[:, 1], causal=False, scale=scale)
             merge_partial(acc, lse0.clone(), o, lse)
             return o, lse
 
         o, lse = fwd()
 
         def bwd(o=o, q=q, kv=kv, lse=lse):
-            kern.backward(o, q, kv, kv, o, lse, causal=False, scale=scale)
+            kern.backward(o, q, kv[:, 0], kv[:, 1], o, lse, causal=False, scale=scale)
 
-        row = {"pairs": n * n, "flops": 4 * d * h * b * n * n}
+        row = {"q": nq, "k": nk, "pairs": nq * nk, "flops": 4 * d * h * b * nq * nk}
         tasks += [("kernel_fwd", row, fwd), ("kernel_bwd", row, bwd)]
-        if n >= s // 2:  # causal diagonal calls, as the schedules make them
+        if nq == nk and nq >= s // 2:  # causal diagonal calls, as the schedules make them
 
             def cfwd(q=q, kv=kv):
-                return kern.forward(q, kv, kv, causal=True, scale=scale)
+                return kern.forward(q, kv[:, 0], kv[:, 1], causal=True, scale=scale)
 
             co, clse = cfwd()
 
             def cbwd(o=co, q=q, kv=kv, lse=clse):
-                kern.backward(o, q, kv, kv, o, lse, causal=True, scale=scale)
+                kern.backward(o, q, kv[:, 0], kv[:, 1], o, lse, causal=True, scale=scale)
 
-            cp = n * (n + 1) // 2
-            crow = {"rows": n, "pairs": cp, "flops": 4 * d * h * b * cp}
+            cp = nq * (nq + 1) // 2
+            crow = {"q": nq, "k": nq, "causal": True, "rows": nq, "pairs": cp}
+            crow["flops"] = 4 * d * h * b * cp
             tasks += [("kernel_causal_fwd", crow, cfwd), ("kernel_causal_bwd", crow, cbwd)]
     # Elementwise work on buffers (the cost model's ``mem_bw``), done as the schedules do
     # it: a fresh zero-filled [n, 2, b, hkv, d] dK/dV accumulator in the accumulation
@@ -260,9 +268,10 @@ def _micro_tasks(args, rank, world, device, dtype) -> list[tuple[str, dict, obje
     return tasks
 
 
-def _micro_record(tasks, times: list[list[float]]) -> dict:
-    """The fastest round of every microbenchmark, as ``planner.calibrate`` reads it."""
-    kernel: dict[tuple[str, int], dict] = {}
+def _micro_record(tasks, times: list[list[float]], stat=min) -> dict:
+    """``stat`` (the fastest, or the median) of every microbenchmark's rounds, as
+    ``planner.calibrate`` reads it."""
+    kernel: dict[tuple[str, int, int], dict] = {}
     out: dict[str, list] = {
         "kernel": [],
         "kernel_causal": [],
@@ -273,13 +282,34 @@ def _micro_record(tasks, times: list[list[float]]) -> dict:
     for (table, row, _), ts in zip(tasks, times):
         if table.startswith("kernel"):
             name, _, phase = table.rpartition("_")
-            k = kernel.setdefault((name, row["pairs"]), dict(row))
-            k[f"{phase}_s"] = min(ts)
+            k = kernel.setdefault((name, row["q"], row["k"]), dict(row))
+            k[f"{phase}_s"] = stat(ts)
         else:
-            out[table].append({**row, "s": min(ts)})
-    for name, pairs in sorted(kernel):
-        out[name].append(kernel[name, pairs])
+            out[table].append({**row, "s": stat(ts)})
+    for key in sorted(kernel):
+        out[key[0]].append(kernel[key])
     return out
+
+
+def cache_bytes_per_core(
+    device: torch.device, base: str = "/sys/devices/system/cpu/cpu0/cache"
+) -> int:
+    """The L2 cache of CPU 0 from sysfs (the kernel's K,V working-set limit in the model);
+    0 off CPU or where sysfs does not say (the model's re-streaming term then stays off)."""
+    if device.type != "cpu":
+        return 0
+    try:
+        for idx in sorted(os.listdir(base)):
+            with open(f"{base}/{idx}/level") as f:
+                if f.read().strip() != "2":
+                    continue
+            with open(f"{base}/{idx}/size") as f:
+                size = f.read().strip()
+            unit = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+            return int(size.rstrip("KM")) * unit
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _progress(rank: int, msg: str) -> None:
@@ -395,7 +425,15 @@ def _run(rank: int, world: int, args) -> dict | None:
     times = [flat[j * r_ : (j + 1) * r_] for j in range(len(times))]
     off = len(steps) * r_
     micro_times = [flat[off + j * r_ : off + (j + 1) * r_] for j in range(len(tasks))]
-    micro = _micro_record(tasks, micro_times)
+    dims = {
+        "batch": args.batch,
+        "heads_q": args.heads,
+        "head_dim": args.head_dim,
+        "elem_bytes": torch.tensor([], dtype=dtype).element_size(),
+        "acc_bytes": 8 if dtype == torch.float64 else 4,
+    }
+    micro = {**_micro_record(tasks, micro_times), "dims": dims}
+    micro_median = {**_micro_record(tasks, micro_times, statistics.median), "dims": dims}
     results = []
     for (st, err, peak, led), ts in zip(info, times):
         med = statistics.median(ts)
@@ -424,17 +462,26 @@ def _run(rank: int, world: int, args) -> dict | None:
     if rank != 0:
         return None
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cluster = fit_cluster(
-        micro, num_ranks=world, memory_bytes=float(mem_total), backend=dist.get_backend()
+    fit = dict(
+        num_ranks=world,
+        memory_bytes=float(mem_total),
+        backend=dist.get_backend(),
+        cache_bytes=cache_bytes_per_core(device),
     )
+    # Like for like: the model calibrated on each microbenchmark's fastest round predicts
+    # the fastest round of each strategy; calibrated on their medians, the median.
+    cluster = fit_cluster(micro, **fit)
+    cluster_median = fit_cluster(micro_median, **fit)
     for r in results:
         st = Strategy(
             r["kind"], r["team_size"], r["placement"] if r["placement"] != "-" else "team"
         )
         pred = predict(st, cluster, shape).attn_s
+        pred_med = predict(st, cluster_median, shape).attn_s
         r["predicted_s"] = pred
         r["predicted_over_measured"] = pred / r["min_s"]
-        r["predicted_over_median"] = pred / r["median_s"]
+        r["predicted_median_s"] = pred_med
+        r["predicted_over_median"] = pred_med / r["median_s"]
     return {
         "config": {
             "nproc": world,
@@ -461,7 +508,12 @@ def _run(rank: int, world: int, args) -> dict | None:
         "time_method": "forward+backward wall time, slowest rank per repeat (barrier before); "
         "repeats interleaved across strategies and microbenchmarks",
         "results": results,
-        "calibration": {"microbenchmarks": micro, "cluster": cluster.__dict__},
+        "calibration": {
+            "microbenchmarks": micro,
+            "cluster": cluster.__dict__,
+            "microbenchmarks_median": micro_median,
+            "cluster_median": cluster_median.__dict__,
+        },
     }
 
 
@@ -475,7 +527,7 @@ def format_table(report: dict) -> str:
         f"{'causal' if c['causal'] else 'full'}; {c['repeats']} repeats after {c['warmup']} warm-up",
         f"{'strategy':22s}{'median ms':>10s}{'IQR ms':>8s}{'fwd P2P':>10s}{'fwd coll':>10s}"
         f"{'bwd P2P':>10s}{'bwd coll':>10s}{'calls':>7s}{'peak MiB':>9s}{'max err':>9s}"
-        f"{'min ms':>9s}{'model ms':>9s}{'mod/min':>9s}",
+        f"{'min ms':>9s}{'model ms':>9s}{'mod/min':>9s}{'model med':>10s}{'mod/med':>9s}",
     ]
     mib = 2**20
     for r in report["results"]:
@@ -488,11 +540,13 @@ def format_table(report: dict) -> str:
             f"{led['bwd_p2p_bytes'] / mib:10.2f}{led['bwd_collective_bytes'] / mib:10.2f}"
             f"{calls:7d}{r['peak_memory_bytes'] / mib:9.1f}{err:>9s}"
             f"{r['min_s'] * 1e3:9.2f}{r['predicted_s'] * 1e3:9.2f}{r['predicted_over_measured']:9.2f}"
+            f"{r['predicted_median_s'] * 1e3:10.2f}{r['predicted_over_median']:9.2f}"
         )
     lines.append(
         "bytes: MiB sent per rank (max over ranks, from the CommLedger); calls: P2P + collective, "
         f"fwd + bwd; peak: {report['memory_method']}; model: cost model calibrated on this run's "
-        "microbenchmarks (fastest repeat of each), compared with the fastest repeat (min)"
+        "microbenchmarks: fastest repeat of each vs the fastest repeat (min), median of each vs "
+        "the median"
     )
     return "\n".join(lines)
 
@@ -512,7 +566,7 @@ def write_png(report: dict, path: str) -> None:
     hi = [r["max_s"] * 1e3 - m for m, r in zip(med, res)]
     ax1.bar(x, med, yerr=[lo, hi], capsize=3, label="measured (median, min-max)")
     ax1.plot(x, [r["min_s"] * 1e3 for r in res], "k_", markersize=14, label="measured (min)")
-    ax1.plot(x, [r["predicted_s"] * 1e3 for r in res], "rx", label="calibrated model")
+    ax1.plot(x, [r["predicted_median_s"] * 1e3 for r in res], "rx", label="model (medians)")
     ax1.set_ylabel("forward + backward, ms")
     ax1.legend(fontsize=7)
     mib = 2**20

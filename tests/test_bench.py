@@ -37,10 +37,15 @@ def test_bench_tiny_all_strategies(tmp_path):
         for key in model:
             assert led[f"{key}_bytes"] == model[key], (r["strategy"], key)
         assert r["predicted_s"] > 0 and r["peak_memory_bytes"] > 0
+        assert r["predicted_median_s"] > 0
+        assert r["predicted_over_median"] == r["predicted_median_s"] / r["median_s"]
     ring = report["results"][0]["ledger_max_over_ranks"]
     star = report["results"][1]["ledger_max_over_ranks"]
     assert star["fwd_p2p_bytes"] < ring["fwd_p2p_bytes"] and ring["fwd_collective_bytes"] == 0
-    assert report["calibration"]["cluster"]["attn_flops"] > 0
+    cal = report["calibration"]
+    assert cal["cluster"]["attn_flops"] > 0 and cal["cluster_median"]["attn_flops"] > 0
+    assert cal["microbenchmarks"]["dims"]["head_dim"] == 16
+    assert all({"q", "k"} <= set(r) for r in cal["microbenchmarks"]["kernel"])
     table = bench.format_table(report)
     assert "startrail-C2-team" in table and "MemTracker" in table
     png = tmp_path / "b.png"
@@ -59,3 +64,17 @@ def test_bench_argument_errors(capsys):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert msg in capsys.readouterr().err
+
+
+def test_cache_bytes_per_core_reads_sysfs(tmp_path):
+    import torch
+
+    for idx, (level, size) in enumerate((("1", "32K"), ("2", "1024K"), ("3", "32768K"))):
+        d = tmp_path / f"index{idx}"
+        d.mkdir()
+        (d / "level").write_text(level + "\n")
+        (d / "size").write_text(size + "\n")
+    cpu = torch.device("cpu")
+    assert bench.cache_bytes_per_core(cpu, str(tmp_path)) == 1 << 20
+    assert bench.cache_bytes_per_core(torch.device("cuda"), str(tmp_path)) == 0
+    assert bench.cache_bytes_per_core(cpu, str(tmp_path / "missing")) == 0

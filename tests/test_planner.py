@@ -32,6 +32,7 @@ from startrail_megatron.planner import (
     comm_calls,
     fit_cluster,
     fit_linear,
+    kv_stream_bytes,
     memory_bytes,
     paper_comm_bytes,
     paper_memory_units,
@@ -39,6 +40,7 @@ from startrail_megatron.planner import (
     predict,
     startrail_candidates,
 )
+from startrail_megatron.planner.calibrate import TORCH_CPU_FLASH_Q_BLOCKS
 
 GIB = 2**30
 
@@ -314,6 +316,102 @@ def test_fit_recovers_known_constants():
     assert degenerate.attn_flops == pytest.approx(4 * 64 * 8 * 16384 / 0.01)
     with pytest.raises(ValueError, match=">= 2 points"):
         fit_linear([(1, 1)], [1.0])
+
+
+# ---- K,V re-streaming of calls too long for the cache ------------------------------
+DIMS = dict(batch=1, heads_q=8, head_dim=64, elem_bytes=4, acc_bytes=4)
+CACHE = {"cache_bytes": 1 << 20, "q_blocks": TORCH_CPU_FLASH_Q_BLOCKS}
+
+
+def test_kv_stream_bytes_by_hand():
+    f = kv_stream_bytes
+    # forward: K,V of one head = 2 * nk * 64 * 4 bytes; fits up to nk = 2048 (1 MiB)
+    assert f(256, 2048, False, **CACHE, **DIMS, bwd=False) == 0.0
+    # 256 queries -> 64-row blocks -> 4 passes per head, 8 heads; K and V each pass
+    assert f(256, 2560, False, **CACHE, **DIMS, bwd=False) == 8 * 4 * 2 * 2560 * 64 * 4
+    assert f(100, 2560, False, **CACHE, **DIMS, bwd=False) == 8 * 4 * 2 * 2560 * 64 * 4  # 32
+    assert f(1024, 2560, False, **CACHE, **DIMS, bwd=False) == 8 * 4 * 2 * 2560 * 64 * 4  # 256
+    assert f(256, 2560, True, **CACHE, **DIMS, bwd=False) == 8 * 4 * 2560 * 64 * 4  # causal: 1/2
+    # backward: K,V,dK,dV must fit (fp32: 4 * nk * 256 B): 1024 keys fit, 1025 do not;
+    # a pass reads K, V and reads + writes dK, dV
+    assert f(512, 1024, False, **CACHE, **DIMS, bwd=True) == 0.0
+    assert f(512, 1025, False, **CACHE, **DIMS, bwd=True) == 8 * 8 * 6 * 1025 * 64 * 4
+    assert (
+        f(512, 4096, False, cache_bytes=0, q_blocks=TORCH_CPU_FLASH_Q_BLOCKS, **DIMS, bwd=True) == 0
+    )
+    assert f(512, 4096, False, cache_bytes=1, q_blocks=(), **DIMS, bwd=True) == 0
+    with pytest.raises(ValueError, match="kernel_q_blocks"):
+        CLUSTER_PRESETS["h100-ib"].with_(kernel_q_blocks=((0, 0),))
+
+
+def test_stream_term_adds_exactly_its_bytes_to_allgather():
+    shape = AttnShape(4, 1024, 1, 8, 8, 64, elem_bytes=4, acc_bytes=4, causal=True)
+    base = CLUSTER_PRESETS["h100-ib"].with_(overlap=False, kernel_overhead=0.0)
+    cl = base.with_(
+        kernel_cache_bytes=1 << 20,
+        kernel_q_blocks=TORCH_CPU_FLASH_Q_BLOCKS,
+        kv_stream_bw=1e9,
+        kv_stream_bw_bwd=5e8,
+    )
+    ag = Strategy("allgather")
+    extra_f = extra_b = 0.0
+    for r in range(4):  # per rank; the step takes the slowest (the one with most keys)
+        calls = baselines.allgather_calls(r, 4, True, 1024)
+        sf = sum(
+            kv_stream_bytes(q.stop - q.start, k.stop - k.start, c, **CACHE, **DIMS, bwd=False)
+            for q, k, c in calls
+        )
+        sb = sum(
+            kv_stream_bytes(q.stop - q.start, k.stop - k.start, c, **CACHE, **DIMS, bwd=True)
+            for q, k, c in calls
+        )
+        extra_f, extra_b = max(extra_f, sf / 1e9), max(extra_b, sb / 5e8)
+    assert extra_f > 0 and extra_b > 0  # (2P-1) s/2 = 3584 keys do not fit
+    p0, p1 = predict(ag, base, shape), predict(ag, cl, shape)
+    # every rank computes the same pairs, so the slowest rank is the one streaming most
+    assert p1.attn_fwd_s - p0.attn_fwd_s == pytest.approx(extra_f, rel=1e-9)
+    assert p1.attn_bwd_s - p0.attn_bwd_s == pytest.approx(extra_b, rel=1e-9)
+    ring = Strategy("startrail", 1)  # 512-token calls: K,V fit, nothing added
+    assert predict(ring, cl, shape).attn_s == predict(ring, base, shape).attn_s
+
+
+def test_fit_recovers_stream_bandwidths():
+    over, tput, ratio, bw_f, bw_b = 1e-3, 20e9, 2.5, 4e9, 1e9
+    d, h = 64, 8
+
+    def row(nq, nk):
+        flops = 4 * d * h * nq * nk
+        f = over + flops / tput
+        sf = kv_stream_bytes(nq, nk, False, **CACHE, **DIMS, bwd=False)
+        sb = kv_stream_bytes(nq, nk, False, **CACHE, **DIMS, bwd=True)
+        return {
+            "q": nq,
+            "k": nk,
+            "pairs": nq * nk,
+            "flops": flops,
+            "fwd_s": f + sf / bw_f,
+            "bwd_s": ratio * f + sb / bw_b,
+        }
+
+    kernel = [row(n, n) for n in (128, 256, 512, 2048)] + [row(256, 2560), row(256, 3584)]
+    micro = {
+        "kernel": kernel,
+        "dims": DIMS,
+        "p2p": [{"bytes": b, "s": 1e-4 + b / 1e9} for b in (1024, 1 << 20)],
+        "all_gather": [],
+    }
+    cl = fit_cluster(micro, num_ranks=4, memory_bytes=1e10, cache_bytes=1 << 20)
+    assert cl.kernel_overhead == pytest.approx(over, rel=1e-6)
+    assert cl.attn_flops == pytest.approx(tput, rel=1e-6)
+    assert cl.attn_bwd_ratio == pytest.approx(ratio)
+    assert cl.kv_stream_bw == pytest.approx(bw_f, rel=1e-6)
+    assert cl.kv_stream_bw_bwd == pytest.approx(bw_b, rel=1e-6)
+    assert cl.kernel_cache_bytes == 1 << 20 and cl.kernel_q_blocks == TORCH_CPU_FLASH_Q_BLOCKS
+    # without a cache size (or without call shapes) the term stays off
+    off = fit_cluster(micro, num_ranks=4, memory_bytes=1e10)
+    assert off.kv_stream_bw == off.kv_stream_bw_bwd == 0.0 and off.kernel_cache_bytes == 0
+    bare = {**micro, "dims": None}
+    assert fit_cluster(bare, num_ranks=4, memory_bytes=1e10, cache_bytes=1 << 20).kv_stream_bw == 0
 
 
 # ---- autotune --------------------------------------------------------------------------

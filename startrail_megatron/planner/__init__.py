@@ -10,7 +10,7 @@ CLI: ``startrail-plan`` / ``python -m startrail_megatron.planner``.
 """
 
 from .autotune import AutotuneResult, Trial, autotune, startrail_candidates
-from .calibrate import fit_cluster, fit_linear
+from .calibrate import TORCH_CPU_FLASH_Q_BLOCKS, fit_cluster, fit_linear
 from .cluster import CLUSTER_PRESETS, MODEL_PRESETS, ClusterSpec, ModelSpec
 from .cost import (
     AttnShape,
@@ -20,6 +20,7 @@ from .cost import (
     candidate_strategies,
     comm_bytes,
     comm_calls,
+    kv_stream_bytes,
     memory_bytes,
     paper_comm_bytes,
     paper_memory_units,
@@ -31,6 +32,7 @@ __all__ = [
     "AttnShape",
     "AutotuneResult",
     "Plan",
+    "TORCH_CPU_FLASH_Q_BLOCKS",
     "Trial",
     "autotune",
     "fit_cluster",
@@ -47,6 +49,7 @@ __all__ = [
     "candidate_strategies",
     "comm_bytes",
     "comm_calls",
+    "kv_stream_bytes",
     "memory_bytes",
     "paper_comm_bytes",
     "paper_memory_units",

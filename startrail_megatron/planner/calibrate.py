@@ -9,8 +9,13 @@ on a shared host). Least squares on relative errors then gives:
 
   kernel:  t_fwd = overhead + flops / attn_flops      (flops = 4 d h b pairs)
            attn_bwd_ratio = median(t_bwd / t_fwd)
+           (both from the calls whose per-head K,V fit in ``cache_bytes``), then
+           kv_stream_bw, kv_stream_bw_bwd = the re-streamed bytes of the calls
+           that do not fit (``cost.kv_stream_bytes``: the long-key calls of
+           all-gather-KV, a long square call's backward) over the time they take
+           beyond the fit above (least squares on relative errors, through the origin)
            causal_tile_waste = median over causal calls of the pairs their time
-           buys beyond the unmasked ones, per query row (fwd + bwd)
+           buys beyond the unmasked ones (and their re-streaming), per query row
   buffers: t = bytes / mem_bw (bytes read + written by a zero-fill, an accumulation
            and a chunk reorder of a K,V-sized and a full-sequence K,V-sized buffer;
            least squares on relative errors through the origin)
@@ -27,8 +32,21 @@ import statistics
 from collections.abc import Sequence
 
 from .cluster import ClusterSpec
+from .cost import kv_stream_bytes
 
-__all__ = ["fit_linear", "fit_cluster"]
+__all__ = ["TORCH_CPU_FLASH_Q_BLOCKS", "fit_linear", "fit_cluster"]
+
+TORCH_CPU_FLASH_Q_BLOCKS: tuple[tuple[int, int], ...] = ((768, 256), (192, 64), (0, 32))
+"""Query block of PyTorch's CPU flash attention by query length (``flash_attention_kernel_impl``
+in aten/src/ATen/native/cpu/FlashAttentionKernel.cpp: 256 rows from 768 queries, 64 from
+192, else 32; key blocks of 512)."""
+
+
+def _through_origin(points: Sequence[tuple[float, float, float]]) -> float:
+    """c minimizing sum(((y - c x) / t)^2) over (x, y, t); 0 when it is not positive."""
+    num = sum(x * y / (t * t) for x, y, t in points)
+    den = sum(x * x / (t * t) for x, _, t in points)
+    return num / den if den and num > 0 else 0.0
 
 
 def fit_linear(
@@ -61,28 +79,67 @@ def fit_linear(
 
 
 def fit_cluster(
-    micro: dict, *, num_ranks: int, memory_bytes: float, backend: str = "gloo"
+    micro: dict,
+    *,
+    num_ranks: int,
+    memory_bytes: float,
+    backend: str = "gloo",
+    cache_bytes: float = 0.0,
+    q_blocks: tuple[tuple[int, int], ...] = TORCH_CPU_FLASH_Q_BLOCKS,
 ) -> ClusterSpec:
     """A ``ClusterSpec`` from the benchmark's ``calibration`` record.
 
-    ``micro`` holds ``kernel``: rows {pairs, flops, fwd_s, bwd_s} of full calls;
-    ``kernel_causal`` (optional): causal calls, {rows, pairs (unmasked), flops, fwd_s, bwd_s};
-    ``buffer`` (optional): rows {bytes (read + written), s};
+    ``micro`` holds ``kernel``: rows {pairs, flops, fwd_s, bwd_s} of full calls (with
+    {q, k}: their query and key lengths, needed for the re-streaming term);
+    ``kernel_causal`` (optional): causal calls, {rows, pairs (unmasked), flops, fwd_s,
+    bwd_s (, q, k)}; ``dims`` (optional): {batch, heads_q, head_dim, elem_bytes, acc_bytes}
+    of the kernel calls; ``buffer`` (optional): rows {bytes (read + written), s};
     ``p2p``: rows {bytes, s}; ``all_gather``: rows {bytes (per-rank volume), ranks, s}.
     ``backend``: the process group's; gloo runs a reduce-scatter as an all-reduce.
+    ``cache_bytes``: the per-core cache of the kernel's K,V working set (0: no
+    re-streaming term, as on GPUs); ``q_blocks``: the kernel's query blocks.
     """
+    dims = micro.get("dims")
+    if not dims or not all("q" in r for r in micro["kernel"]):
+        cache_bytes = 0.0
+
+    def streamed(r: dict, bwd: bool) -> float:
+        if not cache_bytes:
+            return 0.0
+        return kv_stream_bytes(
+            r["q"], r["k"], r.get("causal", False), cache_bytes=cache_bytes,
+            q_blocks=q_blocks, bwd=bwd, **dims,
+        )  # fmt: skip
+
     k = micro["kernel"]
-    overhead, inv_tp = fit_linear([(1.0, r["flops"]) for r in k], [r["fwd_s"] for r in k])
+    # Compute constants from the calls whose K,V fit (all of them when none or one does).
+    fits = [r for r in k if not streamed(r, False)]
+    base = fits if len(fits) >= 2 else k
+    overhead, inv_tp = fit_linear([(1.0, r["flops"]) for r in base], [r["fwd_s"] for r in base])
     note = ""
     if inv_tp <= 0:  # timings did not grow with the work (tiny sizes, noise)
-        big = max(k, key=lambda r: r["flops"])
+        big = max(base, key=lambda r: r["flops"])
         overhead, inv_tp = 0.0, big["fwd_s"] / big["flops"]
         note = "; kernel fit degenerate: throughput of the largest call, no overhead"
-    bwd_ratio = statistics.median(r["bwd_s"] / r["fwd_s"] for r in k)
+    both = [r for r in base if not streamed(r, True)] or base
+    bwd_ratio = statistics.median(r["bwd_s"] / r["fwd_s"] for r in both)
+    # Re-streaming of the calls whose K,V do not fit: time beyond the compute fit.
+    stream_bw = []
+    for bwd, key, factor in ((False, "fwd_s", 1.0), (True, "bwd_s", bwd_ratio)):
+        pts = [
+            (x, r[key] - factor * (overhead + r["flops"] * inv_tp), r[key])
+            for r in k
+            if (x := streamed(r, bwd))
+        ]
+        c = _through_origin(pts)
+        stream_bw.append(1.0 / c if c else 0.0)
     # Causal (diagonal) calls: the work beyond their unmasked pairs, per query row.
     waste = []
     for r in micro.get("kernel_causal", []):
-        t = (r["fwd_s"] + r["bwd_s"]) / (1 + bwd_ratio) - overhead
+        extra = sum(
+            streamed(r, b) / bw for b, bw in zip((False, True), stream_bw) if bw and "q" in r
+        )
+        t = (r["fwd_s"] + r["bwd_s"] - extra) / (1 + bwd_ratio) - overhead
         per_pair = r["flops"] / r["pairs"]
         waste.append(max(t / inv_tp / per_pair - r["pairs"], 0.0) / r["rows"])
     tile_waste = statistics.median(waste) if waste else 0.0
@@ -114,4 +171,8 @@ def fit_cluster(
         causal_tile_waste=tile_waste,
         mem_bw=mem_bw,
         reduce_scatter_via_allreduce=backend == "gloo",
+        kernel_cache_bytes=float(cache_bytes),
+        kernel_q_blocks=tuple(tuple(x) for x in q_blocks) if cache_bytes else (),
+        kv_stream_bw=stream_bw[0],
+        kv_stream_bw_bwd=stream_bw[1],
     )

@@ -62,11 +62,26 @@ class ClusterSpec:
     this rank's chunk (PyTorch's gloo ``reduce_scatter_tensor``, ProcessGroupGloo.cpp):
     twice a ring reduce-scatter's bytes and steps, plus the clone and the copy. NCCL runs
     a real reduce-scatter (False)."""
+    kernel_cache_bytes: float = 0.0
+    """Per-core cache a kernel's per-head K,V (forward) or K,V,dK,dV (backward) must fit in
+    to be read once per call; above it they are re-streamed once per query block (see
+    ``kv_stream_bw``). 0 = the term is off (the GPU presets: flash-attn's K,V re-reads are
+    part of its measured throughput)."""
+    kernel_q_blocks: tuple[tuple[int, int], ...] = ()
+    """The kernel's query block size by query length: ``((min_q, block), ...)``, the first
+    whose ``min_q <= q`` applies (PyTorch's CPU flash kernel: ``((768, 256), (192, 64),
+    (0, 32))``)."""
+    kv_stream_bw: float = 0.0
+    """Bytes/s of the forward's K,V re-reads beyond the cache (bytes: K and V once per
+    query block); 0 = not modelled."""
+    kv_stream_bw_bwd: float = 0.0
+    """Bytes/s of the backward's re-streaming (K, V read, dK, dV read and written once per
+    query block); 0 = not modelled."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("name", "overlap", "reduce_scatter_via_allreduce"):
+            if f.name in ("name", "overlap", "reduce_scatter_via_allreduce", "kernel_q_blocks"):
                 continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"cluster setting {f.name}={v!r} must be a number >= 0")
@@ -74,6 +89,12 @@ class ClusterSpec:
             raise ValueError(
                 f"gpus_per_node={self.gpus_per_node} and num_nodes={self.num_nodes} must be >= 1"
             )
+        for pair in self.kernel_q_blocks:
+            if len(pair) != 2 or any(not isinstance(x, int) or x < 0 for x in pair) or not pair[1]:
+                raise ValueError(
+                    f"cluster setting kernel_q_blocks={self.kernel_q_blocks!r} must be "
+                    "((min_q, block), ...) with integers min_q >= 0 and block >= 1"
+                )
         for f in (
             "intra_bw",
             "inter_bw",

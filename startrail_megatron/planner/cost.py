@@ -58,6 +58,7 @@ __all__ = [
     "buffer_bytes",
     "candidate_strategies",
     "comm_bytes",
+    "kv_stream_bytes",
     "memory_bytes",
     "paper_comm_bytes",
     "paper_memory_units",
@@ -280,7 +281,8 @@ def _all_to_all(cl: ClusterSpec, p: int, nbytes: int, calls: int) -> float:
 # ---- compute ----------------------------------------------------------------
 @lru_cache(maxsize=256)
 def _startrail_work(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
-    """[step][rank] -> ((full pairs, causal pairs, causal rows) per (batch, head), calls)."""
+    """[step][rank] -> ((full pairs, causal pairs, causal rows) per (batch, head), calls,
+    the calls' (q rows, kv rows, causal))."""
     c = lay.team_size
     chunk = s_local // 2 if causal else c * s_local
     plans: dict[tuple[int, int], tuple[int, int]] = {}
@@ -298,25 +300,86 @@ def _startrail_work(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
                 full = sum(x.pairs(chunk) for x in calls if not x.causal)
                 diag = sum(x.pairs(chunk) for x in calls if x.causal)
                 rows = sum((x.q_hi - x.q_lo) * chunk for x in calls if x.causal)
-                plans[t, kv] = ((full, diag, rows), len(calls))
+                shapes = tuple(
+                    ((x.q_hi - x.q_lo) * chunk, (x.kv_hi - x.kv_lo) * chunk, x.causal)
+                    for x in calls
+                )
+                plans[t, kv] = ((full, diag, rows), len(calls), shapes)
             row.append(plans[t, kv])
         steps.append(row)
     return tuple(tuple(r) for r in steps)
 
 
+def kv_stream_bytes(
+    nq: int,
+    nk: int,
+    causal: bool,
+    *,
+    cache_bytes: float,
+    q_blocks: tuple[tuple[int, int], ...],
+    batch: int,
+    heads_q: int,
+    head_dim: int,
+    elem_bytes: int,
+    acc_bytes: int,
+    bwd: bool,
+) -> float:
+    """Bytes one kernel call re-streams because its per-head K,V do not fit in the cache.
+
+    A flash-style kernel walks, for each query block of each (batch, q head), over all
+    the key blocks. When one head's K,V (forward) or K,V,dK,dV (backward; dK,dV in the
+    accumulation dtype) exceed ``cache_bytes``, every query block reads them again from
+    further away: K and V once per query block forward; K, V read and dK, dV read and
+    written backward. ``q_blocks``: the kernel's query block size by query length
+    (``ClusterSpec.kernel_q_blocks``). A causal diagonal call touches half the key blocks
+    on average. 0 when the term is off (no cache size or blocks) or the working set fits.
+    """
+    if not cache_bytes or not q_blocks:
+        return 0.0
+    kv = nk * head_dim * elem_bytes  # one head's K (or V)
+    dkv = nk * head_dim * acc_bytes
+    if (2 * kv + (2 * dkv if bwd else 0)) <= cache_bytes:
+        return 0.0
+    block = next((b for lo, b in q_blocks if nq >= lo), q_blocks[-1][1])
+    passes = batch * heads_q * -(-nq // min(block, nq))
+    per_pass = 2 * kv + (4 * dkv if bwd else 0)
+    return passes * per_pass * (0.5 if causal else 1.0)
+
+
 def _kernel_time(
-    cl: ClusterSpec, shape: AttnShape, pairs: tuple[int, int, int], calls: int, bwd: bool
+    cl: ClusterSpec,
+    shape: AttnShape,
+    pairs: tuple[int, int, int],
+    calls: int,
+    bwd: bool,
+    shapes: tuple[tuple[int, int, bool], ...] = (),
 ) -> float:
     """Kernel time of (full pairs, causal-diagonal pairs, causal rows) in ``calls`` calls.
 
     A causal call also computes the masked part of its diagonal tiles:
-    ``causal_tile_waste`` extra pairs per query row.
+    ``causal_tile_waste`` extra pairs per query row. ``shapes``: the calls' (q rows,
+    kv rows, causal), for the K,V re-streaming of calls too long for the cache
+    (``kv_stream_bytes``, at ``kv_stream_bw`` / ``kv_stream_bw_bwd``).
     """
     per_pair = 4 * shape.head_dim * shape.heads_q * shape.batch
     full, diag, rows = pairs
     work = full + diag + rows * cl.causal_tile_waste
     t = calls * cl.kernel_overhead + per_pair * work / cl.attn_flops
-    return t * cl.attn_bwd_ratio if bwd else t
+    t = t * cl.attn_bwd_ratio if bwd else t
+    bw = cl.kv_stream_bw_bwd if bwd else cl.kv_stream_bw
+    if bw and shapes:
+        dims = dict(
+            cache_bytes=cl.kernel_cache_bytes,
+            q_blocks=cl.kernel_q_blocks,
+            batch=shape.batch,
+            heads_q=shape.heads_q,
+            head_dim=shape.head_dim,
+            elem_bytes=shape.elem_bytes,
+            acc_bytes=shape.acc_bytes,
+            bwd=bwd,
+        )
+        t += sum(kv_stream_bytes(nq, nk, cz, **dims) for nq, nk, cz in shapes) / bw
+    return t
 
 
 def _step(cl: ClusterSpec, comp: float, comm: float) -> float:
@@ -577,7 +640,7 @@ def _startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
         return _p2p_step(cl, [(r, lay.ring_next(r), msg) for r in range(p)])
 
     def comp(step: int, bwd: bool) -> float:
-        return max(_kernel_time(cl, shape, pr, nc, bwd) for pr, nc in work[step])
+        return max(_kernel_time(cl, shape, pr, nc, bwd, sh) for pr, nc, sh in work[step])
 
     # Forward
     t_qkv = _collective(cl, teams, qkv, 1)
@@ -620,10 +683,10 @@ def _peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
             full = sum(nq * nk for nq, nk, cz in calls[r] if not cz)
             diag = sum(nq * (nq + 1) // 2 for nq, nk, cz in calls[r] if cz)
             rows = sum(nq for nq, nk, cz in calls[r] if cz)
-            return (full, diag, rows), len(calls[r])
+            return (full, diag, rows), len(calls[r]), tuple(calls[r])
 
-        fwd_c = max(_kernel_time(cl, shape, *work(r), False) for r in range(p))
-        bwd_c = max(_kernel_time(cl, shape, *work(r), True) for r in range(p))
+        fwd_c = max(_kernel_time(cl, shape, *work(r)[:2], False, work(r)[2]) for r in range(p))
+        bwd_c = max(_kernel_time(cl, shape, *work(r)[:2], True, work(r)[2]) for r in range(p))
         fwd = _collective(cl, everyone, b["fwd_collective"], 1) + fwd_c
         bwd = _collective(cl, everyone, b["bwd_collective"], 2) + bwd_c
         dkv = (p - 1) * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
@@ -646,8 +709,11 @@ def _peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
         if p > 1
         else shape
     )
-    fwd = _all_to_all(cl, p, b["fwd_collective"], 4) + _kernel_time(cl, local, pairs, 1, False)
-    bwd = _all_to_all(cl, p, b["bwd_collective"], 4) + _kernel_time(cl, local, pairs, 1, True)
+    whole = ((n, n, shape.causal),)
+    fwd = _all_to_all(cl, p, b["fwd_collective"], 4)
+    fwd += _kernel_time(cl, local, pairs, 1, False, whole)
+    bwd = _all_to_all(cl, p, b["bwd_collective"], 4)
+    bwd += _kernel_time(cl, local, pairs, 1, True, whole)
     return fwd, bwd, 0.0
 
 
