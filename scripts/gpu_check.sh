@@ -5,11 +5,13 @@
 #   bash scripts/gpu_check.sh --cpu            # tiny sizes on the CPU (what CI runs)
 #
 # On one GPU: checks every backend that can run here (flash-attn 2, PyTorch's
-# CUDA flash / cuDNN / efficient SDPA ops, the CPU-capable ones) inside the
-# one-process StarTrail mode against a float64 reference, then times StarTrail's
-# per-rank compute (P = 8, C = 1 and 2, 8K tokens per rank, head_dim 128,
-# 32 q / 8 kv heads, bf16) against one call of the same backend on the whole
-# sequence. Prints a table, writes a JSON, exits 1 if a check fails.
+# CUDA flash / cuDNN / efficient SDPA ops, Transformer Engine's fused attention
+# when TE is installed, the CPU-capable ones; the others are listed as skipped
+# with the reason) inside the one-process StarTrail mode against a float64
+# reference, then times StarTrail's per-rank compute (P = 8, C = 1 and 2, 8K
+# tokens per rank, head_dim 128, 32 q / 8 kv heads, bf16) against one call of
+# the same backend on the whole sequence. Prints a table, writes a JSON, exits
+# 1 if a check fails.
 #
 # Installs nothing from the network. It uses the Python of $PYTHON (default
 # python3) with the torch already there; wheels carried in $WHEELS (a folder,

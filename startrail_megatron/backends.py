@@ -18,12 +18,15 @@ name                      what runs
 ``"sdpa_efficient"``      ``aten._scaled_dot_product_efficient_attention``
                           (+ its backward). CUDA, fp32/fp16/bf16. KV heads
                           expanded for GQA (a view when no copy is needed).
-``"te"``                  Transformer Engine: not provided. Its public
-                          ``DotProductAttention`` returns no log-sum-exp; the
-                          softmax statistics come only from the internal
-                          ``cpp_extensions.fused_attn_fwd``, whose signature
-                          changes between releases. Asking for it raises
-                          ``NotImplementedError`` saying so.
+``"te"``                  Transformer Engine 1.9 - 2.18, the cuDNN fused
+                          attention its context-parallel ring uses
+                          (``cpp_extensions.fused_attn.fused_attn_fwd`` /
+                          ``_bwd``, F16_arbitrary_seqlen). CUDA sm80+,
+                          cuDNN >= 9, fp16/bf16, head_dim % 8 == 0 and
+                          <= 128 (<= 256 on sm90 with cuDNN >= 9.5), GQA
+                          natively. Explicit only (not in ``AUTO_ORDER``):
+                          tested against stand-ins with TE's exact
+                          signatures, never run on a GPU.
 ``"sdpa"``, ``"torch"``   ``kernels.SdpaKernel`` / ``kernels.TorchKernel``.
 ========================  ====================================================
 
@@ -32,6 +35,7 @@ inputs and raises if it cannot run them; ``"auto"`` takes the first of
 ``AUTO_ORDER[device]`` that supports (device, dtype, head_dim, compute
 capability) and is installed; float64 always gets the exact ``"torch"``
 kernel. The ``STARTRAIL_KERNEL`` environment variable replaces ``"auto"``.
+``"te"`` is never chosen by ``"auto"``: ask for it by name or ``STARTRAIL_KERNEL=te``.
 
 Layouts and row statistics, per backend (all read from the upstream sources):
 flash-attn wants ``[b, s, h, d]`` with a unit last stride (our ``[s, b, h, d]``
@@ -51,6 +55,56 @@ parameter names, never counts outputs:
          a ``torch.library.custom_op`` (signature on ``_init_fn``, schema on
          ``torch.ops.flash_attn``) when torch >= 2.4, a plain function otherwise.
   bwd    writes into the dq, dk, dv buffers passed in, in every version.
+
+Transformer Engine: ``transformer_engine.pytorch.cpp_extensions.fused_attn``
+(read at the tags v1.6 - v2.18), the functions TE's own ``AttnFuncWithCPAndKVP2P``
+calls (``attention.py`` in 1.x, ``attention/dot_product_attention/
+context_parallel.py`` in 2.x). Its adapter also reads parameter names and
+refuses any parameter it does not know:
+
+  1.9, 1.10  fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q,
+                 cu_seqlens_kv, q, k, v, qkv_dtype, fused_attention_backend,
+                 attn_bias=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                 <FP8: d_scale_qkv, d_scale_s, q_scale_s, q_scale_o, amax_s, amax_o>,
+                 attn_scale=None, dropout=0.0, fast_zero_fill=True,
+                 qkv_layout="sbh3d", attn_bias_type="no_bias",
+                 attn_mask_type="padding", window_size=(-1, -1), rng_gen=None)
+                 -> (out, aux_ctx_tensors)
+             bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
+                 o, d_o, qkv_dtype, dqkv_dtype, aux_ctx_tensors,
+                 fused_attention_backend, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                 <FP8 scales and amaxes>, attn_scale, dropout, fast_zero_fill,
+                 qkv_layout, attn_bias_type, attn_mask_type, window_size,
+                 deterministic=False) -> [dq, dk, dv, dbias]
+             qkv_dtype, dqkv_dtype: ``tex.DType`` (``constants.TE_DType[dtype]``).
+             (1.8 has no window_size / deterministic: not supported.)
+  1.11-1.13  fwd adds the FP8 ``*_offset`` ints.
+  2.0, 2.1   FP8 tensors become quantizers (fwd s_quantizer, o_quantizer; bwd
+             s_quantizer, dp_quantizer, dqkv_quantizer); qkv_dtype becomes
+             ``fake_dtype``, a ``torch.dtype``; bwd keeps dqkv_dtype (``tex.DType``).
+  2.2 - 2.7  fwd adds page_table_k, page_table_v.
+  2.8        softmax_type="vanilla" (fwd, bwd); fwd softmax_offset=None.
+  2.9        fwd return_max_logit=False (True: -> (out, aux_ctx_tensors, max_logit [h])).
+  2.10, 2.11 cuda_graph=False (fwd, bwd).
+  2.12-2.14  bottom_right_diagonal=None (fwd, bwd; None: True only for the
+             "*causal_bottom_right" masks).
+  2.15-2.18  fwd o_format="sbhd", qkv_scale_inv_format; bwd drops dqkv_dtype and
+             adds o_format="sbhd", do_format="sbhd", dqkv_layout="sbh3d" (a packed
+             layout: always passed), qkv/do_scale_inv_format.
+  all        aux_ctx_tensors = [softmaxStats, rng_state, (optional bias / offset)]:
+             for F16_arbitrary_seqlen and sbhd/bshd, softmaxStats is the
+             natural-log log-sum-exp of the scaled scores, [b, h, sq, 1] fp32 (TE's
+             CP code squeezes it and merges it like flash-attn's lse, and hands
+             the merged one back to fused_attn_bwd unsqueezed); rng_state is
+             [seed, offset] int64 [2] on the GPU. qkv_layout "sbhd_sbhd_sbhd"
+             takes our [s, b, h, d] tensors as they are, but TE reads a data
+             pointer and a shape only, so they must be contiguous; k, v may have
+             fewer heads (GQA). Masks: "no_mask", "causal" (top-left, the
+             contract's), "causal_bottom_right". cu_seqlens: int32 [b + 1].
+             TE's CP code passes ``FusedAttnBackend["F16_arbitrary_seqlen"]`` for
+             fp16/bf16; the C++ side re-derives the backend and raises if the
+             inputs are not supported. ``unsupported_reason`` applies its limits
+             for training, sbhd, no bias (sm80+, cuDNN >= 9, head_dim).
 """
 
 from __future__ import annotations
@@ -69,7 +123,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .kernels import SdpaKernel, TorchKernel
+from .kernels import SdpaKernel, TorchKernel, acc_dtype
 
 __all__ = [
     "AUTO_ORDER",
@@ -83,9 +137,12 @@ __all__ = [
     "SdpaCudnnKernel",
     "SdpaEfficientKernel",
     "SdpaFlashKernel",
+    "TEFusedAttnAPI",
+    "TEKernel",
     "build_kernel",
     "choose_kernel",
     "detect_flash_attn_api",
+    "detect_te_api",
     "lse_to_bhs",
     "unsupported_reason",
 ]
@@ -138,7 +195,7 @@ BACKENDS: dict[str, BackendSpec] = {
             head_dim_multiple=8,
             min_capability=(5, 0),
         ),
-        BackendSpec("te", frozenset({"cuda"}), _HALF, "transformer_engine"),
+        BackendSpec("te", frozenset({"cuda"}), _HALF, "transformer_engine", 256, 8, (8, 0), 90000),
     )
 }
 KERNEL_NAMES: tuple[str, ...] = ("auto", *BACKENDS)
@@ -147,16 +204,9 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "cuda": ("flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "torch"),
     "cpu": ("sdpa", "torch"),
 }
-"""Candidates of ``"auto"`` per device type, fastest first (others: ``("torch",)``)."""
+"""Candidates of ``"auto"`` per device type, fastest first (others: ``("torch",)``).
 
-_TE_MESSAGE = (
-    "kernel='te' (Transformer Engine) is not provided: TE's public DotProductAttention "
-    "returns no log-sum-exp, and the softmax statistics StarTrail's merge needs come only "
-    "from the internal transformer_engine.pytorch.cpp_extensions.fused_attn_fwd / "
-    "fused_attn_bwd, whose arguments change between TE releases (quantizers, page tables, "
-    "cu_seqlens_*_padded, backend selection). Use 'flash_attn', 'sdpa_flash', 'sdpa_cudnn' "
-    "or 'sdpa_efficient'."
-)
+``"te"`` is left out on purpose: its adapter has run only against stand-ins."""
 
 
 @dataclass(frozen=True)
@@ -225,8 +275,27 @@ def unsupported_reason(
         query.cudnn_version is None or query.cudnn_version < spec.min_cudnn
     ):
         return f"needs cuDNN >= {spec.min_cudnn}, got {query.cudnn_version}"
+    if name == "te":
+        why = _te_limits(query)
+        if why is not None:
+            return why
     if spec.module is not None and not installed(spec.module):
         return f"the {spec.module!r} package is not installed"
+    return None
+
+
+def _te_limits(query: KernelQuery) -> str | None:
+    """TE's F16_arbitrary_seqlen limits (``nvte_get_fused_attn_backend``, training,
+    sbhd, no bias) beyond the spec: head_dim > 128 only on sm90 with cuDNN >= 9.5;
+    Blackwell (sm100+) needs cuDNN >= 9.7."""
+    cap, cudnn, d = query.capability, query.cudnn_version, query.head_dim
+    if cap is not None and cap >= (10, 0) and (cudnn is None or cudnn < 90700):
+        return f"needs cuDNN >= 90700 on compute capability {cap}, got {cudnn}"
+    if d is not None and d > 128 and not (cap == (9, 0) and cudnn is not None and cudnn >= 90500):
+        return (
+            f"head_dim {d} > 128 needs compute capability (9, 0) and cuDNN >= 90500, got "
+            f"{cap} and {cudnn}"
+        )
     return None
 
 
@@ -255,8 +324,6 @@ def choose_kernel(
     """
     env = os.environ if env is None else env
     name, setting = _resolve_name(name, env)
-    if name == "te":
-        raise NotImplementedError(_TE_MESSAGE)
     if name != "auto":
         why = unsupported_reason(name, query, installed)
         if why is not None:
@@ -680,8 +747,333 @@ class FlashAttnKernel:
         return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
 
 
-def _te_kernel() -> Any:
-    raise NotImplementedError(_TE_MESSAGE)
+# ---- Transformer Engine fused attention ------------------------------------------------
+
+_TE_DEVICES: frozenset[str] = frozenset({"cuda"})
+"""Device types ``TEKernel`` accepts. Only the tests widen it (to run stand-ins on CPU)."""
+_TE_DTYPES: frozenset[torch.dtype] = _HALF
+"""Input dtypes ``TEKernel`` accepts (F16_arbitrary_seqlen). Only the tests widen it."""
+
+_TE_SUPPORTED = "Transformer Engine 1.9 - 2.18"
+_TE_LAYOUT = "sbhd_sbhd_sbhd"  # our [s, b, h, d] tensors, each in its own buffer
+_TE_FORMAT = "sbhd"
+
+# Every parameter fused_attn_fwd / fused_attn_bwd have had in TE 1.9 - 2.18. A name
+# outside these sets means a release this adapter has not read: its default could
+# change what the kernel computes (2.15's dqkv_layout defaults to "sbh3d"), so refuse.
+_TE_FWD_KNOWN = frozenset(
+    {
+        "is_training", "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv",
+        "q", "k", "v", "qkv_dtype", "fake_dtype", "fused_attention_backend", "attn_bias",
+        "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k", "page_table_v",
+        "d_scale_qkv", "d_scale_qkv_offset", "d_scale_s", "d_scale_s_offset", "q_scale_s",
+        "q_scale_s_offset", "q_scale_o", "q_scale_o_offset", "amax_s", "amax_s_offset",
+        "amax_o", "amax_o_offset", "s_quantizer", "o_quantizer", "attn_scale", "dropout",
+        "fast_zero_fill", "qkv_layout", "o_format", "qkv_scale_inv_format", "attn_bias_type",
+        "attn_mask_type", "softmax_type", "window_size", "bottom_right_diagonal", "rng_gen",
+        "softmax_offset", "return_max_logit", "cuda_graph",
+    }
+)  # fmt: skip
+_TE_BWD_KNOWN = frozenset(
+    {
+        "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv", "q", "k", "v", "o",
+        "d_o", "qkv_dtype", "fake_dtype", "dqkv_dtype", "aux_ctx_tensors",
+        "fused_attention_backend", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+        "d_scale_qkv", "d_scale_s", "d_scale_o", "d_scale_do", "d_scale_dp", "q_scale_s",
+        "q_scale_dp", "q_scale_dqkv", "amax_dp", "amax_dqkv", "s_quantizer", "dp_quantizer",
+        "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout", "o_format",
+        "do_format", "dqkv_layout", "qkv_scale_inv_format", "do_scale_inv_format",
+        "attn_bias_type", "attn_mask_type", "softmax_type", "window_size",
+        "bottom_right_diagonal", "deterministic", "cuda_graph",
+    }
+)  # fmt: skip
+_TE_FWD_NEEDED = frozenset(
+    {
+        "is_training", "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv",
+        "q", "k", "v", "fused_attention_backend", "attn_scale", "dropout", "qkv_layout",
+        "attn_bias_type", "attn_mask_type", "window_size",
+    }
+)  # fmt: skip
+_TE_BWD_NEEDED = frozenset(
+    {
+        "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv", "q", "k", "v",
+        "o", "d_o", "aux_ctx_tensors", "fused_attention_backend", "attn_scale", "dropout",
+        "qkv_layout", "attn_bias_type", "attn_mask_type", "window_size", "deterministic",
+    }
+)  # fmt: skip
+
+
+def _te_fixed_kwargs(causal: bool, scale: float) -> dict[str, Any]:
+    """TE arguments shared by forward and backward: no bias, dropout, window, sink.
+
+    ``"causal"`` is TE's top-left causal mask (``"causal_bottom_right"`` is the
+    other one), the contract's; ``bottom_right_diagonal=False`` is what TE
+    derives from it when left ``None``.
+    """
+    return {
+        "attn_scale": float(scale),
+        "dropout": 0.0,
+        "qkv_layout": _TE_LAYOUT,
+        "attn_bias_type": "no_bias",
+        "attn_mask_type": "causal" if causal else "no_mask",
+        "softmax_type": "vanilla",
+        "window_size": (-1, -1),
+        "bottom_right_diagonal": False,
+        "cuda_graph": False,
+    }
+
+
+@dataclass(frozen=True)
+class TEFusedAttnAPI:
+    """TE's ``fused_attn_fwd`` / ``fused_attn_bwd`` as detected from their signatures.
+
+    Attributes:
+        fwd_params, bwd_params: parameter names, in order.
+        fwd_required, bwd_required: those without a default.
+        dtype_arg: ``"qkv_dtype"`` (1.x: a ``tex.DType``) or ``"fake_dtype"`` (2.x:
+            the ``torch.dtype``).
+        dqkv_dtype: the backward takes ``dqkv_dtype`` (a ``tex.DType``; 1.9 - 2.14).
+        version: ``transformer_engine.__version__`` (messages only).
+    """
+
+    fwd_params: tuple[str, ...]
+    bwd_params: tuple[str, ...]
+    fwd_required: frozenset[str]
+    bwd_required: frozenset[str]
+    dtype_arg: str
+    dqkv_dtype: bool
+    version: str = "?"
+
+    @property
+    def needs_te_dtype(self) -> bool:
+        """Whether dtypes go in as ``tex.DType`` (``constants.TE_DType[...]``)."""
+        return self.dtype_arg == "qkv_dtype" or self.dqkv_dtype
+
+    def _kwargs(self, params, required, values: dict[str, Any], which: str) -> dict[str, Any]:
+        missing = sorted(n for n in required if n not in values)
+        if missing:
+            raise NotImplementedError(
+                f"Transformer Engine {self.version}: {which} requires {missing}, which this "
+                f"adapter does not provide (supported: {_TE_SUPPORTED})"
+            )
+        return {n: values[n] for n in params if n in values}
+
+    def forward_kwargs(self, q, k, v, cu_q, cu_kv, backend, dtype, *, causal, scale):
+        """Keyword arguments of ``fused_attn_fwd`` for sbhd q, k, v."""
+        values = {
+            "is_training": True,  # the softmax statistics come only with training
+            "max_seqlen_q": q.shape[0],
+            "max_seqlen_kv": k.shape[0],
+            "cu_seqlens_q": cu_q,
+            "cu_seqlens_kv": cu_kv,
+            "q": q,
+            "k": k,
+            "v": v,
+            self.dtype_arg: dtype,
+            "fused_attention_backend": backend,
+            **_te_fixed_kwargs(causal, scale),
+            "o_format": _TE_FORMAT,
+            "return_max_logit": False,
+        }
+        return self._kwargs(self.fwd_params, self.fwd_required, values, "fused_attn_fwd")
+
+    def backward_kwargs(
+        self, d_o, q, k, v, o, aux, cu_q, cu_kv, backend, dtype, dqkv_dtype, *, causal, scale
+    ):
+        """Keyword arguments of ``fused_attn_bwd``; it returns new dq, dk, dv."""
+        values = {
+            "max_seqlen_q": q.shape[0],
+            "max_seqlen_kv": k.shape[0],
+            "cu_seqlens_q": cu_q,
+            "cu_seqlens_kv": cu_kv,
+            "q": q,
+            "k": k,
+            "v": v,
+            "o": o,
+            "d_o": d_o,
+            self.dtype_arg: dtype,
+            "dqkv_dtype": dqkv_dtype,
+            "aux_ctx_tensors": aux,
+            "fused_attention_backend": backend,
+            **_te_fixed_kwargs(causal, scale),
+            "o_format": _TE_FORMAT,
+            "do_format": _TE_FORMAT,
+            "dqkv_layout": _TE_LAYOUT,
+            "deterministic": False,
+        }
+        return self._kwargs(self.bwd_params, self.bwd_required, values, "fused_attn_bwd")
+
+
+def detect_te_api(fwd: Any, bwd: Any, version: str = "?") -> TEFusedAttnAPI:
+    """Read TE's fused-attention conventions from the parameters of fwd and bwd.
+
+    Raises ``NotImplementedError`` naming the TE version for any parameter the
+    adapter does not know, or a missing one it needs.
+    """
+    fp, freq = _param_names(fwd)
+    bp, breq = _param_names(bwd)
+    checks = (("fused_attn_fwd", fp, _TE_FWD_KNOWN), ("fused_attn_bwd", bp, _TE_BWD_KNOWN))
+    for which, params, known in checks:
+        unknown = [n for n in params if n not in known]
+        if unknown:
+            raise NotImplementedError(
+                f"Transformer Engine {version}: {which} has parameters {unknown} this adapter "
+                f"does not know (supported: {_TE_SUPPORTED}); parameters: {list(params)}"
+            )
+    fset, bset = set(fp), set(bp)
+    dtype_args = [a for a in ("qkv_dtype", "fake_dtype") if a in fset]
+    problems = sorted(_TE_FWD_NEEDED - fset) + sorted(_TE_BWD_NEEDED - bset)
+    if len(dtype_args) != 1 or dtype_args[0] not in bset:
+        problems.append("exactly one of qkv_dtype / fake_dtype, the same in fwd and bwd")
+    if problems:
+        raise NotImplementedError(
+            f"Transformer Engine {version}: fused_attn_fwd{fp} / fused_attn_bwd{bp} lack "
+            f"{problems} (supported: {_TE_SUPPORTED})"
+        )
+    return TEFusedAttnAPI(fp, bp, freq, breq, dtype_args[0], "dqkv_dtype" in bset, version)
+
+
+def _check_te_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.device.type not in _TE_DEVICES:
+        raise NotImplementedError(
+            f"kernel 'te' runs on {sorted(_TE_DEVICES)} tensors, not {q.device.type!r}"
+        )
+    if q.dtype not in _TE_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise NotImplementedError(
+            f"kernel 'te' takes q, k, v of one dtype in "
+            f"{sorted(str(d).removeprefix('torch.') for d in _TE_DTYPES)}; got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if q.shape[2] % k.shape[2] or k.shape != v.shape:
+        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)}, {tuple(v.shape)}")
+
+
+@functools.lru_cache(maxsize=64)
+def _full_cu_seqlens(b: int, s: int, device: torch.device) -> Tensor:
+    """[b + 1] int32 offsets of b unpadded sequences of s tokens (TE's full cu_seqlens)."""
+    return torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device)
+
+
+class TEKernel:
+    """Transformer Engine's cuDNN fused attention (F16_arbitrary_seqlen) behind the contract.
+
+    Calls ``transformer_engine.pytorch.cpp_extensions.fused_attn.fused_attn_fwd``
+    / ``fused_attn_bwd`` as TE's own context-parallel ring attention does:
+    layout ``sbhd_sbhd_sbhd`` (our tensors, made contiguous: TE reads a pointer
+    and a shape), full ``cu_seqlens`` (int32 [b + 1]), ``fused_attention_backend
+    = FusedAttnBackend["F16_arbitrary_seqlen"]``, softmax statistics from
+    ``aux_ctx_tensors[0]`` ([b, h, sq, 1] fp32). The backward passes the final
+    merged lse back as those statistics with a zero ``rng_state`` (no dropout).
+    GQA natively (k, v keep their heads). Tested only against stand-ins with
+    TE's exact signatures; never run on a GPU.
+
+    Args:
+        fused_attn: the ``cpp_extensions.fused_attn`` module (imported when ``None``).
+        te_dtype: the ``constants.TE_DType`` mapping (imported when needed and ``None``).
+        version: TE's version for messages (``transformer_engine.__version__``).
+    """
+
+    name = "te"
+
+    def __init__(
+        self,
+        fused_attn: ModuleType | Any | None = None,
+        te_dtype: Mapping[torch.dtype, Any] | None = None,
+        version: str | None = None,
+    ):
+        if fused_attn is None:
+            fused_attn = importlib.import_module(
+                "transformer_engine.pytorch.cpp_extensions.fused_attn"
+            )
+            te = importlib.import_module("transformer_engine")
+            version = version or str(getattr(te, "__version__", "?"))
+        version = version or str(getattr(fused_attn, "__version__", "?"))
+        self._fwd = fused_attn.fused_attn_fwd
+        self._bwd = fused_attn.fused_attn_bwd
+        self.api = detect_te_api(self._fwd, self._bwd, version)
+        backends = getattr(fused_attn, "FusedAttnBackend", None)
+        if not isinstance(backends, Mapping) or "F16_arbitrary_seqlen" not in backends:
+            raise NotImplementedError(
+                f"Transformer Engine {version}: cpp_extensions.fused_attn has no "
+                f"FusedAttnBackend['F16_arbitrary_seqlen'] (supported: {_TE_SUPPORTED})"
+            )
+        self._backend = backends["F16_arbitrary_seqlen"]  # what TE's CP code passes for F16
+        if te_dtype is None and self.api.needs_te_dtype:
+            te_dtype = importlib.import_module("transformer_engine.pytorch.constants").TE_DType
+        self._te_dtype = te_dtype
+
+    def _dtypes(self, dtype: torch.dtype) -> tuple[Any, Any]:
+        """(value of qkv_dtype / fake_dtype, value of dqkv_dtype) for inputs of ``dtype``."""
+        te = self._te_dtype[dtype] if self._te_dtype is not None else None
+        return (te if self.api.dtype_arg == "qkv_dtype" else dtype), te
+
+    def _stats_to_bhs(self, stats: Tensor, b: int, h: int, sq: int, dtype: torch.dtype) -> Tensor:
+        if tuple(stats.shape) != (b, h, sq, 1):
+            raise RuntimeError(
+                f"Transformer Engine {self.api.version}: softmax statistics of shape "
+                f"{tuple(stats.shape)}; expected [{b}, {h}, {sq}, 1]"
+            )
+        return stats.squeeze(-1).to(acc_dtype(dtype))
+
+    def forward(self, q, k, v, *, causal, scale):
+        _check_te_inputs(q, k, v)
+        sq, b, hq, _ = q.shape
+        qc, kc, vc = (x.contiguous() for x in (q, k, v))  # no copy when already sbhd
+        cu_q = _full_cu_seqlens(b, sq, q.device)
+        cu_kv = _full_cu_seqlens(b, k.shape[0], q.device)
+        dtype, _ = self._dtypes(q.dtype)
+        kw = self.api.forward_kwargs(
+            qc, kc, vc, cu_q, cu_kv, self._backend, dtype, causal=causal, scale=scale
+        )
+        res = self._fwd(**kw)
+        out, aux = res[0], res[1]  # (out, [stats, rng_state, ...]) in every version
+        if tuple(out.shape) != tuple(q.shape):
+            raise RuntimeError(
+                f"Transformer Engine {self.api.version}: output {tuple(out.shape)} != q "
+                f"{tuple(q.shape)}"
+            )
+        return out, self._stats_to_bhs(aux[0], b, hq, sq, q.dtype)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+        _check_te_inputs(q, k, v)
+        sq, b, hq, _ = q.shape
+        if tuple(lse.shape) != (b, hq, sq):
+            raise ValueError(f"lse {tuple(lse.shape)} != [{b}, {hq}, {sq}]")
+        qc, kc, vc = (x.contiguous() for x in (q, k, v))
+        oc, doc = out.to(q.dtype).contiguous(), dout.to(q.dtype).contiguous()
+        # TE's aux_ctx_tensors: the softmax statistics as the forward returns them
+        # ([b, h, sq, 1] fp32), here the final merged lse, then the [seed, offset]
+        # rng_state (int64 [2]), which no kernel reads without dropout.
+        stats = lse.to(acc_dtype(q.dtype)).unsqueeze(-1).contiguous()
+        rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+        cu_q = _full_cu_seqlens(b, sq, q.device)
+        cu_kv = _full_cu_seqlens(b, k.shape[0], q.device)
+        dtype, dqkv_dtype = self._dtypes(q.dtype)
+        aux = [stats, rng_state]
+        kw = self.api.backward_kwargs(
+            doc,
+            qc,
+            kc,
+            vc,
+            oc,
+            aux,
+            cu_q,
+            cu_kv,
+            self._backend,
+            dtype,
+            dqkv_dtype,
+            causal=causal,
+            scale=scale,
+        )
+        res = self._bwd(**kw)
+        grads = tuple(res[:3])  # [dq, dk, dv, dbias, (d_softmax_offset)]
+        for g, x in zip(grads, (q, k, v)):
+            if tuple(g.shape) != tuple(x.shape):
+                raise RuntimeError(
+                    f"Transformer Engine {self.api.version}: gradient {tuple(g.shape)} for "
+                    f"an input of shape {tuple(x.shape)}"
+                )
+        return grads
 
 
 _CONSTRUCTORS: dict[str, Callable[[], Any]] = {
@@ -691,5 +1083,5 @@ _CONSTRUCTORS: dict[str, Callable[[], Any]] = {
     "sdpa_flash": SdpaFlashKernel,
     "sdpa_cudnn": SdpaCudnnKernel,
     "sdpa_efficient": SdpaEfficientKernel,
-    "te": _te_kernel,
+    "te": TEKernel,
 }

@@ -6,6 +6,8 @@ Run by ``scripts/gpu_check.sh`` (``python -m startrail_megatron.gpu_check``):
     one-process StarTrail (``one_process.py``) forward and backward against a
     dense float64 reference of the same (rounded) inputs: max relative error
     of out, dq, dk, dv <= 2.5e-2 (bf16 MHA), 3.5e-2 (bf16 GQA), 5e-3 (fp16).
+    ``CHECK_BACKENDS`` includes ``"te"`` (Transformer Engine), checked where TE
+    is installed; a backend that cannot run is reported with the reason.
 (b) timing: StarTrail's per-rank compute (kernel calls, merges, reorders; no
     communication) for P ranks and each team size C, against one call of the
     same backend over the whole sequence. Efficiency = t_whole / (P * t_rank),
@@ -22,6 +24,7 @@ fails. A time budget skips the remaining timings rather than overrun.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import math
 import platform
@@ -39,8 +42,16 @@ from .sequence import zigzag_shard, zigzag_unshard
 
 __all__ = ["Sizes", "check_backend", "dense_reference", "main", "time_backend", "tolerance"]
 
-CHECK_BACKENDS = ("flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa", "torch")
-TIMED_BACKENDS = ("flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa")
+CHECK_BACKENDS = (
+    "flash_attn",
+    "sdpa_flash",
+    "sdpa_cudnn",
+    "sdpa_efficient",
+    "te",
+    "sdpa",
+    "torch",
+)
+TIMED_BACKENDS = ("flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "te", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -284,6 +295,10 @@ def _environment(device: torch.device) -> dict[str, Any]:
         env["flash_attn"] = getattr(flash_attn, "__version__", "?")
     except Exception as e:  # not installed, or a broken build
         env["flash_attn"] = f"unavailable ({type(e).__name__})"
+    try:  # the distribution's version: importing TE loads its CUDA libraries
+        env["transformer_engine"] = importlib.metadata.version("transformer_engine")
+    except Exception as e:
+        env["transformer_engine"] = f"unavailable ({type(e).__name__})"
     return env
 
 

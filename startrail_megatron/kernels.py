@@ -15,8 +15,8 @@ a partial block's gradients are exact (``D = rowsum(dout * out)``).
 Kernels here: ``"torch"`` (pure PyTorch, any device and dtype, float64-capable:
 the reference) and ``"sdpa"`` (PyTorch's fused SDPA ops that return the
 log-sum-exp: the CPU flash kernel; on CUDA the efficient-attention kernel).
-The GPU backends (flash-attn 2, PyTorch's CUDA flash / cuDNN / efficient ops)
-live in ``backends.py``. ``get_kernel("auto")`` picks the fastest available
+The GPU backends (flash-attn 2, PyTorch's CUDA flash / cuDNN / efficient ops,
+Transformer Engine's fused attention) live in ``backends.py``. ``get_kernel("auto")`` picks the fastest available
 for the inputs; ``$STARTRAIL_KERNEL`` overrides ``"auto"``.
 """
 
@@ -191,7 +191,7 @@ def get_kernel(
     Args:
         name: ``"auto"`` or one of ``backends.KERNEL_NAMES`` (``"torch"``,
             ``"sdpa"``, ``"flash_attn"``, ``"sdpa_flash"``, ``"sdpa_cudnn"``,
-            ``"sdpa_efficient"``; ``"te"`` raises ``NotImplementedError``).
+            ``"sdpa_efficient"``, ``"te"``; ``"te"`` only by name, never by ``"auto"``).
             ``"auto"`` is replaced by ``$STARTRAIL_KERNEL`` when that is set.
         dtype, device, head_dim: the inputs' (device defaults to CPU); ``"auto"``
             picks by them (float64 always gets the exact ``"torch"`` kernel),

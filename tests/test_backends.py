@@ -1,4 +1,4 @@
-"""GPU backends on CPU: selection, flash-attn signature adaptation, SDPA op wiring.
+"""GPU backends on CPU: selection, flash-attn / TE signature adaptation, SDPA op wiring.
 
 The CUDA kernels cannot run here. What can be checked is checked:
 - selection is pure and tested over a table of (device, dtype, head_dim,
@@ -10,11 +10,18 @@ The CUDA kernels cannot run here. What can be checked is checked:
   in-place gradients are verified numerically against the reference kernel;
 - the PyTorch CUDA SDPA ops are called through their meta kernels, which check
   the argument schema and give the real output shapes (efficient attention's
-  padded lse, cuDNN's [b, h, s, 1] lse, flash's GQA gradients).
+  padded lse, cuDNN's [b, h, s, 1] lse, flash's GQA gradients);
+- the Transformer Engine adapter runs against stand-in ``transformer_engine``
+  modules (put in ``sys.modules``) whose ``fused_attn_fwd`` / ``fused_attn_bwd``
+  have the exact signatures of TE 1.11 - 1.13, 2.2 - 2.7 and 2.15 - 2.18 and
+  compute real attention in float64 from the layout, mask and statistics they
+  are given, recording every argument.
 """
 
 from __future__ import annotations
 
+import enum
+import sys
 import types
 
 import pytest
@@ -101,8 +108,9 @@ def test_explicit_names_and_override():
         bk.choose_kernel("auto", cpu, _all, env={bk.KERNEL_ENV: "flash2"})
     with pytest.raises(ValueError, match=r"kernel='fa' is not known; " + allowed):
         st.get_kernel("fa")
-    with pytest.raises(NotImplementedError, match="Transformer Engine.*no log-sum-exp"):
-        bk.choose_kernel("te", h100, _all, env={})
+    # "te" is an explicit choice only (test_auto_selection: never in "auto")
+    assert bk.choose_kernel("te", h100, _all, env={}) == ["te"]
+    assert bk.choose_kernel("auto", h100, _all, env={bk.KERNEL_ENV: "te"}) == ["te"]
 
 
 def test_get_kernel_reads_the_environment(monkeypatch):
@@ -341,3 +349,417 @@ def test_sdpa_cuda_ops_wiring_on_meta(cls, hq, hkv):
     grads = ker.backward(q, q, k, k, out, lse, causal=True, scale=0.125)
     for g, x in zip(grads, (q, k, k)):
         assert g.shape == x.shape and g.dtype == x.dtype
+
+
+# ---- Transformer Engine stand-ins, one per generation of fused_attn_fwd / _bwd ------------
+
+
+class _DType(enum.Enum):  # transformer_engine_torch.DType; kFloat64 is the stand-ins' own
+    kFloat32 = 4
+    kFloat16 = 5
+    kBFloat16 = 6
+    kFloat64 = 99
+
+
+class _Backend(enum.Enum):  # transformer_engine_torch.NVTE_Fused_Attn_Backend
+    NVTE_No_Backend = -1
+    NVTE_F16_max512_seqlen = 0
+    NVTE_F16_arbitrary_seqlen = 1
+    NVTE_FP8 = 2
+
+
+_TE_DTYPE = {
+    torch.float32: _DType.kFloat32,
+    torch.float16: _DType.kFloat16,
+    torch.bfloat16: _DType.kBFloat16,
+    torch.float64: _DType.kFloat64,  # not in TE: lets the stand-ins check to 1e-10
+}
+_FUSED_BACKENDS_1X = {
+    "F16_max512_seqlen": _Backend.NVTE_F16_max512_seqlen,
+    "F16_arbitrary_seqlen": _Backend.NVTE_F16_arbitrary_seqlen,
+    "FP8": _Backend.NVTE_FP8,
+    "No_Backend": _Backend.NVTE_No_Backend,
+}
+_FUSED_BACKENDS_2_18 = {k: v for k, v in _FUSED_BACKENDS_1X.items() if k != "F16_max512_seqlen"}
+
+
+def _te_format(layout: str) -> str:
+    """The one format of a separate-tensor layout; packed ones (TE's default "sbh3d") refused."""
+    fmt = layout.split("_")[0]
+    if fmt not in ("sbhd", "bshd") or layout != f"{fmt}_{fmt}_{fmt}":
+        raise NotImplementedError(f"the stand-in reads only separate sbhd/bshd, not {layout!r}")
+    return fmt
+
+
+def _te_read(fmt: str, x: torch.Tensor) -> torch.Tensor:
+    """A tensor as TE sees it (a data pointer and a shape in ``fmt``) -> [s, b, h, d]."""
+    assert x.is_contiguous(), "TE reads a data pointer and a shape: strides are ignored"
+    return x if fmt == "sbhd" else x.transpose(0, 1)
+
+
+def _te_write(fmt: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (x if fmt == "sbhd" else x.transpose(0, 1)).to(dtype).contiguous()
+
+
+def _te_scores(a: dict, q, k, scale):
+    """Scaled scores (b, hq, sq, sk) in float64, masked per attn_mask_type; k's heads broadcast."""
+    sq, b, hq, _ = q.shape
+    sk, _, hkv, _ = k.shape
+    kd = k.double().permute(1, 2, 0, 3).repeat_interleave(hq // hkv, dim=1)
+    s = q.double().permute(1, 2, 0, 3) @ kd.transpose(-1, -2) * scale
+    ones = torch.ones(sq, sk, dtype=torch.bool)
+    mask = {
+        "no_mask": None,
+        "causal": ones.triu(1),  # top-left: query i sees keys <= i
+        "causal_bottom_right": ones.triu(sk - sq + 1),
+    }[a["attn_mask_type"]]
+    return s if mask is None else s.masked_fill(mask, float("-inf"))
+
+
+def _te_common_checks(te, a: dict, q, k) -> None:
+    assert a["fused_attention_backend"] is te.FusedAttnBackend["F16_arbitrary_seqlen"]
+    assert a["dropout"] == 0.0 and tuple(a["window_size"]) == (-1, -1)
+    assert a["attn_bias_type"] == "no_bias" and a.get("attn_bias") is None
+    assert a.get("softmax_type", "vanilla") == "vanilla"
+    assert a.get("bottom_right_diagonal") in (None, a["attn_mask_type"] == "causal_bottom_right")
+    if "qkv_dtype" in a:
+        assert a["qkv_dtype"] is te.TE_DType[q.dtype]
+    else:
+        assert a["fake_dtype"] is q.dtype
+    for which, x in (("q", q), ("kv", k)):
+        n, b = x.shape[:2]
+        cu = a[f"cu_seqlens_{which}"]
+        assert a[f"max_seqlen_{which}"] == n and cu.dtype == torch.int32
+        assert torch.equal(cu, torch.arange(0, (b + 1) * n, n, dtype=torch.int32))
+
+
+def _te_fwd(te, a: dict):
+    """fused_attn_fwd's work: (out in o_format, [softmaxStats [b, h, sq, 1], rng_state])."""
+    te.calls.append(("fwd", a))
+    fmt = _te_format(a["qkv_layout"])
+    q, k, v = (_te_read(fmt, a[n]) for n in ("q", "k", "v"))
+    _te_common_checks(te, a, q, k)
+    assert a["is_training"] is True and a.get("return_max_logit", False) is False
+    hq, hkv = q.shape[2], k.shape[2]
+    s = _te_scores(a, q, k, a["attn_scale"])
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)  # (b, hq, sq, 1)
+    vd = v.double().permute(1, 2, 0, 3).repeat_interleave(hq // hkv, dim=1)
+    out = (torch.exp(s - lse) @ vd).permute(2, 0, 1, 3)  # [sq, b, hq, d]
+    stats = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)  # TE: fp32
+    rng_state = torch.tensor([1234, 0], dtype=torch.int64)
+    return _te_write(a.get("o_format", fmt), out, q.dtype), [stats, rng_state]
+
+
+def _te_bwd(te, a: dict):
+    """fused_attn_bwd's work from the given statistics: [dq, dk, dv, dbias(, d_offset)]."""
+    te.calls.append(("bwd", a))
+    fmt = _te_format(a["qkv_layout"])
+    q, k, v = (_te_read(fmt, a[n]) for n in ("q", "k", "v"))
+    o = _te_read(a.get("o_format", fmt), a["o"])
+    do = _te_read(a.get("do_format", fmt), a["d_o"])
+    _te_common_checks(te, a, q, k)
+    assert a["deterministic"] is False and o.dtype == do.dtype == q.dtype
+    if "dqkv_dtype" in a:
+        assert a["dqkv_dtype"] is te.TE_DType[q.dtype]
+    stats, rng_state = a["aux_ctx_tensors"]
+    sq, b, hq, d = q.shape
+    sk, _, hkv, _ = k.shape
+    g, scale = hq // hkv, a["attn_scale"]
+    assert stats.shape == (b, hq, sq, 1) and stats.is_contiguous()
+    assert stats.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    assert rng_state.shape == (2,) and rng_state.dtype == torch.int64
+    p = torch.exp(_te_scores(a, q, k, scale) - stats.double())  # (b, hq, sq, sk)
+
+    def bh(x, rep=1):  # [s, b, h, d] -> (b, h * rep, s, d) float64
+        return x.double().permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
+
+    dod, kd, vd = bh(do), bh(k, g), bh(v, g)
+    delta = (dod * bh(o)).sum(-1, keepdim=True)
+    ds = p * (dod @ vd.transpose(-1, -2) - delta) * scale
+    dq = ds @ kd
+    dk = (ds.transpose(-1, -2) @ bh(q)).reshape(b, hkv, g, sk, d).sum(2)
+    dv = (p.transpose(-1, -2) @ dod).reshape(b, hkv, g, sk, d).sum(2)
+    out_fmt = _te_format(a.get("dqkv_layout", a["qkv_layout"]))
+    grads = [_te_write(out_fmt, x.permute(2, 0, 1, 3), q.dtype) for x in (dq, dk, dv)]
+    return grads + [None] * (2 if "softmax_type" in a else 1)
+
+
+_META_QKV, _META_O, _META_S = 0, 1, 2  # TE 1.x's FP8 meta indices (defaults only)
+
+
+def _te_1_12(te):  # TE 1.11 - 1.13
+    def fused_attn_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv,
+                       q, k, v, qkv_dtype, fused_attention_backend, attn_bias=None,
+                       cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, d_scale_qkv=None,
+                       d_scale_qkv_offset=_META_QKV, d_scale_s=None, d_scale_s_offset=_META_S,
+                       q_scale_s=None, q_scale_s_offset=_META_S, q_scale_o=None,
+                       q_scale_o_offset=_META_O, amax_s=None, amax_s_offset=_META_S,
+                       amax_o=None, amax_o_offset=_META_O, attn_scale=None, dropout=0.0,
+                       fast_zero_fill=True, qkv_layout="sbh3d", attn_bias_type="no_bias",
+                       attn_mask_type="padding", window_size=(-1, -1), rng_gen=None):  # fmt: skip
+        return _te_fwd(te, dict(locals()))
+
+    def fused_attn_bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o,
+                       d_o, qkv_dtype, dqkv_dtype, aux_ctx_tensors, fused_attention_backend,
+                       cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, d_scale_qkv=None,
+                       d_scale_s=None, d_scale_o=None, d_scale_do=None, d_scale_dp=None,
+                       q_scale_s=None, q_scale_dp=None, q_scale_dqkv=None, amax_dp=None,
+                       amax_dqkv=None, attn_scale=None, dropout=0.0, fast_zero_fill=True,
+                       qkv_layout="sbh3d", attn_bias_type="no_bias", attn_mask_type="padding",
+                       window_size=(-1, -1), deterministic=False):  # fmt: skip
+        return _te_bwd(te, dict(locals()))
+
+    return "1.12.0", fused_attn_fwd, fused_attn_bwd, _FUSED_BACKENDS_1X
+
+
+def _te_2_4(te):  # TE 2.2 - 2.7
+    def fused_attn_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv,
+                       q, k, v, fake_dtype, fused_attention_backend, attn_bias=None,
+                       cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, page_table_k=None,
+                       page_table_v=None, s_quantizer=None, o_quantizer=None, attn_scale=None,
+                       dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d",
+                       attn_bias_type="no_bias", attn_mask_type="padding",
+                       window_size=(-1, -1), rng_gen=None):  # fmt: skip
+        return _te_fwd(te, dict(locals()))
+
+    def fused_attn_bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o,
+                       d_o, fake_dtype, dqkv_dtype, aux_ctx_tensors, fused_attention_backend,
+                       cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, s_quantizer=None,
+                       dp_quantizer=None, dqkv_quantizer=None, attn_scale=None, dropout=0.0,
+                       fast_zero_fill=True, qkv_layout="sbh3d", attn_bias_type="no_bias",
+                       attn_mask_type="padding", window_size=(-1, -1),
+                       deterministic=False):  # fmt: skip
+        return _te_bwd(te, dict(locals()))
+
+    return "2.4.0", fused_attn_fwd, fused_attn_bwd, _FUSED_BACKENDS_1X
+
+
+def _te_2_18(te):  # TE 2.15 - 2.18
+    def fused_attn_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv,
+                       q, k, v, fake_dtype, fused_attention_backend, attn_bias=None,
+                       cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, page_table_k=None,
+                       page_table_v=None, s_quantizer=None, o_quantizer=None, attn_scale=None,
+                       dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d", o_format="sbhd",
+                       qkv_scale_inv_format=None, attn_bias_type="no_bias",
+                       attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
+                       bottom_right_diagonal=None, rng_gen=None, softmax_offset=None,
+                       return_max_logit=False, cuda_graph=False):  # fmt: skip
+        return _te_fwd(te, dict(locals()))
+
+    def fused_attn_bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o,
+                       d_o, fake_dtype, aux_ctx_tensors, fused_attention_backend,
+                       cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, s_quantizer=None,
+                       dp_quantizer=None, dqkv_quantizer=None, attn_scale=None, dropout=0.0,
+                       fast_zero_fill=True, qkv_layout="sbh3d", o_format="sbhd",
+                       do_format="sbhd", dqkv_layout="sbh3d", qkv_scale_inv_format=None,
+                       do_scale_inv_format=None, attn_bias_type="no_bias",
+                       attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
+                       bottom_right_diagonal=None, deterministic=False,
+                       cuda_graph=False):  # fmt: skip
+        return _te_bwd(te, dict(locals()))
+
+    return "2.18.0", fused_attn_fwd, fused_attn_bwd, _FUSED_BACKENDS_2_18
+
+
+TE_VERSIONS = {"1.12": _te_1_12, "2.4": _te_2_4, "2.18": _te_2_18}
+
+
+def _te_stand_in(make) -> types.SimpleNamespace:
+    """The stand-in ``transformer_engine`` modules of one generation, and its call log."""
+    te = types.SimpleNamespace(calls=[], TE_DType=_TE_DTYPE)
+    version, fwd, bwd, backends = make(te)
+    te.FusedAttnBackend = backends
+    fa = types.ModuleType("transformer_engine.pytorch.cpp_extensions.fused_attn")
+    fa.fused_attn_fwd, fa.fused_attn_bwd, fa.FusedAttnBackend = fwd, bwd, backends
+    consts = types.ModuleType("transformer_engine.pytorch.constants")
+    consts.TE_DType = _TE_DTYPE
+    top = types.ModuleType("transformer_engine")
+    top.__version__ = version
+    top.pytorch = types.ModuleType("transformer_engine.pytorch")
+    top.pytorch.cpp_extensions = types.ModuleType("transformer_engine.pytorch.cpp_extensions")
+    top.pytorch.cpp_extensions.fused_attn, top.pytorch.constants = fa, consts
+    te.version, te.fused_attn = version, fa
+    te.modules = {
+        "transformer_engine": top,
+        "transformer_engine.pytorch": top.pytorch,
+        "transformer_engine.pytorch.cpp_extensions": top.pytorch.cpp_extensions,
+        "transformer_engine.pytorch.cpp_extensions.fused_attn": fa,
+        "transformer_engine.pytorch.constants": consts,
+    }
+    return te
+
+
+@pytest.fixture
+def te_install(monkeypatch):
+    """Put one generation's stand-in in sys.modules; ``cpu=True`` lets the adapter take CPU
+    (and float64) tensors, which it refuses outside these tests."""
+
+    def install(version: str, cpu: bool = True) -> types.SimpleNamespace:
+        te = _te_stand_in(TE_VERSIONS[version])
+        for name, mod in te.modules.items():
+            monkeypatch.setitem(sys.modules, name, mod)
+        if cpu:
+            monkeypatch.setattr(bk, "_TE_DEVICES", frozenset({"cuda", "cpu"}))
+            monkeypatch.setattr(bk, "_TE_DTYPES", bk._TE_DTYPES | {torch.float64})
+        return te
+
+    bk._instance.cache_clear()
+    yield install
+    bk._instance.cache_clear()
+
+
+@pytest.mark.parametrize("version", list(TE_VERSIONS))
+def test_te_api_detection(te_install, version):
+    te = te_install(version)
+    ker = bk.TEKernel()  # imports the stand-in from sys.modules
+    assert ker.api.version == te.version
+    assert ker.api.dtype_arg == ("qkv_dtype" if version == "1.12" else "fake_dtype")
+    assert ker.api.dqkv_dtype == (version != "2.18")
+    assert ker.api.needs_te_dtype == (version != "2.18")
+    h100 = bk.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100)
+    built = bk.build_kernel("te", query=h100, installed=_all, env={})
+    assert isinstance(built, bk.TEKernel) and built.api == ker.api
+
+
+def _sbhd_views(s, b, h, d, g, n_bufs=1):
+    """Tensors laid out as StarTrail's team buffers give them: strided [s, b, h, d] views."""
+    buf = torch.randn(s, n_bufs, b, h, d, generator=g, dtype=torch.float64)
+    return [buf[:, i] for i in range(n_bufs)]
+
+
+@pytest.mark.parametrize("version", list(TE_VERSIONS))
+@pytest.mark.parametrize(
+    "causal,sq,sk",
+    [(True, 6, 6), (False, 6, 6), (False, 6, 10), (False, 10, 4), (True, 4, 7)],
+)  # plans: causal only on diagonal blocks (sq == sk); (True, 4, 7) pins the top-left mask
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+def test_te_adapter_computes_attention(te_install, version, causal, sq, sk, hq, hkv):
+    te_install(version)
+    ker, ref = bk.TEKernel(), TorchKernel()
+    g = torch.Generator().manual_seed(3)
+    b, d, scale = 2, 16, 0.3
+    (q,) = _sbhd_views(sq, b, hq, d, g)
+    k, v = _sbhd_views(sk, b, hkv, d, g, 2)  # k, v interleaved like kv_cur[ks, 0 / 1]
+    assert not k.is_contiguous()
+    out, lse = ker.forward(q, k, v, causal=causal, scale=scale)
+    r_out, r_lse = ref.forward(q, k, v, causal=causal, scale=scale)
+    assert out.shape == q.shape and lse.shape == (b, hq, sq)
+    torch.testing.assert_close(out, r_out, rtol=0, atol=1e-10)
+    torch.testing.assert_close(lse, r_lse, rtol=0, atol=1e-10)
+    # The backward gets the final (merged) out and lse of the rows: merge in another block.
+    k2, v2 = _sbhd_views(5, b, hkv, d, g, 2)
+    o2, l2 = ref.forward(q, k2, v2, causal=False, scale=scale)
+    fin_out, fin_lse = r_out.clone(), r_lse.clone()
+    st.kernels.merge_partial(fin_out, fin_lse, o2, l2)
+    (do,) = _sbhd_views(sq, b, hq, d, g)
+    grads = ker.backward(do, q, k, v, fin_out, fin_lse, causal=causal, scale=scale)
+    want = ref.backward(do, q, k, v, fin_out, fin_lse, causal=causal, scale=scale)
+    for got, w, x in zip(grads, want, (q, k, v)):
+        assert got.shape == x.shape  # dk, dv keep the KV heads (GQA natively)
+        torch.testing.assert_close(got, w, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("version", list(TE_VERSIONS))
+@pytest.mark.parametrize("causal", [True, False])
+def test_te_arguments(te_install, version, causal):
+    """What reaches TE for bf16 inputs: layout, mask, backend, dtypes, cu_seqlens, stats."""
+    te = te_install(version, cpu=True)
+    ker = bk.TEKernel()
+    g = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(8, 2, h, 32, generator=g).bfloat16() for h in (8, 2, 2, 8))
+    out, lse = ker.forward(q, k, v, causal=causal, scale=0.2)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    r_out, r_lse = TorchKernel().forward(q, k, v, causal=causal, scale=0.2)
+    torch.testing.assert_close(out, r_out, rtol=0, atol=2e-2)
+    torch.testing.assert_close(lse, r_lse, rtol=0, atol=1e-5)
+    grads = ker.backward(do, q, k, v, r_out.float(), r_lse, causal=causal, scale=0.2)
+    want = TorchKernel().backward(do, q, k, v, r_out.float(), r_lse, causal=causal, scale=0.2)
+    for got, w in zip(grads, want):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), w.float(), rtol=0, atol=5e-2)
+    (_, f), (_, bw) = te.calls
+    mask = "causal" if causal else "no_mask"
+    for a in (f, bw):
+        assert a["qkv_layout"] == "sbhd_sbhd_sbhd" and a["attn_mask_type"] == mask
+        assert a["fused_attention_backend"] is _Backend.NVTE_F16_arbitrary_seqlen
+        assert a["attn_scale"] == 0.2 and a["dropout"] == 0.0 and a["attn_bias_type"] == "no_bias"
+        assert a["max_seqlen_q"] == a["max_seqlen_kv"] == 8
+        assert torch.equal(a["cu_seqlens_q"], torch.tensor([0, 8, 16], dtype=torch.int32))
+        if version == "1.12":
+            assert a["qkv_dtype"] is _DType.kBFloat16
+        else:
+            assert a["fake_dtype"] is torch.bfloat16
+    assert f["is_training"] is True
+    stats, rng_state = bw["aux_ctx_tensors"]
+    assert torch.equal(stats, r_lse.unsqueeze(-1)) and stats.dtype == torch.float32
+    assert torch.equal(rng_state, torch.zeros(2, dtype=torch.int64))
+    if version == "2.4":
+        assert bw["dqkv_dtype"] is _DType.kBFloat16
+    if version == "2.18":
+        assert f["o_format"] == bw["o_format"] == bw["do_format"] == "sbhd"
+        assert bw["dqkv_layout"] == "sbhd_sbhd_sbhd"
+        assert f["return_max_logit"] is False and f["bottom_right_diagonal"] is False
+        assert f["softmax_type"] == bw["softmax_type"] == "vanilla"
+
+
+def test_te_refuses_what_it_cannot_run(te_install):
+    te_install("2.18", cpu=False)  # the production device and dtype checks
+    ker = bk.TEKernel()
+    x = torch.zeros(4, 1, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"kernel 'te' runs on \['cuda'\] tensors"):
+        ker.forward(x, x, x, causal=True, scale=1.0)
+    with pytest.raises(NotImplementedError, match=r"runs on \['cuda'\] tensors"):
+        ker.backward(x, x, x, x, x, torch.zeros(1, 2, 4), causal=True, scale=1.0)
+    te_install("2.18", cpu=True)
+    with pytest.raises(NotImplementedError, match=r"takes q, k, v of one dtype in"):
+        ker.forward(x.float(), x.float(), x.float(), causal=True, scale=1.0)
+    h100 = dict(device_type="cuda", capability=(9, 0))
+    for query, installed, why in [
+        (bk.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100), _none,
+         "'transformer_engine' package is not installed"),
+        (bk.KernelQuery("cpu", torch.bfloat16, 64), _all, r"runs on \['cuda'\], not 'cpu'"),
+        (bk.KernelQuery(dtype=torch.float32, head_dim=64, **CUDA_H100), _all, "not float32"),
+        (bk.KernelQuery("cuda", torch.float16, 192, (8, 0), 90100), _all,
+         r"head_dim 192 > 128 needs compute capability \(9, 0\) and cuDNN >= 90500"),
+        (bk.KernelQuery(dtype=torch.float16, head_dim=256, cudnn_version=90100, **h100), _all,
+         "head_dim 256 > 128 needs"),
+        (bk.KernelQuery(dtype=torch.float16, head_dim=264, **CUDA_H100), _all, "head_dim 264 > 256"),
+        (bk.KernelQuery(dtype=torch.float16, head_dim=100, **CUDA_H100), _all, "multiple of 8"),
+        (bk.KernelQuery("cuda", torch.float16, 64, (7, 5), 90100), _all, "capability >= \\(8, 0\\)"),
+        (bk.KernelQuery("cuda", torch.float16, 64, (8, 0), 8907), _all, "cuDNN >= 90000"),
+        (bk.KernelQuery("cuda", torch.float16, 64, (10, 0), 90500), _all, "cuDNN >= 90700"),
+    ]:  # fmt: skip
+        with pytest.raises(NotImplementedError, match=why):
+            bk.choose_kernel("te", query, installed, env={})
+    ok = bk.KernelQuery(dtype=torch.bfloat16, head_dim=256, cudnn_version=90500, **h100)
+    assert bk.choose_kernel("te", ok, _all, env={}) == ["te"]
+
+
+def test_te_unknown_signature_is_refused():
+    te = _te_stand_in(_te_2_18)
+    fwd, bwd = te.fused_attn.fused_attn_fwd, te.fused_attn.fused_attn_bwd
+
+    def newer_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k,
+                  v, fake_dtype, fused_attention_backend, attn_scale=None, dropout=0.0,
+                  qkv_layout="sbh3d", attn_bias_type="no_bias", attn_mask_type="padding",
+                  window_size=(-1, -1), score_mod=None):  # fmt: skip
+        raise AssertionError("never called")
+
+    with pytest.raises(NotImplementedError, match=r"Transformer Engine 2\.19\.0: fused_attn_fwd "
+                       r"has parameters \['score_mod'\] this adapter does not know"):  # fmt: skip
+        bk.detect_te_api(newer_fwd, bwd, "2.19.0")
+
+    def fwd_1_8(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
+                qkv_dtype, fused_attention_backend, attn_bias=None, attn_scale=None,
+                dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d", attn_bias_type="no_bias",
+                attn_mask_type="padding", rng_gen=None):  # fmt: skip
+        raise AssertionError("never called")
+
+    with pytest.raises(NotImplementedError, match=r"Transformer Engine 1\.8\.0: .*lack "
+                       r"\['window_size'.*supported: Transformer Engine 1\.9 - 2\.18"):  # fmt: skip
+        bk.detect_te_api(fwd_1_8, bwd, "1.8.0")
+    with pytest.raises(NotImplementedError, match="exactly one of qkv_dtype / fake_dtype"):
+        bk.detect_te_api(_te_stand_in(_te_1_12).fused_attn.fused_attn_fwd, bwd, "mixed")
+    fa = types.SimpleNamespace(fused_attn_fwd=fwd, fused_attn_bwd=bwd, FusedAttnBackend={})
+    with pytest.raises(NotImplementedError, match=r"2\.18\.0.*FusedAttnBackend"):
+        bk.TEKernel(fa, version="2.18.0")

@@ -29,6 +29,7 @@ def test_script_cpu_mode(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["passed"] and rep["mode"] == "cpu"
+    assert "transformer_engine" in rep["environment"]
     sizes = gpu_check.CPU_SIZES
     n_inputs = len(sizes.dtypes) * len(sizes.check_layouts) * len(sizes.check_heads)
     assert len(rep["checks"]) == 2 * n_inputs  # "sdpa" and "torch" run on a CPU
@@ -36,7 +37,7 @@ def test_script_cpu_mode(tmp_path):
     for c in rep["checks"]:
         assert max(c["errors"].values()) <= c["tolerance"]
         assert c["tolerance"] in (2.5e-2, 3.5e-2, 5e-3)
-    for name in ("flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"):
+    for name in ("flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "te"):
         assert rep["skipped_backends"][f"{name}/bfloat16"] == "runs on ['cuda'], not 'cpu'"
     (timing,) = rep["timing"]
     assert timing["backend"] == "sdpa" and timing["whole_fwd_s"] > 0
