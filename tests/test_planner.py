@@ -414,6 +414,51 @@ def test_fit_recovers_stream_bandwidths():
     assert fit_cluster(bare, num_ranks=4, memory_bytes=1e10, cache_bytes=1 << 20).kv_stream_bw == 0
 
 
+# ---- the sub-ring steps as a pipeline, not a barrier per step -----------------------
+def test_ring_pipeline_by_hand():
+    from startrail_megatron.planner.cost import _ring_pipeline, _step
+
+    ov = CLUSTER_PRESETS["h100-ib"]
+    no = ov.with_(overlap=False)
+    # equal compute everywhere: the per-step formula, with and without overlap
+    for cl in (ov, no):
+        for x in (0.5, 3.0):
+            comp = [[2.0] * 4 for _ in range(3)]
+            expect = _step(cl, 2.0, x) * 2 + 2.0
+            assert _ring_pipeline(cl, comp, [3, 0, 1, 2], x) == pytest.approx(expect)
+            assert _ring_pipeline(cl, comp, [3, 0, 1, 2], x, x) == pytest.approx(expect)
+    # rank 0 heavy at step 0, rank 1 at step 1: each pays its own sum (3), not 2 + 2
+    comp = [[2.0, 1.0], [1.0, 2.0]]
+    assert _ring_pipeline(ov, comp, [1, 0], 0.0) == pytest.approx(3.0)
+    # the KV of step 1 leaves rank 0 when it starts step 0 and takes 1.5: rank 1 waits
+    assert _ring_pipeline(ov, comp, [1, 0], 1.5) == pytest.approx(3.5)
+    # backward: rank 1 ends step 1 only when rank 0's dK/dV (sent at 2.0) arrived (+2.5)
+    assert _ring_pipeline(ov, comp, [1, 0], 0.0, 2.5) == pytest.approx(4.5)
+    # no overlap: a rank's own transfer adds to every step but the last
+    assert _ring_pipeline(no, comp, [1, 0], 0.5) == pytest.approx(3.5)
+
+
+def test_startrail_prediction_counts_each_ranks_own_sum():
+    """P = 8, C = 2: each rank holds its own team's causal diagonal at one of the two
+    steps; with free links the forward kernel time is one rank's sum, below the sum of
+    per-step maxima."""
+    from startrail_megatron.layout import StarTrailLayout
+    from startrail_megatron.planner.cost import _kernel_time, _startrail_work
+
+    cl = CLUSTER_PRESETS["h100-ib"].with_(
+        intra_latency=0.0, inter_latency=0.0, intra_bw=1e30, inter_bw=1e30, inter_bw_per_gpu=1e30
+    )
+    cl = cl.with_(mem_bw=0.0)
+    shape = AttnShape(8, 512, 1, 8, 8, 64, causal=True)
+    lay = StarTrailLayout(8, 2, "team")
+    work = _startrail_work(lay, True, 512)
+    per = [[_kernel_time(cl, shape, pr, n, False, sh) for pr, n, sh in row] for row in work]
+    own_sum = max(sum(per[s][r] for s in range(2)) for r in range(8))
+    step_max = sum(max(row) for row in per)
+    assert own_sum < step_max
+    assert predict(Strategy("startrail", 2), cl, shape).attn_fwd_s == pytest.approx(own_sum)
+
+
 # ---- autotune --------------------------------------------------------------------------
 def test_autotune_picks_fastest_and_logs():
     cands = startrail_candidates(16)

@@ -386,6 +386,43 @@ def _step(cl: ClusterSpec, comp: float, comm: float) -> float:
     return max(comp, comm) if cl.overlap else comp + comm
 
 
+def _ring_pipeline(
+    cl: ClusterSpec,
+    comp: list[list[float]],
+    prev: list[int],
+    x_kv: float,
+    x_dkv: float = 0.0,
+) -> float:
+    """Makespan of the sub-ring steps with the schedule's real dependencies.
+
+    ``comp[s][r]``: rank r's kernel time at step s. Ranks do not wait for each other at
+    every step: rank r starts step s when it has finished step s-1 and holds the KV that
+    its ring predecessor ``prev[r]`` sent when *that* rank started step s-1 (the next KV
+    is posted before the compute, ``x_kv`` later it has arrived). In the backward
+    (``x_dkv > 0``) rank r ends step s only once the dK/dV partial ``prev[r]`` sent after
+    finishing step s-1 has arrived. So a rank that holds a causal diagonal block at one
+    step and full blocks at the others pays its own sum, not the per-step maximum over
+    ranks. Without ``cl.overlap`` a rank's transfers take its own time: each step but the
+    last costs compute + ``max(x_kv, x_dkv)``. With equal compute everywhere this is
+    exactly ``sum_s _step(compute_s, transfer_s)``.
+    """
+    g, p = len(comp), len(comp[0])
+    start, end = [0.0] * p, [0.0] * p
+    own = max(x_kv, x_dkv)
+    for s in range(g):
+        busy = 0.0 if cl.overlap or s == g - 1 else own
+        if s == 0:
+            new_start = [0.0] * p
+        else:
+            new_start = [max(end[r], start[prev[r]] + x_kv) for r in range(p)]
+        new_end = [new_start[r] + comp[s][r] + busy for r in range(p)]
+        if s > 0 and x_dkv:  # without overlap the sender's step already paid its transfer
+            late = x_dkv if cl.overlap else 0.0
+            new_end = [max(new_end[r], end[prev[r]] + late) for r in range(p)]
+        start, end = new_start, new_end
+    return max(end)
+
+
 # ---- elementwise work on buffers ---------------------------------------------
 @lru_cache(maxsize=256)
 def _startrail_rows(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
@@ -639,8 +676,10 @@ def _startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
     def ring_step(msg: int) -> float:
         return _p2p_step(cl, [(r, lay.ring_next(r), msg) for r in range(p)])
 
-    def comp(step: int, bwd: bool) -> float:
-        return max(_kernel_time(cl, shape, pr, nc, bwd, sh) for pr, nc, sh in work[step])
+    def comp(bwd: bool) -> list[list[float]]:
+        return [[_kernel_time(cl, shape, pr, nc, bwd, sh) for pr, nc, sh in row] for row in work]
+
+    prev = [lay.ring_prev(r) for r in range(p)]
 
     # Forward
     t_qkv = _collective(cl, teams, qkv, 1)
@@ -651,18 +690,15 @@ def _startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
     c1 = st.team_size - 1
     t_comb += _reduce_scatter_extra(cl, teams, c1 * uq * shape.acc_bytes)  # out
     fwd = t_qkv + init_step() + t_comb
-    for s in range(g):
-        fwd += _step(cl, comp(s, False), ring_step(kv_msg) if s < g - 1 else 0.0)
+    fwd += _ring_pipeline(cl, comp(False), prev, ring_step(kv_msg) if g > 1 else 0.0)
     # Backward
     bwd_coll = max(b["bwd_collective"] for b in byts)
     bwd = _collective(cl, teams, bwd_coll, 3) + init_step()
     bwd += _reduce_scatter_extra(cl, teams, c1 * (uq + 2 * ukv) * shape.acc_bytes)  # dq,dk,dv
-    for s in range(g):
-        if s < g - 1:
-            bwd += _step(cl, comp(s, True), ring_step(kv_msg + dkv_msg))
-        else:
-            ret = [(r, lay.dkv_return_peers(r)[0], dkv_msg) for r in range(p)]
-            bwd += comp(s, True) + _p2p_step(cl, ret)
+    x = ring_step(kv_msg + dkv_msg) if g > 1 else 0.0  # KV and dK/dV share the link
+    bwd += _ring_pipeline(cl, comp(True), prev, x, x)
+    ret = [(r, lay.dkv_return_peers(r)[0], dkv_msg) for r in range(p)]
+    bwd += _p2p_step(cl, ret)
     return fwd, bwd, t_qkv
 
 
