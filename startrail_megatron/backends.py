@@ -803,12 +803,21 @@ _TE_BWD_NEEDED = frozenset(
 )  # fmt: skip
 
 
-def _te_fixed_kwargs(causal: bool, scale: float) -> dict[str, Any]:
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a graph (TE's ``cuda_graph``)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _te_fixed_kwargs(causal: bool, scale: float, device: torch.device) -> dict[str, Any]:
     """TE arguments shared by forward and backward: no bias, dropout, window, sink.
 
     ``"causal"`` is TE's top-left causal mask (``"causal_bottom_right"`` is the
     other one), the contract's; ``bottom_right_diagonal=False`` is what TE
-    derives from it when left ``None``.
+    derives from it when left ``None``. The window is ``(-1, 0)`` for causal, as
+    TE's ``DotProductAttention`` passes it (``check_set_window_size``): TE >= 2.12
+    with cuDNN 9.2 - 9.5 finds no backend for a causal mask with ``(-1, -1)``.
+    ``cuda_graph`` says whether the stream is being captured, as TE's own code does
+    (it changes which backward cuDNN may run).
     """
     return {
         "attn_scale": float(scale),
@@ -817,9 +826,9 @@ def _te_fixed_kwargs(causal: bool, scale: float) -> dict[str, Any]:
         "attn_bias_type": "no_bias",
         "attn_mask_type": "causal" if causal else "no_mask",
         "softmax_type": "vanilla",
-        "window_size": (-1, -1),
+        "window_size": (-1, 0) if causal else (-1, -1),
         "bottom_right_diagonal": False,
-        "cuda_graph": False,
+        "cuda_graph": _capturing(device),
     }
 
 
@@ -858,8 +867,9 @@ class TEFusedAttnAPI:
             )
         return {n: values[n] for n in params if n in values}
 
-    def forward_kwargs(self, q, k, v, cu_q, cu_kv, backend, dtype, *, causal, scale):
-        """Keyword arguments of ``fused_attn_fwd`` for sbhd q, k, v."""
+    def forward_kwargs(self, q, k, v, cu_q, cu_kv, backend, dtype, *, causal, scale, rng_gen=None):
+        """Keyword arguments of ``fused_attn_fwd`` for sbhd q, k, v. ``rng_gen``: the
+        generator TE draws its (unused, dropout 0) Philox state from."""
         values = {
             "is_training": True,  # the softmax statistics come only with training
             "max_seqlen_q": q.shape[0],
@@ -871,9 +881,10 @@ class TEFusedAttnAPI:
             "v": v,
             self.dtype_arg: dtype,
             "fused_attention_backend": backend,
-            **_te_fixed_kwargs(causal, scale),
+            **_te_fixed_kwargs(causal, scale, q.device),
             "o_format": _TE_FORMAT,
             "return_max_logit": False,
+            "rng_gen": rng_gen,
         }
         return self._kwargs(self.fwd_params, self.fwd_required, values, "fused_attn_fwd")
 
@@ -895,7 +906,7 @@ class TEFusedAttnAPI:
             "dqkv_dtype": dqkv_dtype,
             "aux_ctx_tensors": aux,
             "fused_attention_backend": backend,
-            **_te_fixed_kwargs(causal, scale),
+            **_te_fixed_kwargs(causal, scale, q.device),
             "o_format": _TE_FORMAT,
             "do_format": _TE_FORMAT,
             "dqkv_layout": _TE_LAYOUT,
@@ -944,14 +955,29 @@ def _check_te_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
             f"{sorted(str(d).removeprefix('torch.') for d in _TE_DTYPES)}; got "
             f"{q.dtype}, {k.dtype}, {v.dtype}"
         )
-    if q.shape[2] % k.shape[2] or k.shape != v.shape:
-        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)}, {tuple(v.shape)}")
+    # TE reads the batch size and head_dim from q's shape only: check k, v agree.
+    if (
+        q.shape[2] % k.shape[2]
+        or k.shape != v.shape
+        or (q.shape[1], q.shape[3]) != (k.shape[1], k.shape[3])
+    ):
+        raise ValueError(
+            f"kernel 'te': q {tuple(q.shape)} and k/v {tuple(k.shape)}, {tuple(v.shape)} "
+            "must share batch and head_dim, k and v one shape, q heads a multiple of k heads"
+        )
 
 
 @functools.lru_cache(maxsize=64)
-def _full_cu_seqlens(b: int, s: int, device: torch.device) -> Tensor:
-    """[b + 1] int32 offsets of b unpadded sequences of s tokens (TE's full cu_seqlens)."""
+def _cached_cu_seqlens(b: int, s: int, device: torch.device) -> Tensor:
     return torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device)
+
+
+def _full_cu_seqlens(b: int, s: int, device: torch.device) -> Tensor:
+    """[b + 1] int32 offsets of b unpadded sequences of s tokens (TE's full cu_seqlens);
+    cached, except while a CUDA graph is captured (the cached tensor would be unfilled)."""
+    if _capturing(device):
+        return torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device)
+    return _cached_cu_seqlens(b, s, device)
 
 
 class TEKernel:
@@ -1001,11 +1027,20 @@ class TEKernel:
         if te_dtype is None and self.api.needs_te_dtype:
             te_dtype = importlib.import_module("transformer_engine.pytorch.constants").TE_DType
         self._te_dtype = te_dtype
+        self._generators: dict[str, torch.Generator] = {}
 
     def _dtypes(self, dtype: torch.dtype) -> tuple[Any, Any]:
         """(value of qkv_dtype / fake_dtype, value of dqkv_dtype) for inputs of ``dtype``."""
         te = self._te_dtype[dtype] if self._te_dtype is not None else None
         return (te if self.api.dtype_arg == "qkv_dtype" else dtype), te
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """A private generator per device: TE draws a Philox state on every forward even
+        without dropout, which would otherwise advance the default CUDA generator."""
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device)
+        return self._generators[key]
 
     def _stats_to_bhs(self, stats: Tensor, b: int, h: int, sq: int, dtype: torch.dtype) -> Tensor:
         if tuple(stats.shape) != (b, h, sq, 1):
@@ -1023,8 +1058,9 @@ class TEKernel:
         cu_kv = _full_cu_seqlens(b, k.shape[0], q.device)
         dtype, _ = self._dtypes(q.dtype)
         kw = self.api.forward_kwargs(
-            qc, kc, vc, cu_q, cu_kv, self._backend, dtype, causal=causal, scale=scale
-        )
+            qc, kc, vc, cu_q, cu_kv, self._backend, dtype, causal=causal, scale=scale,
+            rng_gen=self._generator(q.device),
+        )  # fmt: skip
         res = self._fwd(**kw)
         out, aux = res[0], res[1]  # (out, [stats, rng_state, ...]) in every version
         if tuple(out.shape) != tuple(q.shape):

@@ -418,7 +418,9 @@ def _te_scores(a: dict, q, k, scale):
 
 def _te_common_checks(te, a: dict, q, k) -> None:
     assert a["fused_attention_backend"] is te.FusedAttnBackend["F16_arbitrary_seqlen"]
-    assert a["dropout"] == 0.0 and tuple(a["window_size"]) == (-1, -1)
+    window = (-1, 0) if a["attn_mask_type"] == "causal" else (-1, -1)
+    assert a["dropout"] == 0.0 and tuple(a["window_size"]) == window
+    assert a.get("cuda_graph", False) is False  # not capturing here
     assert a["attn_bias_type"] == "no_bias" and a.get("attn_bias") is None
     assert a.get("softmax_type", "vanilla") == "vanilla"
     assert a.get("bottom_right_diagonal") in (None, a["attn_mask_type"] == "causal_bottom_right")
@@ -440,6 +442,7 @@ def _te_fwd(te, a: dict):
     q, k, v = (_te_read(fmt, a[n]) for n in ("q", "k", "v"))
     _te_common_checks(te, a, q, k)
     assert a["is_training"] is True and a.get("return_max_logit", False) is False
+    assert isinstance(a["rng_gen"], torch.Generator)  # never the default generator
     hq, hkv = q.shape[2], k.shape[2]
     s = _te_scores(a, q, k, a["attn_scale"])
     lse = torch.logsumexp(s, dim=-1, keepdim=True)  # (b, hq, sq, 1)
@@ -534,6 +537,31 @@ def _te_2_4(te):  # TE 2.2 - 2.7
     return "2.4.0", fused_attn_fwd, fused_attn_bwd, _FUSED_BACKENDS_1X
 
 
+def _te_2_13(te):  # TE 2.12 - 2.14: bottom_right_diagonal and cuda_graph, dqkv_dtype kept
+    def fused_attn_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv,
+                       q, k, v, fake_dtype, fused_attention_backend, attn_bias=None,
+                       cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, page_table_k=None,
+                       page_table_v=None, s_quantizer=None, o_quantizer=None, attn_scale=None,
+                       dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d",
+                       attn_bias_type="no_bias", attn_mask_type="padding",
+                       softmax_type="vanilla", window_size=(-1, -1), bottom_right_diagonal=None,
+                       rng_gen=None, softmax_offset=None, return_max_logit=False,
+                       cuda_graph=False):  # fmt: skip
+        return _te_fwd(te, dict(locals()))
+
+    def fused_attn_bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o,
+                       d_o, fake_dtype, dqkv_dtype, aux_ctx_tensors, fused_attention_backend,
+                       cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, s_quantizer=None,
+                       dp_quantizer=None, dqkv_quantizer=None, attn_scale=None, dropout=0.0,
+                       fast_zero_fill=True, qkv_layout="sbh3d", attn_bias_type="no_bias",
+                       attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
+                       bottom_right_diagonal=None, deterministic=False,
+                       cuda_graph=False):  # fmt: skip
+        return _te_bwd(te, dict(locals()))
+
+    return "2.13.0", fused_attn_fwd, fused_attn_bwd, _FUSED_BACKENDS_1X
+
+
 def _te_2_18(te):  # TE 2.15 - 2.18
     def fused_attn_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv,
                        q, k, v, fake_dtype, fused_attention_backend, attn_bias=None,
@@ -561,7 +589,7 @@ def _te_2_18(te):  # TE 2.15 - 2.18
     return "2.18.0", fused_attn_fwd, fused_attn_bwd, _FUSED_BACKENDS_2_18
 
 
-TE_VERSIONS = {"1.12": _te_1_12, "2.4": _te_2_4, "2.18": _te_2_18}
+TE_VERSIONS = {"1.12": _te_1_12, "2.4": _te_2_4, "2.13": _te_2_13, "2.18": _te_2_18}
 
 
 def _te_stand_in(make) -> types.SimpleNamespace:
@@ -693,8 +721,13 @@ def test_te_arguments(te_install, version, causal):
     stats, rng_state = bw["aux_ctx_tensors"]
     assert torch.equal(stats, r_lse.unsqueeze(-1)) and stats.dtype == torch.float32
     assert torch.equal(rng_state, torch.zeros(2, dtype=torch.int64))
-    if version == "2.4":
+    if version in ("2.4", "2.13"):
         assert bw["dqkv_dtype"] is _DType.kBFloat16
+    for a in (f, bw):
+        assert tuple(a["window_size"]) == ((-1, 0) if causal else (-1, -1))
+    if version in ("2.13", "2.18"):
+        assert f["bottom_right_diagonal"] is bw["bottom_right_diagonal"] is False
+        assert f["cuda_graph"] is bw["cuda_graph"] is False
     if version == "2.18":
         assert f["o_format"] == bw["o_format"] == bw["do_format"] == "sbhd"
         assert bw["dqkv_layout"] == "sbhd_sbhd_sbhd"
@@ -713,6 +746,10 @@ def test_te_refuses_what_it_cannot_run(te_install):
     te_install("2.18", cpu=True)
     with pytest.raises(NotImplementedError, match=r"takes q, k, v of one dtype in"):
         ker.forward(x.float(), x.float(), x.float(), causal=True, scale=1.0)
+    # TE reads batch and head_dim from q alone: k, v must agree
+    for kv in (torch.zeros(4, 2, 2, 8, dtype=torch.bfloat16), torch.zeros(4, 1, 2, 16)):
+        with pytest.raises(ValueError, match="must share batch and head_dim"):
+            ker.forward(x, kv.to(x.dtype), kv.to(x.dtype), causal=False, scale=1.0)
     h100 = dict(device_type="cuda", capability=(9, 0))
     for query, installed, why in [
         (bk.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100), _none,
