@@ -430,7 +430,7 @@ def _run(rank: int, world: int, args) -> dict | None:
         "heads_q": args.heads,
         "head_dim": args.head_dim,
         "elem_bytes": torch.tensor([], dtype=dtype).element_size(),
-        "acc_bytes": 8 if dtype == torch.float64 else 4,
+        "grad_bytes": torch.tensor([], dtype=dtype).element_size(),  # the kernel's dK, dV
     }
     micro = {**_micro_record(tasks, micro_times), "dims": dims}
     micro_median = {**_micro_record(tasks, micro_times, statistics.median), "dims": dims}

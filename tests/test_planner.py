@@ -319,7 +319,7 @@ def test_fit_recovers_known_constants():
 
 
 # ---- K,V re-streaming of calls too long for the cache ------------------------------
-DIMS = dict(batch=1, heads_q=8, head_dim=64, elem_bytes=4, acc_bytes=4)
+DIMS = dict(batch=1, heads_q=8, head_dim=64, elem_bytes=4, grad_bytes=4)
 CACHE = {"cache_bytes": 1 << 20, "q_blocks": TORCH_CPU_FLASH_Q_BLOCKS}
 
 
@@ -412,6 +412,24 @@ def test_fit_recovers_stream_bandwidths():
     assert off.kv_stream_bw == off.kv_stream_bw_bwd == 0.0 and off.kernel_cache_bytes == 0
     bare = {**micro, "dims": None}
     assert fit_cluster(bare, num_ranks=4, memory_bytes=1e10, cache_bytes=1 << 20).kv_stream_bw == 0
+    # fewer than two calls that fit: the term cannot be separated from compute, so it is off
+    long_only = {**micro, "kernel": [r for r in kernel if r["k"] > 2048] + kernel[:1]}
+    lone = fit_cluster(long_only, num_ranks=4, memory_bytes=1e10, cache_bytes=1 << 20)
+    assert lone.kv_stream_bw == 0 and "re-streaming term off" in lone.name
+    # causal calls that also re-stream: the tile waste is what is left after it
+    n, waste = 2048, 100  # bwd K,V,dK,dV of 2048 keys exceed 1 MiB; the fwd's fit
+    cp = n * (n + 1) // 2
+    t = over + 4 * d * h * (cp + waste * n) / tput
+    sb = kv_stream_bytes(n, n, True, **CACHE, **DIMS, bwd=True)
+    causal = {"q": n, "k": n, "causal": True, "rows": n, "pairs": cp, "flops": 4 * d * h * cp}
+    causal.update(fwd_s=t, bwd_s=ratio * t + sb / bw_b)
+    cw = fit_cluster(
+        {**micro, "kernel_causal": [causal]}, num_ranks=4, memory_bytes=1e10, cache_bytes=1 << 20
+    )
+    assert sb > 0 and cw.causal_tile_waste == pytest.approx(waste, rel=1e-6)
+    # the fitted spec survives a JSON round trip (tuples, hashable, equal)
+    again = ClusterSpec(**json.loads(json.dumps(cl.__dict__)))
+    assert again == cl and hash(again) == hash(cl)
 
 
 # ---- the sub-ring steps as a pipeline, not a barrier per step -----------------------
@@ -436,6 +454,13 @@ def test_ring_pipeline_by_hand():
     assert _ring_pipeline(ov, comp, [1, 0], 0.0, 2.5) == pytest.approx(4.5)
     # no overlap: a rank's own transfer adds to every step but the last
     assert _ring_pipeline(no, comp, [1, 0], 0.5) == pytest.approx(3.5)
+    # ... and in the backward each rank waits for its dK/dV exchange after computing
+    comp3 = [[2.0, 1.0], [1.0, 2.0], [1.0, 1.0]]
+    assert _ring_pipeline(no, comp3, [1, 0], 0.5, 0.5) == pytest.approx(5.0)
+    # a transfer needs both ends: rank 1 posts its step-1 exchange late (at 3), so
+    # rank 0's KV for step 2 leaves then (arrives at 4) and rank 1 waits for its own send
+    late = [[0.0, 3.0], [0.0, 0.0], [1.0, 2.0]]
+    assert _ring_pipeline(ov, late, [1, 0], 1.0) == pytest.approx(6.0)
 
 
 def test_startrail_prediction_counts_each_ranks_own_sum():

@@ -92,7 +92,7 @@ def fit_cluster(
     ``micro`` holds ``kernel``: rows {pairs, flops, fwd_s, bwd_s} of full calls (with
     {q, k}: their query and key lengths, needed for the re-streaming term);
     ``kernel_causal`` (optional): causal calls, {rows, pairs (unmasked), flops, fwd_s,
-    bwd_s (, q, k)}; ``dims`` (optional): {batch, heads_q, head_dim, elem_bytes, acc_bytes}
+    bwd_s (, q, k)}; ``dims`` (optional): {batch, heads_q, head_dim, elem_bytes, grad_bytes}
     of the kernel calls; ``buffer`` (optional): rows {bytes (read + written), s};
     ``p2p``: rows {bytes, s}; ``all_gather``: rows {bytes (per-rank volume), ranks, s}.
     ``backend``: the process group's; gloo runs a reduce-scatter as an all-reduce.
@@ -112,15 +112,19 @@ def fit_cluster(
         )  # fmt: skip
 
     k = micro["kernel"]
-    # Compute constants from the calls whose K,V fit (all of them when none or one does).
-    fits = [r for r in k if not streamed(r, False)]
-    base = fits if len(fits) >= 2 else k
-    overhead, inv_tp = fit_linear([(1.0, r["flops"]) for r in base], [r["fwd_s"] for r in base])
     note = ""
+    # Compute constants from the calls whose K,V fit; with fewer than two of them the
+    # re-streaming cannot be told apart from the compute: the term is switched off.
+    fits = [r for r in k if not streamed(r, False)]
+    if cache_bytes and len(fits) < 2:
+        cache_bytes, fits = 0.0, k
+        note = "; K,V re-streaming term off: fewer than 2 kernel calls fit the cache"
+    base = fits
+    overhead, inv_tp = fit_linear([(1.0, r["flops"]) for r in base], [r["fwd_s"] for r in base])
     if inv_tp <= 0:  # timings did not grow with the work (tiny sizes, noise)
         big = max(base, key=lambda r: r["flops"])
         overhead, inv_tp = 0.0, big["fwd_s"] / big["flops"]
-        note = "; kernel fit degenerate: throughput of the largest call, no overhead"
+        note += "; kernel fit degenerate: throughput of the largest call, no overhead"
     both = [r for r in base if not streamed(r, True)] or base
     bwd_ratio = statistics.median(r["bwd_s"] / r["fwd_s"] for r in both)
     # Re-streaming of the calls whose K,V do not fit: time beyond the compute fit.
@@ -133,6 +137,8 @@ def fit_cluster(
         ]
         c = _through_origin(pts)
         stream_bw.append(1.0 / c if c else 0.0)
+        if pts and not c:
+            note += f"; {'backward' if bwd else 'forward'} K,V re-streaming not measurable (off)"
     # Causal (diagonal) calls: the work beyond their unmasked pairs, per query row.
     waste = []
     for r in micro.get("kernel_causal", []):

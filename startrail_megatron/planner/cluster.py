@@ -89,12 +89,20 @@ class ClusterSpec:
             raise ValueError(
                 f"gpus_per_node={self.gpus_per_node} and num_nodes={self.num_nodes} must be >= 1"
             )
-        for pair in self.kernel_q_blocks:
-            if len(pair) != 2 or any(not isinstance(x, int) or x < 0 for x in pair) or not pair[1]:
-                raise ValueError(
-                    f"cluster setting kernel_q_blocks={self.kernel_q_blocks!r} must be "
-                    "((min_q, block), ...) with integers min_q >= 0 and block >= 1"
-                )
+        blocks = self.kernel_q_blocks
+        try:  # JSON gives lists: keep tuples, so the spec stays hashable and comparable
+            blocks = tuple(tuple(pair) for pair in blocks)
+        except TypeError:
+            blocks = ((),)
+        if any(
+            len(pair) != 2 or any(not isinstance(x, int) or x < 0 for x in pair) or not pair[1]
+            for pair in blocks
+        ):
+            raise ValueError(
+                f"cluster setting kernel_q_blocks={self.kernel_q_blocks!r} must be "
+                "((min_q, block), ...) with integers min_q >= 0 and block >= 1"
+            )
+        object.__setattr__(self, "kernel_q_blocks", blocks)
         for f in (
             "intra_bw",
             "inter_bw",

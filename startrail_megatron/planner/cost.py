@@ -16,7 +16,8 @@ with ``bytes`` the ledger's per-rank volume and ``bw`` its slowest ring edge;
 an all-to-all ``(n-1) alpha`` plus its intra-node and inter-node shares.
 
 StarTrail forward = team all-gather q,k,v + initial KV placement + G ring
-steps (step s: max(compute_s, send KV) with overlap, their sum without) +
+steps (a pipeline with the schedule's dependencies, ``_ring_pipeline``; with equal
+compute, step s: max(compute_s, send KV) with overlap, their sum without) +
 team combine (lse all-gather, out reduce-scatter). Backward = dout/delta
 all-gather + initial placement + G steps (KV and dK/dV in flight) + the dK/dV
 return + dq,dk,dv reduce-scatter. In a layer, the team all-gather overlaps
@@ -321,23 +322,25 @@ def kv_stream_bytes(
     heads_q: int,
     head_dim: int,
     elem_bytes: int,
-    acc_bytes: int,
+    grad_bytes: int,
     bwd: bool,
 ) -> float:
     """Bytes one kernel call re-streams because its per-head K,V do not fit in the cache.
 
     A flash-style kernel walks, for each query block of each (batch, q head), over all
-    the key blocks. When one head's K,V (forward) or K,V,dK,dV (backward; dK,dV in the
-    accumulation dtype) exceed ``cache_bytes``, every query block reads them again from
-    further away: K and V once per query block forward; K, V read and dK, dV read and
-    written backward. ``q_blocks``: the kernel's query block size by query length
+    the key blocks. When one head's K,V (forward) or K,V,dK,dV (backward; dK,dV of
+    ``grad_bytes`` per element: PyTorch's CPU kernel keeps them in the input dtype)
+    exceed ``cache_bytes``, every query block reads them again from further away: K and
+    V once per query block forward; K, V read and dK, dV read and written backward.
+    ``q_blocks``: the kernel's query block size by query length
     (``ClusterSpec.kernel_q_blocks``). A causal diagonal call touches half the key blocks
-    on average. 0 when the term is off (no cache size or blocks) or the working set fits.
+    on average (an upper bound: early query blocks stop at their own keys). 0 when the
+    term is off (no cache size or blocks), the call is empty or the working set fits.
     """
-    if not cache_bytes or not q_blocks:
+    if not cache_bytes or not q_blocks or nq <= 0 or nk <= 0:
         return 0.0
     kv = nk * head_dim * elem_bytes  # one head's K (or V)
-    dkv = nk * head_dim * acc_bytes
+    dkv = nk * head_dim * grad_bytes
     if (2 * kv + (2 * dkv if bwd else 0)) <= cache_bytes:
         return 0.0
     block = next((b for lo, b in q_blocks if nq >= lo), q_blocks[-1][1])
@@ -375,7 +378,7 @@ def _kernel_time(
             heads_q=shape.heads_q,
             head_dim=shape.head_dim,
             elem_bytes=shape.elem_bytes,
-            acc_bytes=shape.acc_bytes,
+            grad_bytes=shape.elem_bytes,
             bwd=bwd,
         )
         t += sum(kv_stream_bytes(nq, nk, cz, **dims) for nq, nk, cz in shapes) / bw
@@ -395,31 +398,40 @@ def _ring_pipeline(
 ) -> float:
     """Makespan of the sub-ring steps with the schedule's real dependencies.
 
-    ``comp[s][r]``: rank r's kernel time at step s. Ranks do not wait for each other at
-    every step: rank r starts step s when it has finished step s-1 and holds the KV that
-    its ring predecessor ``prev[r]`` sent when *that* rank started step s-1 (the next KV
-    is posted before the compute, ``x_kv`` later it has arrived). In the backward
-    (``x_dkv > 0``) rank r ends step s only once the dK/dV partial ``prev[r]`` sent after
-    finishing step s-1 has arrived. So a rank that holds a causal diagonal block at one
-    step and full blocks at the others pays its own sum, not the per-step maximum over
-    ranks. Without ``cl.overlap`` a rank's transfers take its own time: each step but the
-    last costs compute + ``max(x_kv, x_dkv)``. With equal compute everywhere this is
+    ``comp[s][r]``: rank r's kernel time at step s; ``prev[r]``: its ring predecessor.
+    A transfer completes ``x`` after both its ends have posted it, and a rank's wait
+    covers its send and its receive (``P2PHandle.wait``). Forward (``attention._forward``):
+    rank r posts the next KV exchange when it starts step s-1, and starts step s once it
+    has finished step s-1 and that exchange (KV to its successor, from its predecessor)
+    is done. Backward (``x_dkv > 0``, ``_backward``): KV travels as in the forward; after
+    computing step s, rank r waits for the dK/dV exchange it posted when it ended step
+    s-1 (its partial to the successor, the predecessor's to it), adds it, and posts the
+    next. Ranks thus do not meet at every step: a rank that holds a causal diagonal
+    block at one step and full blocks at the others pays its own sum, not the per-step
+    maximum over ranks. Without ``cl.overlap`` the transfers take the ranks' own time
+    (gloo's threads share the cores): each step but the last costs compute +
+    ``max(x_kv, x_dkv)``, and a transfer is done once both its ends have posted it (its
+    time is in their steps already). With equal compute everywhere the makespan is
     exactly ``sum_s _step(compute_s, transfer_s)``.
     """
     g, p = len(comp), len(comp[0])
-    start, end = [0.0] * p, [0.0] * p
+    nxt = [0] * p
+    for r, q in enumerate(prev):
+        nxt[q] = r
+
+    def done(posted: list[float], r: int, x: float) -> float:
+        return max(posted[prev[r]], posted[r], posted[nxt[r]]) + (x if cl.overlap else 0.0)
+
     own = max(x_kv, x_dkv)
+    start, end = [0.0] * p, [0.0] * p
     for s in range(g):
+        if s > 0:
+            start = [max(end[r], done(start, r, x_kv)) for r in range(p)]
         busy = 0.0 if cl.overlap or s == g - 1 else own
-        if s == 0:
-            new_start = [0.0] * p
-        else:
-            new_start = [max(end[r], start[prev[r]] + x_kv) for r in range(p)]
-        new_end = [new_start[r] + comp[s][r] + busy for r in range(p)]
-        if s > 0 and x_dkv:  # without overlap the sender's step already paid its transfer
-            late = x_dkv if cl.overlap else 0.0
-            new_end = [max(new_end[r], end[prev[r]] + late) for r in range(p)]
-        start, end = new_start, new_end
+        new_end = [start[r] + comp[s][r] + busy for r in range(p)]
+        if s > 0 and x_dkv:
+            new_end = [max(new_end[r], done(end, r, x_dkv)) for r in range(p)]
+        end = new_end
     return max(end)
 
 
