@@ -2,14 +2,62 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from .layout import Placement, StarTrailLayout
 
 __all__ = ["StarTrailGroups"]
+
+
+@functools.cache
+def _new_group_sorts() -> bool:
+    """Whether ``dist.new_group`` takes ``sort_ranks`` (newer torch; older ones always sort)."""
+    return "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
+def _new_group(ranks: list[int], timeout: timedelta | None, desc: str) -> dist.ProcessGroup:
+    """A group whose rank order is ``ranks`` as listed (member order, ring order).
+
+    torch sorts the ranks of a new group unless told not to (``sort_ranks``, recent
+    torch only). The layouts list them ascending whenever the CP group's global ranks
+    ascend, so older torch is fine then; otherwise the order would be silently wrong,
+    so it is refused.
+    """
+    if _new_group_sorts():
+        return dist.new_group(ranks, timeout=timeout, sort_ranks=False, group_desc=desc)
+    if ranks != sorted(ranks):
+        raise ValueError(
+            f"StarTrail group {desc} needs global ranks in the order {ranks}, but this torch "
+            f"({torch.__version__}) sorts a new group's ranks (no sort_ranks argument): give "
+            "a cp_group whose global ranks ascend with the CP rank"
+        )
+    return dist.new_group(ranks, timeout=timeout, group_desc=desc)
+
+
+def _warm_up_device(backend: str, cuda_available: bool) -> str:
+    """The device of the warm-up tensor for a group of ``backend`` (e.g. ``"nccl"``,
+    ``"gloo"``, ``"cpu:gloo,cuda:nccl"``): CUDA when the group has NCCL, else CPU."""
+    return "cuda" if cuda_available and "nccl" in backend else "cpu"
+
+
+def _warm_up(group: dist.ProcessGroup | None) -> None:
+    """One tiny all-reduce on ``group``, so that its first operation involves every rank.
+
+    torch requires that a ``batch_isend_irecv`` which is a group's first operation be
+    joined by all its ranks (NCCL builds the communicator then); StarTrail's first use
+    of the CP group is the initial KV placement, which skips the ranks that keep their
+    own KV. Doing this here also surfaces a broken communicator at setup, not mid-step.
+    """
+    dev = _warm_up_device(dist.get_backend(group), torch.cuda.is_available())
+    if dev == "cuda":
+        dev = f"cuda:{torch.cuda.current_device()}"
+    dist.all_reduce(torch.zeros(1, device=dev), group=group)
 
 
 @dataclass(frozen=True)
@@ -54,9 +102,11 @@ class StarTrailGroups:
         ``cp_group`` is one of several CP groups (one per data-parallel
         replica, say), the ranks first exchange their CP groups' members
         (one small all-gather) and then every rank creates every group of
-        every CP group in the same order. ``timeout`` applies to the new
-        groups (default: the process group default). The setting is checked
-        before any communication.
+        every CP group in the same order; each rank ends with one tiny
+        all-reduce on each group it uses (the CP group's first operation must
+        involve all its ranks, which the initial KV placement does not).
+        ``timeout`` applies to the new groups (default: the process group
+        default). The setting is checked before any communication.
         """
         if not dist.is_initialized():
             raise RuntimeError("StarTrailGroups.create needs torch.distributed to be initialized")
@@ -83,23 +133,24 @@ class StarTrailGroups:
             ours = cp_ranks == mine
             if layout.team_size > 1:
                 for t in range(layout.num_teams):
-                    g = dist.new_group(
-                        [cp_ranks[r] for r in layout.team_ranks(t)],
-                        timeout=timeout,
-                        sort_ranks=False,  # group rank order = member order, as listed
-                        group_desc=f"startrail_team_{t}",
+                    g = _new_group(  # group rank order = member order
+                        [cp_ranks[r] for r in layout.team_ranks(t)], timeout, f"startrail_team_{t}"
                     )
                     if ours and t == team:
                         team_group = g
             if layout.ring_size > 1:
                 for gi in range(layout.team_size):
                     for a in range(layout.team_size):
-                        g = dist.new_group(
+                        g = _new_group(  # group rank order = ring order
                             [cp_ranks[r] for r in layout.subring_ranks(gi, a)],
-                            timeout=timeout,
-                            sort_ranks=False,  # group rank order = ring order, as listed
-                            group_desc=f"startrail_subring_{gi}_{a}",
+                            timeout,
+                            f"startrail_subring_{gi}_{a}",
                         )
                         if ours and (gi, a) == (layout.team_group(team), member):
                             subring_group = g
+        # One all-reduce on every group this rank uses, in the same order on every rank.
+        used = [cp_group] if cp_size > 1 else []
+        used += [g for g in (team_group, subring_group) if g is not None]
+        for g in used:
+            _warm_up(g)
         return cls(layout, cp_group, cp_rank, team_group, subring_group)

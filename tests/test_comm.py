@@ -123,3 +123,73 @@ def test_group_timeout_raises():
     shutdown()  # the skipped collective leaves the groups unusable: start afresh
     for r in (1, 3):
         assert res[r].startswith("raised after"), res[r]
+
+
+# ---- group creation: warm-up and rank order ------------------------------------------
+def test_warm_up_device_follows_the_backend():
+    from startrail_megatron.groups import _warm_up_device
+
+    assert _warm_up_device("nccl", True) == "cuda"
+    assert _warm_up_device("cpu:gloo,cuda:nccl", True) == "cuda"
+    assert _warm_up_device("gloo", True) == "cpu"
+    assert _warm_up_device("nccl", False) == "cpu"
+
+
+def _warm_up_calls(rank, world, team_size):
+    """The all-reduces StarTrailGroups.create makes, per group (None = the world)."""
+    import torch.distributed as dist
+
+    from startrail_megatron import groups as gmod
+
+    seen, real = [], dist.all_reduce
+
+    def spy(t, *a, group=None, **kw):
+        seen.append(group)
+        return real(t, *a, group=group, **kw)
+
+    dist.all_reduce = spy
+    try:
+        g = gmod.StarTrailGroups.create(team_size)
+    finally:
+        dist.all_reduce = real
+    def name(x):  # the CP group is the world here (None)
+        if x is None:
+            return "cp"
+        return "team" if x is g.team_group else "subring" if x is g.subring_group else "other"
+
+    return [name(x) for x in seen]
+
+
+@pytest.mark.parametrize("world,team_size,expect", [(4, 2, ["cp", "team"]),
+                                                    (8, 2, ["cp", "team", "subring"]),
+                                                    (4, 1, ["cp", "subring"])])  # fmt: skip
+def test_create_warms_up_every_group_it_uses(world, team_size, expect):
+    """The CP group's first operation is then a collective of all its ranks, not the
+    initial KV placement (which the ranks keeping their own KV skip): NCCL needs that."""
+    assert run_ranks(world, _warm_up_calls, team_size) == [expect] * world
+
+
+def _old_torch_groups(rank, world, descending):
+    """new_group without sort_ranks (older torch): ascending CP ranks work, others refused."""
+    import torch.distributed as dist
+
+    from startrail_megatron import groups as gmod
+
+    cp = None
+    if descending:
+        cp = dist.new_group(list(range(world))[::-1], sort_ranks=False)
+    saved = gmod._new_group_sorts
+    gmod._new_group_sorts = lambda: False
+    try:
+        g = gmod.StarTrailGroups.create(2, cp_group=cp)
+    except ValueError as e:
+        return str(e)
+    finally:
+        gmod._new_group_sorts = saved
+    return dist.get_process_group_ranks(g.team_group)
+
+
+def test_groups_on_torch_without_sort_ranks():
+    assert run_ranks(4, _old_torch_groups, False) == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for msg in run_ranks(4, _old_torch_groups, True):
+        assert "sorts a new group's ranks" in msg and "cp_group whose global ranks ascend" in msg
