@@ -39,6 +39,7 @@ from functools import lru_cache
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .comm import CommLedger, P2PComm, TeamComm
 from .groups import StarTrailGroups
@@ -159,8 +160,11 @@ def _forward(q, k, v, groups, causal, scale, kernel, ledger, comms=None):
     packed = torch.cat((q.reshape(s, -1), kv_local.reshape(s, -1)), dim=1)  # [s, F]
     packed = reorder_chunks(cx.team_comm.all_gather(packed, "qkv"), cx.perm)  # [n, F], chunk order
     n = C * s
-    q_team = packed[:, : b * hq * d].reshape(n, b, hq, d)
+    # Both halves copied out of ``packed``: a view of q would keep the whole packed
+    # buffer (q and the K,V copy) alive for the backward.
+    q_team = packed[:, : b * hq * d].reshape(n, b, hq, d).contiguous()
     kv_team = packed[:, b * hq * d :].contiguous().view(n, 2, b, hkv, d)
+    del packed
     # 2. initial KV placement.
     kv_cur = cx.initial_placement(kv_team).wait()
     # 3. G sub-ring steps; the next KV is in flight while this one computes.
@@ -276,6 +280,7 @@ class _StarTrailAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # no double backward: an error, not silently wrong gradients
     def backward(ctx, dout):
         out, q_team, kv_team, lse_team = ctx.saved_tensors
         if ctx.ledger is not None:

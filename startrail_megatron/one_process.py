@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .attention import _backward, _forward, validate_inputs
 from .comm import CommLedger, _nbytes
@@ -348,6 +349,7 @@ class _OneProcess(torch.autograd.Function):
         return tuple(res[0] for res in results)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *douts):
         run, cxs, world = ctx.run, ctx.cxs, ctx.world
         p = run["layout"].cp_size

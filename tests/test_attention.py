@@ -48,7 +48,7 @@ def _check(results, p, c, placement, causal, hq, hkv, dtype):
     lay = st.StarTrailLayout(p, c, placement)
     el = torch.empty((), dtype=dtype).element_size()
     for r, (_, events) in enumerate(results):
-        led = st.CommLedger(events=events)
+        led = st.CommLedger.from_events(events)
         want = lay.comm_bytes(
             r,
             s_local=S_LOCAL,

@@ -83,7 +83,7 @@ def test_peer_matches_fp64_reference_and_accounting(name, causal, heads, dt):
     want = bytes_fn[name](P, **shape, acc_bytes=max(el, 4))
     want_calls = calls_fn[name](P)
     for _, events, seen in results:
-        led = st.CommLedger(events=events)
+        led = st.CommLedger.from_events(events)
         for ph in ("fwd", "bwd"):
             for kind in ("p2p", "collective"):
                 assert led.bytes(kind, ph) == want[f"{ph}_{kind}"], (ph, kind)

@@ -152,6 +152,7 @@ def _warm_up_calls(rank, world, team_size):
         g = gmod.StarTrailGroups.create(team_size)
     finally:
         dist.all_reduce = real
+
     def name(x):  # the CP group is the world here (None)
         if x is None:
             return "cp"
@@ -193,3 +194,22 @@ def test_groups_on_torch_without_sort_ranks():
     assert run_ranks(4, _old_torch_groups, False) == [[0, 1], [0, 1], [2, 3], [2, 3]]
     for msg in run_ranks(4, _old_torch_groups, True):
         assert "sorts a new group's ranks" in msg and "cp_group whose global ranks ascend" in msg
+
+
+def test_ledger_totals_exact_events_bounded():
+    led = st.CommLedger(max_events=3)
+    for i in range(5):
+        led.phase = "bwd" if i >= 3 else "fwd"
+        led.record("p2p", "send", "kv", 10 * (i + 1), peer=1)
+    led.record("collective", "all_gather", "qkv", 7)
+    assert len(led.events) == 3 and led.events[-1].what == "qkv"  # the most recent
+    assert led.bytes("p2p") == 150 and led.calls("p2p") == 5
+    assert led.bytes("p2p", "fwd") == 60 and led.bytes("p2p", "bwd") == 90
+    assert led.summary()["bwd_collective_bytes"] == 7  # recorded in phase "bwd"
+    again = st.CommLedger.from_events(list(led.events))
+    assert again.bytes() == 40 + 50 + 7 and again.calls() == 3
+    led.clear()
+    assert not led.events and led.bytes() == 0 and led.calls() == 0
+    assert st.CommLedger(max_events=None).events.maxlen is None
+    with pytest.raises(ValueError, match="max_events"):
+        st.CommLedger(max_events=-1)

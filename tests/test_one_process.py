@@ -137,3 +137,20 @@ def test_a_wait_nobody_can_satisfy_is_reported_as_deadlock():
     with pytest.raises(RuntimeError, match=r"deadlock\); waiting ranks: \[0\]"):
         baton.run(never)
     assert _Baton(2, torch.device("cpu"), None).run([lambda: 5, lambda: 6]) == [5, 6]
+
+
+def test_saved_tensors_own_their_storage_and_no_double_backward():
+    """What the backward keeps per rank is q_team, kv_team, lse and out, each in its own
+    buffer (a view of the gathered [q | k,v] buffer would keep all of it alive), and a
+    second-order gradient is an error rather than silently wrong."""
+    p, c = 4, 2
+    qs, ks, vs, dos = _inputs(p, 8, 2, True, torch.float32)
+    leaves = [[x.clone().requires_grad_() for x in xs] for xs in (qs, ks, vs)]
+    outs = one_process_attention(*leaves, c, causal=True)
+    saved = outs[0].grad_fn.saved_tensors  # one node for all ranks: 4 per rank
+    assert len(saved) == 4 * p
+    for t in saved:
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), t.shape
+    (g,) = torch.autograd.grad((outs[0] ** 2).sum(), leaves[0][0], create_graph=True)
+    with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
+        g.sum().backward()
