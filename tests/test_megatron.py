@@ -206,6 +206,60 @@ def test_spec_rewrite_local_and_decoder_block():
     assert _core_attentions(block) == [StarTrailCoreAttention] * 3
 
 
+def _fake_te(monkeypatch):
+    """Megatron's TE spec functions made to work with stand-in TE classes (TE is absent)."""
+    import megatron.core.models.gpt.gpt_layer_specs as specs
+    from megatron.core.models.backends import LocalSpecProvider
+
+    te_classes = {}
+
+    def stand_in(name):
+        return te_classes.setdefault(name, type(name, (torch.nn.Module,), {}))
+
+    class FakeTESpecProvider(LocalSpecProvider):
+        def column_parallel_layer_norm_linear(self):
+            return stand_in("TELayerNormColumnParallelLinear")
+
+        def core_attention(self):
+            return stand_in("TEDotProductAttention")
+
+        def row_parallel_linear(self):
+            return stand_in("TERowParallelLinear")
+
+        def fuse_layernorm_and_linear(self):
+            return True
+
+    monkeypatch.setattr(specs, "TESpecProvider", FakeTESpecProvider, raising=False)
+    monkeypatch.setattr(specs, "HAVE_TE", True, raising=False)
+    return specs
+
+
+def test_entry_point_layer_spec_with_transformer_engine(monkeypatch):
+    """Where TE is installed our entry point builds megatron-core's TE spec; its 0.16
+    signature has no ``normalization`` (TENorm follows the config): no TypeError."""
+    _fake_te(monkeypatch)
+    monkeypatch.setattr(T, "_have_te", lambda: True)
+    args = T.parse_args(BASE + ["--context-parallel-size", "1"])
+    spec = T.layer_spec(args)
+    assert spec.submodules.self_attention.submodules.core_attention.__name__ == (
+        "TEDotProductAttention"
+    )
+    args = T.parse_args(["--nproc", "4", *BASE, *st_flags(4, 2)])
+    spec = T.layer_spec(args)
+    assert spec.submodules.self_attention.submodules.core_attention is StarTrailCoreAttention
+
+
+def test_gpu_optimizer_clips_by_clip_grad(monkeypatch):
+    """On GPUs megatron's optimizer does the clipping: it must get --clip-grad."""
+    import megatron.core.optimizer as mopt
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mopt, "get_megatron_optimizer", lambda cfg, models: cfg)
+    for clip in ("1.0", "0.5", "0"):
+        args = T.parse_args(BASE + ["--clip-grad", clip])
+        assert T.build_optimizer(args, None).clip_grad == float(clip)
+
+
 def test_spec_rewrite_transformer_engine_spec_without_te(monkeypatch):
     """Megatron's TE spec built with stand-in TE classes (TE is absent here)."""
     import megatron.core.models.gpt.gpt_layer_specs as specs

@@ -23,6 +23,7 @@ ranks the loop uses ``torch.optim.AdamW`` (or SGD) on megatron DDP's
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -240,11 +241,21 @@ def layer_spec(args: argparse.Namespace):
 
     from .spec import apply_startrail_spec
 
-    if _have_te():
-        spec = get_gpt_layer_with_transformer_engine_spec(normalization=args.normalization)
+    if _have_te():  # megatron-core 0.16's TE spec takes no normalization: TENorm reads the config
+        spec = _call_supported(
+            get_gpt_layer_with_transformer_engine_spec, normalization=args.normalization
+        )
     else:
-        spec = get_gpt_layer_local_spec(normalization=args.normalization)
+        spec = _call_supported(get_gpt_layer_local_spec, normalization=args.normalization)
     return apply_startrail_spec(spec) if args.context_parallel_impl == "startrail" else spec
+
+
+def _call_supported(fn, **kwargs):
+    """``fn(**kwargs)`` with only the keywords ``fn``'s signature has (they vary by release)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn(**kwargs)
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
 
 
 def build_model(args: argparse.Namespace):
@@ -282,7 +293,7 @@ def build_optimizer(args: argparse.Namespace, model):
             adam_eps=args.adam_eps,
             sgd_momentum=args.sgd_momentum,
             bf16=args.bf16,
-            clip_grad=0.0,
+            clip_grad=args.clip_grad,
         )
         return get_megatron_optimizer(cfg, [model])
     if args.optimizer == "sgd":
@@ -356,22 +367,24 @@ def forward_backward(args: argparse.Namespace, model, micro_batches) -> float:
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dev = _device()  # also of every reduced tensor: NCCL groups take CUDA tensors only
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
     n_dp_cp = dist.get_world_size(dp_cp)
     total_tokens = torch.tensor(
-        [sum(float(mb["loss_mask"].sum()) for mb in micro_batches)], dtype=torch.float64
+        [sum(float(mb["loss_mask"].sum()) for mb in micro_batches)],
+        dtype=torch.float64,
+        device=dev,
     )
     dist.all_reduce(total_tokens, group=parallel_state.get_data_parallel_group())
     total = total_tokens.item()
-    loss_sum = torch.zeros(1, dtype=torch.float64)
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
     for mb in micro_batches:
         batch = {k: mb[k].to(dev) for k in ("tokens", "labels", "loss_mask", "position_ids")}
         batch = get_batch_on_this_cp_rank(batch)
         losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         local = (losses.float() * batch["loss_mask"]).sum()
         (local * n_dp_cp / total).backward()
-        loss_sum += local.detach().double().cpu()
+        loss_sum += local.detach().double()
     model.finish_grad_sync()
     dist.all_reduce(loss_sum, group=dp_cp)
     return loss_sum.item() / total
@@ -415,6 +428,27 @@ def optimizer_step(model, optimizer, clip_grad: float = 0.0) -> None:
     model.zero_grad_buffer()
 
 
+def _device() -> torch.device:
+    """The device of this rank's tensors (and of what it reduces): its GPU, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _release_groups(cp_group) -> None:
+    """Destroy the team and sub-ring groups registered for ``cp_group`` (an autotune
+    candidate's), so trying candidates does not keep every candidate's communicators."""
+    from .state import get_startrail_state
+
+    try:
+        groups = get_startrail_state(cp_group).groups
+    except RuntimeError:  # none registered yet
+        return
+    for g in (groups.team_group, groups.subring_group):
+        if g is not None:
+            dist.destroy_process_group(g)
+
+
 def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
     """``--startrail-team-size auto``: time each valid (C, placement), keep the fastest.
 
@@ -439,6 +473,7 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
             log(msg)
 
     def run_trial(cand) -> list[float]:
+        _release_groups(cp_group)  # the previous candidate's communicators
         create_startrail_groups(cp_group, cand.team_size, cand.placement)
         times = []
         for i in range(args.startrail_autotune_iters + 1):
@@ -446,7 +481,7 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
             forward_backward(args, model, sample)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=_device())
             model.zero_grad_buffer()
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if i:
@@ -458,6 +493,7 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
         startrail_candidates(args.context_parallel_size), run_trial, log=say, catch=()
     )
     best = result.best
+    _release_groups(cp_group)
     create_startrail_groups(cp_group, best.team_size, best.placement)
     args.startrail_team_size, args.startrail_placement = best.team_size, best.placement
     return lines
@@ -543,7 +579,7 @@ def _startrail_bytes(args) -> dict:
         s_local=args.seq_length // lay.cp_size,
         batch=args.micro_batch_size,
         heads_q=args.num_attention_heads // args.tensor_model_parallel_size,
-        heads_kv=args.num_query_groups // args.tensor_model_parallel_size,
+        heads_kv=max(args.num_query_groups // args.tensor_model_parallel_size, 1),
         head_dim=args.hidden_size // args.num_attention_heads,
         elem_bytes=2 if args.bf16 else 4,
     )
@@ -555,6 +591,7 @@ def _startrail_bytes(args) -> dict:
     figures = torch.tensor(
         [led.bytes("p2p"), led.bytes("collective"), (ring["fwd_p2p"] + ring["bwd_p2p"]) * n_calls],
         dtype=torch.float64,
+        device=_device(),
     )
     led.clear()
     dist.all_reduce(figures, group=cp_group)
