@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -290,6 +291,12 @@ def test_bad_flags_fail_at_parsing(flags, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+def test_entry_point_accepts_team_size_auto():
+    """Only StarTrail's own entry point runs the autotuner; Megatron-LM refuses 'auto'."""
+    args = T.parse_args(["--nproc", "4", *BASE, *st_flags(4, "auto")])
+    assert args.startrail_team_size == "auto"
+
+
 def test_readme_main_command():
     """The README's main command (setup skipped: the test environment is the set-up one)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -345,6 +352,11 @@ def _build_both_ways(rank, world):
             new(q, k, v, None, packed_seq_params=object())
         with pytest.raises(NotImplementedError, match="attention dropout"):
             StarTrailCoreAttention(pg_collection=pgs, attention_dropout=0.1, **common)
+        for name in ("qk_clip", "log_max_attention_logit", "hybrid_context_parallel"):
+            bad = copy.copy(cfg)
+            setattr(bad, name, True)
+            with pytest.raises(NotImplementedError, match=name):
+                StarTrailCoreAttention(pg_collection=pgs, **{**common, "config": bad})
         return True
     finally:
         T.teardown()
