@@ -194,6 +194,44 @@ def test_launcher_runs_script_with_hooks(fake_megatron_lm):
     }
 
 
+IDENTITY_SCRIPT = """
+import json
+import megatron.core.transformer.enums as enums
+import startrail_megatron.megatron.attention as att
+from megatron.training.initialize import parse_args
+args = parse_args(None)
+print(json.dumps({"same_class": att.AttnMaskType is enums.AttnMaskType}))
+"""
+
+IN_PROCESS_DRIVER = """
+import json, sys
+import startrail_megatron.megatron  # megatron-core imported before the launcher runs
+from startrail_megatron.launch import main
+main(sys.argv[1:])
+import megatron.training.arguments as mlm_arguments
+import megatron.training.initialize as mlm_initialize
+print(json.dumps({"restored": not hasattr(mlm_arguments.parse_args, "_startrail")
+                  and mlm_initialize.parse_args is mlm_arguments.parse_args}))
+"""
+
+
+def test_launcher_in_process_after_megatron_core_was_imported(fake_megatron_lm):
+    """megatron is purged for the script's tree: our modules must not keep the old classes;
+    the parse_args wrapper is removed when the script is done."""
+    script = fake_megatron_lm / "identity.py"
+    script.write_text(textwrap.dedent(IDENTITY_SCRIPT))
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(IN_PROCESS_DRIVER), str(script), *ST4],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(fake_megatron_lm),
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [json.loads(ln) for ln in res.stdout.strip().splitlines()[-2:]]
+    assert lines == [{"same_class": True}, {"restored": True}]
+
+
 def test_launcher_bad_flag_names_it(fake_megatron_lm):
     res = _launch(
         fake_megatron_lm,
