@@ -10,6 +10,11 @@ script's own ``extra_args_provider`` is chained with StarTrail's (flags added,
 validated, hooks installed right after parsing), then runs the script as
 ``__main__``. The hooks build StarTrail's groups after
 ``initialize_model_parallel`` and rewrite the layer spec given to ``GPTModel``.
+
+Called in a process that already imported megatron-core from elsewhere,
+``main`` drops it (and StarTrail's Megatron adapter, which holds its classes)
+from ``sys.modules`` so that both are imported again from the script's tree.
+The ``parse_args`` wrapper is removed when the script returns.
 """
 
 from __future__ import annotations
@@ -19,9 +24,13 @@ import os
 import runpy
 import sys
 
+_UNDO: list = []
+
 
 def install_megatron_lm_hooks() -> None:
-    """Chain StarTrail's extra_args_provider into megatron.training's parse_args."""
+    """Chain StarTrail's extra_args_provider into megatron.training's parse_args.
+
+    Idempotent; ``uninstall_megatron_lm_hooks()`` undoes it."""
     from megatron.training import arguments as mlm_arguments
     from megatron.training import initialize as mlm_initialize
 
@@ -38,8 +47,26 @@ def install_megatron_lm_hooks() -> None:
 
     parse_args._startrail = True
     mlm_arguments.parse_args = parse_args
+    _UNDO.append(lambda: setattr(mlm_arguments, "parse_args", orig))
     if getattr(mlm_initialize, "parse_args", None) is orig:
         mlm_initialize.parse_args = parse_args
+        _UNDO.append(lambda: setattr(mlm_initialize, "parse_args", orig))
+
+
+def uninstall_megatron_lm_hooks() -> None:
+    while _UNDO:
+        _UNDO.pop()()
+
+
+def _purge_megatron() -> None:
+    """Forget megatron and StarTrail's Megatron adapter (which imported megatron classes)."""
+    adapter = "startrail_megatron.megatron"
+    old_state = sys.modules.get(adapter + ".state")
+    if old_state is not None:
+        old_state.uninstall()  # hooks set on the old megatron-core's modules
+    for name in list(sys.modules):
+        if name == "megatron" or name.startswith(("megatron.", adapter + ".")) or name == adapter:
+            del sys.modules[name]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,11 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, os.path.dirname(script))
     if "megatron" in sys.modules and "megatron.training" not in sys.modules:
         # megatron-core was imported from elsewhere first; use the script's tree instead.
-        for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
-            del sys.modules[name]
+        _purge_megatron()
     install_megatron_lm_hooks()
     sys.argv = [script, *argv[1:]]
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        uninstall_megatron_lm_hooks()
 
 
 if __name__ == "__main__":

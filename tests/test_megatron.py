@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -344,6 +345,12 @@ def test_bad_flags_fail_at_parsing(flags, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+def test_entry_point_accepts_team_size_auto():
+    """Only StarTrail's own entry point runs the autotuner; Megatron-LM refuses 'auto'."""
+    args = T.parse_args(["--nproc", "4", *BASE, *st_flags(4, "auto")])
+    assert args.startrail_team_size == "auto"
+
+
 def test_readme_main_command():
     """The README's main command (setup skipped: the test environment is the set-up one)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -399,6 +406,11 @@ def _build_both_ways(rank, world):
             new(q, k, v, None, packed_seq_params=object())
         with pytest.raises(NotImplementedError, match="attention dropout"):
             StarTrailCoreAttention(pg_collection=pgs, attention_dropout=0.1, **common)
+        for name in ("qk_clip", "log_max_attention_logit", "hybrid_context_parallel"):
+            bad = copy.copy(cfg)
+            setattr(bad, name, True)
+            with pytest.raises(NotImplementedError, match=name):
+                StarTrailCoreAttention(pg_collection=pgs, **{**common, "config": bad})
         return True
     finally:
         T.teardown()
@@ -406,6 +418,71 @@ def _build_both_ways(rank, world):
 
 def test_core_attention_builds_with_either_process_group_argument():
     assert run_ranks(1, _build_both_ways) == [True]
+
+
+def _install_hooks(rank, world, timeout_kw):
+    """install(): groups with Megatron's timeout; GPTModel's decoder and MTP specs rewritten."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from startrail_megatron.megatron import compat, state
+
+    seen = []
+    create = state.StarTrailGroups.create
+
+    def spy(*a, **kw):
+        seen.append(kw.get("timeout"))
+        return create(*a, **kw)
+
+    state.StarTrailGroups.create = spy
+    compat.enable_cpu_support()
+    state.install(1)
+    try:
+        parallel_state.initialize_model_parallel(**timeout_kw)
+        compat.cpu_manual_seed(0)
+        cfg = TransformerConfig(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            use_cpu_initialization=True,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+            mtp_num_layers=1,
+        )
+        local = get_gpt_layer_local_spec()
+        mtp = get_gpt_mtp_block_spec(cfg, local, use_transformer_engine=False)
+        model = GPTModel(cfg, local, 128, 32, mtp_block_spec=mtp, position_embedding_type="rope")
+        decoder = [type(layer.self_attention.core_attention) for layer in model.decoder.layers]
+        mtp_layers = [
+            type(layer.transformer_layer.self_attention.core_attention)
+            for layer in model.mtp.layers
+        ]
+        # the caller's specs are not mutated
+        assert _core_attentions(mtp.layer_specs[0].submodules.transformer_layer) == [
+            _core_attentions(local)[0]
+        ]
+        tokens = torch.randint(0, 128, (2, 32))
+        pos = torch.arange(32).expand(2, 32)
+        loss = model(tokens, pos, None, labels=tokens)
+        loss.sum().backward()
+        return decoder, mtp_layers, seen
+    finally:
+        state.StarTrailGroups.create = create
+        parallel_state.destroy_model_parallel()
+        state.uninstall()
+
+
+@pytest.mark.parametrize("timeout_kw", [{}, {"distributed_timeout_minutes": 7}])
+def test_install_rewrites_decoder_and_mtp_specs_and_uses_megatron_timeout(timeout_kw):
+    from datetime import timedelta
+
+    decoder, mtp, timeouts = run_ranks(1, _install_hooks, timeout_kw)[0]
+    assert decoder == [StarTrailCoreAttention] * 2
+    assert mtp == [StarTrailCoreAttention]
+    # megatron-core's default is 30 minutes; Megatron-LM passes --distributed-timeout-minutes
+    assert timeouts == [timedelta(minutes=timeout_kw.get("distributed_timeout_minutes", 30))]
 
 
 def _autotune_then_train(rank, world, argv):

@@ -27,7 +27,53 @@ def _parser(chain=None):
     p = argparse.ArgumentParser(prog="pretrain_gpt.py")
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--seq-length", type=int, default=64)
+    # as Megatron-LM core_r0.16.0 adds them (TransformerConfig / ModelParallelConfig / logger)
+    for flag in ("--qk-clip", "--log-max-attention-logit", "--hybrid-context-parallel"):
+        p.add_argument(flag, action="store_true")
     return extra_args_provider(p, chain=chain)
+
+
+ST4 = ["--context-parallel-size", "4", "--context-parallel-impl", "startrail"]
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (
+            ["--startrail-team-size", "auto"],
+            "--startrail-team-size auto needs StarTrail's autotuner, which only "
+            "'python -m startrail_megatron.pretrain_gpt' runs",
+        ),
+        (["--qk-clip"], "--qk-clip is not supported with --context-parallel-impl startrail"),
+        (
+            ["--log-max-attention-logit"],
+            "--log-max-attention-logit is not supported with --context-parallel-impl startrail",
+        ),
+        (
+            ["--hybrid-context-parallel"],
+            "--hybrid-context-parallel is not supported with --context-parallel-impl startrail",
+        ),
+    ],
+)
+def test_extra_args_provider_refuses_what_it_cannot_honour(flags, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parser().parse_args(ST4 + flags)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+    assert state.installed_config() is None
+    # the same flags without StarTrail are Megatron's business
+    _parser().parse_args(flags)
+
+
+def test_install_from_args_refuses_auto_without_the_autotuner():
+    from startrail_megatron.megatron.arguments import install_from_args
+
+    ns = argparse.Namespace(
+        context_parallel_impl="startrail", startrail_team_size="auto", startrail_placement="team"
+    )
+    with pytest.raises(ValueError, match="--startrail-team-size auto needs"):
+        install_from_args(ns)
+    assert state.installed_config() is None
 
 
 def test_extra_args_provider_validates_and_installs():
@@ -146,6 +192,44 @@ def test_launcher_runs_script_with_hooks(fake_megatron_lm):
         "impl": "startrail",
         "installed": {"team_size": 2, "placement": "team", "kernel": "auto"},
     }
+
+
+IDENTITY_SCRIPT = """
+import json
+import megatron.core.transformer.enums as enums
+import startrail_megatron.megatron.attention as att
+from megatron.training.initialize import parse_args
+args = parse_args(None)
+print(json.dumps({"same_class": att.AttnMaskType is enums.AttnMaskType}))
+"""
+
+IN_PROCESS_DRIVER = """
+import json, sys
+import startrail_megatron.megatron  # megatron-core imported before the launcher runs
+from startrail_megatron.launch import main
+main(sys.argv[1:])
+import megatron.training.arguments as mlm_arguments
+import megatron.training.initialize as mlm_initialize
+print(json.dumps({"restored": not hasattr(mlm_arguments.parse_args, "_startrail")
+                  and mlm_initialize.parse_args is mlm_arguments.parse_args}))
+"""
+
+
+def test_launcher_in_process_after_megatron_core_was_imported(fake_megatron_lm):
+    """megatron is purged for the script's tree: our modules must not keep the old classes;
+    the parse_args wrapper is removed when the script is done."""
+    script = fake_megatron_lm / "identity.py"
+    script.write_text(textwrap.dedent(IDENTITY_SCRIPT))
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(IN_PROCESS_DRIVER), str(script), *ST4],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(fake_megatron_lm),
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [json.loads(ln) for ln in res.stdout.strip().splitlines()[-2:]]
+    assert lines == [{"same_class": True}, {"restored": True}]
 
 
 def test_launcher_bad_flag_names_it(fake_megatron_lm):

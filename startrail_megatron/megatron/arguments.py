@@ -8,6 +8,11 @@
 Megatron-LM's ``extra_args_provider``); ``validate_startrail_args(args)``
 checks them against Megatron's other arguments and raises ``ValueError``
 naming the flags; ``install_from_args(args)`` turns StarTrail on.
+
+``--startrail-team-size auto`` needs the autotuner of StarTrail's own entry
+point (``python -m startrail_megatron.pretrain_gpt``, whose parser has
+``--startrail-autotune-iters``); under upstream Megatron-LM (the launcher or
+the patch) it is refused at parsing, naming the flag.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         type=_team_size,
         default=1,
         help="StarTrail team size C (C*C must divide --context-parallel-size; 1 = ring "
-        "attention), or 'auto' to profile the candidates and keep the fastest.",
+        "attention), or 'auto' to profile the candidates and keep the fastest "
+        "(python -m startrail_megatron.pretrain_gpt only).",
     )
     group.add_argument(
         "--startrail-placement",
@@ -64,8 +70,37 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-def validate_startrail_args(args: argparse.Namespace) -> None:
-    """Raise ``ValueError`` naming the flag when StarTrail's flags do not fit."""
+# Megatron flags (dest names of Megatron-LM core_r0.16.0 / megatron-core 0.16 TransformerConfig)
+# whose feature needs something from core_attention that StarTrailCoreAttention does not provide.
+_REFUSED_FLAGS = {
+    "qk_clip": "needs the per-head max attention logit (core_attention.current_max_attn_logits), "
+    "which StarTrail attention does not compute",
+    "log_max_attention_logit": "needs the per-head max attention logit "
+    "(core_attention.current_max_attn_logits), which StarTrail attention does not compute",
+    "hybrid_context_parallel": "builds per-batch context-parallel groups for packed "
+    "sequences, which StarTrail does not support",
+}
+
+
+def _autotuner_available(args: argparse.Namespace) -> bool:
+    """Whether ``args`` come from StarTrail's own entry point, which runs the autotuner."""
+    return hasattr(args, "startrail_autotune_iters")
+
+
+def _refuse_auto() -> ValueError:
+    return ValueError(
+        "--startrail-team-size auto needs StarTrail's autotuner, which only "
+        "'python -m startrail_megatron.pretrain_gpt' runs; under Megatron-LM give an integer "
+        "team size (e.g. from 'startrail-plan')"
+    )
+
+
+def validate_startrail_args(args: argparse.Namespace, *, allow_auto: bool | None = None) -> None:
+    """Raise ``ValueError`` naming the flag when StarTrail's flags do not fit.
+
+    ``allow_auto``: whether ``--startrail-team-size auto`` is accepted; default:
+    only for StarTrail's own entry point (args with ``startrail_autotune_iters``).
+    """
     impl = getattr(args, "context_parallel_impl", "te")
     if impl not in IMPLS:
         raise ValueError(f"--context-parallel-impl {impl!r} is not known; allowed: {list(IMPLS)}")
@@ -73,12 +108,15 @@ def validate_startrail_args(args: argparse.Namespace) -> None:
         return
     cp = getattr(args, "context_parallel_size", 1) or 1
     c = args.startrail_team_size
-    if c != "auto":
-        if not isinstance(c, int) or c < 1 or cp % (c * c) != 0:
-            raise ValueError(
-                f"--startrail-team-size {c} does not fit --context-parallel-size {cp}: its "
-                f"square must divide it; allowed: {valid_team_sizes(cp)} or 'auto'"
-            )
+    auto_ok = _autotuner_available(args) if allow_auto is None else allow_auto
+    if c == "auto":
+        if not auto_ok:
+            raise _refuse_auto()
+    elif not isinstance(c, int) or c < 1 or cp % (c * c) != 0:
+        raise ValueError(
+            f"--startrail-team-size {c} does not fit --context-parallel-size {cp}: its "
+            f"square must divide it; allowed: {valid_team_sizes(cp)}" + (" or 'auto'" * auto_ok)
+        )
     seq = getattr(args, "seq_length", None)
     if seq is not None and seq % (2 * cp) != 0:
         raise ValueError(
@@ -101,6 +139,12 @@ def validate_startrail_args(args: argparse.Namespace) -> None:
             "--hierarchical-context-parallel-sizes is a Transformer Engine CP option; StarTrail "
             "uses --startrail-team-size instead"
         )
+    for flag, why in _REFUSED_FLAGS.items():
+        if getattr(args, flag, False):
+            raise ValueError(
+                f"--{flag.replace('_', '-')} is not supported with --context-parallel-impl "
+                f"startrail: it {why}"
+            )
 
 
 def install_from_args(args: argparse.Namespace, team_size: int | None = None) -> None:
@@ -111,7 +155,9 @@ def install_from_args(args: argparse.Namespace, team_size: int | None = None) ->
         return
     c = team_size if team_size is not None else args.startrail_team_size
     if c == "auto":
-        c = 1  # placeholder until the autotuner picks one
+        if not _autotuner_available(args):
+            raise _refuse_auto()
+        c = 1  # placeholder until the entry point's autotuner picks one
     install(int(c), args.startrail_placement)
 
 
@@ -133,7 +179,7 @@ def extra_args_provider(parser: argparse.ArgumentParser, *, chain=None) -> argpa
     def parse_known_args(args=None, namespace=None):
         ns, rest = parse_known(args, namespace)
         try:
-            validate_startrail_args(ns)
+            validate_startrail_args(ns, allow_auto=False)  # Megatron-LM runs no autotuner
         except ValueError as e:
             parser.error(str(e))
         install_from_args(ns)

@@ -31,7 +31,9 @@ class StarTrailCoreAttention(MegatronModule):
     (``pg_collection`` or ``model_comm_pgs``). Raises ``NotImplementedError``
     at build time for what it does not support yet: attention dropout,
     masks other than causal / no mask, cross attention, sliding windows,
-    non-vanilla softmax; and at call time for packed sequences and bias.
+    non-vanilla softmax, ``qk_clip`` / ``log_max_attention_logit`` (no
+    ``current_max_attn_logits``), ``hybrid_context_parallel``; and at call time
+    for packed sequences and bias.
     """
 
     def __init__(
@@ -65,6 +67,17 @@ class StarTrailCoreAttention(MegatronModule):
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise NotImplementedError(
                 f"StarTrail attention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
+            )
+        for name in ("qk_clip", "log_max_attention_logit"):
+            if getattr(config, name, False):
+                raise NotImplementedError(
+                    f"StarTrail attention does not support {name} (--{name.replace('_', '-')}): "
+                    "it does not compute the max attention logit (current_max_attn_logits)"
+                )
+        if getattr(config, "hybrid_context_parallel", False):
+            raise NotImplementedError(
+                "StarTrail attention does not support hybrid_context_parallel "
+                "(--hybrid-context-parallel)"
             )
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type

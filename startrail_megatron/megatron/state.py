@@ -7,9 +7,11 @@ that CP group, so an attention module finds the groups for the CP group its
 
 * ``install(team_size, placement)``: wraps ``parallel_state.initialize_model_parallel``
   (all arguments passed through untouched) so that every caller, Megatron's
-  own included, gets the StarTrail groups right after Megatron's; wraps
-  ``destroy_model_parallel`` to drop them; and rewrites the layer spec given
-  to ``GPTModel`` (``spec.apply_startrail_spec``). ``uninstall()`` undoes it.
+  own included, gets the StarTrail groups right after Megatron's, with the
+  same ``distributed_timeout_minutes`` as Megatron's groups; wraps
+  ``destroy_model_parallel`` to drop them; and rewrites the layer spec and the
+  multi-token-prediction block spec given to ``GPTModel``
+  (``spec.apply_startrail_spec``). ``uninstall()`` undoes it.
 * ``create_startrail_groups(cp_group, team_size, placement)``: the explicit
   call, for runs that build their own process-group collection.
 """
@@ -17,7 +19,9 @@ that CP group, so an attention module finds the groups for the CP group its
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -53,10 +57,18 @@ def _key(cp_group) -> int:
 
 
 def create_startrail_groups(
-    cp_group, team_size: int, placement: Placement = "team", kernel: str = "auto"
+    cp_group,
+    team_size: int,
+    placement: Placement = "team",
+    kernel: str = "auto",
+    timeout: timedelta | None = None,
 ) -> StarTrailMegatronState:
-    """Build and register StarTrail's groups for ``cp_group`` (collective over it)."""
-    groups = StarTrailGroups.create(team_size, cp_group=cp_group, placement=placement)
+    """Build and register StarTrail's groups for ``cp_group`` (collective over it).
+
+    ``timeout``: of the new groups (default: the default process group's)."""
+    groups = StarTrailGroups.create(
+        team_size, cp_group=cp_group, placement=placement, timeout=timeout
+    )
     state = StarTrailMegatronState(groups, kernel)
     _STATES[_key(cp_group)] = (cp_group, state)
     return state
@@ -101,6 +113,7 @@ def install(
     _INSTALLED["config"] = {"team_size": team_size, "placement": placement, "kernel": kernel}
     orig_init = parallel_state.initialize_model_parallel
     orig_destroy = parallel_state.destroy_model_parallel
+    init_sig = inspect.signature(orig_init)
 
     @functools.wraps(orig_init)
     def initialize_model_parallel(*args, **kwargs):
@@ -111,6 +124,7 @@ def install(
             cfg["team_size"],
             cfg["placement"],
             cfg["kernel"],
+            timeout=_megatron_timeout(init_sig, args, kwargs),
         )
         return out
 
@@ -132,19 +146,31 @@ def install(
 
         orig_gpt_init = gpt_model.GPTModel.__init__
 
+        gpt_sig = inspect.signature(orig_gpt_init)
+
         @functools.wraps(orig_gpt_init)
         def gpt_init(self, *args, **kwargs):
-            if "transformer_layer_spec" in kwargs:
-                kwargs["transformer_layer_spec"] = apply_startrail_spec(
-                    kwargs["transformer_layer_spec"]
-                )
-            elif len(args) >= 2:
-                args = (args[0], apply_startrail_spec(args[1]), *args[2:])
-            return orig_gpt_init(self, *args, **kwargs)
+            bound = gpt_sig.bind(self, *args, **kwargs)
+            # the decoder's layers and the multi-token-prediction (--mtp-num-layers) layers
+            for name in ("transformer_layer_spec", "mtp_block_spec"):
+                if bound.arguments.get(name) is not None:
+                    bound.arguments[name] = apply_startrail_spec(bound.arguments[name])
+            return orig_gpt_init(*bound.args, **bound.kwargs)
 
         gpt_model.GPTModel.__init__ = gpt_init
         undo.append(lambda: setattr(gpt_model.GPTModel, "__init__", orig_gpt_init))
     _INSTALLED["undo"] = undo
+
+
+def _megatron_timeout(sig: inspect.Signature, args, kwargs) -> timedelta | None:
+    """The ``distributed_timeout_minutes`` of an ``initialize_model_parallel`` call (its
+    default when not given), as Megatron uses it for its own groups."""
+    if "distributed_timeout_minutes" not in sig.parameters:
+        return None
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    minutes = bound.arguments["distributed_timeout_minutes"]
+    return timedelta(minutes=minutes) if minutes is not None else None
 
 
 def uninstall() -> None:
