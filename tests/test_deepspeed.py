@@ -330,3 +330,82 @@ def test_hpz_team_is_the_hierarchical_partition_group(p, placement):
     for rank, (_, _, info) in enumerate(results):
         assert info["hpz"] == info["team"], (rank, info)
         assert len(info["hpz"]) == 2 and rank in info["hpz"] and info["stage3_hpz"] == 2
+
+
+# ---- the CUDA device is set before the groups communicate -----------------------------------
+
+
+class _FakeAccelerator:
+    """The accelerator calls ``initialize`` makes, as on a CUDA (or CPU) machine."""
+
+    def __init__(self, name: str = "cuda", current: int = 0):
+        self.name, self.current, self.calls = name, current, []
+
+    def device_name(self, device_index=None):
+        return self.name if device_index is None else f"{self.name}:{device_index}"
+
+    def current_device(self):
+        return self.current
+
+    def set_device(self, index):
+        self.calls.append(index)
+        self.current = index
+
+    def communication_backend_name(self):
+        return "nccl" if self.name == "cuda" else "gloo"
+
+
+def test_initialize_sets_the_cuda_device_before_creating_groups(monkeypatch):
+    import deepspeed.accelerator
+    import deepspeed.comm
+    import torch.distributed as dist
+
+    fake = _FakeAccelerator()
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: fake)
+    monkeypatch.setattr(deepspeed.comm, "init_distributed", lambda **kwargs: None)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def create(config):  # StarTrailMPU.create: the first collective
+        seen.append(fake.current)
+        raise Stop
+
+    monkeypatch.setattr(sds.StarTrailMPU, "create", staticmethod(create))
+    model = tiny_llama()
+    with pytest.raises(Stop):
+        sds.initialize(
+            model=model, model_parameters=model.parameters(), config=make_cfg(1, 1, _st(4, 2))
+        )
+    assert seen == [3] and fake.calls == [3]
+
+
+@pytest.mark.parametrize(
+    "name, env, args, current, calls",
+    [
+        ("cpu", {"LOCAL_RANK": "3"}, None, 0, []),  # not CUDA: nothing
+        ("cuda", {"LOCAL_RANK": "3"}, None, 3, []),  # already set
+        ("cuda", {}, None, 0, []),  # no local rank known
+        ("cuda", {}, {"local_rank": 2}, 0, [2]),
+        ("cuda", {"OMPI_COMM_WORLD_LOCAL_RANK": "1"}, None, 0, [1]),
+        ("cuda", {"LOCAL_RANK": "1"}, {"local_rank": 1, "device_rank": 5}, 0, [5]),  # as the engine
+    ],
+)
+def test_set_local_device(monkeypatch, name, env, args, current, calls):
+    import argparse
+
+    import deepspeed.accelerator
+
+    from startrail_megatron.deepspeed import entry
+
+    fake = _FakeAccelerator(name, current)
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: fake)
+    for key in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    entry.set_local_device(None if args is None else argparse.Namespace(**args))
+    assert fake.calls == calls

@@ -135,7 +135,8 @@ def _loss_normalizer(shift_labels: Tensor, mpu: StarTrailMPU) -> Tensor:
 
 def _check_same_batch(input_ids: Tensor, group: dist.ProcessGroup) -> None:
     """Every rank of a sequence group must pass the same full batch (one small all-reduce)."""
-    w = torch.arange(1, input_ids.numel() + 1, dtype=torch.float64).reshape(input_ids.shape)
+    w = torch.arange(1, input_ids.numel() + 1, dtype=torch.float64, device=input_ids.device)
+    w = w.reshape(input_ids.shape)
     h = (input_ids.to(torch.float64) * w).sum()
     t = torch.stack([h, -h])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
