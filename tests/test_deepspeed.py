@@ -409,3 +409,53 @@ def test_set_local_device(monkeypatch, name, env, args, current, calls):
         monkeypatch.setenv(key, value)
     entry.set_local_device(None if args is None else argparse.Namespace(**args))
     assert fake.calls == calls
+
+
+# ---- the HF attention function refuses what it would not compute -----------------------------
+
+
+def _hf_call(monkeypatch, **kwargs):
+    from types import SimpleNamespace
+
+    from startrail_megatron.deepspeed import hf
+
+    calls = []
+
+    def fake(q, k, v, groups, causal, softmax_scale):
+        calls.append({"causal": causal, "softmax_scale": softmax_scale})
+        return q
+
+    monkeypatch.setattr(hf, "startrail_attention", fake)
+    module = torch.nn.Module()
+    module.is_causal = True
+    setattr(module, hf._SPEC_ATTR, SimpleNamespace(cp_size=4))
+    q = torch.zeros(1, 4, 8, 16)  # [b, hq, S/P, d]: the global sequence is 32
+    kv = torch.zeros(1, 2, 8, 16)
+    out, weights = hf.startrail_hf_attention(module, q, kv, kv, None, **kwargs)
+    assert weights is None and out.shape == (1, 8, 4, 16)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"sliding_window": 31}, r"sliding_window=31"),  # Mistral, Qwen2, Gemma2
+        ({"softcap": 50.0}, r"softcap=50\.0"),  # Gemma2
+        ({"s_aux": torch.zeros(4)}, r"s_aux"),  # GPT-OSS sinks
+        ({"sinks": torch.zeros(4)}, r"sinks"),
+        ({"position_bias": torch.zeros(1)}, r"position_bias"),
+        ({"dropout": 0.1}, r"dropout=0\.1"),
+    ],
+)
+def test_hf_attention_refuses_unsupported_arguments(monkeypatch, kwargs, match):
+    with pytest.raises(NotImplementedError, match=match):
+        _hf_call(monkeypatch, **kwargs)
+
+
+def test_hf_attention_accepts_unset_arguments(monkeypatch):
+    unset = dict(sliding_window=None, softcap=None, s_aux=None, sinks=None, position_bias=None)
+    assert _hf_call(monkeypatch, dropout=0.0, scaling=0.125, **unset) == [
+        {"causal": True, "softmax_scale": 0.125}
+    ]
+    # a window covering the whole global sequence masks nothing (transformers' FA skips it too)
+    assert _hf_call(monkeypatch, sliding_window=32) == [{"causal": True, "softmax_scale": None}]
