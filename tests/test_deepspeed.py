@@ -459,3 +459,54 @@ def test_hf_attention_accepts_unset_arguments(monkeypatch):
     ]
     # a window covering the whole global sequence masks nothing (transformers' FA skips it too)
     assert _hf_call(monkeypatch, sliding_window=32) == [{"causal": True, "softmax_scale": None}]
+
+
+# ---- the launcher under the deepspeed launcher, and hjson configs --------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, want, local_rank",
+    [
+        (["t.py", "--x", "1"], ["t.py", "--x", "1"], None),
+        (["--local_rank=2", "t.py", "--x"], ["t.py", "--local_rank=2", "--x"], 2),
+        (["--local_rank", "2", "t.py"], ["t.py", "--local_rank", "2"], 2),
+        (["--local-rank=1", "t.py", "--y"], ["t.py", "--local-rank=1", "--y"], 1),
+    ],
+)
+def test_launch_moves_local_rank_after_the_script(argv, want, local_rank):
+    from startrail_megatron.deepspeed import launch
+
+    assert launch.split_argv(argv) == (want, local_rank)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--local_rank=x", "t.py"], r"--local_rank=x"),
+        (["--local_rank"], r"--local_rank"),
+        (["--local_rank=0"], r"training script"),
+        (["--foo", "t.py"], r"training script"),
+    ],
+)
+def test_launch_argv_errors(argv, match):
+    from startrail_megatron.deepspeed import launch
+
+    with pytest.raises(ValueError, match=match):
+        launch.split_argv(argv)
+
+
+def test_launch_main_as_the_deepspeed_launcher_runs_it(tmp_path, monkeypatch):
+    # deepspeed --module startrail_megatron.deepspeed.launch t.py ... runs
+    # python -u -m startrail_megatron.deepspeed.launch --local_rank=N t.py ...
+    from startrail_megatron.deepspeed import launch
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("LOCAL_RANK")  # restored (removed) afterwards
+    out = tmp_path / "seen.json"
+    script = tmp_path / "t.py"
+    script.write_text(
+        "import json, os, sys\n"
+        f"json.dump([sys.argv, os.environ.get('LOCAL_RANK')], open({str(out)!r}, 'w'))\n"
+    )
+    launch.main(["--local_rank=1", str(script), "--a"])
+    assert json.loads(out.read_text()) == [[str(script), "--local_rank=1", "--a"], "1"]
