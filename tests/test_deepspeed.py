@@ -510,3 +510,20 @@ def test_launch_main_as_the_deepspeed_launcher_runs_it(tmp_path, monkeypatch):
     )
     launch.main(["--local_rank=1", str(script), "--a"])
     assert json.loads(out.read_text()) == [[str(script), "--local_rank=1", "--a"], "1"]
+
+
+def test_launch_reads_configs_as_deepspeed_does(tmp_path, monkeypatch):
+    pytest.importorskip("megatron.core")  # the launcher reads the config for Megatron's hooks
+    import startrail_megatron.megatron as stm
+    from startrail_megatron.deepspeed import launch
+
+    calls = []
+    monkeypatch.setattr(stm, "install", lambda c, placement: calls.append((c, placement)))
+    path = tmp_path / "ds.json"
+    path.write_text(
+        "{\n  // DeepSpeed reads its config with hjson: comments are allowed\n"
+        '  "train_batch_size": 1,\n'
+        '  "startrail": {"enabled": true, "sequence_parallel_size": 4, "team_size": 2}\n}\n'
+    )
+    assert launch._maybe_install_megatron_hooks(["--deepspeed_config", str(path)])
+    assert calls == [(2, "team")]

@@ -17,7 +17,6 @@ script returns.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import runpy
 import sys
@@ -97,10 +96,11 @@ def _maybe_install_megatron_hooks(args: list[str]) -> bool:
     path = _config_path(args)
     if path is None or importlib.util.find_spec("megatron.core") is None:
         return False
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config  # hjson, as DeepSpeed
+
     from .config import StarTrailConfig
 
-    with open(path) as f:
-        st = StarTrailConfig.from_ds_config(json.load(f))
+    st = StarTrailConfig.from_ds_config(load_ds_config(path))
     if st is None or not st.active:
         return False
     from startrail_megatron.megatron import install
