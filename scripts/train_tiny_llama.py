@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
@@ -40,6 +42,9 @@ def main() -> None:
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
+    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))
+    if get_accelerator().device_name() == "cuda" and local_rank >= 0:
+        get_accelerator().set_device(local_rank)  # one GPU per rank; CPU ranks skip this
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -55,7 +60,7 @@ def main() -> None:
     losses = []
     for step in range(args.steps):
         ids = torch.randint(0, cfg.vocab_size, (replicas * micro, args.seq), generator=g)
-        mine = ids[replica * micro : (replica + 1) * micro]
+        mine = ids[replica * micro : (replica + 1) * micro].to(engine.device)
         loss = engine(input_ids=mine, labels=mine).loss
         engine.backward(loss)
         engine.step()

@@ -330,3 +330,200 @@ def test_hpz_team_is_the_hierarchical_partition_group(p, placement):
     for rank, (_, _, info) in enumerate(results):
         assert info["hpz"] == info["team"], (rank, info)
         assert len(info["hpz"]) == 2 and rank in info["hpz"] and info["stage3_hpz"] == 2
+
+
+# ---- the CUDA device is set before the groups communicate -----------------------------------
+
+
+class _FakeAccelerator:
+    """The accelerator calls ``initialize`` makes, as on a CUDA (or CPU) machine."""
+
+    def __init__(self, name: str = "cuda", current: int = 0):
+        self.name, self.current, self.calls = name, current, []
+
+    def device_name(self, device_index=None):
+        return self.name if device_index is None else f"{self.name}:{device_index}"
+
+    def current_device(self):
+        return self.current
+
+    def set_device(self, index):
+        self.calls.append(index)
+        self.current = index
+
+    def communication_backend_name(self):
+        return "nccl" if self.name == "cuda" else "gloo"
+
+
+def test_initialize_sets_the_cuda_device_before_creating_groups(monkeypatch):
+    import deepspeed.accelerator
+    import deepspeed.comm
+    import torch.distributed as dist
+
+    fake = _FakeAccelerator()
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: fake)
+    monkeypatch.setattr(deepspeed.comm, "init_distributed", lambda **kwargs: None)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def create(config):  # StarTrailMPU.create: the first collective
+        seen.append(fake.current)
+        raise Stop
+
+    monkeypatch.setattr(sds.StarTrailMPU, "create", staticmethod(create))
+    model = tiny_llama()
+    with pytest.raises(Stop):
+        sds.initialize(
+            model=model, model_parameters=model.parameters(), config=make_cfg(1, 1, _st(4, 2))
+        )
+    assert seen == [3] and fake.calls == [3]
+
+
+@pytest.mark.parametrize(
+    "name, env, args, current, calls",
+    [
+        ("cpu", {"LOCAL_RANK": "3"}, None, 0, []),  # not CUDA: nothing
+        ("cuda", {"LOCAL_RANK": "3"}, None, 3, []),  # already set
+        ("cuda", {}, None, 0, []),  # no local rank known
+        ("cuda", {}, {"local_rank": 2}, 0, [2]),
+        ("cuda", {"OMPI_COMM_WORLD_LOCAL_RANK": "1"}, None, 0, [1]),
+        ("cuda", {"LOCAL_RANK": "1"}, {"local_rank": 1, "device_rank": 5}, 0, [5]),  # as the engine
+    ],
+)
+def test_set_local_device(monkeypatch, name, env, args, current, calls):
+    import argparse
+
+    import deepspeed.accelerator
+
+    from startrail_megatron.deepspeed import entry
+
+    fake = _FakeAccelerator(name, current)
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: fake)
+    for key in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    entry.set_local_device(None if args is None else argparse.Namespace(**args))
+    assert fake.calls == calls
+
+
+# ---- the HF attention function refuses what it would not compute -----------------------------
+
+
+def _hf_call(monkeypatch, **kwargs):
+    from types import SimpleNamespace
+
+    from startrail_megatron.deepspeed import hf
+
+    calls = []
+
+    def fake(q, k, v, groups, causal, softmax_scale):
+        calls.append({"causal": causal, "softmax_scale": softmax_scale})
+        return q
+
+    monkeypatch.setattr(hf, "startrail_attention", fake)
+    module = torch.nn.Module()
+    module.is_causal = True
+    setattr(module, hf._SPEC_ATTR, SimpleNamespace(cp_size=4))
+    q = torch.zeros(1, 4, 8, 16)  # [b, hq, S/P, d]: the global sequence is 32
+    kv = torch.zeros(1, 2, 8, 16)
+    out, weights = hf.startrail_hf_attention(module, q, kv, kv, None, **kwargs)
+    assert weights is None and out.shape == (1, 8, 4, 16)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"sliding_window": 31}, r"sliding_window=31"),  # Mistral, Qwen2, Gemma2
+        ({"softcap": 50.0}, r"softcap=50\.0"),  # Gemma2
+        ({"s_aux": torch.zeros(4)}, r"s_aux"),  # GPT-OSS sinks
+        ({"sinks": torch.zeros(4)}, r"sinks"),
+        ({"position_bias": torch.zeros(1)}, r"position_bias"),
+        ({"dropout": 0.1}, r"dropout=0\.1"),
+    ],
+)
+def test_hf_attention_refuses_unsupported_arguments(monkeypatch, kwargs, match):
+    with pytest.raises(NotImplementedError, match=match):
+        _hf_call(monkeypatch, **kwargs)
+
+
+def test_hf_attention_accepts_unset_arguments(monkeypatch):
+    unset = dict(sliding_window=None, softcap=None, s_aux=None, sinks=None, position_bias=None)
+    assert _hf_call(monkeypatch, dropout=0.0, scaling=0.125, **unset) == [
+        {"causal": True, "softmax_scale": 0.125}
+    ]
+    # a window covering the whole global sequence masks nothing (transformers' FA skips it too)
+    assert _hf_call(monkeypatch, sliding_window=32) == [{"causal": True, "softmax_scale": None}]
+
+
+# ---- the launcher under the deepspeed launcher, and hjson configs --------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, want, local_rank",
+    [
+        (["t.py", "--x", "1"], ["t.py", "--x", "1"], None),
+        (["--local_rank=2", "t.py", "--x"], ["t.py", "--local_rank=2", "--x"], 2),
+        (["--local_rank", "2", "t.py"], ["t.py", "--local_rank", "2"], 2),
+        (["--local-rank=1", "t.py", "--y"], ["t.py", "--local-rank=1", "--y"], 1),
+    ],
+)
+def test_launch_moves_local_rank_after_the_script(argv, want, local_rank):
+    from startrail_megatron.deepspeed import launch
+
+    assert launch.split_argv(argv) == (want, local_rank)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--local_rank=x", "t.py"], r"--local_rank=x"),
+        (["--local_rank"], r"--local_rank"),
+        (["--local_rank=0"], r"training script"),
+        (["--foo", "t.py"], r"training script"),
+    ],
+)
+def test_launch_argv_errors(argv, match):
+    from startrail_megatron.deepspeed import launch
+
+    with pytest.raises(ValueError, match=match):
+        launch.split_argv(argv)
+
+
+def test_launch_main_as_the_deepspeed_launcher_runs_it(tmp_path, monkeypatch):
+    # deepspeed --module startrail_megatron.deepspeed.launch t.py ... runs
+    # python -u -m startrail_megatron.deepspeed.launch --local_rank=N t.py ...
+    from startrail_megatron.deepspeed import launch
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("LOCAL_RANK")  # restored (removed) afterwards
+    out = tmp_path / "seen.json"
+    script = tmp_path / "t.py"
+    script.write_text(
+        "import json, os, sys\n"
+        f"json.dump([sys.argv, os.environ.get('LOCAL_RANK')], open({str(out)!r}, 'w'))\n"
+    )
+    launch.main(["--local_rank=1", str(script), "--a"])
+    assert json.loads(out.read_text()) == [[str(script), "--local_rank=1", "--a"], "1"]
+
+
+def test_launch_reads_configs_as_deepspeed_does(tmp_path, monkeypatch):
+    pytest.importorskip("megatron.core")  # the launcher reads the config for Megatron's hooks
+    import startrail_megatron.megatron as stm
+    from startrail_megatron.deepspeed import launch
+
+    calls = []
+    monkeypatch.setattr(stm, "install", lambda c, placement: calls.append((c, placement)))
+    path = tmp_path / "ds.json"
+    path.write_text(
+        "{\n  // DeepSpeed reads its config with hjson: comments are allowed\n"
+        '  "train_batch_size": 1,\n'
+        '  "startrail": {"enabled": true, "sequence_parallel_size": 4, "team_size": 2}\n}\n'
+    )
+    assert launch._maybe_install_megatron_hooks(["--deepspeed_config", str(path)])
+    assert calls == [(2, "team")]

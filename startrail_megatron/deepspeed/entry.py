@@ -6,7 +6,8 @@ with the arguments untouched. Otherwise, before DeepSpeed sees anything:
 
 1. validate the section (``ValueError`` naming ``startrail.<key>``) and the
    ZeRO settings it interacts with;
-2. create the groups (``StarTrailMPU``) and prepare the model
+2. set the CUDA device to the local rank (``set_local_device``), create the
+   groups (``StarTrailMPU``) and prepare the model
    (``prepare_hf_model``);
 3. call DeepSpeed with ``mpu=`` those groups and the config minus the section
    (plus ``zero_hpz_partition_size = C`` for ``zero_mapping: "hpz_team"``).
@@ -24,6 +25,7 @@ either path per bucket, so it is refused rather than trained wrong.
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
@@ -31,7 +33,7 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from .config import STARTRAIL_KEY, StarTrailConfig
 from .mpu import StarTrailMPU
 
-__all__ = ["initialize", "resolve_config"]
+__all__ = ["initialize", "resolve_config", "set_local_device"]
 
 
 def resolve_config(args: Any = None, config: Any = None, config_params: Any = None) -> dict | None:
@@ -50,6 +52,30 @@ def resolve_config(args: Any = None, config: Any = None, config_params: Any = No
     if config is None:
         return None
     return copy.deepcopy(config) if isinstance(config, dict) else load_ds_config(config)
+
+
+def set_local_device(args: Any = None) -> None:
+    """On CUDA, make this process's current device its local rank's, as DeepSpeed's engine
+    will (``_set_distributed_vars``: ``args.device_rank``, else ``LOCAL_RANK``).
+
+    ``deepspeed.comm.init_distributed`` binds the world group to ``cuda:LOCAL_RANK`` but
+    sets no device, and our group creation communicates before the engine exists: without
+    this every rank would stage its NCCL tensors on ``cuda:0``. Nothing happens on other
+    accelerators, without a known local rank, or when the device is already that one.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() != "cuda":
+        return
+    local = getattr(args, "device_rank", None)
+    if local is None:
+        env = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK"))
+        local = int(env) if env is not None else getattr(args, "local_rank", None)
+    if local is None or int(local) < 0:
+        return
+    if acc.current_device() != int(local):
+        acc.set_device(int(local))
 
 
 def _zero_settings(cfg: dict, st: StarTrailConfig) -> None:
@@ -185,6 +211,7 @@ def initialize(
         distributed_port=distributed_port,
         dist_init_required=dist_init_required,
     )
+    set_local_device(args)  # before our groups' first collectives (NCCL: the right GPU)
     import torch.distributed as dist
 
     st.check_world(dist.get_world_size())  # identical on every rank: fails before any group

@@ -9,6 +9,9 @@
    ``([b, s, hq, d], weights)``; we transpose to and from our
    ``[s, b, h, d]``. transformers builds no mask for an implementation it does
    not know, so none is materialised: causality comes from StarTrail.
+   ``dropout``, ``softcap``, attention sinks (``s_aux``/``sinks``),
+   ``position_bias`` and a ``sliding_window`` shorter than the global sequence
+   are refused (``NotImplementedError``); ``scaling`` is the softmax scale.
 2. Inputs (``shard_inputs=True``): a forward pre-hook takes the full-sequence
    batch the script passes (the same on every rank of a sequence group) and
    keeps this rank's zigzag shard (``shard_causal_lm_batch``): input_ids,
@@ -79,6 +82,7 @@ def startrail_hf_attention(
         )
     if dropout:
         raise NotImplementedError(f"attention dropout={dropout} is not supported by StarTrail")
+    _check_unsupported(query.shape[2] * groups.cp_size, kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = startrail_attention(
         query.permute(2, 0, 1, 3),  # [s, b, hq, d]
@@ -89,6 +93,36 @@ def startrail_hf_attention(
         softmax_scale=scaling,
     )  # [s, b, hq, d]
     return out.transpose(0, 1), None  # [b, s, hq, d]
+
+
+# Arguments transformers' attention functions take beyond plain (causal) softmax attention;
+# models pass them unset as None (e.g. Mistral's sliding_window when the config has none).
+_UNSUPPORTED = {
+    "softcap": "logit soft-capping (Gemma2)",
+    "s_aux": "attention sinks (GPT-OSS)",
+    "sinks": "attention sinks",
+    "position_bias": "an additive position bias",
+}
+
+
+def _check_unsupported(seq_len: int, kwargs: dict) -> None:
+    """Refuse what StarTrail would otherwise silently compute as plain attention."""
+    window = kwargs.get("sliding_window")
+    # A window covering the global sequence masks nothing (transformers' flash path skips it).
+    if window is not None and window < seq_len:
+        raise NotImplementedError(
+            f"sliding_window={window} (Mistral, Qwen2, Gemma2 ...) is not supported by StarTrail "
+            f"at global sequence length {seq_len}: only a window >= the sequence length (or "
+            "config.sliding_window=None / use_sliding_window=False) gives the same attention"
+        )
+    for name, what in _UNSUPPORTED.items():
+        value = kwargs.get(name)
+        if value is not None:
+            shown = f"a {tuple(value.shape)} tensor" if isinstance(value, Tensor) else repr(value)
+            raise NotImplementedError(
+                f"{name}={shown} ({what}) is not supported by StarTrail's attention; this model "
+                f"passes it, so it cannot use attn_implementation={ATTN_IMPLEMENTATION!r}"
+            )
 
 
 def shard_causal_lm_batch(
@@ -135,7 +169,8 @@ def _loss_normalizer(shift_labels: Tensor, mpu: StarTrailMPU) -> Tensor:
 
 def _check_same_batch(input_ids: Tensor, group: dist.ProcessGroup) -> None:
     """Every rank of a sequence group must pass the same full batch (one small all-reduce)."""
-    w = torch.arange(1, input_ids.numel() + 1, dtype=torch.float64).reshape(input_ids.shape)
+    w = torch.arange(1, input_ids.numel() + 1, dtype=torch.float64, device=input_ids.device)
+    w = w.reshape(input_ids.shape)
     h = (input_ids.to(torch.float64) * w).sum()
     t = torch.stack([h, -h])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)

@@ -2,8 +2,11 @@
 
     python -m startrail_megatron.deepspeed.launch train.py --deepspeed_config ds.json ...
 
-Works under ``torchrun`` / the ``deepspeed`` launcher as the module to run
-(``torchrun --nproc-per-node 4 -m startrail_megatron.deepspeed.launch train.py ...``).
+Works under ``torchrun`` and the ``deepspeed`` launcher as the module to run
+(``torchrun --nproc-per-node 4 -m startrail_megatron.deepspeed.launch train.py ...`` or
+``deepspeed --num_gpus 4 --module startrail_megatron.deepspeed.launch train.py ...``).
+The ``deepspeed`` launcher puts ``--local_rank=N`` before ``train.py``; it is moved after
+it (where the script's argparse expects it) and ``LOCAL_RANK`` is set if unset.
 The script runs as ``__main__`` with ``sys.argv = [train.py, ...]``; its
 ``deepspeed.initialize`` calls go through ``startrail_megatron.deepspeed.initialize``
 (``compat.patch``), so a config with an enabled ``"startrail"`` section gets
@@ -14,15 +17,45 @@ script returns.
 from __future__ import annotations
 
 import importlib.util
-import json
+import os
 import runpy
 import sys
 
 from . import compat
 
-__all__ = ["main"]
+__all__ = ["main", "split_argv"]
 
 USAGE = "usage: python -m startrail_megatron.deepspeed.launch SCRIPT.py [script args ...]"
+
+
+_LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], int | None]:
+    """``(script argv, local rank)`` from the launcher's arguments.
+
+    Leading ``--local_rank=N`` / ``--local_rank N`` (or ``--local-rank``), which the
+    ``deepspeed`` launcher inserts before the script in ``--module`` mode, are moved
+    after the script, spelled as given; the local rank is returned (``None`` if absent).
+    """
+    argv, moved, local_rank = list(argv), [], None
+    while argv and argv[0].split("=", 1)[0] in _LOCAL_RANK_FLAGS:
+        flag = argv.pop(0)
+        if "=" in flag:
+            taken, value = [flag], flag.split("=", 1)[1]
+        elif argv:
+            value = argv.pop(0)
+            taken = [flag, value]
+        else:
+            raise ValueError(f"{flag} needs a value; {USAGE}")
+        try:
+            local_rank = int(value)
+        except ValueError:
+            raise ValueError(f"{' '.join(taken)}: the local rank must be an integer") from None
+        moved += taken
+    if not argv or not argv[0].endswith(".py"):
+        raise ValueError(f"the first argument must be the training script (a .py file); {USAGE}")
+    return [argv[0], *moved, *argv[1:]], local_rank
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,9 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return
+    argv, local_rank = split_argv(argv)
+    if local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
     script = argv[0]
-    if not script.endswith(".py"):
-        raise ValueError(f"the first argument must be the training script (a .py file); {USAGE}")
     saved_argv = sys.argv
     sys.argv = argv
     megatron_hooks = _maybe_install_megatron_hooks(argv[1:])
@@ -62,10 +96,11 @@ def _maybe_install_megatron_hooks(args: list[str]) -> bool:
     path = _config_path(args)
     if path is None or importlib.util.find_spec("megatron.core") is None:
         return False
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config  # hjson, as DeepSpeed
+
     from .config import StarTrailConfig
 
-    with open(path) as f:
-        st = StarTrailConfig.from_ds_config(json.load(f))
+    st = StarTrailConfig.from_ds_config(load_ds_config(path))
     if st is None or not st.active:
         return False
     from startrail_megatron.megatron import install

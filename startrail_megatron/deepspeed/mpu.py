@@ -52,7 +52,10 @@ class StarTrailMPU:
 
     @classmethod
     def create(cls, config: StarTrailConfig) -> StarTrailMPU:
-        """Create every group (collective over the default world, same order on every rank)."""
+        """Create every group (collective over the default world, same order on every rank).
+
+        On CUDA the current device must already be this rank's (``initialize`` sets it,
+        ``entry.set_local_device``): the groups communicate once when created."""
         if not dist.is_initialized():
             raise RuntimeError("StarTrailMPU.create needs torch.distributed to be initialized")
         world, rank = dist.get_world_size(), dist.get_rank()
