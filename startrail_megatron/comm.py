@@ -20,7 +20,6 @@ all-to-alls; ``tap_all_to_all`` records them in the ledger.
 
 from __future__ import annotations
 
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -116,7 +115,9 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-# torch 2.13 renamed the flat collectives (the old names warn); one shim here.
+# torch 2.13 renamed the flat collectives (the old names warn); one shim here, so the
+# deprecated names are never called where the new ones exist (no warning filter per call:
+# ``warnings.catch_warnings`` is not thread-safe, and the backward runs on autograd's thread).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -137,9 +138,7 @@ class TeamComm:
             return x
         x = x.contiguous()
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            _all_gather(out, x, group=self.group)
+        _all_gather(out, x, group=self.group)
         if self.ledger is not None:
             self.ledger.record("collective", "all_gather", what, (self.size - 1) * _nbytes(x))
         return out
@@ -150,9 +149,7 @@ class TeamComm:
             return x
         x = x.contiguous()
         out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=self.group)
+        _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=self.group)
         if self.ledger is not None:
             self.ledger.record("collective", "reduce_scatter", what, (self.size - 1) * _nbytes(out))
         return out
