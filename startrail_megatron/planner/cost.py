@@ -514,7 +514,8 @@ def buffer_bytes(
     rows = _startrail_rows(lay, shape.causal, shape.s_local)
     g = lay.ring_size
     f = 4 * ukv * e + 2 * (uq + 2 * ukv) * e  # stack k,v; cat q with it
-    f += (2 * c * (uq + 2 * ukv) * e if reord else 0) + 2 * c * 2 * ukv * e  # reorder; KV copy
+    f += (2 * c * (uq + 2 * ukv) * e if reord else 0) + 2 * c * (uq + 2 * ukv) * e  # reorder;
+    # the q and K,V copies out of the gathered buffer
     f += c * uq * a  # output accumulator zeros
     if c > 1:
         f += 2 * c * uq * a + (2 * c * uq * a if reord else 0) + rs(c, uq)  # rescale, reorder
