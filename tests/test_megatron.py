@@ -263,29 +263,7 @@ def test_gpu_optimizer_clips_by_clip_grad(monkeypatch):
 
 def test_spec_rewrite_transformer_engine_spec_without_te(monkeypatch):
     """Megatron's TE spec built with stand-in TE classes (TE is absent here)."""
-    import megatron.core.models.gpt.gpt_layer_specs as specs
-    from megatron.core.models.backends import LocalSpecProvider
-
-    te_classes = {}
-
-    def stand_in(name):
-        return te_classes.setdefault(name, type(name, (torch.nn.Module,), {}))
-
-    class FakeTESpecProvider(LocalSpecProvider):
-        def column_parallel_layer_norm_linear(self):
-            return stand_in("TELayerNormColumnParallelLinear")
-
-        def core_attention(self):
-            return stand_in("TEDotProductAttention")
-
-        def row_parallel_linear(self):
-            return stand_in("TERowParallelLinear")
-
-        def fuse_layernorm_and_linear(self):
-            return True
-
-    monkeypatch.setattr(specs, "TESpecProvider", FakeTESpecProvider, raising=False)
-    monkeypatch.setattr(specs, "HAVE_TE", True, raising=False)
+    specs = _fake_te(monkeypatch)
     te_spec = specs.get_gpt_layer_with_transformer_engine_spec()
     attn = te_spec.submodules.self_attention.submodules
     assert attn.core_attention.__name__ == "TEDotProductAttention"
