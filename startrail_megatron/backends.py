@@ -1057,9 +1057,12 @@ class TEKernel:
         cu_q = _full_cu_seqlens(b, sq, q.device)
         cu_kv = _full_cu_seqlens(b, k.shape[0], q.device)
         dtype, _ = self._dtypes(q.dtype)
+        # A private generator keeps TE's (unused, dropout 0) Philox draw off the default
+        # one; under CUDA graph capture only the default generator is registered, so None.
+        gen = None if _capturing(q.device) else self._generator(q.device)
         kw = self.api.forward_kwargs(
             qc, kc, vc, cu_q, cu_kv, self._backend, dtype, causal=causal, scale=scale,
-            rng_gen=self._generator(q.device),
+            rng_gen=gen,
         )  # fmt: skip
         res = self._fwd(**kw)
         out, aux = res[0], res[1]  # (out, [stats, rng_state, ...]) in every version

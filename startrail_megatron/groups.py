@@ -40,10 +40,18 @@ def _new_group(ranks: list[int], timeout: timedelta | None, desc: str) -> dist.P
     return dist.new_group(ranks, timeout=timeout, group_desc=desc)
 
 
-def _warm_up_device(backend: str, cuda_available: bool) -> str:
+def _warm_up_device(
+    backend: str, cuda_available: bool, bound: torch.device | None = None, current: int = 0
+) -> str:
     """The device of the warm-up tensor for a group of ``backend`` (e.g. ``"nccl"``,
-    ``"gloo"``, ``"cpu:gloo,cuda:nccl"``): CUDA when the group has NCCL, else CPU."""
-    return "cuda" if cuda_available and "nccl" in backend else "cpu"
+    ``"gloo"``, ``"cpu:gloo,cuda:nccl"``): a CUDA device when the group has NCCL (the
+    group's bound device, from ``init_process_group(device_id=...)``, else the current
+    one), else the CPU."""
+    if not (cuda_available and "nccl" in backend):
+        return "cpu"
+    if bound is not None and bound.type == "cuda":
+        return str(bound)
+    return f"cuda:{current}"
 
 
 def _warm_up(group: dist.ProcessGroup | None) -> None:
@@ -54,9 +62,14 @@ def _warm_up(group: dist.ProcessGroup | None) -> None:
     of the CP group is the initial KV placement, which skips the ranks that keep their
     own KV. Doing this here also surfaces a broken communicator at setup, not mid-step.
     """
-    dev = _warm_up_device(dist.get_backend(group), torch.cuda.is_available())
-    if dev == "cuda":
-        dev = f"cuda:{torch.cuda.current_device()}"
+    cuda = torch.cuda.is_available()
+    pg = group if group is not None else dist.group.WORLD
+    dev = _warm_up_device(
+        dist.get_backend(group),
+        cuda,
+        getattr(pg, "bound_device_id", None),
+        torch.cuda.current_device() if cuda else 0,
+    )
     dist.all_reduce(torch.zeros(1, device=dev), group=group)
 
 
@@ -104,7 +117,9 @@ class StarTrailGroups:
         (one small all-gather) and then every rank creates every group of
         every CP group in the same order; each rank ends with one tiny
         all-reduce on each group it uses (the CP group's first operation must
-        involve all its ranks, which the initial KV placement does not).
+        involve all its ranks, which the initial KV placement does not). On
+        GPUs, set each rank's CUDA device first (``torch.cuda.set_device`` or
+        ``init_process_group(device_id=...)``), as NCCL requires anyway.
         ``timeout`` applies to the new groups (default: the process group
         default). The setting is checked before any communication.
         """

@@ -735,6 +735,30 @@ def test_te_arguments(te_install, version, causal):
         assert f["softmax_type"] == bw["softmax_type"] == "vanilla"
 
 
+def test_te_under_cuda_graph_capture(te_install, monkeypatch):
+    """While a CUDA graph is captured: cuda_graph=True, no private generator (only the
+    default one is registered with the graph), cu_seqlens not taken from the cache."""
+    te_install("2.18")
+    ker = bk.TEKernel()
+    seen = []
+
+    def fwd(**kw):
+        seen.append(kw)
+        sq, b, h, _ = kw["q"].shape
+        return kw["q"].clone(), [torch.zeros(b, h, sq, 1), torch.zeros(2, dtype=torch.int64)]
+
+    ker._fwd = fwd
+    x = torch.randn(4, 1, 2, 8, dtype=torch.float64)
+    ker.forward(x, x, x, causal=True, scale=1.0)  # not capturing
+    monkeypatch.setattr(bk, "_capturing", lambda device: True)
+    ker.forward(x, x, x, causal=True, scale=1.0)
+    free, captured = seen
+    assert isinstance(free["rng_gen"], torch.Generator) and free["cuda_graph"] is False
+    assert captured["rng_gen"] is None and captured["cuda_graph"] is True
+    assert captured["cu_seqlens_q"] is not free["cu_seqlens_q"]  # built anew, not cached
+    assert torch.equal(captured["cu_seqlens_q"], free["cu_seqlens_q"])
+
+
 def test_te_refuses_what_it_cannot_run(te_install):
     te_install("2.18", cpu=False)  # the production device and dtype checks
     ker = bk.TEKernel()

@@ -129,10 +129,14 @@ def test_group_timeout_raises():
 def test_warm_up_device_follows_the_backend():
     from startrail_megatron.groups import _warm_up_device
 
-    assert _warm_up_device("nccl", True) == "cuda"
-    assert _warm_up_device("cpu:gloo,cuda:nccl", True) == "cuda"
+    assert _warm_up_device("nccl", True) == "cuda:0"
+    assert _warm_up_device("cpu:gloo,cuda:nccl", True) == "cuda:0"
     assert _warm_up_device("gloo", True) == "cpu"
     assert _warm_up_device("nccl", False) == "cpu"
+    # the group's bound device (init_process_group(device_id=...)) first, else the current
+    assert _warm_up_device("nccl", True, torch.device("cuda:3"), 0) == "cuda:3"
+    assert _warm_up_device("nccl", True, None, 5) == "cuda:5"
+    assert _warm_up_device("gloo", True, torch.device("cuda:3"), 5) == "cpu"
 
 
 def _warm_up_calls(rank, world, team_size):

@@ -494,3 +494,33 @@ def test_team_size_auto_profiles_candidates_and_trains_exactly():
     for _, _, losses in res:
         for a, b in zip(losses, ref[0]):
             assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def _release(rank, world):
+    """release_startrail_groups forgets the state and destroys its team/sub-ring groups."""
+    from startrail_megatron.megatron import state
+
+    st_state = state.create_startrail_groups(None, 2)
+    team = st_state.groups.team_group
+    destroyed, real = [], torch.distributed.destroy_process_group
+    torch.distributed.destroy_process_group = lambda g=None: (destroyed.append(g), real(g))
+    try:
+        state.release_startrail_groups(None)
+        state.release_startrail_groups(None)  # nothing registered: no-op
+    finally:
+        torch.distributed.destroy_process_group = real
+    try:
+        state.get_startrail_state(None)
+        registered = True
+    except RuntimeError:
+        registered = False
+    usable = not (len(destroyed) == 1 and destroyed[0] is team)  # P = 4, C = 2: no sub-ring
+    again = state.create_startrail_groups(None, 2)  # and new groups work
+    out = torch.ones(1)
+    torch.distributed.all_reduce(out, group=again.groups.team_group)
+    state.release_startrail_groups(None)
+    return registered, usable, out.item()
+
+
+def test_release_startrail_groups():
+    assert run_ranks(4, _release) == [(False, False, 2.0)] * 4

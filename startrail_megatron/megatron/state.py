@@ -34,6 +34,7 @@ __all__ = [
     "create_startrail_groups",
     "get_startrail_state",
     "install",
+    "release_startrail_groups",
     "uninstall",
     "installed_config",
 ]
@@ -89,6 +90,19 @@ def get_startrail_state(cp_group) -> StarTrailMegatronState:
 
 def clear_startrail_groups() -> None:
     _STATES.clear()
+
+
+def release_startrail_groups(cp_group) -> None:
+    """Forget the StarTrail groups registered for ``cp_group`` and destroy their team and
+    sub-ring groups (their communicators); collective over ``cp_group``. Nothing when
+    none are registered."""
+    entry = _STATES.pop(_key(cp_group), None)
+    if entry is None:
+        return
+    groups = entry[1].groups
+    for g in (groups.team_group, groups.subring_group):
+        if g is not None:
+            dist.destroy_process_group(g)
 
 
 def installed_config() -> dict | None:

@@ -436,17 +436,11 @@ def _device() -> torch.device:
 
 
 def _release_groups(cp_group) -> None:
-    """Destroy the team and sub-ring groups registered for ``cp_group`` (an autotune
-    candidate's), so trying candidates does not keep every candidate's communicators."""
-    from .state import get_startrail_state
+    """Forget and destroy the groups registered for ``cp_group`` (an autotune candidate's),
+    so trying candidates does not keep every candidate's communicators."""
+    from .state import release_startrail_groups
 
-    try:
-        groups = get_startrail_state(cp_group).groups
-    except RuntimeError:  # none registered yet
-        return
-    for g in (groups.team_group, groups.subring_group):
-        if g is not None:
-            dist.destroy_process_group(g)
+    release_startrail_groups(cp_group)
 
 
 def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
