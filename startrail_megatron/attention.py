@@ -157,14 +157,17 @@ def _forward(q, k, v, groups, causal, scale, kernel, ledger, comms=None):
     hkv = k.shape[2]
     # 1. team all-gather of q, k, v as one flat message per rank.
     kv_local = torch.stack((k, v), dim=1)  # [s, 2, b, hkv, d]
-    packed = torch.cat((q.reshape(s, -1), kv_local.reshape(s, -1)), dim=1)  # [s, F]
-    packed = reorder_chunks(cx.team_comm.all_gather(packed, "qkv"), cx.perm)  # [n, F], chunk order
     n = C * s
-    # Both halves copied out of ``packed``: a view of q would keep the whole packed
-    # buffer (q and the K,V copy) alive for the backward.
-    q_team = packed[:, : b * hq * d].reshape(n, b, hq, d).contiguous()
-    kv_team = packed[:, b * hq * d :].contiguous().view(n, 2, b, hkv, d)
-    del packed
+    if C == 1:  # no team: the rank's own q and K,V (chunk order is the identity)
+        q_team, kv_team = q.contiguous(), kv_local
+    else:
+        packed = torch.cat((q.reshape(s, -1), kv_local.reshape(s, -1)), dim=1)  # [s, F]
+        packed = reorder_chunks(cx.team_comm.all_gather(packed, "qkv"), cx.perm)  # chunk order
+        # Both halves copied out of ``packed``: a view of q would keep the whole packed
+        # buffer (q and the K,V copy) alive for the backward.
+        q_team = packed[:, : b * hq * d].reshape(n, b, hq, d).contiguous()
+        kv_team = packed[:, b * hq * d :].contiguous().view(n, 2, b, hkv, d)
+        del packed
     # 2. initial KV placement.
     kv_cur = cx.initial_placement(kv_team).wait()
     # 3. G sub-ring steps; the next KV is in flight while this one computes.

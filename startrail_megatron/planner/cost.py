@@ -513,9 +513,10 @@ def buffer_bytes(
     reord = shape.causal and c > 1  # the team's [fronts, backs] order (identity for C = 1)
     rows = _startrail_rows(lay, shape.causal, shape.s_local)
     g = lay.ring_size
-    f = 4 * ukv * e + 2 * (uq + 2 * ukv) * e  # stack k,v; cat q with it
-    f += (2 * c * (uq + 2 * ukv) * e if reord else 0) + 2 * c * (uq + 2 * ukv) * e  # reorder;
-    # the q and K,V copies out of the gathered buffer
+    f = 4 * ukv * e  # stack k,v
+    if c > 1:  # cat q with it; reorder; the q and K,V copies out of the gathered buffer
+        f += 2 * (uq + 2 * ukv) * e + (2 * c * (uq + 2 * ukv) * e if reord else 0)
+        f += 2 * c * (uq + 2 * ukv) * e
     f += c * uq * a  # output accumulator zeros
     if c > 1:
         f += 2 * c * uq * a + (2 * c * uq * a if reord else 0) + rs(c, uq)  # rescale, reorder
