@@ -434,7 +434,7 @@ def test_fit_recovers_stream_bandwidths():
 
 # ---- the sub-ring steps as a pipeline, not a barrier per step -----------------------
 def test_ring_pipeline_by_hand():
-    from startrail_megatron.planner.cost import _ring_pipeline, _step
+    from startrail_megatron.planner.cost import _ring_pipeline
 
     ov = CLUSTER_PRESETS["h100-ib"]
     no = ov.with_(overlap=False)
@@ -442,7 +442,8 @@ def test_ring_pipeline_by_hand():
     for cl in (ov, no):
         for x in (0.5, 3.0):
             comp = [[2.0] * 4 for _ in range(3)]
-            expect = _step(cl, 2.0, x) * 2 + 2.0
+            step = max(2.0, x) if cl.overlap else 2.0 + x  # the per-step formula
+            expect = step * 2 + 2.0
             assert _ring_pipeline(cl, comp, [3, 0, 1, 2], x) == pytest.approx(expect)
             assert _ring_pipeline(cl, comp, [3, 0, 1, 2], x, x) == pytest.approx(expect)
     # rank 0 heavy at step 0, rank 1 at step 1: each pays its own sum (3), not 2 + 2

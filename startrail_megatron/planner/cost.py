@@ -385,10 +385,6 @@ def _kernel_time(
     return t
 
 
-def _step(cl: ClusterSpec, comp: float, comm: float) -> float:
-    return max(comp, comm) if cl.overlap else comp + comm
-
-
 def _ring_pipeline(
     cl: ClusterSpec,
     comp: list[list[float]],
@@ -412,7 +408,8 @@ def _ring_pipeline(
     (gloo's threads share the cores): each step but the last costs compute +
     ``max(x_kv, x_dkv)``, and a transfer is done once both its ends have posted it (its
     time is in their steps already). With equal compute everywhere the makespan is
-    exactly ``sum_s _step(compute_s, transfer_s)``.
+    exactly ``sum_s max(compute_s, transfer_s)`` with overlap, ``sum_s (compute_s +
+    transfer_s)`` without.
     """
     g, p = len(comp), len(comp[0])
     nxt = [0] * p
