@@ -435,14 +435,6 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _release_groups(cp_group) -> None:
-    """Forget and destroy the groups registered for ``cp_group`` (an autotune candidate's),
-    so trying candidates does not keep every candidate's communicators."""
-    from .state import release_startrail_groups
-
-    release_startrail_groups(cp_group)
-
-
 def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
     """``--startrail-team-size auto``: time each valid (C, placement), keep the fastest.
 
@@ -455,7 +447,7 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
     from megatron.core import parallel_state
 
     from ..planner.autotune import autotune, startrail_candidates
-    from .state import create_startrail_groups
+    from .state import create_startrail_groups, release_startrail_groups
 
     cp_group = parallel_state.get_context_parallel_group()
     sample = next(global_batches(args, build_dataset(args, args.global_batch_size)))
@@ -467,7 +459,7 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
             log(msg)
 
     def run_trial(cand) -> list[float]:
-        _release_groups(cp_group)  # the previous candidate's communicators
+        release_startrail_groups(cp_group)  # the previous candidate's communicators
         create_startrail_groups(cp_group, cand.team_size, cand.placement)
         times = []
         for i in range(args.startrail_autotune_iters + 1):
@@ -487,7 +479,7 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
         startrail_candidates(args.context_parallel_size), run_trial, log=say, catch=()
     )
     best = result.best
-    _release_groups(cp_group)
+    release_startrail_groups(cp_group)
     create_startrail_groups(cp_group, best.team_size, best.placement)
     args.startrail_team_size, args.startrail_placement = best.team_size, best.placement
     return lines
