@@ -72,7 +72,7 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 # Megatron flags (dest names of Megatron-LM core_r0.16.0 / megatron-core 0.16 TransformerConfig)
 # whose feature needs something from core_attention that StarTrailCoreAttention does not provide.
-_REFUSED_FLAGS = {
+REFUSED_FLAGS = {
     "qk_clip": "needs the per-head max attention logit (core_attention.current_max_attn_logits), "
     "which StarTrail attention does not compute",
     "log_max_attention_logit": "needs the per-head max attention logit "
@@ -139,7 +139,7 @@ def validate_startrail_args(args: argparse.Namespace, *, allow_auto: bool | None
             "--hierarchical-context-parallel-sizes is a Transformer Engine CP option; StarTrail "
             "uses --startrail-team-size instead"
         )
-    for flag, why in _REFUSED_FLAGS.items():
+    for flag, why in REFUSED_FLAGS.items():
         if getattr(args, flag, False):
             raise ValueError(
                 f"--{flag.replace('_', '-')} is not supported with --context-parallel-impl "

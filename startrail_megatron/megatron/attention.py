@@ -16,6 +16,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..attention import startrail_attention
+from .arguments import REFUSED_FLAGS
 from .compat import cp_group_from
 from .state import get_startrail_state
 
@@ -68,17 +69,12 @@ class StarTrailCoreAttention(MegatronModule):
             raise NotImplementedError(
                 f"StarTrail attention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
             )
-        for name in ("qk_clip", "log_max_attention_logit"):
+        for name, why in REFUSED_FLAGS.items():  # the flags argument validation refuses
             if getattr(config, name, False):
                 raise NotImplementedError(
                     f"StarTrail attention does not support {name} (--{name.replace('_', '-')}): "
-                    "it does not compute the max attention logit (current_max_attn_logits)"
+                    f"it {why}"
                 )
-        if getattr(config, "hybrid_context_parallel", False):
-            raise NotImplementedError(
-                "StarTrail attention does not support hybrid_context_parallel "
-                "(--hybrid-context-parallel)"
-            )
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         head_dim = config.kv_channels
