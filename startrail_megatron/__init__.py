@@ -20,7 +20,7 @@ from .comm import CommEvent, CommLedger
 from .groups import StarTrailGroups
 from .kernels import get_kernel, merge_partial
 from .layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
-from .sequence import zigzag_shard, zigzag_unshard
+from .zigzag import zigzag_shard, zigzag_unshard
 
 __version__ = "0.1.0"
 

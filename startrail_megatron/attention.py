@@ -2,7 +2,7 @@
 
 The schedule (teams, initial KV placement, sub-ring steps) is in
 ``layout.py``'s Note; which kernel calls a (Q team, KV team) block needs is
-in ``masking.py``'s Note. This module moves the tensors.
+in ``block_plan.py``'s Note. This module moves the tensors.
 
 Shapes (Megatron's layout): q ``[s, b, hq, d]``, k/v ``[s, b, hkv, d]`` with
 ``s`` the local tokens of this CP rank. ``n = C*s`` team tokens; team
@@ -41,12 +41,12 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .block_plan import BlockCall, plan_block
 from .comm import CommLedger, P2PComm, TeamComm
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
 from .layout import StarTrailLayout
-from .masking import BlockCall, plan_block
-from .sequence import inverse_order, reorder_chunks
+from .zigzag import inverse_order, reorder_chunks
 
 __all__ = ["startrail_attention", "validate_inputs"]
 

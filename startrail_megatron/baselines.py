@@ -48,7 +48,7 @@ from torch import Tensor
 from .attention import validate_inputs
 from .comm import CommLedger, TeamComm, tap_all_to_all
 from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
-from .sequence import inverse_order, reorder_chunks
+from .zigzag import inverse_order, reorder_chunks
 
 __all__ = [
     "allgather_attention",

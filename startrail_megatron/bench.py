@@ -47,10 +47,10 @@ from .attention import startrail_attention
 from .comm import CommLedger, P2PComm, TeamComm
 from .groups import StarTrailGroups
 from .kernels import get_kernel, merge_partial
-from .local_ranks import spawn_local_ranks
 from .planner.calibrate import fit_cluster
 from .planner.cost import AttnShape, Strategy, candidate_strategies, comm_bytes, predict
-from .sequence import zigzag_shard, zigzag_unshard
+from .spawn import spawn_local_ranks
+from .zigzag import zigzag_shard, zigzag_unshard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 

@@ -22,8 +22,8 @@ from .attention import startrail_attention
 from .comm import CommLedger
 from .groups import StarTrailGroups
 from .layout import StarTrailLayout
-from .local_ranks import spawn_local_ranks
-from .sequence import zigzag_shard, zigzag_unshard
+from .spawn import spawn_local_ranks
+from .zigzag import zigzag_shard, zigzag_unshard
 
 
 def _reference(q, k, v, dout, causal):

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .backends import BACKENDS, KernelQuery, build_kernel, unsupported_reason
 from .one_process import RankTimer, one_process_attention
-from .sequence import zigzag_shard, zigzag_unshard
+from .zigzag import zigzag_shard, zigzag_unshard
 
 __all__ = ["Sizes", "check_backend", "dense_reference", "main", "time_backend", "tolerance"]
 

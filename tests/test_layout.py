@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
+from startrail_megatron.block_plan import plan_block
 from startrail_megatron.layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
-from startrail_megatron.masking import plan_block
 
 ALL = [(p, c, pl) for p in range(1, 65) for c in valid_team_sizes(p) for pl in PLACEMENTS]
 

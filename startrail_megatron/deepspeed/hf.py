@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from ..attention import startrail_attention
 from ..groups import StarTrailGroups
-from ..sequence import zigzag_shard
+from ..zigzag import zigzag_shard
 from .mpu import StarTrailMPU
 
 __all__ = [

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..sequence import zigzag_shard, zigzag_unshard
+from ..zigzag import zigzag_shard, zigzag_unshard
 from .config import StarTrailConfig
 from .hf import _check_same_batch, _ScaleGrad
 from .mpu import StarTrailMPU

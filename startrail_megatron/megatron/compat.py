@@ -98,7 +98,7 @@ def _cpu_causal_mask(sq: int) -> torch.Tensor:
 
 
 def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
-    from ..sequence import zigzag_shard
+    from ..zigzag import zigzag_shard
 
     if cp_group is None:
         raise ValueError("cp_group must be provided to get positional embedding per CP rank")

@@ -656,7 +656,7 @@ def _train_rank(rank: int, world: int, args) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.nproc:
-        from ..local_ranks import spawn_local_ranks
+        from ..spawn import spawn_local_ranks
 
         _banner(args)
         spawn_local_ranks(

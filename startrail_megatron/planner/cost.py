@@ -4,7 +4,7 @@ Byte counts are never re-derived here: they come from
 ``StarTrailLayout.comm_bytes`` / ``p2p_sends`` (StarTrail, ring = C 1) and from
 ``baselines.allgather_comm_bytes`` / ``ulysses_comm_bytes``, the same
 functions the tests check against the ledger of real runs. Compute comes
-from the real kernel-call plans (``masking.plan_block`` on the StarTrail
+from the real kernel-call plans (``block_plan.plan_block`` on the StarTrail
 schedule, ``baselines.allgather_calls``), so causal balance and the
 diagonal blocks are counted exactly.
 
@@ -47,8 +47,8 @@ from ..baselines import (
     ulysses_comm_calls,
     ulysses_supported,
 )
+from ..block_plan import plan_block
 from ..layout import PLACEMENTS, Placement, StarTrailLayout, valid_team_sizes
-from ..masking import plan_block
 from .cluster import ClusterSpec, ModelSpec
 
 __all__ = [
