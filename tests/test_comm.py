@@ -11,7 +11,7 @@ import torch
 from harness import MultiRankError, run_ranks, shutdown
 
 import startrail_megatron as st
-from startrail_megatron import comm
+from startrail_megatron.comm import torch_dist as comm
 
 
 def _team_collectives(rank, world, shape_name):

@@ -1,119 +1,27 @@
-"""The one communication layer: team collectives, P2P exchanges, accounting.
+"""The transport over ``torch.distributed``: team collectives and P2P exchanges.
 
-Everything goes through ``torch.distributed`` by module attribute
-(``dist.batch_isend_irecv``, ``dist.all_gather_into_tensor``, ...) so outside
-tools that patch or trace those functions see every call. Collectives use the
-flat, concatenated tensor forms that both NCCL and gloo accept (gloo refuses
-a stacked all-gather output and PREMUL_SUM). Waiting on a handle never
-synchronizes the device: ``Work.wait()`` only orders streams on NCCL.
-
-Accounting: pass a ``CommLedger`` and every call is recorded: exact running
-totals per (phase, kind, op, tensor, peer), plus the last ``max_events``
-``CommEvent``s (a long training run keeps a ledger open: it must not grow).
-``nbytes`` is what *this rank sends*: the message size for a P2P send, and
-the ring-algorithm volume ``(n-1)/n`` of the full buffer for an all-gather or
-reduce-scatter over ``n`` ranks, ``(n-1)/n`` of the input for an all-to-all.
-Transfers to oneself are never made. One exception to "every call goes
-through here": DeepSpeed-Ulysses (``baselines.py``) runs DeepSpeed's own
+Implements the ``TeamCollectives`` and ``PeerExchange`` protocols
+(``protocols.py``) on process groups. Everything goes through
+``torch.distributed`` by module attribute (``dist.batch_isend_irecv``,
+``dist.all_gather_into_tensor``, ...) so outside tools that patch or trace
+those functions see every call. Collectives use the flat, concatenated tensor
+forms that both NCCL and gloo accept (gloo refuses a stacked all-gather output
+and PREMUL_SUM). Waiting on a handle never synchronizes the device:
+``Work.wait()`` only orders streams on NCCL. Every call is recorded in the
+``CommLedger`` given (``ledger.py``). One exception to "every call goes
+through here": DeepSpeed-Ulysses (the Ulysses peer) runs DeepSpeed's own
 all-to-alls; ``tap_all_to_all`` records them in the ledger.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Literal
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-Kind = Literal["p2p", "collective"]
+from .ledger import CommLedger, nbytes
 
-
-@dataclass(frozen=True)
-class CommEvent:
-    phase: str  # "fwd" or "bwd"
-    kind: Kind
-    op: str  # "send", "all_gather", "reduce_scatter", "all_to_all"
-    what: str  # which tensor: "kv", "dkv", "qkv", "lse", ...
-    nbytes: int
-    peer: int | None = None  # CP rank for P2P
-
-
-@dataclass
-class CommLedger:
-    """Per-rank record of every transfer the attention calls make.
-
-    Totals (``bytes``, ``calls``, ``summary``) are exact over everything recorded
-    since the last ``clear()``; ``events`` keeps the most recent ``max_events``
-    transfers in order (``None``: all of them), so a ledger left open for a whole
-    training run stays small.
-    """
-
-    max_events: int | None = 100_000
-    phase: str = "fwd"
-    events: deque[CommEvent] = field(init=False)
-    _totals: dict[tuple, list[int]] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.max_events is not None and self.max_events < 0:
-            raise ValueError(f"max_events={self.max_events} must be >= 0 or None")
-        self.events = deque(maxlen=self.max_events)
-        self._totals = {}
-
-    @classmethod
-    def from_events(cls, events, max_events: int | None = None) -> CommLedger:
-        """A ledger holding ``events`` (e.g. another rank's, sent back as a list)."""
-        led = cls(max_events=max_events)
-        for e in events:
-            led.phase = e.phase
-            led.record(e.kind, e.op, e.what, e.nbytes, e.peer)
-        led.phase = "fwd"
-        return led
-
-    def record(self, kind: Kind, op: str, what: str, nbytes: int, peer: int | None = None) -> None:
-        ev = CommEvent(self.phase, kind, op, what, int(nbytes), peer)
-        self.events.append(ev)
-        tot = self._totals.setdefault((ev.phase, kind, op, what, peer), [0, 0])
-        tot[0] += ev.nbytes
-        tot[1] += 1
-
-    def bytes(
-        self, kind: Kind | None = None, phase: str | None = None, what: str | None = None
-    ) -> int:
-        return sum(t[0] for t in self._select(kind, phase, what))
-
-    def calls(
-        self, kind: Kind | None = None, phase: str | None = None, what: str | None = None
-    ) -> int:
-        return sum(t[1] for t in self._select(kind, phase, what))
-
-    def _select(self, kind, phase, what) -> list[list[int]]:
-        return [
-            t
-            for (ph, k, _op, w, _peer), t in self._totals.items()
-            if (kind is None or k == kind)
-            and (phase is None or ph == phase)
-            and (what is None or w == what)
-        ]
-
-    def summary(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for ph in ("fwd", "bwd"):
-            for kind in ("p2p", "collective"):
-                out[f"{ph}_{kind}_bytes"] = self.bytes(kind, ph)
-                out[f"{ph}_{kind}_calls"] = self.calls(kind, ph)
-        return out
-
-    def clear(self) -> None:
-        self.events.clear()
-        self._totals.clear()
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
+__all__ = ["P2PComm", "P2PHandle", "TeamComm", "all_to_all_bytes", "tap_all_to_all"]
 
 # torch 2.13 renamed the flat collectives (the old names warn); one shim here, so the
 # deprecated names are never called where the new ones exist (no warning filter per call:
@@ -140,7 +48,7 @@ class TeamComm:
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
         _all_gather(out, x, group=self.group)
         if self.ledger is not None:
-            self.ledger.record("collective", "all_gather", what, (self.size - 1) * _nbytes(x))
+            self.ledger.record("collective", "all_gather", what, (self.size - 1) * nbytes(x))
         return out
 
     def reduce_scatter(self, x: Tensor, what: str) -> Tensor:
@@ -151,7 +59,7 @@ class TeamComm:
         out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
         _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=self.group)
         if self.ledger is not None:
-            self.ledger.record("collective", "reduce_scatter", what, (self.size - 1) * _nbytes(out))
+            self.ledger.record("collective", "reduce_scatter", what, (self.size - 1) * nbytes(out))
         return out
 
 
@@ -211,7 +119,7 @@ class P2PComm:
         ]
         works = dist.batch_isend_irecv(ops)
         if self.ledger is not None:
-            self.ledger.record("p2p", "send", what, _nbytes(send), dst)
+            self.ledger.record("p2p", "send", what, nbytes(send), dst)
         return P2PHandle(works, recv)
 
 
@@ -235,7 +143,7 @@ class _AllToAllTap(torch.autograd.Function):
 
 def all_to_all_bytes(x: Tensor, size: int) -> int:
     """Bytes a rank sends in an even all-to-all of ``x`` over ``size`` ranks: (size-1)/size."""
-    return (size - 1) * _nbytes(x) // size
+    return (size - 1) * nbytes(x) // size
 
 
 def tap_all_to_all(

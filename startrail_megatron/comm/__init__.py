@@ -1,0 +1,25 @@
+"""The one communication layer: the seam (protocols), its two transports, accounting.
+
+``protocols.py``   ``TeamCollectives``, ``PeerExchange``, ``Handle``: what the schedule needs.
+``torch_dist.py``  ``TeamComm``, ``P2PComm``: the transport over process groups (NCCL, gloo).
+``in_process.py``  every rank in one process (``one_process.py``'s transport).
+``ledger.py``      ``CommLedger``: bytes and calls of every transfer, per rank.
+"""
+
+from .ledger import CommEvent, CommLedger, nbytes
+from .protocols import Handle, PeerExchange, TeamCollectives
+from .torch_dist import P2PComm, P2PHandle, TeamComm, all_to_all_bytes, tap_all_to_all
+
+__all__ = [
+    "CommEvent",
+    "CommLedger",
+    "Handle",
+    "P2PComm",
+    "P2PHandle",
+    "PeerExchange",
+    "TeamCollectives",
+    "TeamComm",
+    "all_to_all_bytes",
+    "nbytes",
+    "tap_all_to_all",
+]

@@ -1,0 +1,61 @@
+"""The communication seam: what the StarTrail schedule needs from a transport.
+
+``attention.py`` runs one rank's forward and backward against two objects:
+
+* ``TeamCollectives`` over the C ranks of a team (the all-gather of q, k, v
+  and the reduce-scatter of the output and gradients); the all-gather-KV peer
+  uses the same interface over the whole CP group;
+* ``PeerExchange`` for the P2P steps (initial KV placement, sub-ring steps,
+  the dK/dV return), each an asynchronous exchange whose ``Handle.wait()``
+  returns the received tensor.
+
+Two transports implement them: ``torch_dist.py`` (process groups, NCCL or
+gloo) and ``in_process.py`` (every rank in one process, for the one-device
+check). The algorithm is the same code for both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from torch import Tensor
+
+__all__ = ["Handle", "PeerExchange", "TeamCollectives"]
+
+
+class Handle(Protocol):
+    """An exchange in flight."""
+
+    def wait(self) -> Tensor:
+        """The received tensor (once; a second call raises). Never synchronizes the device."""
+        ...
+
+
+class TeamCollectives(Protocol):
+    """Collectives over one group of ``size`` ranks, in member order."""
+
+    size: int
+
+    def all_gather(self, x: Tensor, what: str) -> Tensor:
+        """``[n, ...]`` on each member -> ``[size*n, ...]``, member order."""
+        ...
+
+    def reduce_scatter(self, x: Tensor, what: str) -> Tensor:
+        """``[size*n, ...]`` on each member -> this member's ``n`` rows of the sum."""
+        ...
+
+
+class PeerExchange(Protocol):
+    """Point-to-point exchanges between the CP ranks of one CP group."""
+
+    cp_rank: int
+
+    def exchange(self, send: Tensor, dst: int, src: int, what: str, group: Any = None) -> Handle:
+        """Send ``send`` to CP rank ``dst``, receive a tensor like it from ``src``.
+
+        ``group`` is a communicator holding both peers (a sub-ring), or ``None``
+        for the CP group. A self-exchange (``dst == src == cp_rank``) moves
+        nothing; ``dst == cp_rank`` without ``src == cp_rank`` (or the reverse)
+        is a ``ValueError``. Returns at once.
+        """
+        ...
