@@ -42,13 +42,19 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .block_plan import BlockCall, plan_block
-from .comm import CommLedger, P2PComm, TeamComm
+from .comm import CommLedger, P2PComm, PeerExchange, TeamCollectives, TeamComm
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
 from .layout import StarTrailLayout
 from .zigzag import inverse_order, reorder_chunks
 
-__all__ = ["startrail_attention", "validate_inputs"]
+__all__ = [
+    "RankContext",
+    "startrail_attention",
+    "startrail_rank_backward",
+    "startrail_rank_forward",
+    "validate_inputs",
+]
 
 
 def validate_inputs(q: Tensor, k: Tensor, v: Tensor, cp_size: int, causal: bool) -> None:
@@ -97,12 +103,13 @@ def _plan(
     return tuple(plan_block(layout.team_chunks(q_team), layout.team_chunks(kv_team), True))
 
 
-class _Ctx:
-    """Per-call state shared by the forward and backward of one rank.
+class RankContext:
+    """One rank's state for one attention call, shared by its forward and backward.
 
-    ``comms`` replaces the ``(TeamComm, P2PComm)`` pair built from ``groups``
-    with objects of the same interface (``one_process.py`` passes in-process
-    ones); the algorithm below is the same either way.
+    ``comms`` is the ``(TeamCollectives, PeerExchange)`` pair the schedule runs
+    on (``comm/protocols.py``); by default the ``torch.distributed`` transport
+    over ``groups`` (``TeamComm``, ``P2PComm``). ``one_process.py`` passes the
+    in-process transport instead; the algorithm below is the same either way.
     """
 
     def __init__(
@@ -110,7 +117,7 @@ class _Ctx:
         groups: StarTrailGroups,
         causal: bool,
         ledger: CommLedger | None,
-        comms: tuple[TeamComm, P2PComm] | None = None,
+        comms: tuple[TeamCollectives, PeerExchange] | None = None,
     ):
         lay = groups.layout
         self.layout, self.causal, self.ledger = lay, causal, ledger
@@ -150,9 +157,15 @@ class _Ctx:
         )
 
 
-def _forward(q, k, v, groups, causal, scale, kernel, ledger, comms=None):
-    cx = _Ctx(groups, causal, ledger, comms)
-    lay, C = cx.layout, groups.layout.team_size
+def startrail_rank_forward(
+    q: Tensor, k: Tensor, v: Tensor, cx: RankContext, scale: float, kernel: AttentionKernel
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """One rank's forward: (out ``[s, b, hq, d]`` in q's dtype, what the backward needs).
+
+    The saved tuple is (q_team, kv_team, lse_team): the team's queries and K,V in
+    chunk order and the rows' merged log-sum-exp.
+    """
+    lay, C = cx.layout, cx.layout.team_size
     s, b, hq, d = q.shape
     hkv = k.shape[2]
     # 1. team all-gather of q, k, v as one flat message per rank.
@@ -196,7 +209,7 @@ def _forward(q, k, v, groups, causal, scale, kernel, ledger, comms=None):
         lse_team = acc_lse
         out = reorder_chunks(acc_out, cx.inv_perm)
     out = out.to(q.dtype)
-    return out, (q_team, kv_team, lse_team), cx
+    return out, (q_team, kv_team, lse_team)
 
 
 def _delta_out(dout: Tensor, delta: Tensor) -> Tensor:
@@ -215,7 +228,19 @@ def _delta_out(dout: Tensor, delta: Tensor) -> Tensor:
     return (do * scale.unsqueeze(-1)).to(dout.dtype)
 
 
-def _backward(dout, out, saved, cx: _Ctx, scale, kernel):
+def startrail_rank_backward(
+    dout: Tensor,
+    out: Tensor,
+    saved: tuple[Tensor, Tensor, Tensor],
+    cx: RankContext,
+    scale: float,
+    kernel: AttentionKernel,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One rank's backward: dq, dk, dv of its local rows, in dout's dtype.
+
+    ``out`` is this rank's forward output and ``saved`` what
+    ``startrail_rank_forward`` returned with it, on the same ``cx``.
+    """
     q_team, kv_team, lse_team = saved
     lay, C = cx.layout, cx.layout.team_size
     s, b, hq, d = dout.shape
@@ -277,7 +302,8 @@ class _StarTrailAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, groups, causal, scale, kernel, ledger):
         if ledger is not None:
             ledger.phase = "fwd"
-        out, saved, cx = _forward(q, k, v, groups, causal, scale, kernel, ledger)
+        cx = RankContext(groups, causal, ledger)
+        out, saved = startrail_rank_forward(q, k, v, cx, scale, kernel)
         ctx.save_for_backward(out, *saved)
         ctx.cx, ctx.scale, ctx.kernel, ctx.ledger = cx, scale, kernel, ledger
         return out
@@ -288,7 +314,7 @@ class _StarTrailAttention(torch.autograd.Function):
         out, q_team, kv_team, lse_team = ctx.saved_tensors
         if ctx.ledger is not None:
             ctx.ledger.phase = "bwd"
-        dq, dk, dv = _backward(
+        dq, dk, dv = startrail_rank_backward(
             dout.contiguous(), out, (q_team, kv_team, lse_team), ctx.cx, ctx.scale, ctx.kernel
         )
         return dq, dk, dv, None, None, None, None, None

@@ -1,39 +1,26 @@
-"""All CP ranks in one process: the StarTrail schedule on one device, comm as tensor moves.
+"""All CP ranks in one process: the StarTrail schedule on one device, no torch.distributed.
 
 ``one_process_attention(q_shards, k_shards, v_shards, team_size)`` runs every
 rank's forward (and, through autograd, backward) of ``attention.py`` on one
-device, in one process, with no ``torch.distributed``: the team collectives
-and sub-ring P2P exchanges become tensor copies between the ranks. It exists
-to check and time the full algorithm with GPU kernels on one GPU
-(``scripts/gpu_check.sh``), and outputs are bitwise those of a real
-multi-rank run (``tests/test_one_process.py`` compares with gloo ranks).
+device, in one process: the team collectives and sub-ring P2P exchanges are
+the in-process transport (``comm/in_process.py``: tensor copies between ranks
+run as cooperative threads, one at a time). It exists to check and time the
+full algorithm with GPU kernels on one GPU (``scripts/gpu_check.sh``), and
+outputs are bitwise those of a real multi-rank run
+(``tests/test_one_process.py`` compares with gloo ranks).
 
-Design: the algorithm is not duplicated. ``attention._forward`` /
-``_backward`` run unchanged for each rank; only the two comm objects are
-injected (``_Ctx(..., comms=...)``). Each rank runs in its own Python thread,
-but the threads are coroutines: a driver hands a baton to one rank at a
-time, in rank order, and a rank gives it back only when it must wait for a
-message or a collective its peers have not posted yet. So exactly one rank
-executes at any moment, the order is deterministic, and a rank's compute can
-be timed by the segments it holds the baton outside communication
-(``RankTimer``). Why threads rather than rewriting the schedule as generators:
-the per-rank code keeps its straight-line form, shared with the multi-rank
-path. The autograd graph is one node over all ranks (``_OneProcess``), so the
-engine's per-device backward thread never blocks on a peer.
-
-Messages: the k-th send from rank a to rank b is the k-th receive b posted
-from a (MPI/NCCL ordering); a sent tensor is cloned, as a receive buffer
-would be. Collectives gather the members' posts in member order. The
-reduce-scatter adds the members' parts in the order gloo's ring algorithm
-does (member m: m-1, m-2, ..., m last; measured on torch 2.13 for C = 3, 4),
-so results are bitwise gloo's for every C; for C <= 2 any order is, since
-a + b == b + a. NCCL may add in another order (ring or tree): against NCCL
-ranks, C > 2 can differ in the last bit of the fp32 sums.
+Design: the algorithm is not duplicated. The public per-rank
+``startrail_rank_forward`` / ``startrail_rank_backward`` run unchanged for each
+rank; only the two comm objects of its ``RankContext`` differ. A rank's compute
+is timed by the segments it runs outside communication (``RankTimer``). Why
+threads rather than rewriting the schedule as generators: the per-rank code
+keeps its straight-line form, shared with the multi-rank path. The autograd
+graph is one node over all ranks (``_OneProcess``), so the engine's per-device
+backward thread never blocks on a peer.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,8 +29,14 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .attention import _backward, _forward, validate_inputs
-from .comm import CommLedger, _nbytes
+from .attention import (
+    RankContext,
+    startrail_rank_backward,
+    startrail_rank_forward,
+    validate_inputs,
+)
+from .comm import CommLedger
+from .comm.in_process import Baton, InProcessP2P, InProcessTeam, InProcessWorld
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, get_kernel
 from .layout import Placement, StarTrailLayout
@@ -91,221 +84,6 @@ class RankTimer:
         self._segments = [[] for _ in range(self.world_size)]
 
 
-class _Aborted(BaseException):
-    """Raised in a rank thread when the driver stops the run (a peer failed)."""
-
-
-class _Baton:
-    """Runs one callable per rank as cooperative threads: one at a time, rank order."""
-
-    def __init__(self, world_size: int, device: torch.device, timer: RankTimer | None):
-        self.n, self.device, self.timer = world_size, device, timer
-        self._go = [threading.Semaphore(0) for _ in range(world_size)]
-        self._parked = threading.Semaphore(0)
-        self._aborting = False
-        self.progress = 0
-
-    def _pause(self, rank: int) -> None:
-        if self.timer is not None:
-            self.timer.pause(rank)
-
-    def _resume(self, rank: int) -> None:
-        if self.timer is not None:
-            self.timer.resume(rank)
-
-    def wait_until(self, rank: int, ready: Callable[[], bool]) -> None:
-        """Called by rank ``rank`` (not timed): hand the baton back until ``ready()``."""
-        while not ready():
-            self._parked.release()
-            self._go[rank].acquire()
-            if self._aborting:
-                raise _Aborted
-        self.progress += 1
-
-    def run(self, fns: Sequence[Callable[[], Any]]) -> list[Any]:
-        n = self.n
-        results: list[Any] = [None] * n
-        done = [False] * n
-        errors: dict[int, BaseException] = {}
-        threads_per_op = torch.get_num_threads()
-
-        def body(r: int) -> None:
-            self._go[r].acquire()
-            try:
-                if self._aborting:
-                    return
-                torch.set_num_threads(threads_per_op)  # OpenMP settings are per thread
-                if self.device.type == "cuda":
-                    torch.cuda.set_device(self.device)
-                with torch.no_grad():  # grad mode is per thread; the graph is _OneProcess
-                    self._resume(r)
-                    try:
-                        results[r] = fns[r]()
-                    finally:
-                        self._pause(r)
-            except _Aborted:
-                pass
-            except BaseException as e:  # re-raised by the driver
-                errors[r] = e
-            finally:
-                done[r] = True
-                self.progress += 1
-                self._parked.release()
-
-        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
-        for t in threads:
-            t.start()
-        deadlock = False
-        while not all(done) and not errors:
-            before = self.progress
-            for r in range(n):
-                if done[r]:
-                    continue
-                self._go[r].release()
-                self._parked.acquire()
-                if errors:
-                    break
-            if not errors and self.progress == before:
-                deadlock = True
-                break
-        waiting = [r for r in range(n) if not done[r]]
-        if errors or deadlock:
-            self._aborting = True
-            for r in range(n):
-                if not done[r]:
-                    self._go[r].release()
-                    self._parked.acquire()
-        for t in threads:
-            t.join()
-        if errors:
-            r = min(errors)
-            raise RuntimeError(f"one-process StarTrail: rank {r} failed") from errors[r]
-        if deadlock:
-            raise RuntimeError(
-                "one-process StarTrail: every unfinished rank waits for a message or collective "
-                "no rank will post (deadlock); waiting ranks: "
-                f"{waiting}"
-            )
-        return results
-
-
-class _World:
-    """Mailboxes and collective slots shared by the ranks of one call."""
-
-    def __init__(self, layout: StarTrailLayout):
-        self.layout = layout
-        self.baton: _Baton | None = None
-        self.mail: dict[tuple[int, int, int], Tensor] = {}
-        self.slots: dict[tuple[int, int], dict[int, Tensor]] = {}
-        self.reads: dict[tuple[int, int], int] = {}
-
-
-class _LocalHandle:
-    def __init__(self, world: _World, key: tuple[int, int, int] | None, value: Tensor | None):
-        self._world, self._key, self._value, self._done = world, key, value, False
-
-    def wait(self) -> Tensor:
-        if self._done:
-            raise RuntimeError("P2PHandle.wait() called twice")
-        self._done = True
-        if self._key is None:  # a self-exchange
-            return self._value
-        w, key = self._world, self._key
-        w.baton._pause(key[1])
-        try:
-            w.baton.wait_until(key[1], lambda: key in w.mail)
-        finally:
-            w.baton._resume(key[1])
-        got = w.mail.pop(key)
-        if got.shape != self._value.shape or got.dtype != self._value.dtype:
-            raise RuntimeError(
-                f"rank {key[1]} expected {tuple(self._value.shape)} {self._value.dtype} from rank "
-                f"{key[0]}, got {tuple(got.shape)} {got.dtype}"
-            )
-        return got
-
-
-class _LocalP2P:
-    """``P2PComm``'s interface in one process: a send is a clone into a mailbox."""
-
-    def __init__(self, world: _World, cp_rank: int, ledger: CommLedger | None):
-        self.world, self.cp_rank, self.ledger = world, cp_rank, ledger
-        self._sent: dict[int, int] = {}
-        self._received: dict[int, int] = {}
-
-    def exchange(self, send: Tensor, dst: int, src: int, what: str, group: Any = None):
-        me = self.cp_rank
-        if (dst == me) != (src == me):
-            raise ValueError(
-                f"P2P exchange on CP rank {me}: dst={dst}, src={src}; a self-send "
-                "must also be a self-receive"
-            )
-        if dst == me:
-            return _LocalHandle(self.world, None, send)
-        n_out, n_in = self._sent.get(dst, 0), self._received.get(src, 0)
-        self._sent[dst], self._received[src] = n_out + 1, n_in + 1
-        self.world.baton._pause(me)
-        self.world.mail[(me, dst, n_out)] = send.detach().clone()
-        self.world.baton.progress += 1
-        self.world.baton._resume(me)
-        if self.ledger is not None:
-            self.ledger.record("p2p", "send", what, _nbytes(send), dst)
-        return _LocalHandle(self.world, (src, me, n_in), send)
-
-
-class _LocalTeam:
-    """``TeamComm``'s interface in one process: members' posts gathered in member order."""
-
-    def __init__(self, world: _World, cp_rank: int, ledger: CommLedger | None):
-        lay = world.layout
-        self.world, self.rank, self.ledger = world, cp_rank, ledger
-        self.size = lay.team_size
-        self.team, self.member = lay.coord(cp_rank)
-        self._calls = 0
-
-    def _exchange(self, x: Tensor) -> list[Tensor]:
-        w, key = self.world, (self.team, self._calls)
-        self._calls += 1
-        w.baton._pause(self.rank)
-        try:
-            slot = w.slots.setdefault(key, {})
-            slot[self.member] = x.detach().clone()
-            w.baton.progress += 1
-            w.baton.wait_until(self.rank, lambda: len(slot) == self.size)
-            posts = [slot[m] for m in range(self.size)]
-            w.reads[key] = w.reads.get(key, 0) + 1
-            if w.reads[key] == self.size:
-                del w.slots[key], w.reads[key]
-        finally:
-            w.baton._resume(self.rank)
-        return posts
-
-    def all_gather(self, x: Tensor, what: str) -> Tensor:
-        if self.size == 1:
-            return x
-        x = x.contiguous()
-        out = torch.cat(self._exchange(x), dim=0)
-        if self.ledger is not None:
-            self.ledger.record("collective", "all_gather", what, (self.size - 1) * _nbytes(x))
-        return out
-
-    def reduce_scatter(self, x: Tensor, what: str) -> Tensor:
-        if self.size == 1:
-            return x
-        x = x.contiguous()
-        posts = self._exchange(x)
-        c, m = self.size, self.member
-        # gloo's ring reduce-scatter order (measured for C = 3, 4): start at member
-        # m-1, go down, add member m's own part last. Any order is exact for C <= 2.
-        order = [(m - 1 - i) % c for i in range(c)]
-        out = posts[order[0]].chunk(c, dim=0)[m].clone()
-        for j in order[1:]:
-            out += posts[j].chunk(c, dim=0)[m]
-        if self.ledger is not None:
-            self.ledger.record("collective", "reduce_scatter", what, (self.size - 1) * _nbytes(out))
-        return out
-
-
 class _OneProcess(torch.autograd.Function):
     """One autograd node for all ranks: forward and backward each run every rank."""
 
@@ -313,8 +91,8 @@ class _OneProcess(torch.autograd.Function):
     def forward(ctx, run: dict, *tensors):
         p = run["layout"].cp_size
         qs, ks, vs = tensors[:p], tensors[p : 2 * p], tensors[2 * p :]
-        world = _World(run["layout"])
-        world.baton = _Baton(p, qs[0].device, run["timer"])
+        world = InProcessWorld(run["layout"])
+        world.baton = Baton(p, qs[0].device, run["timer"])
         ledgers = run["ledgers"]
         cxs: list[Any] = [None] * p
 
@@ -324,18 +102,12 @@ class _OneProcess(torch.autograd.Function):
                 led = ledgers[r]
                 if led is not None:
                     led.phase = "fwd"
-                comms = (_LocalTeam(world, r, led), _LocalP2P(world, r, led))
-                return _forward(
-                    qs[r],
-                    ks[r],
-                    vs[r],
-                    groups,
-                    run["causal"],
-                    run["scale"],
-                    run["kernel"],
-                    led,
-                    comms,
+                comms = (InProcessTeam(world, r, led), InProcessP2P(world, r, led))
+                cx = RankContext(groups, run["causal"], led, comms)
+                out, saved = startrail_rank_forward(
+                    qs[r], ks[r], vs[r], cx, run["scale"], run["kernel"]
                 )
+                return out, saved, cx
 
             return fn
 
@@ -354,7 +126,7 @@ class _OneProcess(torch.autograd.Function):
         run, cxs, world = ctx.run, ctx.cxs, ctx.world
         p = run["layout"].cp_size
         saved = ctx.saved_tensors
-        world.baton = _Baton(p, douts[0].device, run["timer"])
+        world.baton = Baton(p, douts[0].device, run["timer"])
 
         def rank_fn(r: int) -> Callable[[], Any]:
             def fn():
@@ -362,7 +134,7 @@ class _OneProcess(torch.autograd.Function):
                 led = run["ledgers"][r]
                 if led is not None:
                     led.phase = "bwd"
-                return _backward(
+                return startrail_rank_backward(
                     douts[r].contiguous(),
                     out,
                     (q_team, kv_team, lse_team),

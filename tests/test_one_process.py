@@ -130,13 +130,13 @@ def test_one_process_errors():
 
 
 def test_a_wait_nobody_can_satisfy_is_reported_as_deadlock():
-    from startrail_megatron.one_process import _Baton
+    from startrail_megatron.comm.in_process import Baton
 
-    baton = _Baton(3, torch.device("cpu"), None)
+    baton = Baton(3, torch.device("cpu"), None)
     never = [lambda: baton.wait_until(0, lambda: False), lambda: 1, lambda: 2]
     with pytest.raises(RuntimeError, match=r"deadlock\); waiting ranks: \[0\]"):
         baton.run(never)
-    assert _Baton(2, torch.device("cpu"), None).run([lambda: 5, lambda: 6]) == [5, 6]
+    assert Baton(2, torch.device("cpu"), None).run([lambda: 5, lambda: 6]) == [5, 6]
 
 
 def test_saved_tensors_own_their_storage_and_no_double_backward():

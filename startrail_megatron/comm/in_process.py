@@ -1,0 +1,270 @@
+"""Every CP rank in one process: the in-process transport of the communication seam.
+
+``InProcessTeam`` and ``InProcessP2P`` implement ``TeamCollectives`` and
+``PeerExchange`` (``protocols.py``) between ranks that run as cooperative
+threads of one process (``Baton``), so ``one_process.py`` can run the
+unchanged per-rank schedule of ``attention.py`` for all ranks on one device.
+
+Scheduling: each rank runs in its own Python thread, but the threads are
+coroutines: ``Baton.run`` hands a baton to one rank at a time, in rank order,
+and a rank gives it back only when it must wait for a message or a collective
+its peers have not posted yet. So exactly one rank executes at any moment, the
+order is deterministic, and a rank's compute can be timed by the segments it
+holds the baton outside communication (the ``timer``'s ``pause``/``resume``).
+
+Messages: the k-th send from rank a to rank b is the k-th receive b posted
+from a (MPI/NCCL ordering); a sent tensor is cloned, as a receive buffer
+would be. Collectives gather the members' posts in member order. The
+reduce-scatter adds the members' parts in the order gloo's ring algorithm
+does (member m: m-1, m-2, ..., m last; measured on torch 2.13 for C = 3, 4),
+so results are bitwise gloo's for every C; for C <= 2 any order is, since
+a + b == b + a. NCCL may add in another order (ring or tree): against NCCL
+ranks, C > 2 can differ in the last bit of the fp32 sums.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from ..layout import StarTrailLayout
+from .ledger import CommLedger, nbytes
+
+__all__ = [
+    "Aborted",
+    "Baton",
+    "InProcessHandle",
+    "InProcessP2P",
+    "InProcessTeam",
+    "InProcessWorld",
+    "SegmentTimer",
+]
+
+
+class SegmentTimer(Protocol):
+    """What the baton tells a timer: a rank starts or stops computing."""
+
+    def resume(self, rank: int) -> None: ...
+
+    def pause(self, rank: int) -> None: ...
+
+
+class Aborted(BaseException):
+    """Raised in a rank thread when the driver stops the run (a peer failed)."""
+
+
+class Baton:
+    """Runs one callable per rank as cooperative threads: one at a time, rank order."""
+
+    def __init__(self, world_size: int, device: torch.device, timer: SegmentTimer | None):
+        self.n, self.device, self.timer = world_size, device, timer
+        self._go = [threading.Semaphore(0) for _ in range(world_size)]
+        self._parked = threading.Semaphore(0)
+        self._aborting = False
+        self.progress = 0
+
+    def pause_timer(self, rank: int) -> None:
+        if self.timer is not None:
+            self.timer.pause(rank)
+
+    def resume_timer(self, rank: int) -> None:
+        if self.timer is not None:
+            self.timer.resume(rank)
+
+    def wait_until(self, rank: int, ready: Callable[[], bool]) -> None:
+        """Called by rank ``rank`` (not timed): hand the baton back until ``ready()``."""
+        while not ready():
+            self._parked.release()
+            self._go[rank].acquire()
+            if self._aborting:
+                raise Aborted
+        self.progress += 1
+
+    def run(self, fns: Sequence[Callable[[], Any]]) -> list[Any]:
+        n = self.n
+        results: list[Any] = [None] * n
+        done = [False] * n
+        errors: dict[int, BaseException] = {}
+        threads_per_op = torch.get_num_threads()
+
+        def body(r: int) -> None:
+            self._go[r].acquire()
+            try:
+                if self._aborting:
+                    return
+                torch.set_num_threads(threads_per_op)  # OpenMP settings are per thread
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)
+                with torch.no_grad():  # grad mode is per thread; the graph is _OneProcess
+                    self.resume_timer(r)
+                    try:
+                        results[r] = fns[r]()
+                    finally:
+                        self.pause_timer(r)
+            except Aborted:
+                pass
+            except BaseException as e:  # re-raised by the driver
+                errors[r] = e
+            finally:
+                done[r] = True
+                self.progress += 1
+                self._parked.release()
+
+        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+        for t in threads:
+            t.start()
+        deadlock = False
+        while not all(done) and not errors:
+            before = self.progress
+            for r in range(n):
+                if done[r]:
+                    continue
+                self._go[r].release()
+                self._parked.acquire()
+                if errors:
+                    break
+            if not errors and self.progress == before:
+                deadlock = True
+                break
+        waiting = [r for r in range(n) if not done[r]]
+        if errors or deadlock:
+            self._aborting = True
+            for r in range(n):
+                if not done[r]:
+                    self._go[r].release()
+                    self._parked.acquire()
+        for t in threads:
+            t.join()
+        if errors:
+            r = min(errors)
+            raise RuntimeError(f"one-process StarTrail: rank {r} failed") from errors[r]
+        if deadlock:
+            raise RuntimeError(
+                "one-process StarTrail: every unfinished rank waits for a message or collective "
+                "no rank will post (deadlock); waiting ranks: "
+                f"{waiting}"
+            )
+        return results
+
+
+class InProcessWorld:
+    """Mailboxes and collective slots shared by the ranks of one call."""
+
+    def __init__(self, layout: StarTrailLayout):
+        self.layout = layout
+        self.baton: Baton | None = None
+        self.mail: dict[tuple[int, int, int], Tensor] = {}
+        self.slots: dict[tuple[int, int], dict[int, Tensor]] = {}
+        self.reads: dict[tuple[int, int], int] = {}
+
+
+class InProcessHandle:
+    def __init__(
+        self, world: InProcessWorld, key: tuple[int, int, int] | None, value: Tensor | None
+    ):
+        self._world, self._key, self._value, self._done = world, key, value, False
+
+    def wait(self) -> Tensor:
+        if self._done:
+            raise RuntimeError("P2PHandle.wait() called twice")
+        self._done = True
+        if self._key is None:  # a self-exchange
+            return self._value
+        w, key = self._world, self._key
+        w.baton.pause_timer(key[1])
+        try:
+            w.baton.wait_until(key[1], lambda: key in w.mail)
+        finally:
+            w.baton.resume_timer(key[1])
+        got = w.mail.pop(key)
+        if got.shape != self._value.shape or got.dtype != self._value.dtype:
+            raise RuntimeError(
+                f"rank {key[1]} expected {tuple(self._value.shape)} {self._value.dtype} from rank "
+                f"{key[0]}, got {tuple(got.shape)} {got.dtype}"
+            )
+        return got
+
+
+class InProcessP2P:
+    """``P2PComm``'s interface in one process: a send is a clone into a mailbox."""
+
+    def __init__(self, world: InProcessWorld, cp_rank: int, ledger: CommLedger | None):
+        self.world, self.cp_rank, self.ledger = world, cp_rank, ledger
+        self._sent: dict[int, int] = {}
+        self._received: dict[int, int] = {}
+
+    def exchange(self, send: Tensor, dst: int, src: int, what: str, group: Any = None):
+        me = self.cp_rank
+        if (dst == me) != (src == me):
+            raise ValueError(
+                f"P2P exchange on CP rank {me}: dst={dst}, src={src}; a self-send "
+                "must also be a self-receive"
+            )
+        if dst == me:
+            return InProcessHandle(self.world, None, send)
+        n_out, n_in = self._sent.get(dst, 0), self._received.get(src, 0)
+        self._sent[dst], self._received[src] = n_out + 1, n_in + 1
+        self.world.baton.pause_timer(me)
+        self.world.mail[(me, dst, n_out)] = send.detach().clone()
+        self.world.baton.progress += 1
+        self.world.baton.resume_timer(me)
+        if self.ledger is not None:
+            self.ledger.record("p2p", "send", what, nbytes(send), dst)
+        return InProcessHandle(self.world, (src, me, n_in), send)
+
+
+class InProcessTeam:
+    """``TeamComm``'s interface in one process: members' posts gathered in member order."""
+
+    def __init__(self, world: InProcessWorld, cp_rank: int, ledger: CommLedger | None):
+        lay = world.layout
+        self.world, self.rank, self.ledger = world, cp_rank, ledger
+        self.size = lay.team_size
+        self.team, self.member = lay.coord(cp_rank)
+        self._calls = 0
+
+    def _exchange(self, x: Tensor) -> list[Tensor]:
+        w, key = self.world, (self.team, self._calls)
+        self._calls += 1
+        w.baton.pause_timer(self.rank)
+        try:
+            slot = w.slots.setdefault(key, {})
+            slot[self.member] = x.detach().clone()
+            w.baton.progress += 1
+            w.baton.wait_until(self.rank, lambda: len(slot) == self.size)
+            posts = [slot[m] for m in range(self.size)]
+            w.reads[key] = w.reads.get(key, 0) + 1
+            if w.reads[key] == self.size:
+                del w.slots[key], w.reads[key]
+        finally:
+            w.baton.resume_timer(self.rank)
+        return posts
+
+    def all_gather(self, x: Tensor, what: str) -> Tensor:
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        out = torch.cat(self._exchange(x), dim=0)
+        if self.ledger is not None:
+            self.ledger.record("collective", "all_gather", what, (self.size - 1) * nbytes(x))
+        return out
+
+    def reduce_scatter(self, x: Tensor, what: str) -> Tensor:
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        posts = self._exchange(x)
+        c, m = self.size, self.member
+        # gloo's ring reduce-scatter order (measured for C = 3, 4): start at member
+        # m-1, go down, add member m's own part last. Any order is exact for C <= 2.
+        order = [(m - 1 - i) % c for i in range(c)]
+        out = posts[order[0]].chunk(c, dim=0)[m].clone()
+        for j in order[1:]:
+            out += posts[j].chunk(c, dim=0)[m]
+        if self.ledger is not None:
+            self.ledger.record("collective", "reduce_scatter", what, (self.size - 1) * nbytes(out))
+        return out
