@@ -11,7 +11,6 @@ single-process float64 reference and the bytes each rank sent.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from datetime import timedelta
 
@@ -23,30 +22,17 @@ from .comm import CommLedger
 from .groups import StarTrailGroups
 from .layout import StarTrailLayout
 from .spawn import spawn_local_ranks
+from .testing import make_inputs, reference_attention, rel_err
 from .zigzag import zigzag_shard, zigzag_unshard
-
-
-def _reference(q, k, v, dout, causal):
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    n, _, hq, d = q.shape
-    rep = hq // k.shape[2]
-    s = torch.einsum("qbhd,kbhd->bhqk", q, k.repeat_interleave(rep, 2)) * d**-0.5
-    if causal:
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
-    out = torch.einsum("bhqk,kbhd->qbhd", s.softmax(-1), v.repeat_interleave(rep, 2))
-    out.backward(dout)
-    return [out.detach(), q.grad, k.grad, v.grad]
 
 
 def _run(rank: int, world: int, args) -> None:
     torch.set_num_threads(1)
-    torch.manual_seed(0)
     n = args.seq_len
-    shape_q = (n, args.batch, args.heads, args.head_dim)
-    shape_kv = (n, args.batch, args.kv_heads, args.head_dim)
-    q, dout = torch.randn(shape_q), torch.randn(shape_q)
-    k, v = torch.randn(shape_kv), torch.randn(shape_kv)
-    ref = _reference(q, k, v, dout.double(), True) if rank == 0 else None
+    q, k, v, dout = make_inputs(
+        0, n, args.batch, args.heads, args.kv_heads, args.head_dim, dtype=torch.float32
+    )
+    ref = reference_attention(q, k, v, dout, True) if rank == 0 else None
     rows = []
     for c in sorted({1, args.team_size}):
         groups = StarTrailGroups.create(c, placement=args.placement)
@@ -64,10 +50,7 @@ def _run(rank: int, world: int, args) -> None:
         )
         dist.all_reduce(sent)
         if rank == 0:
-            errs = [
-                ((zigzag_unshard(g) - r).abs().max() / r.abs().max()).item()
-                for g, r in zip(gathered, ref)
-            ]
+            errs = [rel_err(zigzag_unshard(g), r) for g, r in zip(gathered, ref)]
             rows.append((c, errs, sent.tolist()))
     if rank == 0:
         print(

@@ -38,9 +38,10 @@ from torch import Tensor
 
 from .backends import BACKENDS, KernelQuery, build_kernel, unsupported_reason
 from .one_process import RankTimer, one_process_attention
-from .zigzag import zigzag_shard, zigzag_unshard
+from .testing import make_inputs, reference_attention, rel_err, shard, unshard
+from .zigzag import zigzag_shard
 
-__all__ = ["Sizes", "check_backend", "dense_reference", "main", "time_backend", "tolerance"]
+__all__ = ["Sizes", "check_backend", "main", "time_backend", "tolerance"]
 
 CHECK_BACKENDS = (
     "flash_attn",
@@ -122,34 +123,6 @@ def tolerance(dtype: torch.dtype, gqa: bool) -> float:
     return 1e-5 if dtype == torch.float32 else 1e-10
 
 
-def dense_reference(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, causal: bool):
-    """Dense float64 attention over ``[n, b, h, d]`` tensors: out, dq, dk, dv."""
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    n, hq, hkv, d = q.shape[0], q.shape[2], k.shape[2], q.shape[3]
-    kr, vr = (x.repeat_interleave(hq // hkv, dim=2) for x in (k, v))
-    s = torch.einsum("qbhd,kbhd->bhqk", q, kr) * d**-0.5
-    if causal:
-        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-        s = s.masked_fill(mask, -math.inf)
-    out = torch.einsum("bhqk,kbhd->qbhd", torch.softmax(s, dim=-1), vr)
-    out.backward(dout.double())
-    return out.detach(), q.grad, k.grad, v.grad
-
-
-def _shard(x: Tensor, r: int, p: int, causal: bool) -> Tensor:
-    return zigzag_shard(x, r, p) if causal else x.chunk(p, dim=0)[r]
-
-
-def _unshard(xs: list[Tensor], causal: bool) -> Tensor:
-    return zigzag_unshard(xs) if causal else torch.cat(xs, dim=0)
-
-
-def _inputs(n, b, hq, hkv, d, dtype, device, seed):
-    g = torch.Generator().manual_seed(seed)
-    shapes = ((n, b, hq, d), (n, b, hkv, d), (n, b, hkv, d), (n, b, hq, d))
-    return [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
-
-
 def check_backend(
     kernel: Any,
     p: int,
@@ -170,19 +143,18 @@ def check_backend(
     Returns the errors per tensor, the tolerance and ``passed``.
     """
     n = p * s_local
-    q, k, v, do = _inputs(n, batch, hq, hkv, head_dim, dtype, device, seed)
+    q, k, v, do = make_inputs(seed, n, batch, hq, hkv, head_dim, dtype=dtype, device=device)
     if ref is None:
-        ref = dense_reference(q, k, v, do, causal)
+        ref = reference_attention(q, k, v, do, causal)
     leaves = [
-        [_shard(x, r, p, causal).clone().requires_grad_() for r in range(p)] for x in (q, k, v)
+        [shard(x, r, p, causal).clone().requires_grad_() for r in range(p)] for x in (q, k, v)
     ]
     outs = one_process_attention(*leaves, c, causal=causal, kernel=kernel)
-    torch.autograd.backward(outs, [_shard(do, r, p, causal) for r in range(p)])
+    torch.autograd.backward(outs, [shard(do, r, p, causal) for r in range(p)])
     got = [outs, *([x.grad for x in xs] for xs in leaves)]
     errors = {}
     for name, shards, want in zip(("out", "dq", "dk", "dv"), got, ref):
-        full = _unshard([s.detach() for s in shards], causal).double()
-        errors[name] = float((full - want).abs().max() / want.abs().max())
+        errors[name] = rel_err(unshard([s.detach() for s in shards], causal), want)
     tol = tolerance(dtype, hq != hkv)
     ok = all(math.isfinite(e) and e <= tol for e in errors.values())
     return {"errors": errors, "tolerance": tol, "passed": ok}
@@ -214,7 +186,7 @@ def time_backend(
     p, (hq, hkv), d, b = sizes.time_p, sizes.time_heads, sizes.time_head_dim, sizes.time_batch
     n = p * sizes.time_s_local
     kernel = build_kernel(name, dtype, device=device, head_dim=d)
-    q, k, v, do = _inputs(n, b, hq, hkv, d, dtype, device, seed=1)
+    q, k, v, do = make_inputs(1, n, b, hq, hkv, d, dtype=dtype, device=device)
     scale = d**-0.5
     start, stop = _clock(device)
     whole_f, whole_b = [], []
@@ -350,10 +322,17 @@ def run(
         for p, c, causal in sizes.check_layouts:
             for hq, hkv in sizes.check_heads:
                 n = p * sizes.check_s_local
-                q, k, v, do = _inputs(
-                    n, sizes.check_batch, hq, hkv, sizes.check_head_dim, dtype, device, 0
+                q, k, v, do = make_inputs(
+                    0,
+                    n,
+                    sizes.check_batch,
+                    hq,
+                    hkv,
+                    sizes.check_head_dim,
+                    dtype=dtype,
+                    device=device,
                 )
-                ref = dense_reference(q, k, v, do, causal)
+                ref = reference_attention(q, k, v, do, causal)
                 for name in names:
                     row = dict(
                         backend=name,
