@@ -279,6 +279,22 @@ def test_shard_causal_lm_batch_shifts_before_sharding():
     assert shards[0]["shift_labels"][0].tolist() == [1, 2, 15, -100]
 
 
+def test_packed_position_ids_are_refused_by_name():
+    """Issue 12: documents packed in one row (position_ids restarting) must not train silently
+    as one causal sequence; the same ids without restarts are accepted."""
+    lengths = (37, 90, 5, 124)  # the issue's four documents, 256 tokens in one row
+    packed = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    ids = torch.zeros_like(packed)
+    with pytest.raises(ValueError, match=r"position_ids: packed sequences .* not supported"):
+        sds.shard_causal_lm_batch(ids, ids, packed, 0, 4)
+    jump = torch.arange(256).unsqueeze(0).clone()
+    jump[0, 100:] += 7  # a gap, no restart: still not one consecutive sequence
+    with pytest.raises(ValueError, match="packed sequences"):
+        sds.shard_causal_lm_batch(ids, ids, jump, 0, 4)
+    shifted = torch.arange(256).unsqueeze(0) + 5  # an offset keeps the relative positions
+    assert sds.shard_causal_lm_batch(ids, ids, shifted, 1, 4)["position_ids"].shape == (1, 64)
+
+
 def _misuse(rank: int, world: int):
     from startrail_megatron.deepspeed.config import StarTrailConfig
 
@@ -292,6 +308,8 @@ def _misuse(rank: int, world: int):
     for kwargs in (
         {"input_ids": ids, "labels": ids},  # a different batch on every rank
         {"input_ids": ids * 0, "attention_mask": torch.zeros_like(ids)},  # padding
+        # two documents packed in one row (the same batch on every rank)
+        {"input_ids": ids * 0, "position_ids": torch.arange(SEQ).remainder(SEQ // 2)[None]},
     ):
         try:
             model(**kwargs)
@@ -308,6 +326,7 @@ def test_misuse_is_refused_and_prepare_is_reversible():
     for errors, local_len, restored in run_ranks(4, _misuse):
         assert "were given different batches" in errors[0]
         assert "attention_mask with padding is not supported" in errors[1]
+        assert "position_ids: packed sequences" in errors[2]
         assert local_len == SEQ // 4 and restored
 
 
@@ -444,6 +463,7 @@ def _hf_call(monkeypatch, **kwargs):
         ({"s_aux": torch.zeros(4)}, r"s_aux"),  # GPT-OSS sinks
         ({"sinks": torch.zeros(4)}, r"sinks"),
         ({"position_bias": torch.zeros(1)}, r"position_bias"),
+        ({"cu_seq_lens_q": torch.tensor([0, 5, 32])}, r"cu_seq_lens_q.*packed sequences"),
         ({"dropout": 0.1}, r"dropout=0\.1"),
     ],
 )

@@ -102,7 +102,23 @@ _UNSUPPORTED = {
     "s_aux": "attention sinks (GPT-OSS)",
     "sinks": "attention sinks",
     "position_bias": "an additive position bias",
+    # flash-attn varlen metadata of packed batches (DataCollatorWithFlattening)
+    "cu_seq_lens_q": "packed sequences (varlen cu_seqlens)",
+    "cu_seq_lens_k": "packed sequences (varlen cu_seqlens)",
 }
+
+_PACKED = (
+    "packed sequences (position_ids that restart or jump, e.g. one row of several documents "
+    "from DataCollatorWithFlattening) are not supported by StarTrail yet: its attention would "
+    "run across the document boundaries. Pass one document per row with position_ids "
+    "arange(S) (or None)"
+)
+
+
+def _check_consecutive(position_ids: Tensor, what: str) -> None:
+    """Refuse position ids that do not step by one along the sequence (packed documents)."""
+    if position_ids.shape[-1] > 1 and not bool((position_ids.diff(dim=-1) == 1).all()):
+        raise ValueError(f"{what}: {_PACKED}")
 
 
 def _check_unsupported(seq_len: int, kwargs: dict) -> None:
@@ -136,7 +152,8 @@ def shard_causal_lm_batch(
 
     Labels are shifted over the *global* sequence first (token i predicts
     label i+1; the last gets ``-100``), then sharded; position_ids default to
-    ``arange(S)`` and keep their global values. Returns ``input_ids``,
+    ``arange(S)`` and keep their global values; position_ids that do not step by
+    one (packed documents) raise ``ValueError``. Returns ``input_ids``,
     ``position_ids`` and, with labels, ``shift_labels`` (all ``[b, S/P]``).
     """
     if input_ids.dim() != 2:
@@ -144,6 +161,7 @@ def shard_causal_lm_batch(
     b, s = input_ids.shape
     if position_ids is None:
         position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)
+    _check_consecutive(position_ids, "position_ids")
     position_ids = position_ids.expand(b, s)
     out = {
         "input_ids": zigzag_shard(input_ids, sp_rank, sp_size, dim=1),
@@ -271,6 +289,10 @@ class HFHandle:
                 "with shard_inputs=False pass shift_labels (StarTrailDataLoaderAdapter gives "
                 "them), not labels: labels must be shifted over the global sequence"
             )
+        if not self.shard_inputs and kwargs.get("position_ids") is not None:
+            # A zigzag shard holds two runs (chunks r and 2P-1-r): each must step by one.
+            for half in kwargs["position_ids"].chunk(2, dim=-1):
+                _check_consecutive(half, "position_ids (this rank's zigzag shard)")
         return args, kwargs
 
     def _post_hook(self, module, args, kwargs, output):

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from ..zigzag import zigzag_shard, zigzag_unshard
 from .config import StarTrailConfig
-from .hf import _check_same_batch, _ScaleGrad
+from .hf import _check_consecutive, _check_same_batch, _ScaleGrad
 from .mpu import StarTrailMPU
 
 __all__ = ["is_megatron_gpt", "megatron_mpu", "prepare_megatron_gpt"]
@@ -137,6 +137,8 @@ class MegatronHandle:
         mpu = self.mpu
         p, r = mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank()
         ids = kwargs["input_ids"]
+        if kwargs.get("position_ids") is not None:
+            _check_consecutive(kwargs["position_ids"], "position_ids")
         _check_same_batch(ids, mpu.sequence_parallel_group)
         for name in ("input_ids", "position_ids", "labels"):
             if kwargs.get(name) is not None:
