@@ -28,8 +28,8 @@ import pytest
 import torch
 
 import startrail_megatron as st
-from startrail_megatron import backends as bk
 from startrail_megatron.kernels import TorchKernel
+from startrail_megatron.kernels import backends as bk
 
 CUDA_H100 = dict(device_type="cuda", capability=(9, 0), cudnn_version=90100)
 

@@ -123,7 +123,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .kernels import SdpaKernel, TorchKernel, acc_dtype
+from . import SdpaKernel, TorchKernel, acc_dtype
 
 __all__ = [
     "AUTO_ORDER",
