@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .kernels.backends import BACKENDS, KernelQuery, build_kernel, unsupported_reason
+from .kernels import BACKENDS, KernelQuery, build_kernel, unsupported_reason
 from .one_process import RankTimer, one_process_attention
 from .zigzag import zigzag_shard, zigzag_unshard
 
