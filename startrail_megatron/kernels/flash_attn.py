@@ -1,6 +1,21 @@
 """flash-attn 2's private forward/backward behind the kernel contract (``"flash_attn"``).
 
-flash-attn is imported only when ``FlashAttnKernel`` is built.
+flash-attn is imported only when ``FlashAttnKernel`` is built. It wants
+``[b, s, h, d]`` with a unit last stride (our ``[s, b, h, d]`` transposed is a
+view) and returns lse ``[b, h, sq]``.
+
+Its private API changed twice in 2.5 - 2.8, so the adapter reads parameter
+names (``signatures._param_names``), never counts outputs:
+
+  2.5.x  fwd(q, k, v, dropout_p, softmax_scale, causal, window_size,
+             alibi_slopes, return_softmax)
+             -> (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)
+  2.6.x  as 2.5 plus ``softcap`` (fwd and bwd)
+  2.7+   fwd(..., causal, window_size_left, window_size_right, softcap,
+             alibi_slopes, return_softmax) -> (out, softmax_lse, S_dmask, rng_state);
+         a ``torch.library.custom_op`` (signature on ``_init_fn``, schema on
+         ``torch.ops.flash_attn``) when torch >= 2.4, a plain function otherwise.
+  bwd    writes into the dq, dk, dv buffers passed in, in every version.
 """
 
 from __future__ import annotations

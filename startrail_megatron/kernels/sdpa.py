@@ -3,7 +3,13 @@
 ``SdpaKernel`` (``"sdpa"``): the CPU flash kernel; on CUDA it runs the
 efficient-attention kernel. ``SdpaFlashKernel``, ``SdpaCudnnKernel`` and
 ``SdpaEfficientKernel`` (``"sdpa_flash"``, ``"sdpa_cudnn"``, ``"sdpa_efficient"``):
-PyTorch's CUDA flash, cuDNN and memory-efficient ops, which want ``[b, h, s, d]``.
+PyTorch's CUDA flash, cuDNN and memory-efficient ops.
+
+Layouts and row statistics (read from PyTorch's sources): the ops want
+``[b, h, s, d]`` (our ``[s, b, h, d]`` permuted, a view); the efficient kernel
+pads its lse to a multiple of 32 rows and cuDNN returns it as ``[b, h, sq, 1]``.
+``contract.lse_to_bhs`` brings them to ``[b, h, sq]``; ``_pad_rows`` gives the
+efficient backward the padded form back.
 """
 
 from __future__ import annotations

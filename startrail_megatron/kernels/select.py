@@ -1,33 +1,31 @@
-"""GPU attention backends behind the kernel contract, and how one is chosen.
+"""Which kernel runs: the names, what each can run, and the choice.
 
-Every backend implements ``kernels.AttentionKernel`` (seq-first tensors; forward
--> (out, lse [b, hq, sq] fp32); backward from the final merged out and lse).
-Each third-party library is imported only when its backend is built.
+Every kernel implements ``contract.AttentionKernel``; each third-party library
+is imported only when its kernel is built (``build_kernel``).
 
 ========================  ====================================================
-name                      what runs
+name                      what runs (module)
 ========================  ====================================================
-``"flash_attn"``          flash-attn 2 (2.5 - 2.8), its ``_flash_attn_forward``
-                          / ``_flash_attn_backward``. CUDA sm80+, fp16/bf16,
-                          head_dim % 8 == 0 and <= 256, GQA natively.
+``"flash_attn"``          flash-attn 2 (2.5 - 2.8) (``flash_attn``). CUDA
+                          sm80+, fp16/bf16, head_dim % 8 == 0 and <= 256,
+                          GQA natively.
 ``"sdpa_flash"``          ``aten._scaled_dot_product_flash_attention`` (+ its
-                          backward). CUDA sm80+, fp16/bf16, GQA natively.
+                          backward) (``sdpa``). CUDA sm80+, fp16/bf16, GQA
+                          natively.
 ``"sdpa_cudnn"``          ``aten._scaled_dot_product_cudnn_attention`` (+ its
-                          backward). CUDA sm80+, cuDNN >= 9, fp16/bf16,
-                          head_dim <= 128. KV heads expanded for GQA.
+                          backward) (``sdpa``). CUDA sm80+, cuDNN >= 9,
+                          fp16/bf16, head_dim <= 128. KV heads expanded for GQA.
 ``"sdpa_efficient"``      ``aten._scaled_dot_product_efficient_attention``
-                          (+ its backward). CUDA, fp32/fp16/bf16. KV heads
-                          expanded for GQA (a view when no copy is needed).
+                          (+ its backward) (``sdpa``). CUDA, fp32/fp16/bf16. KV
+                          heads expanded for GQA (a view when no copy is needed).
 ``"te"``                  Transformer Engine 1.9 - 2.18, the cuDNN fused
-                          attention its context-parallel ring uses
-                          (``cpp_extensions.fused_attn.fused_attn_fwd`` /
-                          ``_bwd``, F16_arbitrary_seqlen). CUDA sm80+,
-                          cuDNN >= 9, fp16/bf16, head_dim % 8 == 0 and
-                          <= 128 (<= 256 on sm90 with cuDNN >= 9.5), GQA
+                          attention its context-parallel ring uses (``te``).
+                          CUDA sm80+, cuDNN >= 9, fp16/bf16, head_dim % 8 == 0
+                          and <= 128 (<= 256 on sm90 with cuDNN >= 9.5), GQA
                           natively. Explicit only (not in ``AUTO_ORDER``):
                           tested against stand-ins with TE's exact
                           signatures, never run on a GPU.
-``"sdpa"``, ``"torch"``   ``kernels.SdpaKernel`` / ``kernels.TorchKernel``.
+``"sdpa"``, ``"torch"``   ``sdpa.SdpaKernel`` / ``reference.TorchKernel``.
 ========================  ====================================================
 
 Selection (``choose_kernel``, pure): an explicit name is checked against the
@@ -36,75 +34,8 @@ inputs and raises if it cannot run them; ``"auto"`` takes the first of
 capability) and is installed; float64 always gets the exact ``"torch"``
 kernel. The ``STARTRAIL_KERNEL`` environment variable replaces ``"auto"``.
 ``"te"`` is never chosen by ``"auto"``: ask for it by name or ``STARTRAIL_KERNEL=te``.
-
-Layouts and row statistics, per backend (all read from the upstream sources):
-flash-attn wants ``[b, s, h, d]`` with a unit last stride (our ``[s, b, h, d]``
-transposed is a view) and returns lse ``[b, h, sq]``; the SDPA ops want
-``[b, h, s, d]``; the efficient kernel pads lse to a multiple of 32 rows and
-cuDNN returns it as ``[b, h, sq, 1]``. ``lse_to_bhs`` / ``lse_for_op`` convert.
-
-flash-attn's private API changed twice in 2.5 - 2.8, so its adapter reads
-parameter names, never counts outputs:
-
-  2.5.x  fwd(q, k, v, dropout_p, softmax_scale, causal, window_size,
-             alibi_slopes, return_softmax)
-             -> (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)
-  2.6.x  as 2.5 plus ``softcap`` (fwd and bwd)
-  2.7+   fwd(..., causal, window_size_left, window_size_right, softcap,
-             alibi_slopes, return_softmax) -> (out, softmax_lse, S_dmask, rng_state);
-         a ``torch.library.custom_op`` (signature on ``_init_fn``, schema on
-         ``torch.ops.flash_attn``) when torch >= 2.4, a plain function otherwise.
-  bwd    writes into the dq, dk, dv buffers passed in, in every version.
-
-Transformer Engine: ``transformer_engine.pytorch.cpp_extensions.fused_attn``
-(read at the tags v1.6 - v2.18), the functions TE's own ``AttnFuncWithCPAndKVP2P``
-calls (``attention.py`` in 1.x, ``attention/dot_product_attention/
-context_parallel.py`` in 2.x). Its adapter also reads parameter names and
-refuses any parameter it does not know:
-
-  1.9, 1.10  fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q,
-                 cu_seqlens_kv, q, k, v, qkv_dtype, fused_attention_backend,
-                 attn_bias=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
-                 <FP8: d_scale_qkv, d_scale_s, q_scale_s, q_scale_o, amax_s, amax_o>,
-                 attn_scale=None, dropout=0.0, fast_zero_fill=True,
-                 qkv_layout="sbh3d", attn_bias_type="no_bias",
-                 attn_mask_type="padding", window_size=(-1, -1), rng_gen=None)
-                 -> (out, aux_ctx_tensors)
-             bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
-                 o, d_o, qkv_dtype, dqkv_dtype, aux_ctx_tensors,
-                 fused_attention_backend, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-                 <FP8 scales and amaxes>, attn_scale, dropout, fast_zero_fill,
-                 qkv_layout, attn_bias_type, attn_mask_type, window_size,
-                 deterministic=False) -> [dq, dk, dv, dbias]
-             qkv_dtype, dqkv_dtype: ``tex.DType`` (``constants.TE_DType[dtype]``).
-             (1.8 has no window_size / deterministic: not supported.)
-  1.11-1.13  fwd adds the FP8 ``*_offset`` ints.
-  2.0, 2.1   FP8 tensors become quantizers (fwd s_quantizer, o_quantizer; bwd
-             s_quantizer, dp_quantizer, dqkv_quantizer); qkv_dtype becomes
-             ``fake_dtype``, a ``torch.dtype``; bwd keeps dqkv_dtype (``tex.DType``).
-  2.2 - 2.7  fwd adds page_table_k, page_table_v.
-  2.8        softmax_type="vanilla" (fwd, bwd); fwd softmax_offset=None.
-  2.9        fwd return_max_logit=False (True: -> (out, aux_ctx_tensors, max_logit [h])).
-  2.10, 2.11 cuda_graph=False (fwd, bwd).
-  2.12-2.14  bottom_right_diagonal=None (fwd, bwd; None: True only for the
-             "*causal_bottom_right" masks).
-  2.15-2.18  fwd o_format="sbhd", qkv_scale_inv_format; bwd drops dqkv_dtype and
-             adds o_format="sbhd", do_format="sbhd", dqkv_layout="sbh3d" (a packed
-             layout: always passed), qkv/do_scale_inv_format.
-  all        aux_ctx_tensors = [softmaxStats, rng_state, (optional bias / offset)]:
-             for F16_arbitrary_seqlen and sbhd/bshd, softmaxStats is the
-             natural-log log-sum-exp of the scaled scores, [b, h, sq, 1] fp32 (TE's
-             CP code squeezes it and merges it like flash-attn's lse, and hands
-             the merged one back to fused_attn_bwd unsqueezed); rng_state is
-             [seed, offset] int64 [2] on the GPU. qkv_layout "sbhd_sbhd_sbhd"
-             takes our [s, b, h, d] tensors as they are, but TE reads a data
-             pointer and a shape only, so they must be contiguous; k, v may have
-             fewer heads (GQA). Masks: "no_mask", "causal" (top-left, the
-             contract's), "causal_bottom_right". cu_seqlens: int32 [b + 1].
-             TE's CP code passes ``FusedAttnBackend["F16_arbitrary_seqlen"]`` for
-             fp16/bf16; the C++ side re-derives the backend and raises if the
-             inputs are not supported. ``unsupported_reason`` applies its limits
-             for training, sbhd, no bias (sm80+, cuDNN >= 9, head_dim).
+``unsupported_reason`` also applies TE's F16_arbitrary_seqlen limits (training,
+sbhd, no bias: sm80+, cuDNN >= 9, head_dim).
 """
 
 from __future__ import annotations
