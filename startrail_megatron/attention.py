@@ -342,7 +342,7 @@ def startrail_attention(
             of 2P, as ``zigzag_shard`` / ``get_batch_on_this_cp_rank`` give).
             Without it any token layout works.
         softmax_scale: defaults to ``head_dim ** -0.5``.
-        kernel: a kernel name (``"auto"`` or one of ``backends.KERNEL_NAMES``;
+        kernel: a kernel name (``"auto"`` or one of ``kernels.KERNEL_NAMES``;
             ``$STARTRAIL_KERNEL`` replaces ``"auto"``) or a kernel object.
         ledger: a ``CommLedger`` that records every transfer (forward and
             backward) of this call on this rank.

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .backends import BACKENDS, KernelQuery, build_kernel, unsupported_reason
+from .kernels import BACKENDS, KernelQuery, build_kernel, unsupported_reason
 from .one_process import RankTimer, one_process_attention
 from .testing import make_inputs, reference_attention, rel_err, shard, unshard
 from .zigzag import zigzag_shard

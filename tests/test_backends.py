@@ -28,8 +28,12 @@ import pytest
 import torch
 
 import startrail_megatron as st
-from startrail_megatron import backends as bk
+from startrail_megatron import kernels as kn
 from startrail_megatron.kernels import TorchKernel
+from startrail_megatron.kernels import sdpa as kn_sdpa
+from startrail_megatron.kernels import select as kn_select
+from startrail_megatron.kernels import signatures as kn_signatures
+from startrail_megatron.kernels import te as kn_te
 
 CUDA_H100 = dict(device_type="cuda", capability=(9, 0), cudnn_version=90100)
 
@@ -46,78 +50,78 @@ def _none(_: str) -> bool:
     "query,installed,want",
     [
         (
-            bk.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100),
+            kn.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100),
             _all,
             ["flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "torch"],
         ),
         (
-            bk.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100),
+            kn.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100),
             _none,
             ["sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "torch"],
         ),
         (
-            bk.KernelQuery(dtype=torch.float16, head_dim=192, **CUDA_H100),
+            kn.KernelQuery(dtype=torch.float16, head_dim=192, **CUDA_H100),
             _all,
             ["flash_attn", "sdpa_flash", "sdpa_efficient", "torch"],
         ),  # cuDNN: head_dim <= 128
         (
-            bk.KernelQuery(dtype=torch.float32, head_dim=128, **CUDA_H100),
+            kn.KernelQuery(dtype=torch.float32, head_dim=128, **CUDA_H100),
             _all,
             ["sdpa_efficient", "torch"],
         ),
-        (bk.KernelQuery(dtype=torch.float16, head_dim=100, **CUDA_H100), _all, ["torch"]),
+        (kn.KernelQuery(dtype=torch.float16, head_dim=100, **CUDA_H100), _all, ["torch"]),
         (
-            bk.KernelQuery("cuda", torch.float16, 128, (7, 5), 90100),
+            kn.KernelQuery("cuda", torch.float16, 128, (7, 5), 90100),
             _all,
             ["sdpa_efficient", "torch"],
         ),  # Turing: no flash, no cuDNN SDPA
         (
-            bk.KernelQuery("cuda", torch.bfloat16, 128, (8, 0), 8900),
+            kn.KernelQuery("cuda", torch.bfloat16, 128, (8, 0), 8900),
             _all,
             ["flash_attn", "sdpa_flash", "sdpa_efficient", "torch"],
         ),  # cuDNN 8
-        (bk.KernelQuery(dtype=torch.float64, head_dim=64, **CUDA_H100), _all, ["torch"]),
-        (bk.KernelQuery("cpu", torch.bfloat16, 64), _all, ["sdpa", "torch"]),
-        (bk.KernelQuery("cpu", torch.float64, 64), _all, ["torch"]),
-        (bk.KernelQuery("mps", torch.float32, 64), _all, ["torch"]),
+        (kn.KernelQuery(dtype=torch.float64, head_dim=64, **CUDA_H100), _all, ["torch"]),
+        (kn.KernelQuery("cpu", torch.bfloat16, 64), _all, ["sdpa", "torch"]),
+        (kn.KernelQuery("cpu", torch.float64, 64), _all, ["torch"]),
+        (kn.KernelQuery("mps", torch.float32, 64), _all, ["torch"]),
     ],
 )
 def test_auto_selection(query, installed, want):
-    assert bk.choose_kernel("auto", query, installed, env={}) == want
+    assert kn.choose_kernel("auto", query, installed, env={}) == want
 
 
 def test_explicit_names_and_override():
-    h100 = bk.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100)
-    assert bk.choose_kernel("sdpa_cudnn", h100, _all, env={}) == ["sdpa_cudnn"]
+    h100 = kn.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100)
+    assert kn.choose_kernel("sdpa_cudnn", h100, _all, env={}) == ["sdpa_cudnn"]
     # the environment variable replaces "auto" only
-    env = {bk.KERNEL_ENV: "sdpa_efficient"}
-    assert bk.choose_kernel("auto", h100, _all, env=env) == ["sdpa_efficient"]
-    assert bk.choose_kernel("sdpa_flash", h100, _all, env=env) == ["sdpa_flash"]
+    env = {kn.KERNEL_ENV: "sdpa_efficient"}
+    assert kn.choose_kernel("auto", h100, _all, env=env) == ["sdpa_efficient"]
+    assert kn.choose_kernel("sdpa_flash", h100, _all, env=env) == ["sdpa_flash"]
     with pytest.raises(NotImplementedError, match=r"kernel='flash_attn' cannot run.*not installed"):
-        bk.choose_kernel("flash_attn", h100, _none, env={})
-    cpu = bk.KernelQuery("cpu", torch.bfloat16, 64)
+        kn.choose_kernel("flash_attn", h100, _none, env={})
+    cpu = kn.KernelQuery("cpu", torch.bfloat16, 64)
     with pytest.raises(NotImplementedError, match=r"STARTRAIL_KERNEL='sdpa_flash' cannot run"):
-        bk.choose_kernel("auto", cpu, _all, env={bk.KERNEL_ENV: "sdpa_flash"})
+        kn.choose_kernel("auto", cpu, _all, env={kn.KERNEL_ENV: "sdpa_flash"})
     with pytest.raises(NotImplementedError, match=r"takes \['bfloat16', 'float16'\], not float32"):
-        bk.choose_kernel("flash_attn", bk.KernelQuery(dtype=torch.float32, **CUDA_H100), _all, {})
+        kn.choose_kernel("flash_attn", kn.KernelQuery(dtype=torch.float32, **CUDA_H100), _all, {})
     allowed = (
         r"allowed: \['auto', 'torch', 'sdpa', 'flash_attn', 'sdpa_flash', 'sdpa_cudnn', "
         r"'sdpa_efficient', 'te'\]"
     )
     with pytest.raises(ValueError, match=r"STARTRAIL_KERNEL='flash2' is not known; " + allowed):
-        bk.choose_kernel("auto", cpu, _all, env={bk.KERNEL_ENV: "flash2"})
+        kn.choose_kernel("auto", cpu, _all, env={kn.KERNEL_ENV: "flash2"})
     with pytest.raises(ValueError, match=r"kernel='fa' is not known; " + allowed):
         st.get_kernel("fa")
     # "te" is an explicit choice only (test_auto_selection: never in "auto")
-    assert bk.choose_kernel("te", h100, _all, env={}) == ["te"]
-    assert bk.choose_kernel("auto", h100, _all, env={bk.KERNEL_ENV: "te"}) == ["te"]
+    assert kn.choose_kernel("te", h100, _all, env={}) == ["te"]
+    assert kn.choose_kernel("auto", h100, _all, env={kn.KERNEL_ENV: "te"}) == ["te"]
 
 
 def test_get_kernel_reads_the_environment(monkeypatch):
-    monkeypatch.setenv(bk.KERNEL_ENV, "torch")
+    monkeypatch.setenv(kn.KERNEL_ENV, "torch")
     assert st.get_kernel("auto", torch.float32).name == "torch"
     assert st.get_kernel("sdpa", torch.float32).name == "sdpa"
-    monkeypatch.delenv(bk.KERNEL_ENV)
+    monkeypatch.delenv(kn.KERNEL_ENV)
     assert st.get_kernel("auto", torch.float32).name == "sdpa"
 
 
@@ -125,25 +129,25 @@ def test_auto_skips_a_backend_whose_import_fails(monkeypatch):
     def broken():
         raise ImportError("flash_attn_2_cuda: undefined symbol")
 
-    monkeypatch.setitem(bk._CONSTRUCTORS, "flash_attn", broken)
-    h100 = bk.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100)
-    ker = bk.build_kernel("auto", query=h100, installed=_all, env={})
+    monkeypatch.setitem(kn_select._CONSTRUCTORS, "flash_attn", broken)
+    h100 = kn.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100)
+    ker = kn.build_kernel("auto", query=h100, installed=_all, env={})
     assert ker.name == "sdpa_flash"
     with pytest.raises(ImportError, match="undefined symbol"):
-        bk.build_kernel("flash_attn", query=h100, installed=_all, env={})
+        kn.build_kernel("flash_attn", query=h100, installed=_all, env={})
 
 
 def test_lse_forms():
     lse = torch.randn(2, 3, 40)
-    assert torch.equal(bk.lse_to_bhs(lse, 2, 3, 40), lse)
+    assert torch.equal(kn.lse_to_bhs(lse, 2, 3, 40), lse)
     padded = torch.nn.functional.pad(lse, (0, 24))
-    assert torch.equal(bk.lse_to_bhs(padded, 2, 3, 40), lse)
-    assert torch.equal(bk.lse_to_bhs(lse.unsqueeze(-1), 2, 3, 40), lse)
-    padded_inf = bk._pad_rows(lse, 32)
+    assert torch.equal(kn.lse_to_bhs(padded, 2, 3, 40), lse)
+    assert torch.equal(kn.lse_to_bhs(lse.unsqueeze(-1), 2, 3, 40), lse)
+    padded_inf = kn_sdpa._pad_rows(lse, 32)
     assert padded_inf.shape == (2, 3, 64) and padded_inf.is_contiguous()
     assert torch.equal(padded_inf[..., :40], lse) and torch.isposinf(padded_inf[..., 40:]).all()
     with pytest.raises(RuntimeError, match=r"expected \[2, 3, >= 41\]"):
-        bk.lse_to_bhs(lse, 2, 3, 41)
+        kn.lse_to_bhs(lse, 2, 3, 41)
 
 
 # ---- flash-attn stand-ins, one per upstream signature --------------------------------------
@@ -264,7 +268,7 @@ FLASH_VERSIONS = {
 
 @pytest.mark.parametrize("version", list(FLASH_VERSIONS))
 def test_flash_attn_api_detection(version):
-    api = bk.FlashAttnKernel(FLASH_VERSIONS[version]()).api
+    api = kn.FlashAttnKernel(FLASH_VERSIONS[version]()).api
     assert api.split_window == (version not in ("2.5", "2.6"))
     assert api.lse_index == (1 if api.split_window else 5)
     assert ("softcap" in api.fwd_params) == (version != "2.5")
@@ -274,11 +278,11 @@ def test_custom_op_parameters_come_from_its_function_or_schema():
     ns = _v27_custom_op()
     op = ns._flash_attn_forward
     assert type(op).__name__ == "CustomOpDef"  # what flash-attn 2.7+ exposes
-    names, required = bk._param_names(op)
+    names, required = kn_signatures._param_names(op)
     assert names[6:8] == ("window_size_left", "window_size_right")
-    schema_names, _ = bk._param_names(torch.ops.startrail_test.flash_fwd)
+    schema_names, _ = kn_signatures._param_names(torch.ops.startrail_test.flash_fwd)
     assert schema_names == names
-    bwd_names, bwd_required = bk._param_names(torch.ops.startrail_test.flash_bwd.default)
+    bwd_names, bwd_required = kn_signatures._param_names(torch.ops.startrail_test.flash_bwd.default)
     assert "rng_state" in bwd_names and "rng_state" not in bwd_required
 
 
@@ -286,7 +290,7 @@ def test_custom_op_parameters_come_from_its_function_or_schema():
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
 def test_flash_attn_adapter_computes_attention(version, causal, hq, hkv):
-    ker = bk.FlashAttnKernel(FLASH_VERSIONS[version]())
+    ker = kn.FlashAttnKernel(FLASH_VERSIONS[version]())
     g = torch.Generator().manual_seed(1)
     sq, sk = 6, 6 if causal else 5
     q = torch.randn(sq, 2, hq, 16, generator=g, dtype=torch.float64)
@@ -319,7 +323,7 @@ def test_flash_attn_unknown_signature_is_refused():
         _flash_attn_backward=_flash_attn_backward,
     )
     with pytest.raises(NotImplementedError, match="flash-attn 2.0.4.*neither window_size"):
-        bk.FlashAttnKernel(ns)
+        kn.FlashAttnKernel(ns)
     ns26 = _v26()
 
     def fwd_new(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -328,14 +332,14 @@ def test_flash_attn_unknown_signature_is_refused():
 
     ns26._flash_attn_forward = fwd_new
     with pytest.raises(NotImplementedError, match=r"parameters \['sink_tokens'\] this adapter"):
-        bk.FlashAttnKernel(ns26).forward(*(torch.zeros(2, 1, 1, 8),) * 3, causal=False, scale=1.0)
+        kn.FlashAttnKernel(ns26).forward(*(torch.zeros(2, 1, 1, 8),) * 3, causal=False, scale=1.0)
 
 
 # ---- PyTorch's CUDA SDPA ops, through their meta kernels -----------------------------------
 
 
 @pytest.mark.parametrize(
-    "cls", [bk.SdpaFlashKernel, bk.SdpaEfficientKernel, bk.SdpaCudnnKernel, st.kernels.SdpaKernel]
+    "cls", [kn.SdpaFlashKernel, kn.SdpaEfficientKernel, kn.SdpaCudnnKernel, st.kernels.SdpaKernel]
 )
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2)])
 def test_sdpa_cuda_ops_wiring_on_meta(cls, hq, hkv):
@@ -627,26 +631,26 @@ def te_install(monkeypatch):
         for name, mod in te.modules.items():
             monkeypatch.setitem(sys.modules, name, mod)
         if cpu:
-            monkeypatch.setattr(bk, "_TE_DEVICES", frozenset({"cuda", "cpu"}))
-            monkeypatch.setattr(bk, "_TE_DTYPES", bk._TE_DTYPES | {torch.float64})
+            monkeypatch.setattr(kn_te, "_TE_DEVICES", frozenset({"cuda", "cpu"}))
+            monkeypatch.setattr(kn_te, "_TE_DTYPES", kn_te._TE_DTYPES | {torch.float64})
         return te
 
-    bk._instance.cache_clear()
+    kn_select._instance.cache_clear()
     yield install
-    bk._instance.cache_clear()
+    kn_select._instance.cache_clear()
 
 
 @pytest.mark.parametrize("version", list(TE_VERSIONS))
 def test_te_api_detection(te_install, version):
     te = te_install(version)
-    ker = bk.TEKernel()  # imports the stand-in from sys.modules
+    ker = kn.TEKernel()  # imports the stand-in from sys.modules
     assert ker.api.version == te.version
     assert ker.api.dtype_arg == ("qkv_dtype" if version == "1.12" else "fake_dtype")
     assert ker.api.dqkv_dtype == (version != "2.18")
     assert ker.api.needs_te_dtype == (version != "2.18")
-    h100 = bk.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100)
-    built = bk.build_kernel("te", query=h100, installed=_all, env={})
-    assert isinstance(built, bk.TEKernel) and built.api == ker.api
+    h100 = kn.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100)
+    built = kn.build_kernel("te", query=h100, installed=_all, env={})
+    assert isinstance(built, kn.TEKernel) and built.api == ker.api
 
 
 def _sbhd_views(s, b, h, d, g, n_bufs=1):
@@ -663,7 +667,7 @@ def _sbhd_views(s, b, h, d, g, n_bufs=1):
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
 def test_te_adapter_computes_attention(te_install, version, causal, sq, sk, hq, hkv):
     te_install(version)
-    ker, ref = bk.TEKernel(), TorchKernel()
+    ker, ref = kn.TEKernel(), TorchKernel()
     g = torch.Generator().manual_seed(3)
     b, d, scale = 2, 16, 0.3
     (q,) = _sbhd_views(sq, b, hq, d, g)
@@ -692,7 +696,7 @@ def test_te_adapter_computes_attention(te_install, version, causal, sq, sk, hq, 
 def test_te_arguments(te_install, version, causal):
     """What reaches TE for bf16 inputs: layout, mask, backend, dtypes, cu_seqlens, stats."""
     te = te_install(version, cpu=True)
-    ker = bk.TEKernel()
+    ker = kn.TEKernel()
     g = torch.Generator().manual_seed(4)
     q, k, v, do = (torch.randn(8, 2, h, 32, generator=g).bfloat16() for h in (8, 2, 2, 8))
     out, lse = ker.forward(q, k, v, causal=causal, scale=0.2)
@@ -739,7 +743,7 @@ def test_te_under_cuda_graph_capture(te_install, monkeypatch):
     """While a CUDA graph is captured: cuda_graph=True, no private generator (only the
     default one is registered with the graph), cu_seqlens not taken from the cache."""
     te_install("2.18")
-    ker = bk.TEKernel()
+    ker = kn.TEKernel()
     seen = []
 
     def fwd(**kw):
@@ -750,7 +754,7 @@ def test_te_under_cuda_graph_capture(te_install, monkeypatch):
     ker._fwd = fwd
     x = torch.randn(4, 1, 2, 8, dtype=torch.float64)
     ker.forward(x, x, x, causal=True, scale=1.0)  # not capturing
-    monkeypatch.setattr(bk, "_capturing", lambda device: True)
+    monkeypatch.setattr(kn_te, "_capturing", lambda device: True)
     ker.forward(x, x, x, causal=True, scale=1.0)
     free, captured = seen
     assert isinstance(free["rng_gen"], torch.Generator) and free["cuda_graph"] is False
@@ -761,7 +765,7 @@ def test_te_under_cuda_graph_capture(te_install, monkeypatch):
 
 def test_te_refuses_what_it_cannot_run(te_install):
     te_install("2.18", cpu=False)  # the production device and dtype checks
-    ker = bk.TEKernel()
+    ker = kn.TEKernel()
     x = torch.zeros(4, 1, 2, 8, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match=r"kernel 'te' runs on \['cuda'\] tensors"):
         ker.forward(x, x, x, causal=True, scale=1.0)
@@ -776,24 +780,24 @@ def test_te_refuses_what_it_cannot_run(te_install):
             ker.forward(x, kv.to(x.dtype), kv.to(x.dtype), causal=False, scale=1.0)
     h100 = dict(device_type="cuda", capability=(9, 0))
     for query, installed, why in [
-        (bk.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100), _none,
+        (kn.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100), _none,
          "'transformer_engine' package is not installed"),
-        (bk.KernelQuery("cpu", torch.bfloat16, 64), _all, r"runs on \['cuda'\], not 'cpu'"),
-        (bk.KernelQuery(dtype=torch.float32, head_dim=64, **CUDA_H100), _all, "not float32"),
-        (bk.KernelQuery("cuda", torch.float16, 192, (8, 0), 90100), _all,
+        (kn.KernelQuery("cpu", torch.bfloat16, 64), _all, r"runs on \['cuda'\], not 'cpu'"),
+        (kn.KernelQuery(dtype=torch.float32, head_dim=64, **CUDA_H100), _all, "not float32"),
+        (kn.KernelQuery("cuda", torch.float16, 192, (8, 0), 90100), _all,
          r"head_dim 192 > 128 needs compute capability \(9, 0\) and cuDNN >= 90500"),
-        (bk.KernelQuery(dtype=torch.float16, head_dim=256, cudnn_version=90100, **h100), _all,
+        (kn.KernelQuery(dtype=torch.float16, head_dim=256, cudnn_version=90100, **h100), _all,
          "head_dim 256 > 128 needs"),
-        (bk.KernelQuery(dtype=torch.float16, head_dim=264, **CUDA_H100), _all, "head_dim 264 > 256"),
-        (bk.KernelQuery(dtype=torch.float16, head_dim=100, **CUDA_H100), _all, "multiple of 8"),
-        (bk.KernelQuery("cuda", torch.float16, 64, (7, 5), 90100), _all, "capability >= \\(8, 0\\)"),
-        (bk.KernelQuery("cuda", torch.float16, 64, (8, 0), 8907), _all, "cuDNN >= 90000"),
-        (bk.KernelQuery("cuda", torch.float16, 64, (10, 0), 90500), _all, "cuDNN >= 90700"),
+        (kn.KernelQuery(dtype=torch.float16, head_dim=264, **CUDA_H100), _all, "head_dim 264 > 256"),
+        (kn.KernelQuery(dtype=torch.float16, head_dim=100, **CUDA_H100), _all, "multiple of 8"),
+        (kn.KernelQuery("cuda", torch.float16, 64, (7, 5), 90100), _all, "capability >= \\(8, 0\\)"),
+        (kn.KernelQuery("cuda", torch.float16, 64, (8, 0), 8907), _all, "cuDNN >= 90000"),
+        (kn.KernelQuery("cuda", torch.float16, 64, (10, 0), 90500), _all, "cuDNN >= 90700"),
     ]:  # fmt: skip
         with pytest.raises(NotImplementedError, match=why):
-            bk.choose_kernel("te", query, installed, env={})
-    ok = bk.KernelQuery(dtype=torch.bfloat16, head_dim=256, cudnn_version=90500, **h100)
-    assert bk.choose_kernel("te", ok, _all, env={}) == ["te"]
+            kn.choose_kernel("te", query, installed, env={})
+    ok = kn.KernelQuery(dtype=torch.bfloat16, head_dim=256, cudnn_version=90500, **h100)
+    assert kn.choose_kernel("te", ok, _all, env={}) == ["te"]
 
 
 def test_te_unknown_signature_is_refused():
@@ -808,7 +812,7 @@ def test_te_unknown_signature_is_refused():
 
     with pytest.raises(NotImplementedError, match=r"Transformer Engine 2\.19\.0: fused_attn_fwd "
                        r"has parameters \['score_mod'\] this adapter does not know"):  # fmt: skip
-        bk.detect_te_api(newer_fwd, bwd, "2.19.0")
+        kn.detect_te_api(newer_fwd, bwd, "2.19.0")
 
     def fwd_1_8(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
                 qkv_dtype, fused_attention_backend, attn_bias=None, attn_scale=None,
@@ -818,9 +822,9 @@ def test_te_unknown_signature_is_refused():
 
     with pytest.raises(NotImplementedError, match=r"Transformer Engine 1\.8\.0: .*lack "
                        r"\['window_size'.*supported: Transformer Engine 1\.9 - 2\.18"):  # fmt: skip
-        bk.detect_te_api(fwd_1_8, bwd, "1.8.0")
+        kn.detect_te_api(fwd_1_8, bwd, "1.8.0")
     with pytest.raises(NotImplementedError, match="exactly one of qkv_dtype / fake_dtype"):
-        bk.detect_te_api(_te_stand_in(_te_1_12).fused_attn.fused_attn_fwd, bwd, "mixed")
+        kn.detect_te_api(_te_stand_in(_te_1_12).fused_attn.fused_attn_fwd, bwd, "mixed")
     fa = types.SimpleNamespace(fused_attn_fwd=fwd, fused_attn_bwd=bwd, FusedAttnBackend={})
     with pytest.raises(NotImplementedError, match=r"2\.18\.0.*FusedAttnBackend"):
-        bk.TEKernel(fa, version="2.18.0")
+        kn.TEKernel(fa, version="2.18.0")

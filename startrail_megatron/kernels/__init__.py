@@ -1,0 +1,69 @@
+"""Local attention kernels behind one contract, and how one is chosen.
+
+Modules (imports run down this list, never back up):
+
+  contract    the ``AttentionKernel`` Protocol, ``acc_dtype``, ``merge_partial``
+  signatures  parameter names of third-party functions (adapters' version detection)
+  reference   ``TorchKernel`` (``"torch"``): pure PyTorch, float64-capable, exact
+  sdpa        PyTorch's fused SDPA ops: ``"sdpa"`` (CPU), ``"sdpa_flash"``,
+              ``"sdpa_cudnn"``, ``"sdpa_efficient"`` (CUDA)
+  flash_attn  ``"flash_attn"``: flash-attn 2 (imported lazily)
+  te          ``"te"``: Transformer Engine's fused attention (imported lazily)
+  select      names, availability, ``choose_kernel``, ``build_kernel``,
+              ``get_kernel``, ``resolve_kernel``, the ``$STARTRAIL_KERNEL`` override
+
+``get_kernel("auto")`` picks the fastest available for the inputs;
+``$STARTRAIL_KERNEL`` overrides ``"auto"``.
+"""
+
+from __future__ import annotations
+
+from .contract import AttentionKernel, acc_dtype, lse_to_bhs, merge_partial
+from .flash_attn import FlashAttnAPI, FlashAttnKernel, detect_flash_attn_api
+from .reference import TorchKernel
+from .sdpa import SdpaCudnnKernel, SdpaEfficientKernel, SdpaFlashKernel, SdpaKernel
+from .select import (
+    AUTO_ORDER,
+    BACKENDS,
+    KERNEL_ENV,
+    KERNEL_NAMES,
+    KERNELS,
+    BackendSpec,
+    KernelQuery,
+    build_kernel,
+    choose_kernel,
+    get_kernel,
+    resolve_kernel,
+    unsupported_reason,
+)
+from .te import TEFusedAttnAPI, TEKernel, detect_te_api
+
+__all__ = [
+    "AUTO_ORDER",
+    "BACKENDS",
+    "KERNELS",
+    "KERNEL_ENV",
+    "KERNEL_NAMES",
+    "AttentionKernel",
+    "BackendSpec",
+    "FlashAttnAPI",
+    "FlashAttnKernel",
+    "KernelQuery",
+    "SdpaCudnnKernel",
+    "SdpaEfficientKernel",
+    "SdpaFlashKernel",
+    "SdpaKernel",
+    "TEFusedAttnAPI",
+    "TEKernel",
+    "TorchKernel",
+    "acc_dtype",
+    "build_kernel",
+    "choose_kernel",
+    "detect_flash_attn_api",
+    "detect_te_api",
+    "get_kernel",
+    "lse_to_bhs",
+    "merge_partial",
+    "resolve_kernel",
+    "unsupported_reason",
+]

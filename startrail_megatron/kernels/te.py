@@ -1,0 +1,398 @@
+"""Transformer Engine's cuDNN fused attention behind the kernel contract (``"te"``).
+
+Calls ``transformer_engine.pytorch.cpp_extensions.fused_attn.fused_attn_fwd`` /
+``fused_attn_bwd`` (TE 1.9 - 2.18), the functions TE's own context-parallel
+ring (``AttnFuncWithCPAndKVP2P``) calls; they return and take the softmax
+log-sum-exp (``aux_ctx_tensors[0]``, ``[b, h, sq, 1]`` fp32). Their
+parameters changed in almost every minor release, so the adapter reads
+parameter names (``signatures._param_names``) and refuses any parameter it
+does not know, or a missing one it needs. Layout ``"sbhd_sbhd_sbhd"`` takes
+our ``[s, b, h, d]`` tensors as they are (made contiguous: TE reads a pointer
+and a shape); GQA natively. Transformer Engine is imported only when
+``TEKernel`` is built.
+
+The signatures per release, the auxiliary tensors and masks, as read from TE's
+sources: ``docs/kernels.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .contract import acc_dtype
+from .signatures import _param_names
+
+__all__ = ["TEFusedAttnAPI", "TEKernel", "detect_te_api"]
+
+_TE_DEVICES: frozenset[str] = frozenset({"cuda"})
+"""Device types ``TEKernel`` accepts. Only the tests widen it (to run stand-ins on CPU)."""
+_TE_DTYPES: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16})
+"""Input dtypes ``TEKernel`` accepts (F16_arbitrary_seqlen). Only the tests widen it."""
+
+_TE_SUPPORTED = "Transformer Engine 1.9 - 2.18"
+_TE_LAYOUT = "sbhd_sbhd_sbhd"  # our [s, b, h, d] tensors, each in its own buffer
+_TE_FORMAT = "sbhd"
+
+# Every parameter fused_attn_fwd / fused_attn_bwd have had in TE 1.9 - 2.18. A name
+# outside these sets means a release this adapter has not read: its default could
+# change what the kernel computes (2.15's dqkv_layout defaults to "sbh3d"), so refuse.
+_TE_FWD_KNOWN = frozenset(
+    {
+        "is_training", "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv",
+        "q", "k", "v", "qkv_dtype", "fake_dtype", "fused_attention_backend", "attn_bias",
+        "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k", "page_table_v",
+        "d_scale_qkv", "d_scale_qkv_offset", "d_scale_s", "d_scale_s_offset", "q_scale_s",
+        "q_scale_s_offset", "q_scale_o", "q_scale_o_offset", "amax_s", "amax_s_offset",
+        "amax_o", "amax_o_offset", "s_quantizer", "o_quantizer", "attn_scale", "dropout",
+        "fast_zero_fill", "qkv_layout", "o_format", "qkv_scale_inv_format", "attn_bias_type",
+        "attn_mask_type", "softmax_type", "window_size", "bottom_right_diagonal", "rng_gen",
+        "softmax_offset", "return_max_logit", "cuda_graph",
+    }
+)  # fmt: skip
+_TE_BWD_KNOWN = frozenset(
+    {
+        "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv", "q", "k", "v", "o",
+        "d_o", "qkv_dtype", "fake_dtype", "dqkv_dtype", "aux_ctx_tensors",
+        "fused_attention_backend", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+        "d_scale_qkv", "d_scale_s", "d_scale_o", "d_scale_do", "d_scale_dp", "q_scale_s",
+        "q_scale_dp", "q_scale_dqkv", "amax_dp", "amax_dqkv", "s_quantizer", "dp_quantizer",
+        "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout", "o_format",
+        "do_format", "dqkv_layout", "qkv_scale_inv_format", "do_scale_inv_format",
+        "attn_bias_type", "attn_mask_type", "softmax_type", "window_size",
+        "bottom_right_diagonal", "deterministic", "cuda_graph",
+    }
+)  # fmt: skip
+_TE_FWD_NEEDED = frozenset(
+    {
+        "is_training", "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv",
+        "q", "k", "v", "fused_attention_backend", "attn_scale", "dropout", "qkv_layout",
+        "attn_bias_type", "attn_mask_type", "window_size",
+    }
+)  # fmt: skip
+_TE_BWD_NEEDED = frozenset(
+    {
+        "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv", "q", "k", "v",
+        "o", "d_o", "aux_ctx_tensors", "fused_attention_backend", "attn_scale", "dropout",
+        "qkv_layout", "attn_bias_type", "attn_mask_type", "window_size", "deterministic",
+    }
+)  # fmt: skip
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a graph (TE's ``cuda_graph``)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _te_fixed_kwargs(causal: bool, scale: float, device: torch.device) -> dict[str, Any]:
+    """TE arguments shared by forward and backward: no bias, dropout, window, sink.
+
+    ``"causal"`` is TE's top-left causal mask (``"causal_bottom_right"`` is the
+    other one), the contract's; ``bottom_right_diagonal=False`` is what TE
+    derives from it when left ``None``. The window is ``(-1, 0)`` for causal, as
+    TE's ``DotProductAttention`` passes it (``check_set_window_size``): TE >= 2.12
+    with cuDNN 9.2 - 9.5 finds no backend for a causal mask with ``(-1, -1)``.
+    ``cuda_graph`` says whether the stream is being captured, as TE's own code does
+    (it changes which backward cuDNN may run).
+    """
+    return {
+        "attn_scale": float(scale),
+        "dropout": 0.0,
+        "qkv_layout": _TE_LAYOUT,
+        "attn_bias_type": "no_bias",
+        "attn_mask_type": "causal" if causal else "no_mask",
+        "softmax_type": "vanilla",
+        "window_size": (-1, 0) if causal else (-1, -1),
+        "bottom_right_diagonal": False,
+        "cuda_graph": _capturing(device),
+    }
+
+
+@dataclass(frozen=True)
+class TEFusedAttnAPI:
+    """TE's ``fused_attn_fwd`` / ``fused_attn_bwd`` as detected from their signatures.
+
+    Attributes:
+        fwd_params, bwd_params: parameter names, in order.
+        fwd_required, bwd_required: those without a default.
+        dtype_arg: ``"qkv_dtype"`` (1.x: a ``tex.DType``) or ``"fake_dtype"`` (2.x:
+            the ``torch.dtype``).
+        dqkv_dtype: the backward takes ``dqkv_dtype`` (a ``tex.DType``; 1.9 - 2.14).
+        version: ``transformer_engine.__version__`` (messages only).
+    """
+
+    fwd_params: tuple[str, ...]
+    bwd_params: tuple[str, ...]
+    fwd_required: frozenset[str]
+    bwd_required: frozenset[str]
+    dtype_arg: str
+    dqkv_dtype: bool
+    version: str = "?"
+
+    @property
+    def needs_te_dtype(self) -> bool:
+        """Whether dtypes go in as ``tex.DType`` (``constants.TE_DType[...]``)."""
+        return self.dtype_arg == "qkv_dtype" or self.dqkv_dtype
+
+    def _kwargs(self, params, required, values: dict[str, Any], which: str) -> dict[str, Any]:
+        missing = sorted(n for n in required if n not in values)
+        if missing:
+            raise NotImplementedError(
+                f"Transformer Engine {self.version}: {which} requires {missing}, which this "
+                f"adapter does not provide (supported: {_TE_SUPPORTED})"
+            )
+        return {n: values[n] for n in params if n in values}
+
+    def forward_kwargs(self, q, k, v, cu_q, cu_kv, backend, dtype, *, causal, scale, rng_gen=None):
+        """Keyword arguments of ``fused_attn_fwd`` for sbhd q, k, v. ``rng_gen``: the
+        generator TE draws its (unused, dropout 0) Philox state from."""
+        values = {
+            "is_training": True,  # the softmax statistics come only with training
+            "max_seqlen_q": q.shape[0],
+            "max_seqlen_kv": k.shape[0],
+            "cu_seqlens_q": cu_q,
+            "cu_seqlens_kv": cu_kv,
+            "q": q,
+            "k": k,
+            "v": v,
+            self.dtype_arg: dtype,
+            "fused_attention_backend": backend,
+            **_te_fixed_kwargs(causal, scale, q.device),
+            "o_format": _TE_FORMAT,
+            "return_max_logit": False,
+            "rng_gen": rng_gen,
+        }
+        return self._kwargs(self.fwd_params, self.fwd_required, values, "fused_attn_fwd")
+
+    def backward_kwargs(
+        self, d_o, q, k, v, o, aux, cu_q, cu_kv, backend, dtype, dqkv_dtype, *, causal, scale
+    ):
+        """Keyword arguments of ``fused_attn_bwd``; it returns new dq, dk, dv."""
+        values = {
+            "max_seqlen_q": q.shape[0],
+            "max_seqlen_kv": k.shape[0],
+            "cu_seqlens_q": cu_q,
+            "cu_seqlens_kv": cu_kv,
+            "q": q,
+            "k": k,
+            "v": v,
+            "o": o,
+            "d_o": d_o,
+            self.dtype_arg: dtype,
+            "dqkv_dtype": dqkv_dtype,
+            "aux_ctx_tensors": aux,
+            "fused_attention_backend": backend,
+            **_te_fixed_kwargs(causal, scale, q.device),
+            "o_format": _TE_FORMAT,
+            "do_format": _TE_FORMAT,
+            "dqkv_layout": _TE_LAYOUT,
+            "deterministic": False,
+        }
+        return self._kwargs(self.bwd_params, self.bwd_required, values, "fused_attn_bwd")
+
+
+def detect_te_api(fwd: Any, bwd: Any, version: str = "?") -> TEFusedAttnAPI:
+    """Read TE's fused-attention conventions from the parameters of fwd and bwd.
+
+    Raises ``NotImplementedError`` naming the TE version for any parameter the
+    adapter does not know, or a missing one it needs.
+    """
+    fp, freq = _param_names(fwd)
+    bp, breq = _param_names(bwd)
+    checks = (("fused_attn_fwd", fp, _TE_FWD_KNOWN), ("fused_attn_bwd", bp, _TE_BWD_KNOWN))
+    for which, params, known in checks:
+        unknown = [n for n in params if n not in known]
+        if unknown:
+            raise NotImplementedError(
+                f"Transformer Engine {version}: {which} has parameters {unknown} this adapter "
+                f"does not know (supported: {_TE_SUPPORTED}); parameters: {list(params)}"
+            )
+    fset, bset = set(fp), set(bp)
+    dtype_args = [a for a in ("qkv_dtype", "fake_dtype") if a in fset]
+    problems = sorted(_TE_FWD_NEEDED - fset) + sorted(_TE_BWD_NEEDED - bset)
+    if len(dtype_args) != 1 or dtype_args[0] not in bset:
+        problems.append("exactly one of qkv_dtype / fake_dtype, the same in fwd and bwd")
+    if problems:
+        raise NotImplementedError(
+            f"Transformer Engine {version}: fused_attn_fwd{fp} / fused_attn_bwd{bp} lack "
+            f"{problems} (supported: {_TE_SUPPORTED})"
+        )
+    return TEFusedAttnAPI(fp, bp, freq, breq, dtype_args[0], "dqkv_dtype" in bset, version)
+
+
+def _check_te_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.device.type not in _TE_DEVICES:
+        raise NotImplementedError(
+            f"kernel 'te' runs on {sorted(_TE_DEVICES)} tensors, not {q.device.type!r}"
+        )
+    if q.dtype not in _TE_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise NotImplementedError(
+            f"kernel 'te' takes q, k, v of one dtype in "
+            f"{sorted(str(d).removeprefix('torch.') for d in _TE_DTYPES)}; got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    # TE reads the batch size and head_dim from q's shape only: check k, v agree.
+    if (
+        q.shape[2] % k.shape[2]
+        or k.shape != v.shape
+        or (q.shape[1], q.shape[3]) != (k.shape[1], k.shape[3])
+    ):
+        raise ValueError(
+            f"kernel 'te': q {tuple(q.shape)} and k/v {tuple(k.shape)}, {tuple(v.shape)} "
+            "must share batch and head_dim, k and v one shape, q heads a multiple of k heads"
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_cu_seqlens(b: int, s: int, device: torch.device) -> Tensor:
+    return torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device)
+
+
+def _full_cu_seqlens(b: int, s: int, device: torch.device) -> Tensor:
+    """[b + 1] int32 offsets of b unpadded sequences of s tokens (TE's full cu_seqlens);
+    cached, except while a CUDA graph is captured (the cached tensor would be unfilled)."""
+    if _capturing(device):
+        return torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device)
+    return _cached_cu_seqlens(b, s, device)
+
+
+class TEKernel:
+    """Transformer Engine's cuDNN fused attention (F16_arbitrary_seqlen) behind the contract.
+
+    Calls ``transformer_engine.pytorch.cpp_extensions.fused_attn.fused_attn_fwd``
+    / ``fused_attn_bwd`` as TE's own context-parallel ring attention does:
+    layout ``sbhd_sbhd_sbhd`` (our tensors, made contiguous: TE reads a pointer
+    and a shape), full ``cu_seqlens`` (int32 [b + 1]), ``fused_attention_backend
+    = FusedAttnBackend["F16_arbitrary_seqlen"]``, softmax statistics from
+    ``aux_ctx_tensors[0]`` ([b, h, sq, 1] fp32). The backward passes the final
+    merged lse back as those statistics with a zero ``rng_state`` (no dropout).
+    GQA natively (k, v keep their heads). Tested only against stand-ins with
+    TE's exact signatures; never run on a GPU.
+
+    Args:
+        fused_attn: the ``cpp_extensions.fused_attn`` module (imported when ``None``).
+        te_dtype: the ``constants.TE_DType`` mapping (imported when needed and ``None``).
+        version: TE's version for messages (``transformer_engine.__version__``).
+    """
+
+    name = "te"
+
+    def __init__(
+        self,
+        fused_attn: ModuleType | Any | None = None,
+        te_dtype: Mapping[torch.dtype, Any] | None = None,
+        version: str | None = None,
+    ):
+        if fused_attn is None:
+            fused_attn = importlib.import_module(
+                "transformer_engine.pytorch.cpp_extensions.fused_attn"
+            )
+            te = importlib.import_module("transformer_engine")
+            version = version or str(getattr(te, "__version__", "?"))
+        version = version or str(getattr(fused_attn, "__version__", "?"))
+        self._fwd = fused_attn.fused_attn_fwd
+        self._bwd = fused_attn.fused_attn_bwd
+        self.api = detect_te_api(self._fwd, self._bwd, version)
+        backends = getattr(fused_attn, "FusedAttnBackend", None)
+        if not isinstance(backends, Mapping) or "F16_arbitrary_seqlen" not in backends:
+            raise NotImplementedError(
+                f"Transformer Engine {version}: cpp_extensions.fused_attn has no "
+                f"FusedAttnBackend['F16_arbitrary_seqlen'] (supported: {_TE_SUPPORTED})"
+            )
+        self._backend = backends["F16_arbitrary_seqlen"]  # what TE's CP code passes for F16
+        if te_dtype is None and self.api.needs_te_dtype:
+            te_dtype = importlib.import_module("transformer_engine.pytorch.constants").TE_DType
+        self._te_dtype = te_dtype
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _dtypes(self, dtype: torch.dtype) -> tuple[Any, Any]:
+        """(value of qkv_dtype / fake_dtype, value of dqkv_dtype) for inputs of ``dtype``."""
+        te = self._te_dtype[dtype] if self._te_dtype is not None else None
+        return (te if self.api.dtype_arg == "qkv_dtype" else dtype), te
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """A private generator per device: TE draws a Philox state on every forward even
+        without dropout, which would otherwise advance the default CUDA generator."""
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device)
+        return self._generators[key]
+
+    def _stats_to_bhs(self, stats: Tensor, b: int, h: int, sq: int, dtype: torch.dtype) -> Tensor:
+        if tuple(stats.shape) != (b, h, sq, 1):
+            raise RuntimeError(
+                f"Transformer Engine {self.api.version}: softmax statistics of shape "
+                f"{tuple(stats.shape)}; expected [{b}, {h}, {sq}, 1]"
+            )
+        return stats.squeeze(-1).to(acc_dtype(dtype))
+
+    def forward(self, q, k, v, *, causal, scale):
+        _check_te_inputs(q, k, v)
+        sq, b, hq, _ = q.shape
+        qc, kc, vc = (x.contiguous() for x in (q, k, v))  # no copy when already sbhd
+        cu_q = _full_cu_seqlens(b, sq, q.device)
+        cu_kv = _full_cu_seqlens(b, k.shape[0], q.device)
+        dtype, _ = self._dtypes(q.dtype)
+        # A private generator keeps TE's (unused, dropout 0) Philox draw off the default
+        # one; under CUDA graph capture only the default generator is registered, so None.
+        gen = None if _capturing(q.device) else self._generator(q.device)
+        kw = self.api.forward_kwargs(
+            qc, kc, vc, cu_q, cu_kv, self._backend, dtype, causal=causal, scale=scale,
+            rng_gen=gen,
+        )  # fmt: skip
+        res = self._fwd(**kw)
+        out, aux = res[0], res[1]  # (out, [stats, rng_state, ...]) in every version
+        if tuple(out.shape) != tuple(q.shape):
+            raise RuntimeError(
+                f"Transformer Engine {self.api.version}: output {tuple(out.shape)} != q "
+                f"{tuple(q.shape)}"
+            )
+        return out, self._stats_to_bhs(aux[0], b, hq, sq, q.dtype)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+        _check_te_inputs(q, k, v)
+        sq, b, hq, _ = q.shape
+        if tuple(lse.shape) != (b, hq, sq):
+            raise ValueError(f"lse {tuple(lse.shape)} != [{b}, {hq}, {sq}]")
+        qc, kc, vc = (x.contiguous() for x in (q, k, v))
+        oc, doc = out.to(q.dtype).contiguous(), dout.to(q.dtype).contiguous()
+        # TE's aux_ctx_tensors: the softmax statistics as the forward returns them
+        # ([b, h, sq, 1] fp32), here the final merged lse, then the [seed, offset]
+        # rng_state (int64 [2]), which no kernel reads without dropout.
+        stats = lse.to(acc_dtype(q.dtype)).unsqueeze(-1).contiguous()
+        rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+        cu_q = _full_cu_seqlens(b, sq, q.device)
+        cu_kv = _full_cu_seqlens(b, k.shape[0], q.device)
+        dtype, dqkv_dtype = self._dtypes(q.dtype)
+        aux = [stats, rng_state]
+        kw = self.api.backward_kwargs(
+            doc,
+            qc,
+            kc,
+            vc,
+            oc,
+            aux,
+            cu_q,
+            cu_kv,
+            self._backend,
+            dtype,
+            dqkv_dtype,
+            causal=causal,
+            scale=scale,
+        )
+        res = self._bwd(**kw)
+        grads = tuple(res[:3])  # [dq, dk, dv, dbias, (d_softmax_offset)]
+        for g, x in zip(grads, (q, k, v)):
+            if tuple(g.shape) != tuple(x.shape):
+                raise RuntimeError(
+                    f"Transformer Engine {self.api.version}: gradient {tuple(g.shape)} for "
+                    f"an input of shape {tuple(x.shape)}"
+                )
+        return grads
