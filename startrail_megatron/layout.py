@@ -1,6 +1,6 @@
 """Pure rank arithmetic of StarTrail: ints in, ints out, no torch.distributed.
 
-Notation (StarTrail, arXiv 2407.00611, sections 4.1-4.2): ``P`` context-parallel (CP) ranks
+Notation (StarTrail, arXiv 2407.00611, Algorithms 1-3): ``P`` context-parallel (CP) ranks
 share one sequence, ``C`` is the team size, ``T = P/C`` teams, ``G = P/C^2``
 teams per team group, ``C`` team groups, ``C^2`` sub-rings of ``G`` ranks.
 
