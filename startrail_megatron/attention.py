@@ -42,10 +42,17 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .block_plan import BlockCall, plan_block
-from .comm import CommLedger, P2PComm, PeerExchange, TeamCollectives, TeamComm
+from .comm import (
+    CommLedger,
+    P2PComm,
+    PeerExchange,
+    TeamCollectives,
+    TeamComm,
+    check_agreement,
+)
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
-from .layout import StarTrailLayout
+from .layout import PLACEMENTS, StarTrailLayout
 from .zigzag import inverse_order, reorder_chunks
 
 __all__ = [
@@ -92,6 +99,41 @@ def validate_inputs(q: Tensor, k: Tensor, v: Tensor, cp_size: int, causal: bool)
             f"2*cp_size = {2 * cp_size} equal chunks, i.e. an even s_local; got s_local={s} "
             f"(sequence length {s * cp_size})"
         )
+
+
+_DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+
+
+def agree_once(groups: StarTrailGroups, q: Tensor, k: Tensor, causal: bool) -> None:
+    """Check, the first time this rank sees a call setting, that every CP rank has the same.
+
+    Ranks that disagree on the local length, batch, heads, head_dim, dtype or
+    causal (or on C, placement, P through their groups) would post mismatched
+    transfers and hang until the group's timeout; instead every rank raises the
+    same ``ValueError`` naming what differs. One tiny all-reduce, and one device
+    synchronization to read it, per new setting (not per call). A rank that
+    changes its setting while the others reuse one they already checked is not
+    caught here: its transfers then fail at the group's timeout, naming the peers.
+    """
+    (s, b, hq, d), hkv = q.shape, k.shape[2]
+    lay = groups.layout
+    fields = {
+        "s_local": s,
+        "batch": b,
+        "heads_q": hq,
+        "heads_kv": hkv,
+        "head_dim": d,
+        "dtype": _DTYPE_CODES.get(q.dtype, 99),
+        "causal": int(causal),
+        "cp_size": lay.cp_size,
+        "team_size": lay.team_size,
+        "placement": PLACEMENTS.index(lay.placement),
+    }
+    key = tuple(fields.values())
+    if lay.cp_size == 1 or key in groups.agreed:
+        return
+    check_agreement(groups.cp_group, fields, q.device)
+    groups.agreed.add(key)
 
 
 @lru_cache(maxsize=4096)
@@ -356,4 +398,5 @@ def startrail_attention(
         )
     validate_inputs(q, k, v, groups.cp_size, causal)
     kern, scale = resolve_kernel(q, kernel, softmax_scale)
+    agree_once(groups, q, k, bool(causal))
     return _StarTrailAttention.apply(q, k, v, groups, bool(causal), scale, kern, ledger)

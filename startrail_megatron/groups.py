@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -38,6 +38,26 @@ def _new_group(ranks: list[int], timeout: timedelta | None, desc: str) -> dist.P
             "a cp_group whose global ranks ascend with the CP rank"
         )
     return dist.new_group(ranks, timeout=timeout, group_desc=desc)
+
+
+def _group_timeout(group: dist.ProcessGroup | None) -> timedelta | None:
+    """The timeout ``group`` was created with (``None`` if this torch does not say).
+
+    ``dist.new_group(timeout=None)`` takes torch's 30-minute default, not the timeout of
+    the world or of the CP group; StarTrail's groups inherit the CP group's instead, so a
+    dead or mismatched peer ends in an error at the timeout the user configured. Read
+    through the backend's options (a private attribute; best effort).
+    """
+    pg = group if group is not None else dist.group.WORLD
+    devices = ["cuda", "cpu"] if torch.cuda.is_available() else ["cpu"]
+    for dev in devices:
+        try:
+            t = pg._get_backend(torch.device(dev)).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for this device, or another torch
+            continue
+        if isinstance(t, timedelta):
+            return t
+    return None
 
 
 def _warm_up_device(
@@ -83,6 +103,8 @@ class StarTrailGroups:
         cp_rank: this rank's index in ``cp_group``.
         team_group: the C ranks of this rank's team (``None`` when C = 1).
         subring_group: the G ranks of this rank's sub-ring (``None`` when G = 1).
+        agreed: the call settings the CP ranks were checked to agree on
+            (``startrail_attention`` fills it, once per new setting).
     """
 
     layout: StarTrailLayout
@@ -90,6 +112,7 @@ class StarTrailGroups:
     cp_rank: int
     team_group: dist.ProcessGroup | None
     subring_group: dist.ProcessGroup | None
+    agreed: set = field(default_factory=set, repr=False, compare=False)
 
     @property
     def team_size(self) -> int:
@@ -120,27 +143,39 @@ class StarTrailGroups:
         involve all its ranks, which the initial KV placement does not). On
         GPUs, set each rank's CUDA device first (``torch.cuda.set_device`` or
         ``init_process_group(device_id=...)``), as NCCL requires anyway.
-        ``timeout`` applies to the new groups (default: the process group
-        default). The setting is checked before any communication.
+        ``timeout`` applies to the new groups (default: the CP group's own
+        timeout, so a dead peer fails at the timeout the user configured, not
+        at torch's 30-minute default for new groups). The setting is checked
+        before any communication; ranks that pass different settings all raise
+        the same ``ValueError``.
         """
         if not dist.is_initialized():
             raise RuntimeError("StarTrailGroups.create needs torch.distributed to be initialized")
         cp_size = dist.get_world_size(cp_group)
         layout = StarTrailLayout(cp_size, team_size, placement)  # ValueError on a bad setting
         cp_rank = dist.get_rank(cp_group)
+        if timeout is None:
+            timeout = _group_timeout(cp_group)
         if cp_group is None:
             mine = tuple(range(cp_size))
-            all_cp = [mine]
         else:
             mine = tuple(dist.get_global_rank(cp_group, r) for r in range(cp_size))
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine)
-            if any(len(g) != cp_size for g in gathered):
-                raise ValueError(
-                    f"every rank's cp_group must have the same size; got sizes "
-                    f"{sorted({len(g) for g in gathered})}"
-                )
-            all_cp = sorted(set(gathered))
+        # Every rank's CP group and setting (one small all-gather): ranks that disagree
+        # would create different groups and hang; they get the same ValueError instead.
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (mine, team_size, placement))
+        if any(len(g[0]) != cp_size for g in gathered):
+            raise ValueError(
+                f"every rank's cp_group must have the same size; got sizes "
+                f"{sorted({len(g[0]) for g in gathered})}"
+            )
+        settings = sorted({(g[1], g[2]) for g in gathered})
+        if len(settings) > 1:
+            raise ValueError(
+                "the ranks disagree on StarTrail's (team_size, placement): "
+                f"{settings}; every rank must pass the same"
+            )
+        all_cp = sorted({g[0] for g in gathered})
 
         team, member = layout.coord(cp_rank)
         team_group = subring_group = None

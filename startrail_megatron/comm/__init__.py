@@ -8,7 +8,14 @@
 
 from .ledger import CommEvent, CommLedger, nbytes
 from .protocols import Handle, PeerExchange, TeamCollectives
-from .torch_dist import P2PComm, P2PHandle, TeamComm, all_to_all_bytes, tap_all_to_all
+from .torch_dist import (
+    P2PComm,
+    P2PHandle,
+    TeamComm,
+    all_to_all_bytes,
+    check_agreement,
+    tap_all_to_all,
+)
 
 __all__ = [
     "CommEvent",
@@ -20,6 +27,7 @@ __all__ = [
     "TeamCollectives",
     "TeamComm",
     "all_to_all_bytes",
+    "check_agreement",
     "nbytes",
     "tap_all_to_all",
 ]

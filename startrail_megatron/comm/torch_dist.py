@@ -21,13 +21,64 @@ from torch import Tensor
 
 from .ledger import CommLedger, nbytes
 
-__all__ = ["P2PComm", "P2PHandle", "TeamComm", "all_to_all_bytes", "tap_all_to_all"]
+__all__ = [
+    "P2PComm",
+    "P2PHandle",
+    "TeamComm",
+    "all_to_all_bytes",
+    "check_agreement",
+    "tap_all_to_all",
+]
 
 # torch 2.13 renamed the flat collectives (the old names warn); one shim here, so the
 # deprecated names are never called where the new ones exist (no warning filter per call:
 # ``warnings.catch_warnings`` is not thread-safe, and the backward runs on autograd's thread).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """Global ranks of ``group`` (``None``: the default world), for error messages."""
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+def _failed(
+    what: str, group: dist.ProcessGroup | None, detail: str, err: Exception
+) -> RuntimeError:
+    """A communication failure that names the operation, the group and the peers."""
+    return RuntimeError(
+        f"StarTrail {what} failed on global rank {dist.get_rank()} in the group of global ranks "
+        f"{_group_ranks(group)}{detail}: a peer died or did not answer within the group's "
+        f"timeout ({type(err).__name__}: {err})"
+    )
+
+
+def check_agreement(
+    group: dist.ProcessGroup | None, fields: dict[str, int], device: torch.device
+) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` unless all ranks pass equal ``fields``.
+
+    One all-reduce (MAX of the values and of their negations) of ``2 * len(fields)``
+    integers; reading the result synchronizes the device once, so callers check a
+    setting the first time they see it, not on every call.
+    """
+    vals = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
+    both = torch.cat((vals, -vals))
+    try:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as e:
+        raise _failed("agreement check", group, "", e) from e
+    n = len(fields)
+    hi, lo = both[:n].tolist(), (-both[n:]).tolist()
+    bad = [f"{k} ({a} to {b})" for k, a, b in zip(fields, lo, hi) if a != b]
+    if bad:
+        raise ValueError(
+            f"the ranks of the CP group (global ranks {_group_ranks(group)}) disagree on "
+            f"{', '.join(bad)}: every CP rank must call with the same shapes, dtype, causal "
+            "and StarTrail groups"
+        )
 
 
 class TeamComm:
@@ -46,7 +97,10 @@ class TeamComm:
             return x
         x = x.contiguous()
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
-        _all_gather(out, x, group=self.group)
+        try:
+            _all_gather(out, x, group=self.group)
+        except RuntimeError as e:
+            raise _failed(f"all-gather of {what!r}", self.group, "", e) from e
         if self.ledger is not None:
             self.ledger.record("collective", "all_gather", what, (self.size - 1) * nbytes(x))
         return out
@@ -57,7 +111,10 @@ class TeamComm:
             return x
         x = x.contiguous()
         out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
-        _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=self.group)
+        try:
+            _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=self.group)
+        except RuntimeError as e:
+            raise _failed(f"reduce-scatter of {what!r}", self.group, "", e) from e
         if self.ledger is not None:
             self.ledger.record("collective", "reduce_scatter", what, (self.size - 1) * nbytes(out))
         return out
@@ -66,14 +123,20 @@ class TeamComm:
 class P2PHandle:
     """An exchange in flight; ``wait()`` returns the received tensor."""
 
-    def __init__(self, works: list, result: Tensor):
+    def __init__(self, works: list, result: Tensor, on_error=None):
         self._works, self._result, self._done = works, result, False
+        self._on_error = on_error  # exception -> the error to raise instead (names the peers)
 
     def wait(self) -> Tensor:
         if self._done:
             raise RuntimeError("P2PHandle.wait() called twice")
-        for w in self._works:
-            w.wait()
+        try:
+            for w in self._works:
+                w.wait()
+        except RuntimeError as e:
+            if self._on_error is None:
+                raise
+            raise self._on_error(e) from e
         self._done = True
         return self._result
 
@@ -113,14 +176,24 @@ class P2PComm:
             return P2PHandle([], send)
         send = send.contiguous()
         recv = torch.empty_like(send)
-        ops = [
-            dist.P2POp(dist.isend, send, self._global(dst), group or self.group),
-            dist.P2POp(dist.irecv, recv, self._global(src), group or self.group),
-        ]
-        works = dist.batch_isend_irecv(ops)
+        comm = group or self.group
+        g_dst, g_src = self._global(dst), self._global(src)
+        ops = [dist.P2POp(dist.isend, send, g_dst, comm), dist.P2POp(dist.irecv, recv, g_src, comm)]
+
+        def failed(e: Exception) -> RuntimeError:
+            peers = (
+                f", P2P {what!r} from CP rank {self.cp_rank} to CP rank {dst} (global {g_dst}), "
+                f"from CP rank {src} (global {g_src})"
+            )
+            return _failed("P2P exchange", comm, peers, e)
+
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            raise failed(e) from e
         if self.ledger is not None:
             self.ledger.record("p2p", "send", what, nbytes(send), dst)
-        return P2PHandle(works, recv)
+        return P2PHandle(works, recv, failed)
 
 
 class _AllToAllTap(torch.autograd.Function):

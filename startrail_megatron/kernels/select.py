@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
+import numbers
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -338,8 +340,13 @@ def resolve_kernel(
     """The kernel object and softmax scale an attention call on ``q`` uses.
 
     A name is looked up with ``get_kernel`` for q's dtype, device and head_dim;
-    the scale defaults to ``head_dim ** -0.5``.
+    the scale defaults to ``head_dim ** -0.5``; an explicit one must be a finite
+    number > 0 (``ValueError``).
     """
+    if softmax_scale is not None:
+        bad = isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+        if bad or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(f"softmax_scale={softmax_scale!r} must be a finite number > 0 or None")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if isinstance(kernel, str):
         kernel = get_kernel(kernel, q.dtype, device=q.device, head_dim=q.shape[-1])
