@@ -114,6 +114,8 @@ def agree_once(groups: StarTrailGroups, q: Tensor, k: Tensor, causal: bool) -> N
     synchronization to read it, per new setting (not per call). A rank that
     changes its setting while the others reuse one they already checked is not
     caught here: its transfers then fail at the group's timeout, naming the peers.
+    Skipped while a CUDA graph is being captured (no host read is allowed there;
+    the warm-up iterations before a capture make the check).
     """
     (s, b, hq, d), hkv = q.shape, k.shape[2]
     lay = groups.layout
@@ -131,6 +133,8 @@ def agree_once(groups: StarTrailGroups, q: Tensor, k: Tensor, causal: bool) -> N
     }
     key = tuple(fields.values())
     if lay.cp_size == 1 or key in groups.agreed:
+        return
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     check_agreement(groups.cp_group, fields, q.device)
     groups.agreed.add(key)
