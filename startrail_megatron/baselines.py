@@ -25,18 +25,10 @@ output goes back by the inverse all-to-all. Needs ``heads_q`` and
 
 Ring attention is ``startrail_attention`` with ``team_size=1``.
 
-Communication per rank and call (u_q, u_kv: elements of one local q / k
-tensor; ``elem``: input dtype bytes; ``acc``: fp32, fp64 for fp64):
-
-  all-gather   fwd  all-gather K,V           (P-1) 2 u_kv elem
-               bwd  all-gather K,V again     (P-1) 2 u_kv elem
-                    reduce-scatter dK,dV     (P-1) 2 u_kv acc
-  Ulysses      fwd  all-to-all q, k, v, out  (P-1)/P (2 u_q + 2 u_kv) elem
-               bwd  dout, dq, dk, dv         (P-1)/P (2 u_q + 2 u_kv) elem
-
-``allgather_comm_bytes`` / ``ulysses_comm_bytes`` give these numbers (pure
-arithmetic); the tests check them against the ledger, and the planner uses
-them.
+Communication per rank and call: the table and the functions
+(``allgather_comm_bytes``, ``ulysses_comm_bytes``, their ``*_comm_calls``) are in
+``accounting.py``, pure arithmetic; the tests check them against the ledger, and
+the planner uses them.
 """
 
 from __future__ import annotations
@@ -45,87 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .accounting import ulysses_supported
 from .attention import validate_inputs
 from .comm import CommLedger, TeamComm, tap_all_to_all
 from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
 from .zigzag import inverse_order, reorder_chunks
 
-__all__ = [
-    "allgather_attention",
-    "allgather_calls",
-    "allgather_comm_bytes",
-    "allgather_comm_calls",
-    "ulysses_attention",
-    "ulysses_comm_bytes",
-    "ulysses_comm_calls",
-    "ulysses_supported",
-]
-
-
-# ---- accounting (pure) ------------------------------------------------------
-def allgather_comm_bytes(
-    cp_size: int,
-    *,
-    s_local: int,
-    batch: int,
-    heads_q: int,
-    heads_kv: int,
-    head_dim: int,
-    elem_bytes: int,
-    acc_bytes: int = 4,
-) -> dict[str, int]:
-    """Bytes one rank sends in one all-gather-KV attention forward and backward.
-
-    Same keys as ``StarTrailLayout.comm_bytes``; every transfer is a collective.
-    """
-    kv = 2 * s_local * batch * heads_kv * head_dim  # local K and V elements
-    p1 = cp_size - 1
-    return {
-        "fwd_p2p": 0,
-        "bwd_p2p": 0,
-        "fwd_collective": p1 * kv * elem_bytes,
-        "bwd_collective": p1 * kv * (elem_bytes + acc_bytes),
-    }
-
-
-def allgather_comm_calls(cp_size: int) -> dict[str, int]:
-    """Collective calls per rank: forward 1 (all-gather), backward 2."""
-    n = int(cp_size > 1)
-    return {"fwd_p2p": 0, "bwd_p2p": 0, "fwd_collective": n, "bwd_collective": 2 * n}
-
-
-def ulysses_comm_bytes(
-    cp_size: int,
-    *,
-    s_local: int,
-    batch: int,
-    heads_q: int,
-    heads_kv: int,
-    head_dim: int,
-    elem_bytes: int,
-    acc_bytes: int = 4,
-) -> dict[str, int]:
-    """Bytes one rank sends in one Ulysses attention forward and backward.
-
-    ``acc_bytes`` is accepted for a uniform signature; Ulysses moves only
-    input-dtype tensors.
-    """
-    del acc_bytes
-    tok = s_local * batch
-    per = 2 * tok * heads_q * head_dim + 2 * tok * heads_kv * head_dim  # q, out, k, v
-    each = (cp_size - 1) * per * elem_bytes // cp_size
-    return {"fwd_p2p": 0, "bwd_p2p": 0, "fwd_collective": each, "bwd_collective": each}
-
-
-def ulysses_comm_calls(cp_size: int) -> dict[str, int]:
-    """All-to-all calls per rank: forward 4 (q, k, v, out), backward 4."""
-    n = 4 * int(cp_size > 1)
-    return {"fwd_p2p": 0, "bwd_p2p": 0, "fwd_collective": n, "bwd_collective": n}
-
-
-def ulysses_supported(cp_size: int, heads_q: int, heads_kv: int) -> bool:
-    """Ulysses shards heads: both head counts must be multiples of the CP size."""
-    return heads_q % cp_size == 0 and heads_kv % cp_size == 0
+__all__ = ["allgather_attention", "allgather_calls", "ulysses_attention"]
 
 
 # ---- shared pieces ----------------------------------------------------------

@@ -1,9 +1,8 @@
 """An alpha-beta cost model of StarTrail and its peers: time, bytes and memory per rank.
 
-Byte counts are never re-derived here: they come from
-``StarTrailLayout.comm_bytes`` / ``p2p_sends`` (StarTrail, ring = C 1) and from
-``baselines.allgather_comm_bytes`` / ``ulysses_comm_bytes``, the same
-functions the tests check against the ledger of real runs. Compute comes
+Byte counts are never re-derived here: they come from ``accounting``
+(StarTrail, ring = C 1, and the peers), the same functions the tests check
+against the ledger of real runs. Compute comes
 from the real kernel-call plans (``block_plan.plan_block`` on the StarTrail
 schedule, ``baselines.allgather_calls``), so causal balance and the
 diagonal blocks are counted exactly.
@@ -35,18 +34,21 @@ and weight all-gather, and the Adam step.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
-from ..baselines import (
-    allgather_calls,
+from ..accounting import (
+    LocalShape,
     allgather_comm_bytes,
     allgather_comm_calls,
+    startrail_comm_bytes,
+    startrail_comm_calls,
     ulysses_comm_bytes,
     ulysses_comm_calls,
     ulysses_supported,
 )
+from ..baselines import allgather_calls
 from ..block_plan import plan_block
 from ..layout import PLACEMENTS, Placement, StarTrailLayout, valid_team_sizes
 from .cluster import ClusterSpec, ModelSpec
@@ -137,15 +139,17 @@ class AttnShape:
     def seq_len(self) -> int:
         return self.s_local * self.cp_size
 
-    def kwargs(self) -> dict[str, int]:
-        return dict(
-            s_local=self.s_local,
-            batch=self.batch,
-            heads_q=self.heads_q,
-            heads_kv=self.heads_kv,
-            head_dim=self.head_dim,
-            elem_bytes=self.elem_bytes,
-            acc_bytes=self.acc_bytes,
+    @property
+    def local(self) -> LocalShape:
+        """One rank's tensors, the shape argument of ``accounting``."""
+        return LocalShape(
+            self.s_local,
+            self.batch,
+            self.heads_q,
+            self.heads_kv,
+            self.head_dim,
+            self.elem_bytes,
+            self.acc_bytes,
         )
 
 
@@ -175,9 +179,12 @@ def comm_bytes(strategy: Strategy, shape: AttnShape) -> list[dict[str, int]]:
     p = shape.cp_size
     if strategy.kind == "startrail":
         lay = StarTrailLayout(p, strategy.team_size, strategy.placement)
-        return [lay.comm_bytes(r, **shape.kwargs()) for r in range(p)]
+        return [
+            startrail_comm_bytes(lay.team_size, lay.p2p_sends(r, backward=True), shape.local)
+            for r in range(p)
+        ]
     fn = allgather_comm_bytes if strategy.kind == "allgather" else ulysses_comm_bytes
-    return [fn(p, **shape.kwargs())] * p
+    return [fn(p, shape.local)] * p
 
 
 def comm_calls(strategy: Strategy, shape: AttnShape) -> list[dict[str, int]]:
@@ -188,19 +195,7 @@ def comm_calls(strategy: Strategy, shape: AttnShape) -> list[dict[str, int]]:
     if strategy.kind == "ulysses":
         return [ulysses_comm_calls(p)] * p
     lay = StarTrailLayout(p, strategy.team_size, strategy.placement)
-    n_coll = 3 if strategy.team_size > 1 else 0
-    out = []
-    for r in range(p):
-        s = lay.p2p_sends(r, backward=True)
-        out.append(
-            {
-                "fwd_p2p": s["kv"],
-                "bwd_p2p": s["kv"] + s["dkv"],
-                "fwd_collective": n_coll,
-                "bwd_collective": n_coll,
-            }
-        )
-    return out
+    return [startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True)) for r in range(p)]
 
 
 def paper_comm_bytes(
@@ -671,8 +666,12 @@ def _startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
     p = shape.cp_size
     lay = StarTrailLayout(p, st.team_size, st.placement)
     byts = comm_bytes(st, shape)
+    no_acc = replace(shape.local, acc_bytes=0)  # the q,k,v all-gather: input dtype only
     qkv = max(
-        lay.comm_bytes(r, **{**shape.kwargs(), "acc_bytes": 0})["fwd_collective"] for r in range(p)
+        startrail_comm_bytes(lay.team_size, lay.p2p_sends(r, backward=True), no_acc)[
+            "fwd_collective"
+        ]
+        for r in range(p)
     )
     teams = lay.all_team_ranks()
     team_kv = st.team_size * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
