@@ -23,9 +23,11 @@ import torch.distributed as dist
 
 from startrail_megatron import baselines as B
 from startrail_megatron.attention import startrail_attention
+from startrail_megatron.block_plan import allgather_calls
 from startrail_megatron.comm import TeamComm
 from startrail_megatron.groups import StarTrailGroups
 from startrail_megatron.kernels import get_kernel
+from startrail_megatron.zigzag import inverse_order, reorder_chunks
 
 
 def _rank(rank: int, world: int, init: str, args) -> None:
@@ -48,8 +50,8 @@ def _rank(rank: int, world: int, init: str, args) -> None:
 
     st = torch.stack((k, v), dim=1)
     order = B._natural_order(world)
-    kvn = B._reorder(comm.all_gather(st, "kv"), order)
-    calls = B.allgather_calls(rank, world, True, s)
+    kvn = reorder_chunks(comm.all_gather(st, "kv"), order)
+    calls = allgather_calls(rank, world, True, s)
     o, lse = torch.randn(s, b, h, d), torch.randn(b, h, s)
 
     def kernels():
@@ -75,14 +77,14 @@ def _rank(rank: int, world: int, init: str, args) -> None:
 
     def buffers():
         torch.stack((k, v), dim=1)
-        gathered = B._reorder(kvn, order)
-        B._reorder(gathered, order)
+        gathered = reorder_chunks(kvn, order)
+        reorder_chunks(gathered, order)
         dkv, dq = torch.zeros(kvn.shape), torch.zeros(q.shape)
         for (qs, ks, _), g in zip(calls, grads):
             dkv[ks, 0] += g
             dkv[ks, 1] += g
             dq[qs] += q[qs]
-        B._reorder(dkv, B._inverse(order))
+        reorder_chunks(dkv, inverse_order(order))
 
     tasks = {
         "allgather fwd+bwd": whole(lambda *x: B.allgather_attention(*x, None, causal=True)),

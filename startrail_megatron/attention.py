@@ -35,17 +35,15 @@ most 2*(1+1) = 4 forward and 4 + 2*(1+1) = 8 backward.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .block_plan import BlockCall, plan_block
+from .block_plan import BlockCall, team_block_calls
 from .comm import CommLedger, P2PComm, TeamComm
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
-from .layout import StarTrailLayout
 from .zigzag import inverse_order, reorder_chunks
 
 __all__ = ["startrail_attention", "validate_inputs"]
@@ -88,15 +86,6 @@ def validate_inputs(q: Tensor, k: Tensor, v: Tensor, cp_size: int, causal: bool)
         )
 
 
-@lru_cache(maxsize=4096)
-def _plan(
-    layout: StarTrailLayout, q_team: int, kv_team: int, causal: bool
-) -> tuple[BlockCall, ...]:
-    if not causal:
-        return tuple(plan_block([0], [0], False))
-    return tuple(plan_block(layout.team_chunks(q_team), layout.team_chunks(kv_team), True))
-
-
 class _Ctx:
     """Per-call state shared by the forward and backward of one rank.
 
@@ -129,7 +118,7 @@ class _Ctx:
         self.inv_perm = inverse_order(perm)
 
     def calls(self, kv_team: int) -> tuple[BlockCall, ...]:
-        return _plan(self.layout, self.team, kv_team, self.causal)
+        return team_block_calls(self.layout, self.team, kv_team, self.causal)
 
     def chunk_len(self, n: int) -> int:
         return n // (2 * self.layout.team_size) if self.causal else n

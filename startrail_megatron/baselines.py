@@ -6,14 +6,10 @@ zigzag split), an explicit process group, ``ledger=CommLedger`` accounting.
 
 ``allgather_attention`` (Megatron's ``cp_comm_type="all_gather"``, i.e.
 TransformerEngine's ``AttnFuncWithCPAndKVAllGather``): all-gather K and V over
-the whole CP group, compute the local queries against the keys they need, and
-in the backward all-gather K, V again and reduce-scatter dK, dV. Causal, for
-CP rank r with zigzag chunks r and 2P-1-r (c tokens per chunk)::
-
-    q chunk r        : full against chunks [0, r)        + causal on chunk r
-    q chunk 2P-1-r   : full against chunks [0, 2P-1-r)   + causal on chunk 2P-1-r
-
-so every rank computes the same number of (q, k) pairs.
+the whole CP group, compute the local queries against the keys they need
+(``block_plan.allgather_calls``: every rank computes the same number of
+(q, k) pairs), and in the backward all-gather K, V again and reduce-scatter
+dK, dV.
 
 ``ulysses_attention`` (DeepSpeed-Ulysses): DeepSpeed's own
 ``deepspeed.sequence.layer.DistributedAttention`` around our local kernel.
@@ -39,11 +35,12 @@ from torch import Tensor
 
 from .accounting import ulysses_supported
 from .attention import validate_inputs
+from .block_plan import allgather_calls
 from .comm import CommLedger, TeamComm, tap_all_to_all
 from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
 from .zigzag import inverse_order, reorder_chunks
 
-__all__ = ["allgather_attention", "allgather_calls", "ulysses_attention"]
+__all__ = ["allgather_attention", "ulysses_attention"]
 
 
 # ---- shared pieces ----------------------------------------------------------
@@ -63,26 +60,6 @@ def _natural_order(p: int) -> list[int]:
 
 
 # ---- all-gather KV ----------------------------------------------------------
-def allgather_calls(
-    rank: int, cp_size: int, causal: bool, s_local: int
-) -> list[tuple[slice, slice, bool]]:
-    """Kernel calls of one rank: (local q rows, rows of the natural-order KV, causal).
-
-    Pure arithmetic; the planner counts compute from it.
-    """
-    p = cp_size
-    if not causal:
-        return [(slice(0, s_local), slice(0, p * s_local), False)]
-    c = s_local // 2
-    out = []
-    for half, chunk in ((0, rank), (1, 2 * p - 1 - rank)):
-        qs = slice(half * c, (half + 1) * c)
-        if chunk > 0:
-            out.append((qs, slice(0, chunk * c), False))
-        out.append((qs, slice(chunk * c, (chunk + 1) * c), True))
-    return out
-
-
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp_group, causal, scale, kernel, ledger):

@@ -17,6 +17,7 @@ from harness import run_ranks
 
 import startrail_megatron as st
 from startrail_megatron import baselines
+from startrail_megatron.block_plan import allgather_calls
 from startrail_megatron.planner import (
     CLUSTER_PRESETS,
     MODEL_PRESETS,
@@ -356,7 +357,7 @@ def test_stream_term_adds_exactly_its_bytes_to_allgather():
     ag = Strategy("allgather")
     extra_f = extra_b = 0.0
     for r in range(4):  # per rank; the step takes the slowest (the one with most keys)
-        calls = baselines.allgather_calls(r, 4, True, 1024)
+        calls = allgather_calls(r, 4, True, 1024)
         sf = sum(
             kv_stream_bytes(q.stop - q.start, k.stop - k.start, c, **CACHE, **DIMS, bwd=False)
             for q, k, c in calls

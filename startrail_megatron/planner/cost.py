@@ -3,9 +3,9 @@
 Byte counts are never re-derived here: they come from ``accounting``
 (StarTrail, ring = C 1, and the peers), the same functions the tests check
 against the ledger of real runs. Compute comes
-from the real kernel-call plans (``block_plan.plan_block`` on the StarTrail
-schedule, ``baselines.allgather_calls``), so causal balance and the
-diagonal blocks are counted exactly.
+from the kernel calls the implementations make (``block_plan.startrail_step_calls``
+on the StarTrail schedule, ``block_plan.allgather_calls``), so causal balance and
+the diagonal blocks are counted exactly.
 
 Time of one transfer: ``alpha + bytes / bw`` (Hockney). A P2P step takes
 its slowest rank; a link is intra-node or inter-node by the placement, and
@@ -48,8 +48,7 @@ from ..accounting import (
     ulysses_comm_calls,
     ulysses_supported,
 )
-from ..baselines import allgather_calls
-from ..block_plan import plan_block
+from ..block_plan import allgather_calls, startrail_step_calls, team_chunk_len
 from ..layout import PLACEMENTS, Placement, StarTrailLayout, valid_team_sizes
 from .cluster import ClusterSpec, ModelSpec
 
@@ -275,35 +274,47 @@ def _all_to_all(cl: ClusterSpec, p: int, nbytes: int, calls: int) -> float:
 
 
 # ---- compute ----------------------------------------------------------------
+CallShape = tuple[int, int, bool]
+"""One kernel call in tokens: (q rows, kv rows, causal)."""
+
+
+@lru_cache(maxsize=256)
+def _startrail_call_shapes(
+    lay: StarTrailLayout, causal: bool, s_local: int
+) -> tuple[tuple[tuple[CallShape, ...], ...], ...]:
+    """[step][rank] -> the calls of ``block_plan.startrail_step_calls``, in tokens."""
+    chunk = team_chunk_len(lay, s_local, causal)
+    return tuple(
+        tuple(
+            tuple(
+                ((x.q_hi - x.q_lo) * chunk, (x.kv_hi - x.kv_lo) * chunk, x.causal)
+                for x in startrail_step_calls(lay, r, step, causal)
+            )
+            for r in range(lay.cp_size)
+        )
+        for step in range(lay.ring_size)
+    )
+
+
+def _allgather_call_shapes(rank: int, shape: AttnShape) -> tuple[CallShape, ...]:
+    """The calls of ``block_plan.allgather_calls``, in tokens."""
+    calls = allgather_calls(rank, shape.cp_size, shape.causal, shape.s_local)
+    return tuple((qs.stop - qs.start, ks.stop - ks.start, cz) for qs, ks, cz in calls)
+
+
+def _call_work(shapes: tuple[CallShape, ...]) -> tuple:
+    """((full pairs, causal pairs, causal rows) per (batch, head), calls, ``shapes``)."""
+    full = sum(nq * nk for nq, nk, cz in shapes if not cz)
+    diag = sum(nq * (nq + 1) // 2 for nq, nk, cz in shapes if cz)
+    rows = sum(nq for nq, nk, cz in shapes if cz)
+    return (full, diag, rows), len(shapes), shapes
+
+
 @lru_cache(maxsize=256)
 def _startrail_work(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
-    """[step][rank] -> ((full pairs, causal pairs, causal rows) per (batch, head), calls,
-    the calls' (q rows, kv rows, causal))."""
-    c = lay.team_size
-    chunk = s_local // 2 if causal else c * s_local
-    plans: dict[tuple[int, int], tuple[int, int]] = {}
-    steps = []
-    for step in range(lay.ring_size):
-        row = []
-        for r in range(lay.cp_size):
-            t = lay.coord(r)[0]
-            kv = lay.kv_team_at_step(r, step)
-            if (t, kv) not in plans:
-                if causal:
-                    calls = plan_block(lay.team_chunks(t), lay.team_chunks(kv), True)
-                else:
-                    calls = plan_block([0], [0], False)
-                full = sum(x.pairs(chunk) for x in calls if not x.causal)
-                diag = sum(x.pairs(chunk) for x in calls if x.causal)
-                rows = sum((x.q_hi - x.q_lo) * chunk for x in calls if x.causal)
-                shapes = tuple(
-                    ((x.q_hi - x.q_lo) * chunk, (x.kv_hi - x.kv_lo) * chunk, x.causal)
-                    for x in calls
-                )
-                plans[t, kv] = ((full, diag, rows), len(calls), shapes)
-            row.append(plans[t, kv])
-        steps.append(row)
-    return tuple(tuple(r) for r in steps)
+    """[step][rank] -> ``_call_work`` of that rank's calls at that step."""
+    steps = _startrail_call_shapes(lay, causal, s_local)
+    return tuple(tuple(_call_work(calls) for calls in row) for row in steps)
 
 
 def kv_stream_bytes(
@@ -428,25 +439,16 @@ def _ring_pipeline(
 
 
 # ---- elementwise work on buffers ---------------------------------------------
-@lru_cache(maxsize=256)
 def _startrail_rows(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
     """[rank] -> (q rows, kv rows) summed over this rank's kernel calls of every step (tokens)."""
-    c = lay.team_size
-    chunk = s_local // 2 if causal else c * s_local
-    out = []
-    for r in range(lay.cp_size):
-        t = lay.coord(r)[0]
-        qr = kr = 0
-        for step in range(lay.ring_size):
-            kv = lay.kv_team_at_step(r, step)
-            if causal:
-                calls = plan_block(lay.team_chunks(t), lay.team_chunks(kv), True)
-            else:
-                calls = plan_block([0], [0], False)
-            qr += sum((x.q_hi - x.q_lo) * chunk for x in calls)
-            kr += sum((x.kv_hi - x.kv_lo) * chunk for x in calls)
-        out.append((qr, kr))
-    return tuple(out)
+    steps = _startrail_call_shapes(lay, causal, s_local)
+    return tuple(
+        (
+            sum(nq for row in steps for nq, _, _ in row[r]),
+            sum(nk for row in steps for _, nk, _ in row[r]),
+        )
+        for r in range(lay.cp_size)
+    )
 
 
 def buffer_bytes(
@@ -488,9 +490,9 @@ def buffer_bytes(
         full = p * 2 * ukv  # the gathered K,V
         fwd = bwd = 0
         for r in range(p):
-            calls = allgather_calls(r, p, shape.causal, shape.s_local)
-            qr = sum(qs.stop - qs.start for qs, _, _ in calls)
-            kr = sum(ks.stop - ks.start for _, ks, _ in calls)
+            calls = _allgather_call_shapes(r, shape)
+            qr = sum(nq for nq, _, _ in calls)
+            kr = sum(nk for _, nk, _ in calls)
             reord = 2 * full * e if shape.causal and p > 1 else 0
             f = 4 * ukv * e + reord + uq * a + uq * conv  # stack, reorder, out zeros, cast
             b = 4 * ukv * e + reord + uq * a + full * a  # stack, reorder, dq and dK/dV zeros
@@ -717,22 +719,9 @@ def _peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
     b = comm_bytes(st, shape)[0]
     everyone = [list(range(p))]
     if st.kind == "allgather":
-        calls = [
-            [
-                (qs.stop - qs.start, ks.stop - ks.start, cz)
-                for qs, ks, cz in allgather_calls(r, p, shape.causal, shape.s_local)
-            ]
-            for r in range(p)
-        ]
-
-        def work(r):
-            full = sum(nq * nk for nq, nk, cz in calls[r] if not cz)
-            diag = sum(nq * (nq + 1) // 2 for nq, nk, cz in calls[r] if cz)
-            rows = sum(nq for nq, nk, cz in calls[r] if cz)
-            return (full, diag, rows), len(calls[r]), tuple(calls[r])
-
-        fwd_c = max(_kernel_time(cl, shape, *work(r)[:2], False, work(r)[2]) for r in range(p))
-        bwd_c = max(_kernel_time(cl, shape, *work(r)[:2], True, work(r)[2]) for r in range(p))
+        work = [_call_work(_allgather_call_shapes(r, shape)) for r in range(p)]
+        fwd_c = max(_kernel_time(cl, shape, pr, n, False, sh) for pr, n, sh in work)
+        bwd_c = max(_kernel_time(cl, shape, pr, n, True, sh) for pr, n, sh in work)
         fwd = _collective(cl, everyone, b["fwd_collective"], 1) + fwd_c
         bwd = _collective(cl, everyone, b["bwd_collective"], 2) + bwd_c
         dkv = (p - 1) * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
