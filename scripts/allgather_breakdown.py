@@ -21,12 +21,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from startrail_megatron import baselines as B
 from startrail_megatron.attention import startrail_attention
 from startrail_megatron.block_plan import allgather_calls
 from startrail_megatron.comm import TeamComm
 from startrail_megatron.groups import StarTrailGroups
 from startrail_megatron.kernels import get_kernel
+from startrail_megatron.peers import allgather as B
 from startrail_megatron.zigzag import inverse_order, reorder_chunks
 
 

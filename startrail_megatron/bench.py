@@ -42,7 +42,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import baselines
+from . import peers
 from .attention import startrail_attention
 from .comm import CommLedger, P2PComm, TeamComm
 from .groups import StarTrailGroups
@@ -162,11 +162,7 @@ def _attention_fn(strategy: Strategy, groups, causal: bool):
         return lambda q, k, v, ledger: startrail_attention(
             q, k, v, groups, causal=causal, ledger=ledger
         )
-    fn = (
-        baselines.allgather_attention
-        if strategy.kind == "allgather"
-        else baselines.ulysses_attention
-    )
+    fn = peers.allgather_attention if strategy.kind == "allgather" else peers.ulysses_attention
     return lambda q, k, v, ledger: fn(q, k, v, None, causal=causal, ledger=ledger)
 
 

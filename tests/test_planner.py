@@ -16,7 +16,7 @@ from common import make_inputs, shard
 from harness import run_ranks
 
 import startrail_megatron as st
-from startrail_megatron import baselines
+from startrail_megatron import peers
 from startrail_megatron.block_plan import allgather_calls
 from startrail_megatron.planner import (
     CLUSTER_PRESETS,
@@ -56,9 +56,9 @@ def _ledger_run(rank, world, kind, c, placement, hq, hkv, causal):
 
         out = st.startrail_attention(*local, groups_for(c, placement), causal=causal, ledger=ledger)
     elif kind == "allgather":
-        out = baselines.allgather_attention(*local, None, causal=causal, ledger=ledger)
+        out = peers.allgather_attention(*local, None, causal=causal, ledger=ledger)
     else:
-        out = baselines.ulysses_attention(*local, None, causal=causal, ledger=ledger)
+        out = peers.ulysses_attention(*local, None, causal=causal, ledger=ledger)
     out.backward(shard(do, rank, world, causal).float())
     return ledger.summary()
 

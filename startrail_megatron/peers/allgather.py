@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .accounting import ulysses_supported
-from .attention import validate_inputs
-from .block_plan import allgather_calls
-from .comm import CommLedger, TeamComm, tap_all_to_all
-from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
-from .zigzag import inverse_order, reorder_chunks
+from ..accounting import ulysses_supported
+from ..attention import validate_inputs
+from ..block_plan import allgather_calls
+from ..comm import CommLedger, TeamComm, tap_all_to_all
+from ..kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
+from ..zigzag import inverse_order, reorder_chunks
 
 __all__ = ["allgather_attention", "ulysses_attention"]
 

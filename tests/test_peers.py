@@ -15,7 +15,7 @@ from common import TOL, make_inputs, reference, rel_err, shard, unshard
 from harness import run_ranks
 
 import startrail_megatron as st
-from startrail_megatron import accounting, baselines
+from startrail_megatron import accounting, peers
 from startrail_megatron.accounting import LocalShape
 
 S_LOCAL, BATCH, HEAD_DIM, P = 4, 2, 32, 4
@@ -28,7 +28,7 @@ def _peer_case(rank, world, name, causal, hq, hkv, dtype):
     q, k, v, do = make_inputs(1, S_LOCAL * world, BATCH, hq, hkv, HEAD_DIM)
     local = [shard(x, rank, world, causal).to(dtype).requires_grad_() for x in (q, k, v)]
     ledger = st.CommLedger()
-    fn = {"allgather": baselines.allgather_attention, "ulysses": baselines.ulysses_attention}[name]
+    fn = {"allgather": peers.allgather_attention, "ulysses": peers.ulysses_attention}[name]
     seen: list[int] = []
     real = dist.all_to_all_single
 
@@ -106,7 +106,7 @@ def _ulysses_bad_heads(rank, world):
     ledger = st.CommLedger()
     x = torch.randn(4, 1, 6, 8)
     try:
-        baselines.ulysses_attention(x, x, x, None, ledger=ledger)
+        peers.ulysses_attention(x, x, x, None, ledger=ledger)
     except ValueError as e:
         return str(e), len(ledger.events)
     return None, len(ledger.events)
