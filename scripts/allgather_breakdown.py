@@ -26,7 +26,8 @@ from startrail_megatron.block_plan import allgather_calls
 from startrail_megatron.comm import TeamComm
 from startrail_megatron.groups import StarTrailGroups
 from startrail_megatron.kernels import get_kernel
-from startrail_megatron.peers import allgather as B
+from startrail_megatron.peers import allgather_attention
+from startrail_megatron.peers.common import natural_order
 from startrail_megatron.zigzag import inverse_order, reorder_chunks
 
 
@@ -49,7 +50,7 @@ def _rank(rank: int, world: int, init: str, args) -> None:
         return run
 
     st = torch.stack((k, v), dim=1)
-    order = B._natural_order(world)
+    order = natural_order(world)
     kvn = reorder_chunks(comm.all_gather(st, "kv"), order)
     calls = allgather_calls(rank, world, True, s)
     o, lse = torch.randn(s, b, h, d), torch.randn(b, h, s)
@@ -87,7 +88,7 @@ def _rank(rank: int, world: int, init: str, args) -> None:
         reorder_chunks(dkv, inverse_order(order))
 
     tasks = {
-        "allgather fwd+bwd": whole(lambda *x: B.allgather_attention(*x, None, causal=True)),
+        "allgather fwd+bwd": whole(lambda *x: allgather_attention(*x, None, causal=True)),
         "ring fwd+bwd": whole(lambda *x: startrail_attention(*x, groups, causal=True)),
         "allgather kernel calls": kernels,
         f"same pairs, {n_sq} square 1024 calls": square,
