@@ -48,7 +48,7 @@ from .comm import CommLedger, P2PComm, TeamComm
 from .groups import StarTrailGroups
 from .kernels import get_kernel, merge_partial
 from .planner.calibrate import fit_cluster
-from .planner.cost import AttnShape, Strategy, candidate_strategies, comm_bytes, predict
+from .planner.prediction import AttnShape, Strategy, candidate_strategies, comm_bytes, predict
 from .spawn import spawn_local_ranks
 from .zigzag import zigzag_shard, zigzag_unshard
 

@@ -12,7 +12,8 @@ CLI: ``startrail-plan`` / ``python -m startrail_megatron.planner``.
 from .autotune import AutotuneResult, Trial, autotune, startrail_candidates
 from .calibrate import TORCH_CPU_FLASH_Q_BLOCKS, fit_cluster, fit_linear
 from .cluster import CLUSTER_PRESETS, MODEL_PRESETS, ClusterSpec, ModelSpec
-from .cost import (
+from .plan import Plan, plan
+from .prediction import (
     AttnShape,
     Prediction,
     Strategy,
@@ -26,7 +27,6 @@ from .cost import (
     paper_memory_units,
     predict,
 )
-from .plan import Plan, plan
 
 __all__ = [
     "AttnShape",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cluster import ClusterSpec, ModelSpec
-from .cost import AttnShape, Prediction, candidate_strategies, predict
+from .prediction import AttnShape, Prediction, candidate_strategies, predict
 
 __all__ = ["Plan", "plan"]
 
