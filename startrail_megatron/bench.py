@@ -48,7 +48,9 @@ from .comm import CommLedger, P2PComm, TeamComm
 from .groups import StarTrailGroups
 from .kernels import get_kernel, merge_partial
 from .planner.calibrate import fit_cluster
-from .planner.prediction import AttnShape, Strategy, candidate_strategies, comm_bytes, predict
+from .planner.prediction import predict
+from .planner.shape import AttnShape
+from .planner.strategies import Strategy, candidate_strategies, comm_bytes
 from .spawn import spawn_local_ranks
 from .zigzag import zigzag_shard, zigzag_unshard
 

@@ -435,7 +435,7 @@ def test_fit_recovers_stream_bandwidths():
 
 # ---- the sub-ring steps as a pipeline, not a barrier per step -----------------------
 def test_ring_pipeline_by_hand():
-    from startrail_megatron.planner.prediction import _ring_pipeline
+    from startrail_megatron.planner.times import _ring_pipeline
 
     ov = CLUSTER_PRESETS["h100-ib"]
     no = ov.with_(overlap=False)
@@ -470,7 +470,7 @@ def test_startrail_prediction_counts_each_ranks_own_sum():
     steps; with free links the forward kernel time is one rank's sum, below the sum of
     per-step maxima."""
     from startrail_megatron.layout import StarTrailLayout
-    from startrail_megatron.planner.prediction import _kernel_time, _startrail_work
+    from startrail_megatron.planner.compute import _kernel_time, _startrail_work
 
     cl = CLUSTER_PRESETS["h100-ib"].with_(
         intra_latency=0.0, inter_latency=0.0, intra_bw=1e30, inter_bw=1e30, inter_bw_per_gpu=1e30

@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .prediction import Strategy, candidate_strategies
+from .strategies import Strategy, candidate_strategies
 
 __all__ = ["AutotuneResult", "Trial", "autotune", "startrail_candidates"]
 
