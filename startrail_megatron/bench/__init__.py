@@ -42,17 +42,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import peers
-from .attention import startrail_attention
-from .comm import CommLedger, P2PComm, TeamComm
-from .groups import StarTrailGroups
-from .kernels import get_kernel, merge_partial
-from .planner.calibrate import fit_cluster
-from .planner.prediction import predict
-from .planner.shape import AttnShape
-from .planner.strategies import Strategy, candidate_strategies, comm_bytes
-from .spawn import spawn_local_ranks
-from .zigzag import zigzag_shard, zigzag_unshard
+from .. import peers
+from ..attention import startrail_attention
+from ..comm import CommLedger, P2PComm, TeamComm
+from ..groups import StarTrailGroups
+from ..kernels import get_kernel, merge_partial
+from ..planner.calibrate import fit_cluster
+from ..planner.prediction import predict
+from ..planner.shape import AttnShape
+from ..planner.strategies import Strategy, candidate_strategies, comm_bytes
+from ..spawn import spawn_local_ranks
+from ..zigzag import zigzag_shard, zigzag_unshard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -701,7 +701,3 @@ def run(argv: list[str] | None = None) -> dict:
         write_png(report, args.png)
         print(f"wrote {args.png}")
     return report
-
-
-if __name__ == "__main__":
-    sys.exit(main())
