@@ -435,7 +435,7 @@ def test_fit_recovers_stream_bandwidths():
 
 # ---- the sub-ring steps as a pipeline, not a barrier per step -----------------------
 def test_ring_pipeline_by_hand():
-    from startrail_megatron.planner.times import _ring_pipeline
+    from startrail_megatron.planner.times import ring_pipeline
 
     ov = CLUSTER_PRESETS["h100-ib"]
     no = ov.with_(overlap=False)
@@ -445,24 +445,24 @@ def test_ring_pipeline_by_hand():
             comp = [[2.0] * 4 for _ in range(3)]
             step = max(2.0, x) if cl.overlap else 2.0 + x  # the per-step formula
             expect = step * 2 + 2.0
-            assert _ring_pipeline(cl, comp, [3, 0, 1, 2], x) == pytest.approx(expect)
-            assert _ring_pipeline(cl, comp, [3, 0, 1, 2], x, x) == pytest.approx(expect)
+            assert ring_pipeline(cl, comp, [3, 0, 1, 2], x) == pytest.approx(expect)
+            assert ring_pipeline(cl, comp, [3, 0, 1, 2], x, x) == pytest.approx(expect)
     # rank 0 heavy at step 0, rank 1 at step 1: each pays its own sum (3), not 2 + 2
     comp = [[2.0, 1.0], [1.0, 2.0]]
-    assert _ring_pipeline(ov, comp, [1, 0], 0.0) == pytest.approx(3.0)
+    assert ring_pipeline(ov, comp, [1, 0], 0.0) == pytest.approx(3.0)
     # the KV of step 1 leaves rank 0 when it starts step 0 and takes 1.5: rank 1 waits
-    assert _ring_pipeline(ov, comp, [1, 0], 1.5) == pytest.approx(3.5)
+    assert ring_pipeline(ov, comp, [1, 0], 1.5) == pytest.approx(3.5)
     # backward: rank 1 ends step 1 only when rank 0's dK/dV (sent at 2.0) arrived (+2.5)
-    assert _ring_pipeline(ov, comp, [1, 0], 0.0, 2.5) == pytest.approx(4.5)
+    assert ring_pipeline(ov, comp, [1, 0], 0.0, 2.5) == pytest.approx(4.5)
     # no overlap: a rank's own transfer adds to every step but the last
-    assert _ring_pipeline(no, comp, [1, 0], 0.5) == pytest.approx(3.5)
+    assert ring_pipeline(no, comp, [1, 0], 0.5) == pytest.approx(3.5)
     # ... and in the backward each rank waits for its dK/dV exchange after computing
     comp3 = [[2.0, 1.0], [1.0, 2.0], [1.0, 1.0]]
-    assert _ring_pipeline(no, comp3, [1, 0], 0.5, 0.5) == pytest.approx(5.0)
+    assert ring_pipeline(no, comp3, [1, 0], 0.5, 0.5) == pytest.approx(5.0)
     # a transfer needs both ends: rank 1 posts its step-1 exchange late (at 3), so
     # rank 0's KV for step 2 leaves then (arrives at 4) and rank 1 waits for its own send
     late = [[0.0, 3.0], [0.0, 0.0], [1.0, 2.0]]
-    assert _ring_pipeline(ov, late, [1, 0], 1.0) == pytest.approx(6.0)
+    assert ring_pipeline(ov, late, [1, 0], 1.0) == pytest.approx(6.0)
 
 
 def test_startrail_prediction_counts_each_ranks_own_sum():
@@ -470,7 +470,7 @@ def test_startrail_prediction_counts_each_ranks_own_sum():
     steps; with free links the forward kernel time is one rank's sum, below the sum of
     per-step maxima."""
     from startrail_megatron.layout import StarTrailLayout
-    from startrail_megatron.planner.compute import _kernel_time, _startrail_work
+    from startrail_megatron.planner.compute import kernel_time, startrail_work
 
     cl = CLUSTER_PRESETS["h100-ib"].with_(
         intra_latency=0.0, inter_latency=0.0, intra_bw=1e30, inter_bw=1e30, inter_bw_per_gpu=1e30
@@ -478,8 +478,8 @@ def test_startrail_prediction_counts_each_ranks_own_sum():
     cl = cl.with_(mem_bw=0.0)
     shape = AttnShape(8, 512, 1, 8, 8, 64, causal=True)
     lay = StarTrailLayout(8, 2, "team")
-    work = _startrail_work(lay, True, 512)
-    per = [[_kernel_time(cl, shape, pr, n, False, sh) for pr, n, sh in row] for row in work]
+    work = startrail_work(lay, True, 512)
+    per = [[kernel_time(cl, shape, pr, n, False, sh) for pr, n, sh in row] for row in work]
     own_sum = max(sum(per[s][r] for s in range(2)) for r in range(8))
     step_max = sum(max(row) for row in per)
     assert own_sum < step_max

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from ..layout import StarTrailLayout
 from .cluster import ClusterSpec
-from .compute import _allgather_call_shapes, _startrail_call_shapes
+from .compute import allgather_call_shapes, startrail_call_shapes
 from .shape import AttnShape
 from .strategies import Strategy
 
-__all__ = ["buffer_bytes"]
+__all__ = ["buffer_bytes", "buffer_time"]
 
 
 def _startrail_rows(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
     """[rank] -> (q rows, kv rows) summed over this rank's kernel calls of every step (tokens)."""
-    steps = _startrail_call_shapes(lay, causal, s_local)
+    steps = startrail_call_shapes(lay, causal, s_local)
     return tuple(
         (
             sum(nq for row in steps for nq, _, _ in row[r]),
@@ -66,7 +66,7 @@ def buffer_bytes(
         full = p * 2 * ukv  # the gathered K,V
         fwd = bwd = 0
         for r in range(p):
-            calls = _allgather_call_shapes(r, shape)
+            calls = allgather_call_shapes(r, shape)
             qr = sum(nq for nq, _, _ in calls)
             kr = sum(nk for _, nk, _ in calls)
             reord = 2 * full * e if shape.causal and p > 1 else 0
@@ -101,5 +101,5 @@ def buffer_bytes(
     return f, bwd
 
 
-def _buffer_time(cl: ClusterSpec, nbytes: int) -> float:
+def buffer_time(cl: ClusterSpec, nbytes: int) -> float:
     return nbytes / cl.mem_bw if cl.mem_bw > 0 else 0.0

@@ -17,7 +17,15 @@ from ..layout import StarTrailLayout
 from .cluster import ClusterSpec
 from .shape import AttnShape
 
-__all__ = ["kv_stream_bytes"]
+__all__ = [
+    "CallShape",
+    "allgather_call_shapes",
+    "call_work",
+    "kernel_time",
+    "kv_stream_bytes",
+    "startrail_call_shapes",
+    "startrail_work",
+]
 
 
 CallShape = tuple[int, int, bool]
@@ -25,7 +33,7 @@ CallShape = tuple[int, int, bool]
 
 
 @lru_cache(maxsize=256)
-def _startrail_call_shapes(
+def startrail_call_shapes(
     lay: StarTrailLayout, causal: bool, s_local: int
 ) -> tuple[tuple[tuple[CallShape, ...], ...], ...]:
     """[step][rank] -> the calls of ``block_plan.startrail_step_calls``, in tokens."""
@@ -42,13 +50,13 @@ def _startrail_call_shapes(
     )
 
 
-def _allgather_call_shapes(rank: int, shape: AttnShape) -> tuple[CallShape, ...]:
+def allgather_call_shapes(rank: int, shape: AttnShape) -> tuple[CallShape, ...]:
     """The calls of ``block_plan.allgather_calls``, in tokens."""
     calls = allgather_calls(rank, shape.cp_size, shape.causal, shape.s_local)
     return tuple((qs.stop - qs.start, ks.stop - ks.start, cz) for qs, ks, cz in calls)
 
 
-def _call_work(shapes: tuple[CallShape, ...]) -> tuple:
+def call_work(shapes: tuple[CallShape, ...]) -> tuple:
     """((full pairs, causal pairs, causal rows) per (batch, head), calls, ``shapes``)."""
     full = sum(nq * nk for nq, nk, cz in shapes if not cz)
     diag = sum(nq * (nq + 1) // 2 for nq, nk, cz in shapes if cz)
@@ -57,10 +65,10 @@ def _call_work(shapes: tuple[CallShape, ...]) -> tuple:
 
 
 @lru_cache(maxsize=256)
-def _startrail_work(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
-    """[step][rank] -> ``_call_work`` of that rank's calls at that step."""
-    steps = _startrail_call_shapes(lay, causal, s_local)
-    return tuple(tuple(_call_work(calls) for calls in row) for row in steps)
+def startrail_work(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
+    """[step][rank] -> ``call_work`` of that rank's calls at that step."""
+    steps = startrail_call_shapes(lay, causal, s_local)
+    return tuple(tuple(call_work(calls) for calls in row) for row in steps)
 
 
 def kv_stream_bytes(
@@ -101,7 +109,7 @@ def kv_stream_bytes(
     return passes * per_pass * (0.5 if causal else 1.0)
 
 
-def _kernel_time(
+def kernel_time(
     cl: ClusterSpec,
     shape: AttnShape,
     pairs: tuple[int, int, int],

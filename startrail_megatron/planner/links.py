@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from .cluster import ClusterSpec
 
+__all__ = ["all_to_all", "collective", "p2p_step", "reduce_scatter_extra"]
+
 
 def _inter_bw(cl: ClusterSpec, senders: int) -> float:
     """Inter-node bandwidth of one GPU while ``senders`` GPUs of its node send off-node."""
     return min(cl.inter_bw_per_gpu, cl.inter_bw / max(senders, 1))
 
 
-def _p2p_step(cl: ClusterSpec, sends: list[tuple[int, int, int]]) -> float:
+def p2p_step(cl: ClusterSpec, sends: list[tuple[int, int, int]]) -> float:
     """One P2P step, every (src, dst, bytes) at once: the slowest sender's time."""
     off: dict[int, int] = {}
     for s, d, b in sends:
@@ -35,7 +37,7 @@ def _p2p_step(cl: ClusterSpec, sends: list[tuple[int, int, int]]) -> float:
     return t
 
 
-def _collective(cl: ClusterSpec, groups: list[list[int]], nbytes: int, calls: int) -> float:
+def collective(cl: ClusterSpec, groups: list[list[int]], nbytes: int, calls: int) -> float:
     """Ring collectives on every group at once; ``nbytes`` = per-rank volume sent."""
     if not nbytes:
         return 0.0
@@ -59,7 +61,7 @@ def _collective(cl: ClusterSpec, groups: list[list[int]], nbytes: int, calls: in
     return t
 
 
-def _all_to_all(cl: ClusterSpec, p: int, nbytes: int, calls: int) -> float:
+def all_to_all(cl: ClusterSpec, p: int, nbytes: int, calls: int) -> float:
     """All-to-all over CP ranks 0..p-1; ``nbytes`` = per-rank volume sent."""
     if p == 1 or not nbytes:
         return 0.0
@@ -71,7 +73,7 @@ def _all_to_all(cl: ClusterSpec, p: int, nbytes: int, calls: int) -> float:
     return calls * (n_in * cl.intra_latency + n_out * cl.inter_latency) + max(t_in, t_out)
 
 
-def _reduce_scatter_extra(cl: ClusterSpec, groups: list[list[int]], nbytes: int) -> float:
+def reduce_scatter_extra(cl: ClusterSpec, groups: list[list[int]], nbytes: int) -> float:
     """What a reduce-scatter of ``nbytes`` (ledger volume) costs beyond a ring collective of
     that volume: on gloo (an all-reduce of the whole input) as much again."""
-    return _collective(cl, groups, nbytes, 1) if cl.reduce_scatter_via_allreduce else 0.0
+    return collective(cl, groups, nbytes, 1) if cl.reduce_scatter_via_allreduce else 0.0

@@ -18,12 +18,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..accounting import ulysses_supported
-from .buffers import _buffer_time, buffer_bytes
+from .buffers import buffer_bytes, buffer_time
 from .cluster import ClusterSpec, ModelSpec
 from .memory import memory_bytes
 from .shape import AttnShape
 from .strategies import Strategy, comm_bytes
-from .times import _peer_times, _startrail_times
+from .times import peer_times, startrail_times
 
 __all__ = ["ADAM_BYTES_PER_PARAM", "Prediction", "predict"]
 
@@ -92,7 +92,7 @@ def _iteration_extra(cl: ClusterSpec, model: ModelSpec, shape: AttnShape) -> tup
         nbytes = (p - 1) * model.params * e / p
         sync = 2 * ((p - 1) * alpha + nbytes / bw)
     head = 3 * 2 * tokens * model.hidden * model.vocab / cl.matmul_flops
-    optim = _buffer_time(cl, model.params / p * ADAM_BYTES_PER_PARAM)
+    optim = buffer_time(cl, model.params / p * ADAM_BYTES_PER_PARAM)
     return sync, head + optim
 
 
@@ -125,14 +125,14 @@ def predict(
             f"by cp_size {shape.cp_size}"
         )
     if strategy.kind == "startrail":
-        fwd, bwd, t_qkv = _startrail_times(strategy, cluster, shape)
+        fwd, bwd, t_qkv = startrail_times(strategy, cluster, shape)
     else:
-        fwd, bwd, t_qkv = _peer_times(strategy, cluster, shape)
+        fwd, bwd, t_qkv = peer_times(strategy, cluster, shape)
     buf_f, buf_b = buffer_bytes(
         strategy, shape, rs_via_allreduce=cluster.reduce_scatter_via_allreduce
     )
-    fwd += _buffer_time(cluster, buf_f)
-    bwd += _buffer_time(cluster, buf_b)
+    fwd += buffer_time(cluster, buf_f)
+    bwd += buffer_time(cluster, buf_b)
     attn = fwd + bwd
     layer, mem, step, sync = attn, None, attn, 0.0
     if model is not None:

@@ -1,7 +1,7 @@
 """Attention forward and backward time of each strategy: links, kernels and the ring pipeline.
 
 StarTrail forward = team all-gather q,k,v + initial KV placement + G ring
-steps (a pipeline with the schedule's dependencies, ``_ring_pipeline``; with equal
+steps (a pipeline with the schedule's dependencies, ``ring_pipeline``; with equal
 compute, step s: max(compute_s, send KV) with overlap, their sum without) +
 team combine (lse all-gather, out reduce-scatter). Backward = dout/delta
 all-gather + initial placement + G steps (KV and dK/dV in flight) + the dK/dV
@@ -16,13 +16,15 @@ from dataclasses import replace
 from ..accounting import startrail_comm_bytes
 from ..layout import StarTrailLayout
 from .cluster import ClusterSpec
-from .compute import _allgather_call_shapes, _call_work, _kernel_time, _startrail_work
-from .links import _all_to_all, _collective, _p2p_step, _reduce_scatter_extra
+from .compute import allgather_call_shapes, call_work, kernel_time, startrail_work
+from .links import all_to_all, collective, p2p_step, reduce_scatter_extra
 from .shape import AttnShape
 from .strategies import Strategy, comm_bytes
 
+__all__ = ["peer_times", "ring_pipeline", "startrail_times"]
 
-def _ring_pipeline(
+
+def ring_pipeline(
     cl: ClusterSpec,
     comp: list[list[float]],
     prev: list[int],
@@ -69,7 +71,7 @@ def _ring_pipeline(
     return max(end)
 
 
-def _startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
+def startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
     """(fwd, bwd, team all-gather of q,k,v) seconds for StarTrail / ring."""
     p = shape.cp_size
     lay = StarTrailLayout(p, st.team_size, st.placement)
@@ -85,53 +87,53 @@ def _startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
     team_kv = st.team_size * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
     kv_msg = team_kv * shape.elem_bytes
     dkv_msg = team_kv * shape.acc_bytes
-    work = _startrail_work(lay, shape.causal, shape.s_local)
+    work = startrail_work(lay, shape.causal, shape.s_local)
     g = lay.ring_size
 
     def init_step() -> float:
-        return _p2p_step(cl, [(r, lay.initial_send_peer(r), kv_msg) for r in range(p)])
+        return p2p_step(cl, [(r, lay.initial_send_peer(r), kv_msg) for r in range(p)])
 
     def ring_step(msg: int) -> float:
-        return _p2p_step(cl, [(r, lay.ring_next(r), msg) for r in range(p)])
+        return p2p_step(cl, [(r, lay.ring_next(r), msg) for r in range(p)])
 
     def comp(bwd: bool) -> list[list[float]]:
-        return [[_kernel_time(cl, shape, pr, nc, bwd, sh) for pr, nc, sh in row] for row in work]
+        return [[kernel_time(cl, shape, pr, nc, bwd, sh) for pr, nc, sh in row] for row in work]
 
     prev = [lay.ring_prev(r) for r in range(p)]
 
     # Forward
-    t_qkv = _collective(cl, teams, qkv, 1)
+    t_qkv = collective(cl, teams, qkv, 1)
     fwd_coll = max(b["fwd_collective"] for b in byts)
-    t_comb = _collective(cl, teams, fwd_coll - qkv, 2)
+    t_comb = collective(cl, teams, fwd_coll - qkv, 2)
     uq = shape.s_local * shape.batch * shape.heads_q * shape.head_dim
     ukv = shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
     c1 = st.team_size - 1
-    t_comb += _reduce_scatter_extra(cl, teams, c1 * uq * shape.acc_bytes)  # out
+    t_comb += reduce_scatter_extra(cl, teams, c1 * uq * shape.acc_bytes)  # out
     fwd = t_qkv + init_step() + t_comb
-    fwd += _ring_pipeline(cl, comp(False), prev, ring_step(kv_msg) if g > 1 else 0.0)
+    fwd += ring_pipeline(cl, comp(False), prev, ring_step(kv_msg) if g > 1 else 0.0)
     # Backward
     bwd_coll = max(b["bwd_collective"] for b in byts)
-    bwd = _collective(cl, teams, bwd_coll, 3) + init_step()
-    bwd += _reduce_scatter_extra(cl, teams, c1 * (uq + 2 * ukv) * shape.acc_bytes)  # dq,dk,dv
+    bwd = collective(cl, teams, bwd_coll, 3) + init_step()
+    bwd += reduce_scatter_extra(cl, teams, c1 * (uq + 2 * ukv) * shape.acc_bytes)  # dq,dk,dv
     x = ring_step(kv_msg + dkv_msg) if g > 1 else 0.0  # KV and dK/dV share the link
-    bwd += _ring_pipeline(cl, comp(True), prev, x, x)
+    bwd += ring_pipeline(cl, comp(True), prev, x, x)
     ret = [(r, lay.dkv_return_peers(r)[0], dkv_msg) for r in range(p)]
-    bwd += _p2p_step(cl, ret)
+    bwd += p2p_step(cl, ret)
     return fwd, bwd, t_qkv
 
 
-def _peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
+def peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
     p = shape.cp_size
     b = comm_bytes(st, shape)[0]
     everyone = [list(range(p))]
     if st.kind == "allgather":
-        work = [_call_work(_allgather_call_shapes(r, shape)) for r in range(p)]
-        fwd_c = max(_kernel_time(cl, shape, pr, n, False, sh) for pr, n, sh in work)
-        bwd_c = max(_kernel_time(cl, shape, pr, n, True, sh) for pr, n, sh in work)
-        fwd = _collective(cl, everyone, b["fwd_collective"], 1) + fwd_c
-        bwd = _collective(cl, everyone, b["bwd_collective"], 2) + bwd_c
+        work = [call_work(allgather_call_shapes(r, shape)) for r in range(p)]
+        fwd_c = max(kernel_time(cl, shape, pr, n, False, sh) for pr, n, sh in work)
+        bwd_c = max(kernel_time(cl, shape, pr, n, True, sh) for pr, n, sh in work)
+        fwd = collective(cl, everyone, b["fwd_collective"], 1) + fwd_c
+        bwd = collective(cl, everyone, b["bwd_collective"], 2) + bwd_c
         dkv = (p - 1) * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
-        bwd += _reduce_scatter_extra(cl, everyone, dkv * shape.acc_bytes)
+        bwd += reduce_scatter_extra(cl, everyone, dkv * shape.acc_bytes)
         return fwd, bwd, 0.0
     n = shape.seq_len
     pairs = (0, n * (n + 1) // 2, n) if shape.causal else (n * n, 0, 0)
@@ -151,8 +153,8 @@ def _peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
         else shape
     )
     whole = ((n, n, shape.causal),)
-    fwd = _all_to_all(cl, p, b["fwd_collective"], 4)
-    fwd += _kernel_time(cl, local, pairs, 1, False, whole)
-    bwd = _all_to_all(cl, p, b["bwd_collective"], 4)
-    bwd += _kernel_time(cl, local, pairs, 1, True, whole)
+    fwd = all_to_all(cl, p, b["fwd_collective"], 4)
+    fwd += kernel_time(cl, local, pairs, 1, False, whole)
+    bwd = all_to_all(cl, p, b["bwd_collective"], 4)
+    bwd += kernel_time(cl, local, pairs, 1, True, whole)
     return fwd, bwd, 0.0
