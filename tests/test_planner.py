@@ -16,7 +16,6 @@ from common import make_inputs, shard
 from harness import run_ranks
 
 import startrail_megatron as st
-from startrail_megatron import peers
 from startrail_megatron.block_plan import allgather_calls
 from startrail_megatron.planner import (
     CLUSTER_PRESETS,
@@ -42,6 +41,7 @@ from startrail_megatron.planner import (
     startrail_candidates,
 )
 from startrail_megatron.planner.calibrate import TORCH_CPU_FLASH_Q_BLOCKS
+from startrail_megatron.planner.strategies import STRATEGY_KINDS, StrategyKind, attention_fn
 
 GIB = 2**30
 
@@ -51,14 +51,13 @@ def _ledger_run(rank, world, kind, c, placement, hq, hkv, causal):
     q, k, v, do = make_inputs(3, 8 * world, 1, hq, hkv, 16)
     local = [shard(x, rank, world, causal).float().requires_grad_() for x in (q, k, v)]
     ledger = st.CommLedger()
-    if kind == "startrail":
+    strategy = Strategy(kind, c, placement)
+    if strategy.spec.teams:  # the pool's ranks live on: groups from the per-process cache
         from common import groups_for
 
         out = st.startrail_attention(*local, groups_for(c, placement), causal=causal, ledger=ledger)
-    elif kind == "allgather":
-        out = peers.allgather_attention(*local, None, causal=causal, ledger=ledger)
-    else:
-        out = peers.ulysses_attention(*local, None, causal=causal, ledger=ledger)
+    else:  # the peers through the registry, as the benchmark runs them
+        out = attention_fn(strategy, causal)(*local, ledger)
     out.backward(shard(do, rank, world, causal).float())
     return ledger.summary()
 
@@ -562,3 +561,73 @@ def test_buffer_bytes_from_real_sizes():
     base = predict(Strategy("allgather"), cl, causal)
     with_mem = predict(Strategy("allgather"), cl.with_(mem_bw=1e9), causal)
     assert with_mem.attn_s == pytest.approx(base.attn_s + (c_fwd + c_bwd) / 1e9)
+
+
+# ---- the registry and purity ----------------------------------------------------------
+def test_registry_declares_every_kind_once():
+    from typing import get_args
+
+    from startrail_megatron.planner import KINDS
+
+    assert STRATEGY_KINDS == tuple(KINDS) == get_args(StrategyKind)
+    assert all(spec.kind == kind for kind, spec in KINDS.items())
+    # every kind is a candidate where it runs, in registry order, StarTrail's variants first
+    kinds = [s.kind for s in candidate_strategies(16, 16, 16)]
+    assert sorted(set(kinds), key=kinds.index) == list(STRATEGY_KINDS)
+    assert [s.name for s in startrail_candidates(16)] == [
+        s.name for s in candidate_strategies(16, 16, 16) if s.spec.teams
+    ]
+    labels = {s.name: s.placement_label for s in candidate_strategies(16, 16, 16)}
+    assert labels["ring"] == labels["allgather"] == "-"
+    assert labels["startrail-C2-ring"] == "ring"
+
+
+PURE = [
+    "accounting",
+    "block_plan",
+    "layout",
+    "planner",
+    "planner.autotune",
+    "planner.buffers",
+    "planner.calibrate",
+    "planner.cli",
+    "planner.cluster",
+    "planner.compute",
+    "planner.links",
+    "planner.memory",
+    "planner.paper",
+    "planner.plan",
+    "planner.prediction",
+    "planner.shape",
+    "planner.strategies",
+    "planner.times",
+]
+
+
+def test_planner_and_accounting_import_no_torch():
+    """The planner, the accounting and the block plan import no torch (so no
+    torch.distributed): imported in a fresh interpreter with the package root bypassed
+    (the root imports torch for the attention)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(st.__file__).parent
+    code = f"""
+import importlib, sys, types
+pkg = types.ModuleType("startrail_megatron")
+pkg.__path__ = [{str(root)!r}]
+sys.modules["startrail_megatron"] = pkg
+for name in {PURE!r}:
+    importlib.import_module("startrail_megatron." + name)
+bad = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+assert not bad, bad[:5]
+import startrail_megatron.planner as planner
+print(planner.predict.__module__)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "startrail_megatron.planner.prediction"
+    assert {p.stem for p in (root / "planner").glob("*.py")} - {"__init__", "__main__"} <= {
+        n.removeprefix("planner.") for n in PURE
+    }

@@ -19,15 +19,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import peers
-from ..attention import startrail_attention
 from ..comm import CommLedger
-from ..groups import StarTrailGroups
 from ..planner.calibrate import fit_cluster
 from ..planner.cluster import ClusterSpec
 from ..planner.prediction import predict
 from ..planner.shape import AttnShape
-from ..planner.strategies import Strategy, candidate_strategies, comm_bytes
+from ..planner.strategies import Strategy, attention_fn, candidate_strategies, comm_bytes
 from ..zigzag import zigzag_shard, zigzag_unshard
 from .memory import PeakMemory
 from .micro import cache_bytes_per_core, micro_record, micro_tasks
@@ -66,15 +63,6 @@ def _reference(q, k, v, dout, causal: bool):
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def _attention_fn(strategy: Strategy, groups, causal: bool):
-    if strategy.kind == "startrail":
-        return lambda q, k, v, ledger: startrail_attention(
-            q, k, v, groups, causal=causal, ledger=ledger
-        )
-    fn = peers.allgather_attention if strategy.kind == "allgather" else peers.ulysses_attention
-    return lambda q, k, v, ledger: fn(q, k, v, None, causal=causal, ledger=ledger)
 
 
 def _max_over_ranks(values: list[float], device) -> list[float]:
@@ -144,12 +132,7 @@ def _max_rel_error(mine: list, ref, rank: int, world: int, causal: bool) -> floa
 def _prepare(st: Strategy, args, device: torch.device, causal: bool, local, ref, rank, world):
     """One strategy's timed step, after one accounted run checked against the reference,
     a peak-memory measurement and the warm-up: (step, (strategy, error, peak, ledger))."""
-    groups = (
-        StarTrailGroups.create(st.team_size, placement=st.placement)
-        if st.kind == "startrail"
-        else None
-    )
-    attn = _attention_fn(st, groups, causal)
+    attn = attention_fn(st, causal)  # StarTrail creates its groups here
     q0, k0, v0, do = local
     leaves = [x.clone().requires_grad_() for x in (q0, k0, v0)]
 
@@ -215,7 +198,7 @@ def _result(st: Strategy, err, peak, led: dict, ts: list[float], shape: AttnShap
         "strategy": st.name,
         "kind": st.kind,
         "team_size": st.team_size,
-        "placement": st.placement if st.kind == "startrail" and st.team_size > 1 else "-",
+        "placement": st.placement_label,
         "median_s": med,
         "min_s": min(ts),
         "max_s": max(ts),
@@ -231,7 +214,13 @@ def _result(st: Strategy, err, peak, led: dict, ts: list[float], shape: AttnShap
 
 
 def _calibrate(
-    results: list[dict], micro: dict, micro_median: dict, shape: AttnShape, world: int, device
+    strategies: list[Strategy],
+    results: list[dict],
+    micro: dict,
+    micro_median: dict,
+    shape: AttnShape,
+    world: int,
+    device,
 ) -> tuple[ClusterSpec, ClusterSpec]:
     """Fit the cost model to the microbenchmarks and add its prediction to every row."""
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -245,10 +234,7 @@ def _calibrate(
     # the fastest round of each strategy; calibrated on their medians, the median.
     cluster = fit_cluster(micro, **fit)
     cluster_median = fit_cluster(micro_median, **fit)
-    for r in results:
-        st = Strategy(
-            r["kind"], r["team_size"], r["placement"] if r["placement"] != "-" else "team"
-        )
+    for st, r in zip(strategies, results):
         pred = predict(st, cluster, shape).attn_s
         pred_med = predict(st, cluster_median, shape).attn_s
         r["predicted_s"] = pred
@@ -329,7 +315,9 @@ def run_rank(rank: int, world: int, args) -> dict | None:
     results = [_result(*row, ts, shape) for row, ts in zip(info, times)]
     if rank != 0:
         return None
-    cluster, cluster_median = _calibrate(results, micro, micro_median, shape, world, device)
+    cluster, cluster_median = _calibrate(
+        strategies, results, micro, micro_median, shape, world, device
+    )
     return {
         "config": _config(args, world, causal),
         "environment": _environment(device),

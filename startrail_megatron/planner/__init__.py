@@ -10,19 +10,26 @@ CLI: ``startrail-plan`` / ``python -m startrail_megatron.planner``.
 """
 
 from .autotune import AutotuneResult, Trial, autotune, startrail_candidates
-from .buffers import buffer_bytes
 from .calibrate import TORCH_CPU_FLASH_Q_BLOCKS, fit_cluster, fit_linear
 from .cluster import CLUSTER_PRESETS, MODEL_PRESETS, ClusterSpec, ModelSpec
 from .compute import kv_stream_bytes
-from .memory import memory_bytes
 from .paper import paper_comm_bytes, paper_memory_units
 from .plan import Plan, plan
 from .prediction import Prediction, predict
 from .shape import AttnShape
-from .strategies import Strategy, candidate_strategies, comm_bytes, comm_calls
+from .strategies import (
+    KINDS,
+    Strategy,
+    buffer_bytes,
+    candidate_strategies,
+    comm_bytes,
+    comm_calls,
+    memory_bytes,
+)
 
 __all__ = [
     "AttnShape",
+    "KINDS",
     "AutotuneResult",
     "Plan",
     "TORCH_CPU_FLASH_Q_BLOCKS",

@@ -29,5 +29,5 @@ def paper_memory_units(strategy: Strategy, layers: int) -> int:
 
     Ring / all-gather / Ulysses: Y + 4; StarTrail: Y + 3C + 1.
     """
-    c = strategy.team_size if strategy.kind == "startrail" else 1
+    c = strategy.team_size if strategy.spec.teams else 1
     return layers + 3 * c + 1 if c > 1 else layers + 4

@@ -17,13 +17,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..accounting import ulysses_supported
-from .buffers import buffer_bytes, buffer_time
+from .buffers import buffer_time
 from .cluster import ClusterSpec, ModelSpec
-from .memory import memory_bytes
 from .shape import AttnShape
-from .strategies import Strategy, comm_bytes
-from .times import peer_times, startrail_times
+from .strategies import Strategy, buffer_bytes, comm_bytes, memory_bytes
 
 __all__ = ["ADAM_BYTES_PER_PARAM", "Prediction", "predict"]
 
@@ -117,17 +114,11 @@ def predict(
             f"cp_size={shape.cp_size} exceeds the cluster's {cluster.num_gpus} GPUs "
             f"({cluster.num_nodes} nodes x {cluster.gpus_per_node})"
         )
-    if strategy.kind == "ulysses" and not ulysses_supported(
-        shape.cp_size, shape.heads_q, shape.heads_kv
-    ):
-        raise ValueError(
-            f"Ulysses needs heads_q ({shape.heads_q}) and heads_kv ({shape.heads_kv}) divisible "
-            f"by cp_size {shape.cp_size}"
-        )
-    if strategy.kind == "startrail":
-        fwd, bwd, t_qkv = startrail_times(strategy, cluster, shape)
-    else:
-        fwd, bwd, t_qkv = peer_times(strategy, cluster, shape)
+    spec = strategy.spec
+    heads = dict(cp_size=shape.cp_size, heads_q=shape.heads_q, heads_kv=shape.heads_kv)
+    if not spec.supported(*heads.values()):
+        raise ValueError(spec.requirement.format(**heads))
+    fwd, bwd, t_qkv = spec.times(strategy, cluster, shape)
     buf_f, buf_b = buffer_bytes(
         strategy, shape, rs_via_allreduce=cluster.reduce_scatter_via_allreduce
     )
@@ -154,9 +145,7 @@ def predict(
     return Prediction(
         strategy=strategy.name,
         team_size=strategy.team_size,
-        placement=strategy.placement
-        if strategy.kind == "startrail" and strategy.team_size > 1
-        else "-",
+        placement=strategy.placement_label,
         attn_fwd_s=fwd,
         attn_bwd_s=bwd,
         attn_s=attn,

@@ -19,9 +19,11 @@ from .cluster import ClusterSpec
 from .compute import allgather_call_shapes, call_work, kernel_time, startrail_work
 from .links import all_to_all, collective, p2p_step, reduce_scatter_extra
 from .shape import AttnShape
-from .strategies import Strategy, comm_bytes
 
-__all__ = ["peer_times", "ring_pipeline", "startrail_times"]
+__all__ = ["allgather_times", "ring_pipeline", "startrail_times", "ulysses_times"]
+
+Bytes = list[dict[str, int]]
+"""Per rank: the ``accounting`` byte counts (``strategies.comm_bytes``)."""
 
 
 def ring_pipeline(
@@ -71,11 +73,9 @@ def ring_pipeline(
     return max(end)
 
 
-def startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
+def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byts: Bytes):
     """(fwd, bwd, team all-gather of q,k,v) seconds for StarTrail / ring."""
     p = shape.cp_size
-    lay = StarTrailLayout(p, st.team_size, st.placement)
-    byts = comm_bytes(st, shape)
     no_acc = replace(shape.local, acc_bytes=0)  # the q,k,v all-gather: input dtype only
     qkv = max(
         startrail_comm_bytes(lay.team_size, lay.p2p_sends(r, backward=True), no_acc)[
@@ -84,7 +84,7 @@ def startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
         for r in range(p)
     )
     teams = lay.all_team_ranks()
-    team_kv = st.team_size * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
+    team_kv = lay.team_size * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
     kv_msg = team_kv * shape.elem_bytes
     dkv_msg = team_kv * shape.acc_bytes
     work = startrail_work(lay, shape.causal, shape.s_local)
@@ -107,7 +107,7 @@ def startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
     t_comb = collective(cl, teams, fwd_coll - qkv, 2)
     uq = shape.s_local * shape.batch * shape.heads_q * shape.head_dim
     ukv = shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
-    c1 = st.team_size - 1
+    c1 = lay.team_size - 1
     t_comb += reduce_scatter_extra(cl, teams, c1 * uq * shape.acc_bytes)  # out
     fwd = t_qkv + init_step() + t_comb
     fwd += ring_pipeline(cl, comp(False), prev, ring_step(kv_msg) if g > 1 else 0.0)
@@ -122,21 +122,29 @@ def startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
     return fwd, bwd, t_qkv
 
 
-def peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
+def allgather_times(cl: ClusterSpec, shape: AttnShape, byts: Bytes):
+    """(fwd, bwd, 0) seconds for all-gather-KV: its collectives exposed, then its calls."""
     p = shape.cp_size
-    b = comm_bytes(st, shape)[0]
+    b = byts[0]
     everyone = [list(range(p))]
-    if st.kind == "allgather":
-        work = [call_work(allgather_call_shapes(r, shape)) for r in range(p)]
-        fwd_c = max(kernel_time(cl, shape, pr, n, False, sh) for pr, n, sh in work)
-        bwd_c = max(kernel_time(cl, shape, pr, n, True, sh) for pr, n, sh in work)
-        fwd = collective(cl, everyone, b["fwd_collective"], 1) + fwd_c
-        bwd = collective(cl, everyone, b["bwd_collective"], 2) + bwd_c
-        dkv = (p - 1) * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
-        bwd += reduce_scatter_extra(cl, everyone, dkv * shape.acc_bytes)
-        return fwd, bwd, 0.0
+    work = [call_work(allgather_call_shapes(r, shape)) for r in range(p)]
+    fwd_c = max(kernel_time(cl, shape, pr, n, False, sh) for pr, n, sh in work)
+    bwd_c = max(kernel_time(cl, shape, pr, n, True, sh) for pr, n, sh in work)
+    fwd = collective(cl, everyone, b["fwd_collective"], 1) + fwd_c
+    bwd = collective(cl, everyone, b["bwd_collective"], 2) + bwd_c
+    dkv = (p - 1) * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
+    bwd += reduce_scatter_extra(cl, everyone, dkv * shape.acc_bytes)
+    return fwd, bwd, 0.0
+
+
+def ulysses_times(cl: ClusterSpec, shape: AttnShape, byts: Bytes):
+    """(fwd, bwd, 0) seconds for Ulysses: its all-to-alls exposed, then one call over the
+    whole sequence with heads/P heads."""
+    p = shape.cp_size
+    b = byts[0]
     n = shape.seq_len
-    pairs = (0, n * (n + 1) // 2, n) if shape.causal else (n * n, 0, 0)
+    whole = ((n, n, shape.causal),)
+    pairs, calls, _ = call_work(whole)
     local = (
         AttnShape(
             p,
@@ -152,9 +160,8 @@ def peer_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
         if p > 1
         else shape
     )
-    whole = ((n, n, shape.causal),)
     fwd = all_to_all(cl, p, b["fwd_collective"], 4)
-    fwd += kernel_time(cl, local, pairs, 1, False, whole)
+    fwd += kernel_time(cl, local, pairs, calls, False, whole)
     bwd = all_to_all(cl, p, b["bwd_collective"], 4)
-    bwd += kernel_time(cl, local, pairs, 1, True, whole)
+    bwd += kernel_time(cl, local, pairs, calls, True, whole)
     return fwd, bwd, 0.0
