@@ -21,11 +21,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from startrail_megatron import baselines as B
 from startrail_megatron.attention import startrail_attention
+from startrail_megatron.block_plan import allgather_calls
 from startrail_megatron.comm import TeamComm
 from startrail_megatron.groups import StarTrailGroups
 from startrail_megatron.kernels import get_kernel
+from startrail_megatron.peers import allgather_attention
+from startrail_megatron.peers.common import natural_order
+from startrail_megatron.zigzag import inverse_order, reorder_chunks
 
 
 def _rank(rank: int, world: int, init: str, args) -> None:
@@ -47,9 +50,9 @@ def _rank(rank: int, world: int, init: str, args) -> None:
         return run
 
     st = torch.stack((k, v), dim=1)
-    order = B._natural_order(world)
-    kvn = B._reorder(comm.all_gather(st, "kv"), order)
-    calls = B.allgather_calls(rank, world, True, s)
+    order = natural_order(world)
+    kvn = reorder_chunks(comm.all_gather(st, "kv"), order)
+    calls = allgather_calls(rank, world, True, s)
     o, lse = torch.randn(s, b, h, d), torch.randn(b, h, s)
 
     def kernels():
@@ -75,17 +78,17 @@ def _rank(rank: int, world: int, init: str, args) -> None:
 
     def buffers():
         torch.stack((k, v), dim=1)
-        gathered = B._reorder(kvn, order)
-        B._reorder(gathered, order)
+        gathered = reorder_chunks(kvn, order)
+        reorder_chunks(gathered, order)
         dkv, dq = torch.zeros(kvn.shape), torch.zeros(q.shape)
         for (qs, ks, _), g in zip(calls, grads):
             dkv[ks, 0] += g
             dkv[ks, 1] += g
             dq[qs] += q[qs]
-        B._reorder(dkv, B._inverse(order))
+        reorder_chunks(dkv, inverse_order(order))
 
     tasks = {
-        "allgather fwd+bwd": whole(lambda *x: B.allgather_attention(*x, None, causal=True)),
+        "allgather fwd+bwd": whole(lambda *x: allgather_attention(*x, None, causal=True)),
         "ring fwd+bwd": whole(lambda *x: startrail_attention(*x, groups, causal=True)),
         "allgather kernel calls": kernels,
         f"same pairs, {n_sq} square 1024 calls": square,

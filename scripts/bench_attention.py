@@ -4,7 +4,7 @@
     python scripts/bench_attention.py --nproc 4 --seq-len 4096
     torchrun --nproc-per-node 8 scripts/bench_attention.py --seq-len 65536 --dtype bf16
 
-See ``startrail_megatron/bench.py`` for what is measured and how.
+See ``startrail_megatron/bench/cli.py`` for what is measured and how.
 """
 
 import os

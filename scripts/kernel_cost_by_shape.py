@@ -1,6 +1,6 @@
 """Per-(q, k)-pair cost of the local attention kernel by call shape, one process, one thread.
 
-Shows what the cost model's K,V re-streaming term (``planner.cost.kv_stream_bytes``)
+Shows what the cost model's K,V re-streaming term (``planner.compute.kv_stream_bytes``)
 describes: calls whose per-head K,V (forward) or K,V,dK,dV (backward) exceed the
 per-core cache cost more per pair than square calls whose K,V fit. K and V are views
 of one stacked ``[n, 2, b, h, d]`` buffer, as the schedules pass them. Prints the

@@ -6,20 +6,20 @@ Entry points:
   zigzag_shard / zigzag_unshard                                        sequence layout
   StarTrailLayout                                                      pure rank arithmetic
   CommLedger                                                           communication accounting
-  allgather_attention / ulysses_attention                             the peers (baselines)
+  allgather_attention / ulysses_attention                             the peers (peers/)
   planner (subpackage)                                                 cost model, startrail-plan
 
 The core imports neither Megatron nor DeepSpeed; their adapters live in
 their own subpackages.
 """
 
-from . import baselines
+from . import peers
 from .attention import startrail_attention
-from .baselines import allgather_attention, ulysses_attention
 from .comm import CommEvent, CommLedger
 from .groups import StarTrailGroups
 from .kernels import get_kernel, merge_partial
 from .layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
+from .peers import allgather_attention, ulysses_attention
 from .zigzag import zigzag_shard, zigzag_unshard
 
 __version__ = "0.1.0"
@@ -31,9 +31,9 @@ __all__ = [
     "StarTrailGroups",
     "StarTrailLayout",
     "allgather_attention",
-    "baselines",
     "get_kernel",
     "merge_partial",
+    "peers",
     "startrail_attention",
     "ulysses_attention",
     "valid_team_sizes",

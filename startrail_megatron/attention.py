@@ -35,13 +35,12 @@ most 2*(1+1) = 4 forward and 4 + 2*(1+1) = 8 backward.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .block_plan import BlockCall, plan_block
+from .block_plan import startrail_step_calls, team_chunk_len
 from .comm import (
     CommLedger,
     P2PComm,
@@ -52,7 +51,7 @@ from .comm import (
 )
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
-from .layout import PLACEMENTS, StarTrailLayout
+from .layout import PLACEMENTS
 from .zigzag import inverse_order, reorder_chunks
 
 __all__ = [
@@ -140,15 +139,6 @@ def agree_once(groups: StarTrailGroups, q: Tensor, k: Tensor, causal: bool) -> N
     groups.agreed.add(key)
 
 
-@lru_cache(maxsize=4096)
-def _plan(
-    layout: StarTrailLayout, q_team: int, kv_team: int, causal: bool
-) -> tuple[BlockCall, ...]:
-    if not causal:
-        return tuple(plan_block([0], [0], False))
-    return tuple(plan_block(layout.team_chunks(q_team), layout.team_chunks(kv_team), True))
-
-
 class RankContext:
     """One rank's state for one attention call, shared by its forward and backward.
 
@@ -180,12 +170,6 @@ class RankContext:
         perm = lay.team_chunk_order(self.team) if causal else list(range(c2))
         self.perm = perm
         self.inv_perm = inverse_order(perm)
-
-    def calls(self, kv_team: int) -> tuple[BlockCall, ...]:
-        return _plan(self.layout, self.team, kv_team, self.causal)
-
-    def chunk_len(self, n: int) -> int:
-        return n // (2 * self.layout.team_size) if self.causal else n
 
     def ring_step(self, x: Tensor, step: int, what: str):
         """Start passing ``x`` to the next rank of the sub-ring (None at the last step)."""
@@ -233,10 +217,10 @@ def startrail_rank_forward(
     acc = acc_dtype(q.dtype)
     acc_out = torch.zeros(n, b, hq, d, dtype=acc, device=q.device)
     acc_lse = torch.full((b, hq, n), -math.inf, dtype=acc, device=q.device)
-    c = cx.chunk_len(n)
+    c = team_chunk_len(lay, s, cx.causal)
     for step in range(lay.ring_size):
         pending = cx.ring_step(kv_cur, step, "kv")
-        for call in cx.calls(lay.kv_team_at_step(cx.rank, step)):
+        for call in startrail_step_calls(lay, cx.rank, step, cx.causal):
             qs, ks = slice(call.q_lo * c, call.q_hi * c), slice(call.kv_lo * c, call.kv_hi * c)
             o, lse = kernel.forward(
                 q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], causal=call.causal, scale=scale
@@ -301,12 +285,12 @@ def startrail_rank_backward(
     # KV travels as in the forward; its dK/dV follow one step behind.
     kv_cur = cx.initial_placement(kv_team).wait()
     dq = torch.zeros(n, b, hq, d, dtype=acc, device=dout.device)
-    c = cx.chunk_len(n)
+    c = team_chunk_len(lay, s, cx.causal)
     dkv_pending = None
     for step in range(lay.ring_size):
         pending = cx.ring_step(kv_cur, step, "kv")
         dkv = torch.zeros(n, 2, b, hkv, d, dtype=acc, device=dout.device)
-        for call in cx.calls(lay.kv_team_at_step(cx.rank, step)):
+        for call in startrail_step_calls(lay, cx.rank, step, cx.causal):
             qs, ks = slice(call.q_lo * c, call.q_hi * c), slice(call.kv_lo * c, call.kv_hi * c)
             g_q, g_k, g_v = kernel.backward(
                 do_team[qs],

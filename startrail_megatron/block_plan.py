@@ -1,6 +1,9 @@
-"""Which kernel calls a (Q team, KV team) block needs under the causal mask.
+"""Which kernel calls each rank makes: StarTrail's blocks per sub-ring step, the all-gather peer's.
 
-Pure arithmetic, no torch. A team's buffer holds its zigzag chunks in
+Pure arithmetic, no torch. The one place that decides the kernel calls:
+``startrail_step_calls`` (rank r at sub-ring step s) is what ``attention.py``
+runs and what the planner counts; ``allgather_calls`` likewise for the
+all-gather-KV peer (``peers/allgather.py``). A team's buffer holds its zigzag chunks in
 ascending chunk-id order (``StarTrailLayout.team_chunks``). Chunk pair
 (i, j) of query chunk i and key chunk j is fully visible when j < i, causal
 on the diagonal when j == i, and masked when j > i.
@@ -29,6 +32,9 @@ calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+
+from .layout import StarTrailLayout
 
 
 @dataclass(frozen=True)
@@ -109,3 +115,60 @@ def plan_block(q_chunks: list[int], kv_chunks: list[int], causal: bool) -> list[
         calls.extend(BlockCall(i, end, lo, hi, False) for lo, hi in rows[i])
         i = end
     return calls
+
+
+# ---- StarTrail: the calls of rank r at sub-ring step s ------------------------------
+@lru_cache(maxsize=4096)
+def team_block_calls(
+    layout: StarTrailLayout, q_team: int, kv_team: int, causal: bool
+) -> tuple[BlockCall, ...]:
+    """The calls of the (``q_team``, ``kv_team``) block on team buffers (cached).
+
+    Causal: ``plan_block`` on the two teams' zigzag chunks; full: one call on
+    the whole buffers (a single chunk, see ``team_chunk_len``).
+    """
+    if not causal:
+        return tuple(plan_block([0], [0], False))
+    return tuple(plan_block(layout.team_chunks(q_team), layout.team_chunks(kv_team), True))
+
+
+def startrail_step_calls(
+    layout: StarTrailLayout, rank: int, step: int, causal: bool
+) -> tuple[BlockCall, ...]:
+    """The kernel calls ``rank`` makes at sub-ring step ``step``: its team's queries
+    against the KV team it holds then (``StarTrailLayout.kv_team_at_step``)."""
+    team = layout.coord(rank)[0]
+    return team_block_calls(layout, team, layout.kv_team_at_step(rank, step), causal)
+
+
+def team_chunk_len(layout: StarTrailLayout, s_local: int, causal: bool) -> int:
+    """Tokens per chunk unit of ``BlockCall`` positions: a zigzag chunk (``s_local/2``)
+    under the causal mask, the whole team buffer (``C * s_local``) without it."""
+    return s_local // 2 if causal else layout.team_size * s_local
+
+
+# ---- the all-gather-KV peer ------------------------------------------------------------
+def allgather_calls(
+    rank: int, cp_size: int, causal: bool, s_local: int
+) -> list[tuple[slice, slice, bool]]:
+    """Kernel calls of one all-gather-KV rank: (local q rows, rows of the natural-order
+    gathered KV, causal).
+
+    Causal, for CP rank r with zigzag chunks r and 2P-1-r (c tokens per chunk)::
+
+        q chunk r        : full against chunks [0, r)        + causal on chunk r
+        q chunk 2P-1-r   : full against chunks [0, 2P-1-r)   + causal on chunk 2P-1-r
+
+    so every rank computes the same number of (q, k) pairs. Full: one call.
+    """
+    p = cp_size
+    if not causal:
+        return [(slice(0, s_local), slice(0, p * s_local), False)]
+    c = s_local // 2
+    out = []
+    for half, chunk in ((0, rank), (1, 2 * p - 1 - rank)):
+        qs = slice(half * c, (half + 1) * c)
+        if chunk > 0:
+            out.append((qs, slice(0, chunk * c), False))
+        out.append((qs, slice(chunk * c, (chunk + 1) * c), True))
+    return out

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal, get_args
 
+from .accounting import LocalShape, startrail_comm_bytes
+
 Placement = Literal["team", "ring"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 
@@ -235,24 +237,9 @@ class StarTrailLayout:
     ) -> dict[str, int]:
         """Bytes this rank sends in one attention forward and backward.
 
-        ``elem_bytes``: input dtype size; ``acc_bytes``: accumulation dtype
-        size (4 for fp32, 8 for fp64). Collectives count the ring-algorithm
-        volume (C-1)/C of the full buffer. Keys: ``fwd_p2p``, ``bwd_p2p``,
-        ``fwd_collective``, ``bwd_collective``. The formulas are explained in
-        ``attention.py``'s module docstring.
+        ``accounting.startrail_comm_bytes`` on a ``LocalShape`` of these
+        keywords (kept for its callers). Keys: ``fwd_p2p``, ``bwd_p2p``,
+        ``fwd_collective``, ``bwd_collective``.
         """
-        c = self.team_size
-        tok = s_local * batch  # local token rows
-        q_el, kv_el = tok * heads_q * head_dim, tok * heads_kv * head_dim
-        team_kv = c * 2 * kv_el  # K and V of the whole team
-        sends = self.p2p_sends(rank, backward=True)
-        return {
-            "fwd_p2p": sends["kv"] * team_kv * elem_bytes,
-            "bwd_p2p": sends["kv"] * team_kv * elem_bytes + sends["dkv"] * team_kv * acc_bytes,
-            # all-gather q,k,v; all-gather the team rows' partial lse; reduce-scatter out
-            "fwd_collective": (c - 1)
-            * ((q_el + 2 * kv_el) * elem_bytes + c * tok * heads_q * acc_bytes + q_el * acc_bytes),
-            # all-gather dout and delta; reduce-scatter dq, dk, dv
-            "bwd_collective": (c - 1)
-            * (q_el * elem_bytes + tok * heads_q * acc_bytes + (q_el + 2 * kv_el) * acc_bytes),
-        }
+        shape = LocalShape(s_local, batch, heads_q, heads_kv, head_dim, elem_bytes, acc_bytes)
+        return startrail_comm_bytes(self.team_size, self.p2p_sends(rank, backward=True), shape)

@@ -15,7 +15,7 @@ from startrail_megatron import bench
 
 
 def _bench_rank(rank, world, args):
-    return bench._run(rank, world, args)
+    return bench.run_rank(rank, world, args)
 
 
 TINY = ["--seq-len", "32", "--heads", "4", "--kv-heads", "4", "--head-dim", "16"]

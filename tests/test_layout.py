@@ -6,7 +6,12 @@ from collections import Counter
 
 import pytest
 
-from startrail_megatron.block_plan import plan_block
+from startrail_megatron.block_plan import (
+    BlockCall,
+    plan_block,
+    startrail_step_calls,
+    team_chunk_len,
+)
 from startrail_megatron.layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
 
 ALL = [(p, c, pl) for p in range(1, 65) for c in valid_team_sizes(p) for pl in PLACEMENTS]
@@ -152,6 +157,21 @@ def test_causal_plans_cover_exactly_and_balance(p, c, pl):
         )
         own = any(lay.kv_team_at_step(r, s) == t for s in range(lay.ring_size))
         assert work == lay.ring_size * n * n // 2 + own * n // 2
+
+
+@pytest.mark.parametrize("p,c,pl", PLAN_CASES)
+def test_step_calls_are_the_blocks_of_the_schedule(p, c, pl):
+    """Rank r at step s: its team's q against the KV team it holds then; full: one call."""
+    lay = StarTrailLayout(p, c, pl)
+    for r in range(p):
+        t = lay.coord(r)[0]
+        for s in range(lay.ring_size):
+            kv = lay.kv_team_at_step(r, s)
+            want = plan_block(lay.team_chunks(t), lay.team_chunks(kv), True)
+            assert startrail_step_calls(lay, r, s, True) == tuple(want)
+            assert startrail_step_calls(lay, r, s, False) == (BlockCall(0, 1, 0, 1, False),)
+    # chunk units: zigzag chunks of s/2 tokens (causal), the whole team buffer (full)
+    assert team_chunk_len(lay, 8, True) == 4 and team_chunk_len(lay, 8, False) == 8 * c
 
 
 def test_full_mask_is_one_call():

@@ -16,7 +16,7 @@ from common import make_inputs, shard
 from harness import run_ranks
 
 import startrail_megatron as st
-from startrail_megatron import baselines
+from startrail_megatron.block_plan import allgather_calls
 from startrail_megatron.planner import (
     CLUSTER_PRESETS,
     MODEL_PRESETS,
@@ -41,6 +41,7 @@ from startrail_megatron.planner import (
     startrail_candidates,
 )
 from startrail_megatron.planner.calibrate import TORCH_CPU_FLASH_Q_BLOCKS
+from startrail_megatron.planner.strategies import STRATEGY_KINDS, StrategyKind, attention_fn
 
 GIB = 2**30
 
@@ -50,14 +51,13 @@ def _ledger_run(rank, world, kind, c, placement, hq, hkv, causal):
     q, k, v, do = make_inputs(3, 8 * world, 1, hq, hkv, 16)
     local = [shard(x, rank, world, causal).float().requires_grad_() for x in (q, k, v)]
     ledger = st.CommLedger()
-    if kind == "startrail":
+    strategy = Strategy(kind, c, placement)
+    if strategy.spec.teams:  # the pool's ranks live on: groups from the per-process cache
         from common import groups_for
 
         out = st.startrail_attention(*local, groups_for(c, placement), causal=causal, ledger=ledger)
-    elif kind == "allgather":
-        out = baselines.allgather_attention(*local, None, causal=causal, ledger=ledger)
-    else:
-        out = baselines.ulysses_attention(*local, None, causal=causal, ledger=ledger)
+    else:  # the peers through the registry, as the benchmark runs them
+        out = attention_fn(strategy, causal)(*local, ledger)
     out.backward(shard(do, rank, world, causal).float())
     return ledger.summary()
 
@@ -356,7 +356,7 @@ def test_stream_term_adds_exactly_its_bytes_to_allgather():
     ag = Strategy("allgather")
     extra_f = extra_b = 0.0
     for r in range(4):  # per rank; the step takes the slowest (the one with most keys)
-        calls = baselines.allgather_calls(r, 4, True, 1024)
+        calls = allgather_calls(r, 4, True, 1024)
         sf = sum(
             kv_stream_bytes(q.stop - q.start, k.stop - k.start, c, **CACHE, **DIMS, bwd=False)
             for q, k, c in calls
@@ -434,7 +434,7 @@ def test_fit_recovers_stream_bandwidths():
 
 # ---- the sub-ring steps as a pipeline, not a barrier per step -----------------------
 def test_ring_pipeline_by_hand():
-    from startrail_megatron.planner.cost import _ring_pipeline
+    from startrail_megatron.planner.times import ring_pipeline
 
     ov = CLUSTER_PRESETS["h100-ib"]
     no = ov.with_(overlap=False)
@@ -444,24 +444,24 @@ def test_ring_pipeline_by_hand():
             comp = [[2.0] * 4 for _ in range(3)]
             step = max(2.0, x) if cl.overlap else 2.0 + x  # the per-step formula
             expect = step * 2 + 2.0
-            assert _ring_pipeline(cl, comp, [3, 0, 1, 2], x) == pytest.approx(expect)
-            assert _ring_pipeline(cl, comp, [3, 0, 1, 2], x, x) == pytest.approx(expect)
+            assert ring_pipeline(cl, comp, [3, 0, 1, 2], x) == pytest.approx(expect)
+            assert ring_pipeline(cl, comp, [3, 0, 1, 2], x, x) == pytest.approx(expect)
     # rank 0 heavy at step 0, rank 1 at step 1: each pays its own sum (3), not 2 + 2
     comp = [[2.0, 1.0], [1.0, 2.0]]
-    assert _ring_pipeline(ov, comp, [1, 0], 0.0) == pytest.approx(3.0)
+    assert ring_pipeline(ov, comp, [1, 0], 0.0) == pytest.approx(3.0)
     # the KV of step 1 leaves rank 0 when it starts step 0 and takes 1.5: rank 1 waits
-    assert _ring_pipeline(ov, comp, [1, 0], 1.5) == pytest.approx(3.5)
+    assert ring_pipeline(ov, comp, [1, 0], 1.5) == pytest.approx(3.5)
     # backward: rank 1 ends step 1 only when rank 0's dK/dV (sent at 2.0) arrived (+2.5)
-    assert _ring_pipeline(ov, comp, [1, 0], 0.0, 2.5) == pytest.approx(4.5)
+    assert ring_pipeline(ov, comp, [1, 0], 0.0, 2.5) == pytest.approx(4.5)
     # no overlap: a rank's own transfer adds to every step but the last
-    assert _ring_pipeline(no, comp, [1, 0], 0.5) == pytest.approx(3.5)
+    assert ring_pipeline(no, comp, [1, 0], 0.5) == pytest.approx(3.5)
     # ... and in the backward each rank waits for its dK/dV exchange after computing
     comp3 = [[2.0, 1.0], [1.0, 2.0], [1.0, 1.0]]
-    assert _ring_pipeline(no, comp3, [1, 0], 0.5, 0.5) == pytest.approx(5.0)
+    assert ring_pipeline(no, comp3, [1, 0], 0.5, 0.5) == pytest.approx(5.0)
     # a transfer needs both ends: rank 1 posts its step-1 exchange late (at 3), so
     # rank 0's KV for step 2 leaves then (arrives at 4) and rank 1 waits for its own send
     late = [[0.0, 3.0], [0.0, 0.0], [1.0, 2.0]]
-    assert _ring_pipeline(ov, late, [1, 0], 1.0) == pytest.approx(6.0)
+    assert ring_pipeline(ov, late, [1, 0], 1.0) == pytest.approx(6.0)
 
 
 def test_startrail_prediction_counts_each_ranks_own_sum():
@@ -469,7 +469,7 @@ def test_startrail_prediction_counts_each_ranks_own_sum():
     steps; with free links the forward kernel time is one rank's sum, below the sum of
     per-step maxima."""
     from startrail_megatron.layout import StarTrailLayout
-    from startrail_megatron.planner.cost import _kernel_time, _startrail_work
+    from startrail_megatron.planner.compute import kernel_time, startrail_work
 
     cl = CLUSTER_PRESETS["h100-ib"].with_(
         intra_latency=0.0, inter_latency=0.0, intra_bw=1e30, inter_bw=1e30, inter_bw_per_gpu=1e30
@@ -477,8 +477,8 @@ def test_startrail_prediction_counts_each_ranks_own_sum():
     cl = cl.with_(mem_bw=0.0)
     shape = AttnShape(8, 512, 1, 8, 8, 64, causal=True)
     lay = StarTrailLayout(8, 2, "team")
-    work = _startrail_work(lay, True, 512)
-    per = [[_kernel_time(cl, shape, pr, n, False, sh) for pr, n, sh in row] for row in work]
+    work = startrail_work(lay, True, 512)
+    per = [[kernel_time(cl, shape, pr, n, False, sh) for pr, n, sh in row] for row in work]
     own_sum = max(sum(per[s][r] for s in range(2)) for r in range(8))
     step_max = sum(max(row) for row in per)
     assert own_sum < step_max
@@ -561,3 +561,73 @@ def test_buffer_bytes_from_real_sizes():
     base = predict(Strategy("allgather"), cl, causal)
     with_mem = predict(Strategy("allgather"), cl.with_(mem_bw=1e9), causal)
     assert with_mem.attn_s == pytest.approx(base.attn_s + (c_fwd + c_bwd) / 1e9)
+
+
+# ---- the registry and purity ----------------------------------------------------------
+def test_registry_declares_every_kind_once():
+    from typing import get_args
+
+    from startrail_megatron.planner import KINDS
+
+    assert STRATEGY_KINDS == tuple(KINDS) == get_args(StrategyKind)
+    assert all(spec.kind == kind for kind, spec in KINDS.items())
+    # every kind is a candidate where it runs, in registry order, StarTrail's variants first
+    kinds = [s.kind for s in candidate_strategies(16, 16, 16)]
+    assert sorted(set(kinds), key=kinds.index) == list(STRATEGY_KINDS)
+    assert [s.name for s in startrail_candidates(16)] == [
+        s.name for s in candidate_strategies(16, 16, 16) if s.spec.teams
+    ]
+    labels = {s.name: s.placement_label for s in candidate_strategies(16, 16, 16)}
+    assert labels["ring"] == labels["allgather"] == "-"
+    assert labels["startrail-C2-ring"] == "ring"
+
+
+PURE = [
+    "accounting",
+    "block_plan",
+    "layout",
+    "planner",
+    "planner.autotune",
+    "planner.buffers",
+    "planner.calibrate",
+    "planner.cli",
+    "planner.cluster",
+    "planner.compute",
+    "planner.links",
+    "planner.memory",
+    "planner.paper",
+    "planner.plan",
+    "planner.prediction",
+    "planner.shape",
+    "planner.strategies",
+    "planner.times",
+]
+
+
+def test_planner_and_accounting_import_no_torch():
+    """The planner, the accounting and the block plan import no torch (so no
+    torch.distributed): imported in a fresh interpreter with the package root bypassed
+    (the root imports torch for the attention)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(st.__file__).parent
+    code = f"""
+import importlib, sys, types
+pkg = types.ModuleType("startrail_megatron")
+pkg.__path__ = [{str(root)!r}]
+sys.modules["startrail_megatron"] = pkg
+for name in {PURE!r}:
+    importlib.import_module("startrail_megatron." + name)
+bad = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+assert not bad, bad[:5]
+import startrail_megatron.planner as planner
+print(planner.predict.__module__)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "startrail_megatron.planner.prediction"
+    assert {p.stem for p in (root / "planner").glob("*.py")} - {"__init__", "__main__"} <= {
+        n.removeprefix("planner.") for n in PURE
+    }

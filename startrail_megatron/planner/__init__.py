@@ -12,24 +12,24 @@ CLI: ``startrail-plan`` / ``python -m startrail_megatron.planner``.
 from .autotune import AutotuneResult, Trial, autotune, startrail_candidates
 from .calibrate import TORCH_CPU_FLASH_Q_BLOCKS, fit_cluster, fit_linear
 from .cluster import CLUSTER_PRESETS, MODEL_PRESETS, ClusterSpec, ModelSpec
-from .cost import (
-    AttnShape,
-    Prediction,
+from .compute import kv_stream_bytes
+from .paper import paper_comm_bytes, paper_memory_units
+from .plan import Plan, plan
+from .prediction import Prediction, predict
+from .shape import AttnShape
+from .strategies import (
+    KINDS,
     Strategy,
     buffer_bytes,
     candidate_strategies,
     comm_bytes,
     comm_calls,
-    kv_stream_bytes,
     memory_bytes,
-    paper_comm_bytes,
-    paper_memory_units,
-    predict,
 )
-from .plan import Plan, plan
 
 __all__ = [
     "AttnShape",
+    "KINDS",
     "AutotuneResult",
     "Plan",
     "TORCH_CPU_FLASH_Q_BLOCKS",

@@ -19,14 +19,14 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .cost import Strategy, candidate_strategies
+from .strategies import KINDS, Strategy
 
 __all__ = ["AutotuneResult", "Trial", "autotune", "startrail_candidates"]
 
 
 def startrail_candidates(cp_size: int) -> list[Strategy]:
     """Every valid StarTrail (C, placement) for ``cp_size``, C = 1 (ring) first."""
-    return [s for s in candidate_strategies(cp_size, 1, 1) if s.kind == "startrail"]
+    return KINDS["startrail"].variants(cp_size)
 
 
 @dataclass(frozen=True)

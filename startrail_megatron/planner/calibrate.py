@@ -11,7 +11,7 @@ on a shared host). Least squares on relative errors then gives:
            attn_bwd_ratio = median(t_bwd / t_fwd)
            (both from the calls whose per-head K,V fit in ``cache_bytes``), then
            kv_stream_bw, kv_stream_bw_bwd = the re-streamed bytes of the calls
-           that do not fit (``cost.kv_stream_bytes``: the long-key calls of
+           that do not fit (``compute.kv_stream_bytes``: the long-key calls of
            all-gather-KV, a long square call's backward) over the time they take
            beyond the fit above (least squares on relative errors, through the origin)
            causal_tile_waste = median over causal calls of the pairs their time
@@ -32,7 +32,7 @@ import statistics
 from collections.abc import Sequence
 
 from .cluster import ClusterSpec
-from .cost import kv_stream_bytes
+from .compute import kv_stream_bytes
 
 __all__ = ["TORCH_CPU_FLASH_Q_BLOCKS", "fit_linear", "fit_cluster"]
 

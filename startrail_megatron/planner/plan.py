@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cluster import ClusterSpec, ModelSpec
-from .cost import AttnShape, Prediction, candidate_strategies, predict
+from .prediction import Prediction, predict
+from .shape import AttnShape
+from .strategies import candidate_strategies
 
 __all__ = ["Plan", "plan"]
 

@@ -15,7 +15,8 @@ from common import TOL, make_inputs, reference, rel_err, shard, unshard
 from harness import run_ranks
 
 import startrail_megatron as st
-from startrail_megatron import baselines
+from startrail_megatron import accounting, peers
+from startrail_megatron.accounting import LocalShape
 
 S_LOCAL, BATCH, HEAD_DIM, P = 4, 2, 32, 4
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -27,7 +28,7 @@ def _peer_case(rank, world, name, causal, hq, hkv, dtype):
     q, k, v, do = make_inputs(1, S_LOCAL * world, BATCH, hq, hkv, HEAD_DIM)
     local = [shard(x, rank, world, causal).to(dtype).requires_grad_() for x in (q, k, v)]
     ledger = st.CommLedger()
-    fn = {"allgather": baselines.allgather_attention, "ulysses": baselines.ulysses_attention}[name]
+    fn = {"allgather": peers.allgather_attention, "ulysses": peers.ulysses_attention}[name]
     seen: list[int] = []
     real = dist.all_to_all_single
 
@@ -69,18 +70,24 @@ def test_peer_matches_fp64_reference_and_accounting(name, causal, heads, dt):
         err = rel_err(got, ref[i])
         assert err <= TOL[dtype], f"{what}: relative max error {err:.2e} > {TOL[dtype]:.0e}"
     el = torch.empty((), dtype=dtype).element_size()
-    shape = dict(
-        s_local=S_LOCAL, batch=BATCH, heads_q=hq, heads_kv=hkv, head_dim=HEAD_DIM, elem_bytes=el
+    shape = LocalShape(
+        s_local=S_LOCAL,
+        batch=BATCH,
+        heads_q=hq,
+        heads_kv=hkv,
+        head_dim=HEAD_DIM,
+        elem_bytes=el,
+        acc_bytes=max(el, 4),
     )
     bytes_fn = {
-        "allgather": baselines.allgather_comm_bytes,
-        "ulysses": baselines.ulysses_comm_bytes,
+        "allgather": accounting.allgather_comm_bytes,
+        "ulysses": accounting.ulysses_comm_bytes,
     }
     calls_fn = {
-        "allgather": baselines.allgather_comm_calls,
-        "ulysses": baselines.ulysses_comm_calls,
+        "allgather": accounting.allgather_comm_calls,
+        "ulysses": accounting.ulysses_comm_calls,
     }
-    want = bytes_fn[name](P, **shape, acc_bytes=max(el, 4))
+    want = bytes_fn[name](P, shape)
     want_calls = calls_fn[name](P)
     for _, events, seen in results:
         led = st.CommLedger.from_events(events)
@@ -99,7 +106,7 @@ def _ulysses_bad_heads(rank, world):
     ledger = st.CommLedger()
     x = torch.randn(4, 1, 6, 8)
     try:
-        baselines.ulysses_attention(x, x, x, None, ledger=ledger)
+        peers.ulysses_attention(x, x, x, None, ledger=ledger)
     except ValueError as e:
         return str(e), len(ledger.events)
     return None, len(ledger.events)
@@ -111,15 +118,15 @@ def test_ulysses_rejects_heads_not_divisible_by_cp():
 
 
 def test_accounting_is_pure_and_consistent():
-    shape = dict(s_local=8, batch=1, heads_q=8, heads_kv=2, head_dim=16, elem_bytes=2)
-    ag = baselines.allgather_comm_bytes(4, **shape)
+    shape = LocalShape(s_local=8, batch=1, heads_q=8, heads_kv=2, head_dim=16, elem_bytes=2)
+    ag = accounting.allgather_comm_bytes(4, shape)
     assert ag["fwd_collective"] == 3 * 2 * 8 * 2 * 16 * 2
     assert ag["bwd_collective"] == 3 * 2 * 8 * 2 * 16 * (2 + 4)
-    ul = baselines.ulysses_comm_bytes(4, **shape)
+    ul = accounting.ulysses_comm_bytes(4, shape)
     assert (
         ul["fwd_collective"]
         == ul["bwd_collective"]
         == 3 * (2 * 8 * 8 * 16 + 2 * 8 * 2 * 16) * 2 // 4
     )
-    assert baselines.ulysses_comm_bytes(1, **shape)["fwd_collective"] == 0
-    assert baselines.ulysses_supported(4, 8, 4) and not baselines.ulysses_supported(4, 8, 2)
+    assert accounting.ulysses_comm_bytes(1, shape)["fwd_collective"] == 0
+    assert accounting.ulysses_supported(4, 8, 4) and not accounting.ulysses_supported(4, 8, 2)

@@ -1,0 +1,155 @@
+"""Bytes and calls each rank sends in one attention forward and backward: pure ints, no torch.
+
+One function per strategy, all on one shape argument (``LocalShape``: one
+rank's tensors), all returning the same keys: ``fwd_p2p``, ``bwd_p2p``,
+``fwd_collective``, ``bwd_collective``. Ints in, ints out; this module imports
+nothing of ours (``layout.py`` imports it). The tests check every one of them
+against the ``CommLedger`` of real runs; the planner and the benchmark use
+them as they are. Collectives count the ring-algorithm volume: (n-1)/n of the
+full buffer over n ranks.
+
+Notation: u_q, u_kv are the elements of one local q (or out) and one local k
+(or v) tensor; ``elem``: input dtype bytes; ``acc``: accumulation dtype
+bytes (fp32: 4, fp64: 8); C the team size, G = P/C^2.
+
+StarTrail (ring = C 1; the formulas are explained in ``attention.py``'s docstring)
+
+  fwd  P2P         kv sends * C 2 u_kv elem   (``StarTrailLayout.p2p_sends``)
+       collective  (C-1) ((u_q + 2 u_kv) elem + C s b h_q acc + u_q acc)
+  bwd  P2P         kv sends * C 2 u_kv elem + dkv sends * C 2 u_kv acc
+       collective  (C-1) (u_q elem + s b h_q acc + (u_q + 2 u_kv) acc)
+
+The peers (``peers/``)
+
+  all-gather   fwd  all-gather K,V           (P-1) 2 u_kv elem
+               bwd  all-gather K,V again     (P-1) 2 u_kv elem
+                    reduce-scatter dK,dV     (P-1) 2 u_kv acc
+  Ulysses      fwd  all-to-all q, k, v, out  (P-1)/P (2 u_q + 2 u_kv) elem
+               bwd  dout, dq, dk, dv         (P-1)/P (2 u_q + 2 u_kv) elem
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "LocalShape",
+    "allgather_comm_bytes",
+    "allgather_comm_calls",
+    "startrail_comm_bytes",
+    "startrail_comm_calls",
+    "ulysses_comm_bytes",
+    "ulysses_comm_calls",
+    "ulysses_supported",
+]
+
+
+@dataclass(frozen=True)
+class LocalShape:
+    """One CP rank's attention tensors: q ``[s_local, batch, heads_q, head_dim]``,
+    k and v ``[s_local, batch, heads_kv, head_dim]``, and the dtype sizes."""
+
+    s_local: int
+    batch: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    elem_bytes: int
+    """Input dtype bytes (bf16: 2)."""
+    acc_bytes: int = 4
+    """Accumulation dtype bytes (fp32: 4; fp64 runs: 8)."""
+
+    @property
+    def tokens(self) -> int:
+        """Local token rows, s_local * batch."""
+        return self.s_local * self.batch
+
+    @property
+    def q_elems(self) -> int:
+        """u_q: elements of one local q (or out) tensor."""
+        return self.tokens * self.heads_q * self.head_dim
+
+    @property
+    def kv_elems(self) -> int:
+        """u_kv: elements of one local k (or v) tensor."""
+        return self.tokens * self.heads_kv * self.head_dim
+
+
+def _keys(fwd_p2p: int, bwd_p2p: int, fwd_coll: int, bwd_coll: int) -> dict[str, int]:
+    return {
+        "fwd_p2p": fwd_p2p,
+        "bwd_p2p": bwd_p2p,
+        "fwd_collective": fwd_coll,
+        "bwd_collective": bwd_coll,
+    }
+
+
+# ---- StarTrail (ring = C 1) ----------------------------------------------------
+def startrail_comm_bytes(
+    team_size: int, sends: Mapping[str, int], shape: LocalShape
+) -> dict[str, int]:
+    """Bytes one rank sends in one StarTrail attention forward and backward.
+
+    ``sends``: its P2P message counts, ``StarTrailLayout.p2p_sends(rank, backward=True)``.
+    """
+    c = team_size
+    tok, acc_bytes, elem_bytes = shape.tokens, shape.acc_bytes, shape.elem_bytes
+    q_el, kv_el, heads_q = shape.q_elems, shape.kv_elems, shape.heads_q
+    team_kv = c * 2 * kv_el  # K and V of the whole team
+    return _keys(
+        sends["kv"] * team_kv * elem_bytes,
+        sends["kv"] * team_kv * elem_bytes + sends["dkv"] * team_kv * acc_bytes,
+        # all-gather q,k,v; all-gather the team rows' partial lse; reduce-scatter out
+        (c - 1)
+        * ((q_el + 2 * kv_el) * elem_bytes + c * tok * heads_q * acc_bytes + q_el * acc_bytes),
+        # all-gather dout and delta; reduce-scatter dq, dk, dv
+        (c - 1) * (q_el * elem_bytes + tok * heads_q * acc_bytes + (q_el + 2 * kv_el) * acc_bytes),
+    )
+
+
+def startrail_comm_calls(team_size: int, sends: Mapping[str, int]) -> dict[str, int]:
+    """Calls one rank makes: its P2P messages ``sends`` (as for ``startrail_comm_bytes``);
+    with teams (C > 1) three collectives each way (forward q,k,v / lse / out; backward
+    dout / delta / dq,dk,dv)."""
+    n_coll = 3 if team_size > 1 else 0
+    return _keys(sends["kv"], sends["kv"] + sends["dkv"], n_coll, n_coll)
+
+
+# ---- all-gather KV ---------------------------------------------------------------
+def allgather_comm_bytes(cp_size: int, shape: LocalShape) -> dict[str, int]:
+    """Bytes one rank sends in one all-gather-KV attention forward and backward.
+
+    Every transfer is a collective.
+    """
+    kv = 2 * shape.kv_elems  # local K and V elements
+    p1 = cp_size - 1
+    return _keys(0, 0, p1 * kv * shape.elem_bytes, p1 * kv * (shape.elem_bytes + shape.acc_bytes))
+
+
+def allgather_comm_calls(cp_size: int) -> dict[str, int]:
+    """Collective calls per rank: forward 1 (all-gather), backward 2."""
+    n = int(cp_size > 1)
+    return _keys(0, 0, n, 2 * n)
+
+
+# ---- Ulysses ---------------------------------------------------------------------
+def ulysses_comm_bytes(cp_size: int, shape: LocalShape) -> dict[str, int]:
+    """Bytes one rank sends in one Ulysses attention forward and backward.
+
+    Ulysses moves only input-dtype tensors (``acc_bytes`` plays no part).
+    """
+    per = 2 * shape.q_elems + 2 * shape.kv_elems  # q, out, k, v
+    each = (cp_size - 1) * per * shape.elem_bytes // cp_size
+    return _keys(0, 0, each, each)
+
+
+def ulysses_comm_calls(cp_size: int) -> dict[str, int]:
+    """All-to-all calls per rank: forward 4 (q, k, v, out), backward 4."""
+    n = 4 * int(cp_size > 1)
+    return _keys(0, 0, n, n)
+
+
+def ulysses_supported(cp_size: int, heads_q: int, heads_kv: int) -> bool:
+    """Ulysses shards heads: both head counts must be multiples of the CP size."""
+    return heads_q % cp_size == 0 and heads_kv % cp_size == 0

@@ -1,0 +1,29 @@
+"""The side-by-side benchmark, ``startrail-bench``: StarTrail (every C, both placements),
+ring, all-gather-KV and Ulysses on the same inputs and ranks.
+
+What is measured and how: ``cli.py``'s docstring (the ``--help`` text).
+
+  cli.py     the command: arguments, spawned gloo ranks or torchrun, the outputs
+  runner.py  one rank: each strategy checked against float64, its bytes, peak
+             memory and timed rounds; the cost model calibrated and its predictions
+  micro.py   the microbenchmarks the cost model is calibrated on
+  memory.py  ``PeakMemory``: CUDA allocator, PyTorch's MemTracker or RSS
+  report.py  the table and the PNG chart
+"""
+
+from .cli import build_parser, main, run
+from .memory import PeakMemory
+from .micro import cache_bytes_per_core
+from .report import format_table, write_png
+from .runner import run_rank
+
+__all__ = [
+    "PeakMemory",
+    "build_parser",
+    "cache_bytes_per_core",
+    "format_table",
+    "main",
+    "run",
+    "run_rank",
+    "write_png",
+]

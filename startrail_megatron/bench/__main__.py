@@ -1,0 +1,7 @@
+"""``python -m startrail_megatron.bench``: the ``startrail-bench`` console script."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

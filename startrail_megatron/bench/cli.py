@@ -1,0 +1,149 @@
+"""Side-by-side benchmark: StarTrail (every C, both placements), ring, all-gather-KV, Ulysses.
+
+    startrail-bench --nproc 4 --seq-len 4096          # or scripts/bench_attention.py
+
+One run, the same inputs, shapes and ranks for every strategy. For each it
+times forward + backward (``--warmup`` untimed, then ``--repeats`` timed rounds;
+a repeat's time is the slowest rank's; the rounds interleave all strategies and
+the microbenchmarks, so load from elsewhere on a shared host falls on all alike), and records the bytes each rank sent
+(P2P and collective, from the ``CommLedger``), the communication calls, the
+peak memory, and the largest error against a float64 reference. It also
+times a few kernel calls, elementwise buffer operations, P2P exchanges and
+all-gathers, fits the cost
+model's constants to them (``planner.calibrate``) and prints the calibrated
+model's prediction beside each measured time.
+
+Peak memory (``--memory``, largest over ranks): on CUDA
+``torch.cuda.max_memory_allocated`` over one iteration; on CPU by default the
+peak of live tensor bytes during one iteration, tracked at PyTorch's
+dispatch level (``MemTracker``: tensors only, no allocator slack); ``--memory rss`` uses the
+resident-set high-water growth instead (see ``PeakMemory``).
+
+Outputs: a table on stdout, ``--json`` (all numbers), ``--png`` (time and
+bytes per strategy). Runs on CPU with gloo (spawns ``--nproc`` ranks), or
+under ``torchrun`` (NCCL on GPUs, one rank per GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..planner.strategies import candidate_strategies
+from ..spawn import spawn_local_ranks
+from .memory import PeakMemory
+from .report import format_table, write_png
+from .runner import DTYPES, run_rank
+
+__all__ = ["build_parser", "main", "run"]
+
+
+def _bench_rank(rank: int, world: int, args, out_file: str) -> None:
+    report = run_rank(rank, world, args)
+    if report is not None:
+        with open(out_file, "w") as f:
+            json.dump(report, f)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="startrail-bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--nproc", type=int, default=4, help="CPU ranks to spawn (ignored under torchrun)"
+    )
+    p.add_argument("--seq-len", type=int, default=4096, help="global sequence length")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    p.add_argument("--full", action="store_true", help="no causal mask (default: causal, zigzag)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--memory",
+        choices=["auto", *PeakMemory.METHODS],
+        default="auto",
+        help="peak-memory method (auto: cuda on GPUs, tracker on CPU)",
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--strategies", nargs="*", help="only these names (e.g. ring startrail-C2-team)")
+    p.add_argument("--no-check", action="store_true", help="skip the float64 reference")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600, help="per-collective timeout, s")
+    p.add_argument("--json", default="bench_attention.json", help="output JSON ('' = none)")
+    p.add_argument("--png", default="bench_attention.png", help="output chart ('' = none)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: run the benchmark, print and write the outputs; exit status 0."""
+    run(argv)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run the benchmark and return the report (rank 0's; ``{}`` on other torchrun ranks)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    under_torchrun = "RANK" in os.environ
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    args.cuda = under_torchrun and torch.cuda.is_available()
+    for name in ("warmup", "threads"):
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if world < 1:
+        p.error("--nproc must be >= 1")
+    if args.seq_len % (2 * world):
+        p.error(f"--seq-len {args.seq_len} must be divisible by 2*nproc = {2 * world}")
+    if args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.strategies:
+        known = {s.name for s in candidate_strategies(world, args.heads, args.kv_heads)}
+        bad = [s for s in args.strategies if s not in known]
+        if bad:
+            p.error(f"--strategies {bad} not valid here; allowed: {sorted(known)}")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.cuda else "cpu")
+    if under_torchrun:
+        if args.cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if args.cuda else "gloo")
+        try:
+            report = run_rank(dist.get_rank(), world, args)
+        finally:
+            dist.destroy_process_group()
+        if report is None:
+            return {}
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            out_file = os.path.join(tmp, "report.json")
+            spawn_local_ranks(
+                _bench_rank,
+                world,
+                args,
+                out_file,
+                timeout=timedelta(seconds=args.timeout),
+                threads=args.threads,
+            )
+            with open(out_file) as f:
+                report = json.load(f)
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.png:
+        write_png(report, args.png)
+        print(f"wrote {args.png}")
+    return report

@@ -1,0 +1,86 @@
+"""The benchmark's outputs from its report: the table on stdout and the PNG chart."""
+
+from __future__ import annotations
+
+__all__ = ["format_table", "write_png"]
+
+
+def format_table(report: dict) -> str:
+    c = report["config"]
+    lines = [
+        f"P={c['nproc']} ranks ({report['environment']['backend']}, "
+        f"{report['environment']['device']}), seq {c['seq_len']}, batch {c['batch']}, "
+        f"{c['heads']} q / {c['kv_heads']} kv heads, head_dim {c['head_dim']}, {c['dtype']}, "
+        f"{'causal' if c['causal'] else 'full'}; {c['repeats']} repeats after {c['warmup']} warm-up",
+        f"{'strategy':22s}{'median ms':>10s}{'IQR ms':>8s}{'fwd P2P':>10s}{'fwd coll':>10s}"
+        f"{'bwd P2P':>10s}{'bwd coll':>10s}{'calls':>7s}{'peak MiB':>9s}{'max err':>9s}"
+        f"{'min ms':>9s}{'model ms':>9s}{'mod/min':>9s}{'model med':>10s}{'mod/med':>9s}",
+    ]
+    mib = 2**20
+    for r in report["results"]:
+        led = r["ledger_max_over_ranks"]
+        calls = sum(v for k, v in led.items() if k.endswith("_calls"))
+        err = "-" if r["max_rel_error"] is None else f"{r['max_rel_error']:.1e}"
+        lines.append(
+            f"{r['strategy']:22s}{r['median_s'] * 1e3:10.2f}{r['iqr_s'] * 1e3:8.2f}"
+            f"{led['fwd_p2p_bytes'] / mib:10.2f}{led['fwd_collective_bytes'] / mib:10.2f}"
+            f"{led['bwd_p2p_bytes'] / mib:10.2f}{led['bwd_collective_bytes'] / mib:10.2f}"
+            f"{calls:7d}{r['peak_memory_bytes'] / mib:9.1f}{err:>9s}"
+            f"{r['min_s'] * 1e3:9.2f}{r['predicted_s'] * 1e3:9.2f}{r['predicted_over_measured']:9.2f}"
+            f"{r['predicted_median_s'] * 1e3:10.2f}{r['predicted_over_median']:9.2f}"
+        )
+    lines.append(
+        "bytes: MiB sent per rank (max over ranks, from the CommLedger); calls: P2P + collective, "
+        f"fwd + bwd; peak: {report['memory_method']}; model: cost model calibrated on this run's "
+        "microbenchmarks: fastest repeat of each vs the fastest repeat (min), median of each vs "
+        "the median"
+    )
+    return "\n".join(lines)
+
+
+def write_png(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = report["results"]
+    names = [r["strategy"] for r in res]
+    x = range(len(res))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(res)), 4))
+    med = [r["median_s"] * 1e3 for r in res]
+    lo = [m - r["min_s"] * 1e3 for m, r in zip(med, res)]
+    hi = [r["max_s"] * 1e3 - m for m, r in zip(med, res)]
+    ax1.bar(x, med, yerr=[lo, hi], capsize=3, label="measured (median, min-max)")
+    ax1.plot(x, [r["min_s"] * 1e3 for r in res], "k_", markersize=14, label="measured (min)")
+    ax1.plot(x, [r["predicted_median_s"] * 1e3 for r in res], "rx", label="model (medians)")
+    ax1.set_ylabel("forward + backward, ms")
+    ax1.legend(fontsize=7)
+    mib = 2**20
+    p2p = [
+        (r["ledger_max_over_ranks"]["fwd_p2p_bytes"] + r["ledger_max_over_ranks"]["bwd_p2p_bytes"])
+        / mib
+        for r in res
+    ]
+    col = [
+        (
+            r["ledger_max_over_ranks"]["fwd_collective_bytes"]
+            + r["ledger_max_over_ranks"]["bwd_collective_bytes"]
+        )
+        / mib
+        for r in res
+    ]
+    ax2.bar(x, p2p, label="P2P")
+    ax2.bar(x, col, bottom=p2p, label="collective")
+    ax2.set_ylabel("MiB sent per rank (fwd + bwd)")
+    ax2.legend(fontsize=7)
+    for ax in (ax1, ax2):
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    c = report["config"]
+    fig.suptitle(
+        f"P={c['nproc']}, seq {c['seq_len']}, {c['dtype']}, {report['environment']['device']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,303 @@
+"""One rank of the benchmark: every strategy checked, measured and timed; the model calibrated.
+
+``run_rank(rank, world, args)`` runs on every rank (spawned gloo ranks or
+torchrun) with the same arguments and returns the report on rank 0, ``None``
+elsewhere. Every rank makes the same collective calls in the same order:
+each strategy's groups, its error check's all-gathers, the max-over-ranks
+all-reduces, then the interleaved timed rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..comm import CommLedger
+from ..planner.calibrate import fit_cluster
+from ..planner.cluster import ClusterSpec
+from ..planner.prediction import predict
+from ..planner.shape import AttnShape
+from ..planner.strategies import Strategy, attention_fn, candidate_strategies, comm_bytes
+from ..testing import make_inputs, reference_attention, rel_err, shard, unshard
+from .memory import PeakMemory
+from .micro import cache_bytes_per_core, micro_record, micro_tasks
+
+__all__ = ["DTYPES", "run_rank"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _max_over_ranks(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _time_once(fn, device) -> float:
+    dist.barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _progress(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _inputs(rank: int, world: int, args, device: torch.device, dtype, causal: bool):
+    """(full-sequence q, k, v, dout in fp32, as the reference takes them; this rank's shards)."""
+    full = make_inputs(
+        args.seed,
+        args.seq_len,
+        args.batch,
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        dtype=torch.float32,
+    )
+    local = (shard(x, rank, world, causal).to(device=device, dtype=dtype) for x in full)
+    return full, tuple(x.contiguous() for x in local)
+
+
+def _shape(args, world: int, dtype, causal: bool) -> AttnShape:
+    return AttnShape(
+        world,
+        args.seq_len // world,
+        args.batch,
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        elem_bytes=torch.empty((), dtype=dtype).element_size(),
+        acc_bytes=8 if dtype == torch.float64 else 4,
+        causal=causal,
+    )
+
+
+def _max_rel_error(mine: list, ref, rank: int, world: int, causal: bool) -> float | None:
+    """Largest relative error of out, dq, dk, dv (gathered on rank 0) against ``ref``."""
+    errs = []
+    for j, x in enumerate(mine):
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous())
+        if rank == 0:
+            errs.append(rel_err(unshard(parts, causal).cpu(), ref[j]))
+    return max(errs) if rank == 0 else None
+
+
+def _prepare(st: Strategy, args, device: torch.device, causal: bool, local, ref, rank, world):
+    """One strategy's timed step, after one accounted run checked against the reference,
+    a peak-memory measurement and the warm-up: (step, (strategy, error, peak, ledger))."""
+    attn = attention_fn(st, causal)  # StarTrail creates its groups here
+    q0, k0, v0, do = local
+    leaves = [x.clone().requires_grad_() for x in (q0, k0, v0)]
+
+    def step(ledger=None, attn=attn, leaves=leaves):
+        for x in leaves:
+            x.grad = None
+        out = attn(*leaves, ledger)
+        out.backward(do)
+        return out
+
+    # One accounted run, checked against the reference.
+    ledger = CommLedger()
+    out = step(ledger)
+    err = mine = None
+    if not args.no_check:
+        # ``mine`` (this run's out and gradients) stays alive through the memory
+        # measurement below, as it always has: the tracker counts it.
+        mine = [out.detach(), *(x.grad for x in leaves)]
+        err = _max_rel_error(mine, ref, rank, world, causal)
+    del out
+    with PeakMemory(device, args.memory) as mem:
+        step()
+    peak = _max_over_ranks([float(mem.peak)], device)[0]
+    for _ in range(args.warmup):
+        step()
+    summary = ledger.summary()
+    led = _max_over_ranks([float(v) for v in summary.values()], device)
+    del mine
+    return step, (st, err, peak, dict(zip(summary, (int(v) for v in led))))
+
+
+def _timed_rounds(steps, tasks, names: list[str], args, rank: int, device):
+    """Interleaved rounds: each times every strategy once, then every microbenchmark, so
+    that load from elsewhere on the host falls on all of them alike. Returns the
+    slowest rank's times: (per strategy, per microbenchmark), one per round."""
+    times = [[] for _ in steps]
+    micro_times = [[] for _ in tasks]
+    for rnd in range(args.repeats):
+        t_start = time.perf_counter()
+        for j, fn in enumerate(steps):
+            times[j].append(_time_once(fn, device))
+        for j, (_, _, fn) in enumerate(tasks):
+            micro_times[j].append(_time_once(fn, device))
+        _progress(
+            rank,
+            f"round {rnd + 1}/{args.repeats}: "
+            + ", ".join(f"{name} {t[-1] * 1e3:.0f} ms" for name, t in zip(names, times))
+            + f" ({time.perf_counter() - t_start:.1f}s)",
+        )
+    flat = _max_over_ranks([t for ts in times + micro_times for t in ts], device)
+    r_ = args.repeats
+    times = [flat[j * r_ : (j + 1) * r_] for j in range(len(times))]
+    off = len(steps) * r_
+    micro_times = [flat[off + j * r_ : off + (j + 1) * r_] for j in range(len(tasks))]
+    return times, micro_times
+
+
+def _result(st: Strategy, err, peak, led: dict, ts: list[float], shape: AttnShape) -> dict:
+    """One strategy's row of the report: times, bytes (ledger and model), memory, error."""
+    med = statistics.median(ts)
+    q1, q3 = statistics.quantiles(ts, n=4, method="inclusive")[::2] if len(ts) > 1 else (med, med)
+    return {
+        "strategy": st.name,
+        "kind": st.kind,
+        "team_size": st.team_size,
+        "placement": st.placement_label,
+        "median_s": med,
+        "min_s": min(ts),
+        "max_s": max(ts),
+        "iqr_s": q3 - q1,
+        "times_s": ts,
+        "ledger_max_over_ranks": led,
+        "model_bytes_max_over_ranks": {
+            k: max(b[k] for b in comm_bytes(st, shape)) for k in comm_bytes(st, shape)[0]
+        },
+        "peak_memory_bytes": peak,
+        "max_rel_error": err,
+    }
+
+
+def _calibrate(
+    strategies: list[Strategy],
+    results: list[dict],
+    micro: dict,
+    micro_median: dict,
+    shape: AttnShape,
+    world: int,
+    device,
+) -> tuple[ClusterSpec, ClusterSpec]:
+    """Fit the cost model to the microbenchmarks and add its prediction to every row."""
+    mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fit = dict(
+        num_ranks=world,
+        memory_bytes=float(mem_total),
+        backend=dist.get_backend(),
+        cache_bytes=cache_bytes_per_core(device),
+    )
+    # Like for like: the model calibrated on each microbenchmark's fastest round predicts
+    # the fastest round of each strategy; calibrated on their medians, the median.
+    cluster = fit_cluster(micro, **fit)
+    cluster_median = fit_cluster(micro_median, **fit)
+    for st, r in zip(strategies, results):
+        pred = predict(st, cluster, shape).attn_s
+        pred_med = predict(st, cluster_median, shape).attn_s
+        r["predicted_s"] = pred
+        r["predicted_over_measured"] = pred / r["min_s"]
+        r["predicted_median_s"] = pred_med
+        r["predicted_over_median"] = pred_med / r["median_s"]
+    return cluster, cluster_median
+
+
+def _config(args, world: int, causal: bool) -> dict:
+    return {
+        "nproc": world,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "dtype": args.dtype,
+        "causal": causal,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "threads_per_rank": args.threads,
+    }
+
+
+def _environment(device: torch.device) -> dict:
+    return {
+        "device": str(device),
+        "backend": dist.get_backend(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "host": platform.machine(),
+    }
+
+
+def run_rank(rank: int, world: int, args) -> dict | None:
+    """The benchmark on this rank: the report on rank 0, ``None`` on the others."""
+    torch.set_num_threads(args.threads)
+    device = (
+        torch.device(f"cuda:{torch.cuda.current_device()}") if args.cuda else torch.device("cpu")
+    )
+    dtype = DTYPES[args.dtype]
+    causal = not args.full
+    full, local = _inputs(rank, world, args, device, dtype, causal)
+    ref = None
+    if rank == 0 and not args.no_check:
+        t0 = time.perf_counter()
+        ref = reference_attention(*full, causal)
+        _progress(rank, f"float64 reference: {time.perf_counter() - t0:.1f}s")
+    strategies = candidate_strategies(world, args.heads, args.kv_heads)
+    if args.strategies:
+        strategies = [s for s in strategies if s.name in args.strategies]
+    shape = _shape(args, world, dtype, causal)
+    steps, info = [], []
+    for i, st in enumerate(strategies):
+        t_start = time.perf_counter()
+        step, row = _prepare(st, args, device, causal, local, ref, rank, world)
+        steps.append(step)
+        info.append(row)
+        _progress(
+            rank,
+            f"[{i + 1}/{len(strategies)}] {st.name}: checked, memory, warm-up "
+            f"({time.perf_counter() - t_start:.1f}s)",
+        )
+    tasks = micro_tasks(args, rank, world, device, dtype)
+    names = [st.name for st in strategies]
+    times, micro_times = _timed_rounds(steps, tasks, names, args, rank, device)
+    dims = {
+        "batch": args.batch,
+        "heads_q": args.heads,
+        "head_dim": args.head_dim,
+        "elem_bytes": torch.tensor([], dtype=dtype).element_size(),
+        "grad_bytes": torch.tensor([], dtype=dtype).element_size(),  # the kernel's dK, dV
+    }
+    micro = {**micro_record(tasks, micro_times), "dims": dims}
+    micro_median = {**micro_record(tasks, micro_times, statistics.median), "dims": dims}
+    results = [_result(*row, ts, shape) for row, ts in zip(info, times)]
+    if rank != 0:
+        return None
+    cluster, cluster_median = _calibrate(
+        strategies, results, micro, micro_median, shape, world, device
+    )
+    return {
+        "config": _config(args, world, causal),
+        "environment": _environment(device),
+        "memory_method": PeakMemory(device, args.memory).description,
+        "time_method": "forward+backward wall time, slowest rank per repeat (barrier before); "
+        "repeats interleaved across strategies and microbenchmarks",
+        "results": results,
+        "calibration": {
+            "microbenchmarks": micro,
+            "cluster": cluster.__dict__,
+            "microbenchmarks_median": micro_median,
+            "cluster_median": cluster_median.__dict__,
+        },
+    }

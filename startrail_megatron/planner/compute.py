@@ -1,0 +1,145 @@
+"""Kernel time: the kernel calls each rank makes, and what one call costs.
+
+The calls are those the implementations make (``block_plan.startrail_step_calls``
+on the StarTrail schedule, ``block_plan.allgather_calls``), so causal balance and
+the diagonal blocks are counted exactly. A call costs a fixed overhead plus its
+(q, k) pairs at ``attn_flops`` (the masked part of causal diagonal tiles
+included), times ``attn_bwd_ratio`` in the backward, plus the K,V re-streaming of
+calls too long for the cache (``kv_stream_bytes``).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ..block_plan import allgather_calls, startrail_step_calls, team_chunk_len
+from ..layout import StarTrailLayout
+from .cluster import ClusterSpec
+from .shape import AttnShape
+
+__all__ = [
+    "CallShape",
+    "allgather_call_shapes",
+    "call_work",
+    "kernel_time",
+    "kv_stream_bytes",
+    "startrail_call_shapes",
+    "startrail_work",
+]
+
+
+CallShape = tuple[int, int, bool]
+"""One kernel call in tokens: (q rows, kv rows, causal)."""
+
+
+@lru_cache(maxsize=256)
+def startrail_call_shapes(
+    lay: StarTrailLayout, causal: bool, s_local: int
+) -> tuple[tuple[tuple[CallShape, ...], ...], ...]:
+    """[step][rank] -> the calls of ``block_plan.startrail_step_calls``, in tokens."""
+    chunk = team_chunk_len(lay, s_local, causal)
+    return tuple(
+        tuple(
+            tuple(
+                ((x.q_hi - x.q_lo) * chunk, (x.kv_hi - x.kv_lo) * chunk, x.causal)
+                for x in startrail_step_calls(lay, r, step, causal)
+            )
+            for r in range(lay.cp_size)
+        )
+        for step in range(lay.ring_size)
+    )
+
+
+def allgather_call_shapes(rank: int, shape: AttnShape) -> tuple[CallShape, ...]:
+    """The calls of ``block_plan.allgather_calls``, in tokens."""
+    calls = allgather_calls(rank, shape.cp_size, shape.causal, shape.s_local)
+    return tuple((qs.stop - qs.start, ks.stop - ks.start, cz) for qs, ks, cz in calls)
+
+
+def call_work(shapes: tuple[CallShape, ...]) -> tuple:
+    """((full pairs, causal pairs, causal rows) per (batch, head), calls, ``shapes``)."""
+    full = sum(nq * nk for nq, nk, cz in shapes if not cz)
+    diag = sum(nq * (nq + 1) // 2 for nq, nk, cz in shapes if cz)
+    rows = sum(nq for nq, nk, cz in shapes if cz)
+    return (full, diag, rows), len(shapes), shapes
+
+
+@lru_cache(maxsize=256)
+def startrail_work(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
+    """[step][rank] -> ``call_work`` of that rank's calls at that step."""
+    steps = startrail_call_shapes(lay, causal, s_local)
+    return tuple(tuple(call_work(calls) for calls in row) for row in steps)
+
+
+def kv_stream_bytes(
+    nq: int,
+    nk: int,
+    causal: bool,
+    *,
+    cache_bytes: float,
+    q_blocks: tuple[tuple[int, int], ...],
+    batch: int,
+    heads_q: int,
+    head_dim: int,
+    elem_bytes: int,
+    grad_bytes: int,
+    bwd: bool,
+) -> float:
+    """Bytes one kernel call re-streams because its per-head K,V do not fit in the cache.
+
+    A flash-style kernel walks, for each query block of each (batch, q head), over all
+    the key blocks. When one head's K,V (forward) or K,V,dK,dV (backward; dK,dV of
+    ``grad_bytes`` per element: PyTorch's CPU kernel keeps them in the input dtype)
+    exceed ``cache_bytes``, every query block reads them again from further away: K and
+    V once per query block forward; K, V read and dK, dV read and written backward.
+    ``q_blocks``: the kernel's query block size by query length
+    (``ClusterSpec.kernel_q_blocks``). A causal diagonal call touches half the key blocks
+    on average (an upper bound: early query blocks stop at their own keys). 0 when the
+    term is off (no cache size or blocks), the call is empty or the working set fits.
+    """
+    if not cache_bytes or not q_blocks or nq <= 0 or nk <= 0:
+        return 0.0
+    kv = nk * head_dim * elem_bytes  # one head's K (or V)
+    dkv = nk * head_dim * grad_bytes
+    if (2 * kv + (2 * dkv if bwd else 0)) <= cache_bytes:
+        return 0.0
+    block = next((b for lo, b in q_blocks if nq >= lo), q_blocks[-1][1])
+    passes = batch * heads_q * -(-nq // min(block, nq))
+    per_pass = 2 * kv + (4 * dkv if bwd else 0)
+    return passes * per_pass * (0.5 if causal else 1.0)
+
+
+def kernel_time(
+    cl: ClusterSpec,
+    shape: AttnShape,
+    pairs: tuple[int, int, int],
+    calls: int,
+    bwd: bool,
+    shapes: tuple[tuple[int, int, bool], ...] = (),
+) -> float:
+    """Kernel time of (full pairs, causal-diagonal pairs, causal rows) in ``calls`` calls.
+
+    A causal call also computes the masked part of its diagonal tiles:
+    ``causal_tile_waste`` extra pairs per query row. ``shapes``: the calls' (q rows,
+    kv rows, causal), for the K,V re-streaming of calls too long for the cache
+    (``kv_stream_bytes``, at ``kv_stream_bw`` / ``kv_stream_bw_bwd``).
+    """
+    per_pair = 4 * shape.head_dim * shape.heads_q * shape.batch
+    full, diag, rows = pairs
+    work = full + diag + rows * cl.causal_tile_waste
+    t = calls * cl.kernel_overhead + per_pair * work / cl.attn_flops
+    t = t * cl.attn_bwd_ratio if bwd else t
+    bw = cl.kv_stream_bw_bwd if bwd else cl.kv_stream_bw
+    if bw and shapes:
+        dims = dict(
+            cache_bytes=cl.kernel_cache_bytes,
+            q_blocks=cl.kernel_q_blocks,
+            batch=shape.batch,
+            heads_q=shape.heads_q,
+            head_dim=shape.head_dim,
+            elem_bytes=shape.elem_bytes,
+            grad_bytes=shape.elem_bytes,
+            bwd=bwd,
+        )
+        t += sum(kv_stream_bytes(nq, nk, cz, **dims) for nq, nk, cz in shapes) / bw
+    return t

@@ -1,0 +1,79 @@
+"""Link timing: P2P steps, ring collectives and all-to-alls on a cluster.
+
+Time of one transfer: ``alpha + bytes / bw`` (Hockney). A P2P step takes
+its slowest rank; a link is intra-node or inter-node by the placement, and
+the GPUs of a node that send off-node at once share the node's network
+bandwidth. A ring collective over n ranks takes ``(n-1) alpha + bytes/bw``
+with ``bytes`` the ledger's per-rank volume and ``bw`` its slowest ring edge;
+an all-to-all ``(n-1) alpha`` plus its intra-node and inter-node shares.
+"""
+
+from __future__ import annotations
+
+from .cluster import ClusterSpec
+
+__all__ = ["all_to_all", "collective", "p2p_step", "reduce_scatter_extra"]
+
+
+def _inter_bw(cl: ClusterSpec, senders: int) -> float:
+    """Inter-node bandwidth of one GPU while ``senders`` GPUs of its node send off-node."""
+    return min(cl.inter_bw_per_gpu, cl.inter_bw / max(senders, 1))
+
+
+def p2p_step(cl: ClusterSpec, sends: list[tuple[int, int, int]]) -> float:
+    """One P2P step, every (src, dst, bytes) at once: the slowest sender's time."""
+    off: dict[int, int] = {}
+    for s, d, b in sends:
+        if b and cl.node(s) != cl.node(d):
+            off[cl.node(s)] = off.get(cl.node(s), 0) + 1
+    t = 0.0
+    for s, d, b in sends:
+        if not b or s == d:
+            continue
+        if cl.node(s) == cl.node(d):
+            t = max(t, cl.intra_latency + b / cl.intra_bw)
+        else:
+            t = max(t, cl.inter_latency + b / _inter_bw(cl, off[cl.node(s)]))
+    return t
+
+
+def collective(cl: ClusterSpec, groups: list[list[int]], nbytes: int, calls: int) -> float:
+    """Ring collectives on every group at once; ``nbytes`` = per-rank volume sent."""
+    if not nbytes:
+        return 0.0
+    off: dict[int, int] = {}
+    edges = []
+    for g in groups:
+        n = len(g)
+        e = [(g[i], g[(i + 1) % n]) for i in range(n)] if n > 1 else []
+        edges.append(e)
+        for s, d in e:
+            if cl.node(s) != cl.node(d):
+                off[cl.node(s)] = off.get(cl.node(s), 0) + 1
+    t = 0.0
+    for g, e in zip(groups, edges):
+        if not e:
+            continue
+        inter = [s for s, d in e if cl.node(s) != cl.node(d)]
+        bw = min([cl.intra_bw] + [_inter_bw(cl, off[cl.node(s)]) for s in inter])
+        alpha = cl.inter_latency if inter else cl.intra_latency
+        t = max(t, calls * (len(g) - 1) * alpha + nbytes / bw)
+    return t
+
+
+def all_to_all(cl: ClusterSpec, p: int, nbytes: int, calls: int) -> float:
+    """All-to-all over CP ranks 0..p-1; ``nbytes`` = per-rank volume sent."""
+    if p == 1 or not nbytes:
+        return 0.0
+    local = min(cl.gpus_per_node, p)
+    n_in, n_out = local - 1, p - local
+    per_peer = nbytes / (p - 1)
+    t_in = n_in * per_peer / cl.intra_bw
+    t_out = n_out * per_peer / _inter_bw(cl, local) if n_out else 0.0
+    return calls * (n_in * cl.intra_latency + n_out * cl.inter_latency) + max(t_in, t_out)
+
+
+def reduce_scatter_extra(cl: ClusterSpec, groups: list[list[int]], nbytes: int) -> float:
+    """What a reduce-scatter of ``nbytes`` (ledger volume) costs beyond a ring collective of
+    that volume: on gloo (an all-reduce of the whole input) as much again."""
+    return collective(cl, groups, nbytes, 1) if cl.reduce_scatter_via_allreduce else 0.0

@@ -1,0 +1,66 @@
+"""The attention one CP group runs: ``AttnShape`` (per rank, Megatron layout)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..accounting import LocalShape
+from .cluster import ModelSpec
+
+__all__ = ["AttnShape"]
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """The attention one CP group runs (Megatron layout, per rank)."""
+
+    cp_size: int
+    s_local: int
+    batch: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    elem_bytes: int = 2
+    """Input dtype bytes (bf16: 2)."""
+    acc_bytes: int = 4
+    """Accumulation dtype bytes (fp32: 4; fp64 runs: 8)."""
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        for f in ("cp_size", "s_local", "batch", "heads_q", "heads_kv", "head_dim", "elem_bytes"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{f}={v!r} must be an integer >= 1")
+        if self.causal and self.s_local % 2:
+            raise ValueError(
+                f"causal zigzag needs an even s_local (sequence / cp_size), got {self.s_local}"
+            )
+
+    @classmethod
+    def for_model(
+        cls, model: ModelSpec, seq_len: int, cp_size: int, batch: int = 1, **kw
+    ) -> AttnShape:
+        if seq_len % (2 * cp_size):
+            raise ValueError(
+                f"seq_len={seq_len} must be divisible by 2*cp_size = {2 * cp_size} (zigzag)"
+            )
+        return cls(
+            cp_size, seq_len // cp_size, batch, model.heads, model.kv_heads, model.head_dim, **kw
+        )
+
+    @property
+    def seq_len(self) -> int:
+        return self.s_local * self.cp_size
+
+    @property
+    def local(self) -> LocalShape:
+        """One rank's tensors, the shape argument of ``accounting``."""
+        return LocalShape(
+            self.s_local,
+            self.batch,
+            self.heads_q,
+            self.heads_kv,
+            self.head_dim,
+            self.elem_bytes,
+            self.acc_bytes,
+        )

@@ -1,0 +1,295 @@
+"""The strategies compared: one registry entry per kind, the one place that says what each is.
+
+A ``Strategy`` is a kind and, for StarTrail, a team size C (1 = ring attention)
+and a placement. ``KINDS`` maps each kind to its ``KindSpec``: its candidates,
+when it can run, its name, its bytes and calls per rank (from ``accounting``),
+its pieces of the cost model (attention time, buffer work, attention working
+set: functions of ``times``, ``buffers``, ``memory``) and, imported only when
+asked for (the planner never imports torch), its attention function for the
+benchmark. A new kind is one entry here and its pieces there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from ..accounting import (
+    allgather_comm_bytes,
+    allgather_comm_calls,
+    startrail_comm_bytes,
+    startrail_comm_calls,
+    ulysses_comm_bytes,
+    ulysses_comm_calls,
+    ulysses_supported,
+)
+from ..layout import PLACEMENTS, Placement, StarTrailLayout, valid_team_sizes
+from . import buffers, memory, times
+from .cluster import ClusterSpec, ModelSpec
+from .shape import AttnShape
+
+__all__ = [
+    "KINDS",
+    "STRATEGY_KINDS",
+    "KindSpec",
+    "Strategy",
+    "StrategyKind",
+    "attention_fn",
+    "buffer_bytes",
+    "candidate_strategies",
+    "comm_bytes",
+    "comm_calls",
+    "memory_bytes",
+]
+
+
+StrategyKind = Literal["startrail", "allgather", "ulysses"]
+"""The kinds of ``KINDS``, for type checkers."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run context-parallel attention."""
+
+    kind: StrategyKind
+    team_size: int = 1
+    """StarTrail's C (1 = ring attention); 1 for the peers."""
+    placement: Placement = "team"
+    """StarTrail's placement; ignored by the peers."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"strategy kind={self.kind!r} is not known; allowed: {STRATEGY_KINDS}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement={self.placement!r} is not known; allowed: {PLACEMENTS}")
+
+    @property
+    def spec(self) -> KindSpec:
+        """Its kind's registry entry."""
+        return KINDS[self.kind]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name(self)
+
+    @property
+    def placement_label(self) -> str:
+        """The placement where it means something (StarTrail with C > 1), else ``"-"``."""
+        return self.placement if self.spec.teams and self.team_size > 1 else "-"
+
+    def layout(self, cp_size: int) -> StarTrailLayout:
+        """StarTrail's rank arithmetic for this C and placement on ``cp_size`` ranks."""
+        return StarTrailLayout(cp_size, self.team_size, self.placement)
+
+
+Bytes = list[dict[str, int]]
+"""Per rank: ``fwd_p2p``, ``bwd_p2p``, ``fwd_collective``, ``bwd_collective``."""
+AttentionFn = Callable[..., object]
+"""``fn(q, k, v, ledger) -> out``, autograd-enabled (the benchmark's step)."""
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """Everything the planner and the benchmark need to know about one kind."""
+
+    kind: str
+    teams: bool
+    """Has a team size and a placement (StarTrail); the peers ignore both."""
+    variants: Callable[[int], list[Strategy]]
+    """Its candidates for a CP size, in planner order."""
+    supported: Callable[[int, int, int], bool]
+    """Whether it runs for (cp_size, heads_q, heads_kv)."""
+    requirement: str
+    """Why it cannot run when ``supported`` says no; fields cp_size, heads_q, heads_kv."""
+    name: Callable[[Strategy], str]
+    comm_bytes: Callable[[Strategy, AttnShape], Bytes]
+    comm_calls: Callable[[Strategy, AttnShape], Bytes]
+    times: Callable[[Strategy, ClusterSpec, AttnShape], tuple[float, float, float]]
+    """(forward, backward, the part that a layer's QKV projection can hide) seconds."""
+    buffer_bytes: Callable[[Strategy, AttnShape, bool], tuple[int, int]]
+    """(forward, backward) elementwise bytes; the flag: reduce-scatter via all-reduce."""
+    attention_work: Callable[[Strategy, AttnShape], int]
+    """The attention's working set at its peak, bytes."""
+    attention: Callable[[Strategy, bool], AttentionFn]
+    """Its attention as ``fn(q, k, v, ledger)`` for causal or not; imports torch (lazily)
+    and may create process groups (a collective: every rank, in the same order)."""
+
+
+def _always(cp_size: int, heads_q: int, heads_kv: int) -> bool:
+    return True
+
+
+def _kind_name(st: Strategy) -> str:
+    return st.kind
+
+
+# ---- StarTrail (ring = C 1) ------------------------------------------------------
+def _startrail_variants(cp_size: int) -> list[Strategy]:
+    """Every valid C and distinct placement (C = 1 is ring); a placement is listed once
+    when both give the same rank map (C = 1 and C*C = P)."""
+    out: list[Strategy] = []
+    for c in valid_team_sizes(cp_size):
+        seen: set[tuple] = set()
+        for pl in PLACEMENTS:
+            lay = StarTrailLayout(cp_size, c, pl)
+            key = tuple(lay.coord(r) for r in range(cp_size))
+            if key not in seen:
+                seen.add(key)
+                out.append(Strategy("startrail", c, pl))
+    return out
+
+
+def _startrail_name(st: Strategy) -> str:
+    if st.team_size == 1:
+        return "ring"
+    return f"startrail-C{st.team_size}-{st.placement}"
+
+
+def _startrail_comm_bytes(st: Strategy, shape: AttnShape) -> Bytes:
+    lay = st.layout(shape.cp_size)
+    return [
+        startrail_comm_bytes(lay.team_size, lay.p2p_sends(r, backward=True), shape.local)
+        for r in range(shape.cp_size)
+    ]
+
+
+def _startrail_comm_calls(st: Strategy, shape: AttnShape) -> Bytes:
+    lay = st.layout(shape.cp_size)
+    return [
+        startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True))
+        for r in range(shape.cp_size)
+    ]
+
+
+def _startrail_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
+    return times.startrail_times(st.layout(shape.cp_size), cl, shape, comm_bytes(st, shape))
+
+
+def _startrail_buffers(st: Strategy, shape: AttnShape, rs_via_allreduce: bool):
+    return buffers.startrail_buffer_bytes(st.layout(shape.cp_size), shape, rs_via_allreduce)
+
+
+def _startrail_work(st: Strategy, shape: AttnShape) -> int:
+    return memory.startrail_attention_work(st.team_size, shape)
+
+
+def _startrail_attention(st: Strategy, causal: bool) -> AttentionFn:
+    from ..attention import startrail_attention
+    from ..groups import StarTrailGroups
+
+    groups = StarTrailGroups.create(st.team_size, placement=st.placement)
+    return lambda q, k, v, ledger: startrail_attention(
+        q, k, v, groups, causal=causal, ledger=ledger
+    )
+
+
+# ---- the peers -------------------------------------------------------------------
+def _peer_attention(name: str) -> Callable[[Strategy, bool], AttentionFn]:
+    """A peer of ``peers/`` by name, on the whole CP group (the default group)."""
+
+    def attention(st: Strategy, causal: bool) -> AttentionFn:
+        from .. import peers
+
+        fn = getattr(peers, name)
+        return lambda q, k, v, ledger: fn(q, k, v, None, causal=causal, ledger=ledger)
+
+    return attention
+
+
+KINDS: dict[str, KindSpec] = {
+    spec.kind: spec
+    for spec in (
+        KindSpec(
+            kind="startrail",
+            teams=True,
+            variants=_startrail_variants,
+            supported=_always,
+            requirement="",
+            name=_startrail_name,
+            comm_bytes=_startrail_comm_bytes,
+            comm_calls=_startrail_comm_calls,
+            times=_startrail_times,
+            buffer_bytes=_startrail_buffers,
+            attention_work=_startrail_work,
+            attention=_startrail_attention,
+        ),
+        KindSpec(
+            kind="allgather",
+            teams=False,
+            variants=lambda cp_size: [Strategy("allgather")],
+            supported=_always,
+            requirement="",
+            name=_kind_name,
+            comm_bytes=lambda st, sh: [allgather_comm_bytes(sh.cp_size, sh.local)] * sh.cp_size,
+            comm_calls=lambda st, sh: [allgather_comm_calls(sh.cp_size)] * sh.cp_size,
+            times=lambda st, cl, sh: times.allgather_times(cl, sh, comm_bytes(st, sh)),
+            buffer_bytes=lambda st, sh, rs: buffers.allgather_buffer_bytes(sh, rs),
+            attention_work=lambda st, sh: memory.allgather_attention_work(sh),
+            attention=_peer_attention("allgather_attention"),
+        ),
+        KindSpec(
+            kind="ulysses",
+            teams=False,
+            variants=lambda cp_size: [Strategy("ulysses")],
+            supported=ulysses_supported,
+            requirement="Ulysses needs heads_q ({heads_q}) and heads_kv ({heads_kv}) divisible "
+            "by cp_size {cp_size}",
+            name=_kind_name,
+            comm_bytes=lambda st, sh: [ulysses_comm_bytes(sh.cp_size, sh.local)] * sh.cp_size,
+            comm_calls=lambda st, sh: [ulysses_comm_calls(sh.cp_size)] * sh.cp_size,
+            times=lambda st, cl, sh: times.ulysses_times(cl, sh, comm_bytes(st, sh)),
+            buffer_bytes=lambda st, sh, rs: buffers.ulysses_buffer_bytes(sh, rs),
+            attention_work=lambda st, sh: memory.ulysses_attention_work(sh),
+            attention=_peer_attention("ulysses_attention"),
+        ),
+    )
+}
+STRATEGY_KINDS: tuple[str, ...] = tuple(KINDS)
+
+
+# ---- per strategy, through the registry --------------------------------------------
+def candidate_strategies(cp_size: int, heads_q: int, heads_kv: int) -> list[Strategy]:
+    """StarTrail for every valid C and distinct placement (C = 1 is ring), then the peers.
+
+    A placement is listed once when both give the same rank map (C = 1 and C*C = P).
+    """
+    out: list[Strategy] = []
+    for spec in KINDS.values():
+        if spec.supported(cp_size, heads_q, heads_kv):
+            out += spec.variants(cp_size)
+    return out
+
+
+def comm_bytes(strategy: Strategy, shape: AttnShape) -> Bytes:
+    """Per rank: ``fwd_p2p``, ``bwd_p2p``, ``fwd_collective``, ``bwd_collective`` bytes sent."""
+    return strategy.spec.comm_bytes(strategy, shape)
+
+
+def comm_calls(strategy: Strategy, shape: AttnShape) -> Bytes:
+    """Per rank: communication calls, same keys as ``comm_bytes``."""
+    return strategy.spec.comm_calls(strategy, shape)
+
+
+def buffer_bytes(
+    strategy: Strategy, shape: AttnShape, *, rs_via_allreduce: bool = False
+) -> tuple[int, int]:
+    """(forward, backward) bytes read + written per rank by the tensor ops outside the
+    kernels and the communication, max over ranks (``buffers``: what is counted)."""
+    return strategy.spec.buffer_bytes(strategy, shape, rs_via_allreduce)
+
+
+def memory_bytes(
+    strategy: Strategy, shape: AttnShape, model: ModelSpec, zero_shards: int | None = None
+) -> dict[str, float]:
+    """Peak memory per rank (``memory.memory_breakdown`` of this strategy's attention
+    working set): ``model_states``, ``checkpoints``, ``layer``, ``attention_work``,
+    ``total``."""
+    work = strategy.spec.attention_work(strategy, shape)
+    return memory.memory_breakdown(work, shape, model, zero_shards)
+
+
+def attention_fn(strategy: Strategy, causal: bool) -> AttentionFn:
+    """The strategy's attention as ``fn(q, k, v, ledger)`` (imports torch; StarTrail creates
+    its process groups here, a collective)."""
+    return strategy.spec.attention(strategy, causal)
