@@ -21,3 +21,40 @@ def groups_for(team_size: int, placement: str = "team", cp_group=None, key=None)
     if k not in _GROUPS:
         _GROUPS[k] = st.StarTrailGroups.create(team_size, cp_group=cp_group, placement=placement)
     return _GROUPS[k]
+
+
+def assert_matches_reference(results, ref, causal: bool, dtype, tol: float) -> None:
+    """Every rank's [out, dq, dk, dv] (``results[r][0]``), unsharded, against the reference."""
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        got = unshard([r[0][i] for r in results], causal)
+        assert got.dtype == dtype and got.shape == ref[i].shape
+        err = rel_err(got, ref[i])
+        assert err <= tol, f"{what}: relative max error {err:.2e} > {tol:.0e}"
+
+
+def assert_startrail_ledger(events, layout, rank: int, shape) -> None:
+    """One rank's recorded transfers equal the accounting (bytes per phase and kind, P2P
+    calls, never a self-send). ``shape``: an ``accounting.LocalShape``."""
+    from startrail_megatron.accounting import startrail_comm_bytes
+
+    want = startrail_comm_bytes(layout.team_size, layout.p2p_sends(rank, backward=True), shape)
+    led = st.CommLedger.from_events(events)
+    for ph in ("fwd", "bwd"):
+        for kind in ("p2p", "collective"):
+            assert led.bytes(kind, ph) == want[f"{ph}_{kind}"], (rank, ph, kind)
+    sends = layout.p2p_sends(rank, backward=True)
+    assert led.calls("p2p", "fwd") == sends["kv"]
+    assert led.calls("p2p", "bwd") == sends["kv"] + sends["dkv"]
+    assert all(e.peer != rank for e in led.events if e.kind == "p2p"), "no self-sends"
+
+
+def value_errors(cases: dict) -> dict:
+    """Run each no-argument callable; its ValueError message, or None if it raised none."""
+    msgs = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            msgs[name] = None
+        except ValueError as e:
+            msgs[name] = str(e)
+    return msgs

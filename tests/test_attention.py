@@ -10,10 +10,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import TOL, groups_for, make_inputs, reference, rel_err, shard, unshard
+from common import (
+    TOL,
+    assert_matches_reference,
+    assert_startrail_ledger,
+    groups_for,
+    make_inputs,
+    reference,
+    rel_err,
+    shard,
+    unshard,
+    value_errors,
+)
 from harness import run_ranks
 
 import startrail_megatron as st
+from startrail_megatron.accounting import LocalShape
 
 S_LOCAL, BATCH, HEAD_DIM = 4, 2, 64
 HEADS = {"mha": (4, 4), "gqa": (8, 2)}
@@ -39,33 +51,13 @@ def _attention_case(rank, world, c, placement, causal, hq, hkv, dtype, kernel):
 
 def _check(results, p, c, placement, causal, hq, hkv, dtype):
     q, k, v, do = make_inputs(0, S_LOCAL * p, BATCH, hq, hkv, HEAD_DIM)
-    ref = reference(q, k, v, do, causal)
-    for i, name in enumerate(("out", "dq", "dk", "dv")):
-        got = unshard([r[0][i] for r in results], causal)
-        assert got.dtype == dtype and got.shape == ref[i].shape
-        err = rel_err(got, ref[i])
-        assert err <= TOL[dtype], f"{name}: relative max error {err:.2e} > {TOL[dtype]:.0e}"
+    assert_matches_reference(results, reference(q, k, v, do, causal), causal, dtype, TOL[dtype])
     lay = st.StarTrailLayout(p, c, placement)
     el = torch.empty((), dtype=dtype).element_size()
+    shape = LocalShape(S_LOCAL, BATCH, hq, hkv, HEAD_DIM, el, max(el, 4))
     for r, (_, events) in enumerate(results):
+        assert_startrail_ledger(events, lay, r, shape)
         led = st.CommLedger.from_events(events)
-        want = lay.comm_bytes(
-            r,
-            s_local=S_LOCAL,
-            batch=BATCH,
-            heads_q=hq,
-            heads_kv=hkv,
-            head_dim=HEAD_DIM,
-            elem_bytes=el,
-            acc_bytes=max(el, 4),
-        )
-        for ph in ("fwd", "bwd"):
-            for kind in ("p2p", "collective"):
-                assert led.bytes(kind, ph) == want[f"{ph}_{kind}"], (r, ph, kind)
-        sends = lay.p2p_sends(r, backward=True)
-        assert led.calls("p2p", "fwd") == sends["kv"]
-        assert led.calls("p2p", "bwd") == sends["kv"] + sends["dkv"]
-        assert all(e.peer != r for e in led.events if e.kind == "p2p"), "no self-sends"
         n_coll = 3 if c > 1 else 0  # fwd: qkv, lse, out; bwd: dout, delta, dqkv
         assert led.calls("collective", "fwd") == led.calls("collective", "bwd") == n_coll
 
@@ -183,13 +175,7 @@ def _bad_inputs(rank, world):
         "groups": lambda: st.startrail_attention(ok, ok, ok, None, ledger=ledger),
         "placement": lambda: st.StarTrailGroups.create(2, placement="node"),
     }
-    msgs = {}
-    for name, fn in cases.items():
-        try:
-            fn()
-            msgs[name] = None
-        except ValueError as e:
-            msgs[name] = str(e)
+    msgs = value_errors(cases)
     assert not ledger.events, "nothing may be sent before validation"
     # The ranks still agree afterwards: a valid call goes through.
     st.startrail_attention(ok, ok, ok, groups, ledger=ledger)

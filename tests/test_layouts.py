@@ -11,10 +11,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import TOL, groups_for, make_inputs, reference, rel_err, shard, unshard
+from common import (
+    TOL,
+    assert_matches_reference,
+    assert_startrail_ledger,
+    groups_for,
+    make_inputs,
+    reference,
+    rel_err,
+    shard,
+    unshard,
+)
 from harness import run_ranks
 
 import startrail_megatron as st
+from startrail_megatron.accounting import LocalShape
 from startrail_megatron.one_process import one_process_attention
 
 # Rounded inputs (fp16, bf16) against float64 on the same rounded values: the peers'
@@ -31,25 +42,9 @@ def _run(rank, world, c, causal, s_local, b, hq, hkv, d, dtype):
     return [out.detach(), *(x.grad for x in local)], list(ledger.events)
 
 
-def _expect_ledger(events, lay, rank, s_local, b, hq, hkv, d, dtype):
+def _shape(s_local, b, hq, hkv, d, dtype) -> LocalShape:
     el = torch.empty((), dtype=dtype).element_size()
-    want = lay.comm_bytes(
-        rank,
-        s_local=s_local,
-        batch=b,
-        heads_q=hq,
-        heads_kv=hkv,
-        head_dim=d,
-        elem_bytes=el,
-        acc_bytes=max(el, 4) if dtype != torch.float64 else 8,
-    )
-    led = st.CommLedger.from_events(events)
-    for ph in ("fwd", "bwd"):
-        for kind in ("p2p", "collective"):
-            assert led.bytes(kind, ph) == want[f"{ph}_{kind}"], (rank, ph, kind)
-    sends = lay.p2p_sends(rank, backward=True)
-    assert led.calls("p2p", "fwd") == sends["kv"]
-    assert led.calls("p2p", "bwd") == sends["kv"] + sends["dkv"]
+    return LocalShape(s_local, b, hq, hkv, d, el, 8 if dtype == torch.float64 else 4)
 
 
 CASES = {
@@ -73,15 +68,10 @@ def test_multi_rank_layouts_match_fp64(name):
     results = run_ranks(p, _run, c, causal, s_local, b, hq, hkv, d, dtype)
     q, k, v, do = make_inputs(3, s_local * p, b, hq, hkv, d)
     ref = reference(*(x.to(dtype).double() for x in (q, k, v, do)), causal)
-    tol = TOL.get(dtype, LOW_TOL.get(dtype))
-    for i, what in enumerate(("out", "dq", "dk", "dv")):
-        got = unshard([r[0][i] for r in results], causal)
-        assert got.dtype == dtype and got.shape == ref[i].shape
-        err = rel_err(got, ref[i])
-        assert err <= tol, f"{what}: {err:.2e} > {tol:.0e}"
+    assert_matches_reference(results, ref, causal, dtype, TOL.get(dtype, LOW_TOL.get(dtype)))
     lay = st.StarTrailLayout(p, c)
     for r, (_, events) in enumerate(results):
-        _expect_ledger(events, lay, r, s_local, b, hq, hkv, d, dtype)
+        assert_startrail_ledger(events, lay, r, _shape(s_local, b, hq, hkv, d, dtype))
 
 
 @pytest.mark.parametrize("p, c", [(18, 3), (32, 4), (27, 3)])
@@ -102,4 +92,6 @@ def test_one_process_large_teams_with_sub_rings_match_fp64(p, c, placement):
     for i in range(4):
         assert rel_err(unshard([t.detach() for t in got[i]], True), ref[i]) <= 1e-10
     for r in range(p):
-        _expect_ledger(ledgers[r].events, lay, r, s_local, b, hq, hkv, d, torch.float64)
+        assert_startrail_ledger(
+            ledgers[r].events, lay, r, _shape(s_local, b, hq, hkv, d, torch.float64)
+        )

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from common import TOL, groups_for, make_inputs, reference, rel_err, shard, unshard
+from common import TOL, groups_for, make_inputs, reference, rel_err, shard, unshard, value_errors
 from harness import MultiRankError, run_ranks
 
 import startrail_megatron as st
@@ -46,13 +46,7 @@ def _bad_arguments(rank, world):
         "c_float": lambda: st.StarTrailGroups.create(2.0),
         "c_bool": lambda: st.StarTrailGroups.create(True),
     }
-    msgs = {}
-    for name, fn in cases.items():
-        try:
-            fn()
-            msgs[name] = None
-        except ValueError as e:
-            msgs[name] = str(e)
+    msgs = value_errors(cases)
     assert not ledger.events, "nothing may be sent before validation"
     st.startrail_attention(ok, ok, ok, groups, ledger=ledger)  # the ranks still agree
     return msgs

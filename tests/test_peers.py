@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import TOL, make_inputs, reference, rel_err, shard, unshard
+from common import TOL, assert_matches_reference, make_inputs, reference, shard
 from harness import run_ranks
 
 import startrail_megatron as st
@@ -63,12 +63,7 @@ def test_peer_matches_fp64_reference_and_accounting(name, causal, heads, dt):
     dtype = DTYPES[dt]
     results = run_ranks(P, _peer_case, name, causal, hq, hkv, dtype)
     q, k, v, do = make_inputs(1, S_LOCAL * P, BATCH, hq, hkv, HEAD_DIM)
-    ref = reference(q, k, v, do, causal)
-    for i, what in enumerate(("out", "dq", "dk", "dv")):
-        got = unshard([r[0][i] for r in results], causal)
-        assert got.dtype == dtype and got.shape == ref[i].shape
-        err = rel_err(got, ref[i])
-        assert err <= TOL[dtype], f"{what}: relative max error {err:.2e} > {TOL[dtype]:.0e}"
+    assert_matches_reference(results, reference(q, k, v, do, causal), causal, dtype, TOL[dtype])
     el = torch.empty((), dtype=dtype).element_size()
     shape = LocalShape(
         s_local=S_LOCAL,
