@@ -205,7 +205,7 @@ print(json.dumps({"same_class": att.AttnMaskType is enums.AttnMaskType}))
 
 IN_PROCESS_DRIVER = """
 import json, sys
-import startrail_megatron.megatron  # megatron-core imported before the launcher runs
+import startrail_megatron.megatron.attention  # imports megatron-core before the launcher runs
 from startrail_megatron.launch import main
 main(sys.argv[1:])
 import megatron.training.arguments as mlm_arguments
