@@ -10,7 +10,7 @@ warnings.filterwarnings(
 )
 warnings.filterwarnings("ignore", message=r".*full scope is deprecated")
 
-from startrail_megatron.megatron.training import main  # noqa: E402
+from startrail_megatron.megatron.training.loop import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

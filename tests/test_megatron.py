@@ -23,7 +23,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
 )
 
 from startrail_megatron.megatron import StarTrailCoreAttention, apply_startrail_spec  # noqa: E402
-from startrail_megatron.megatron import training as T  # noqa: E402
+from startrail_megatron.megatron.training import loop as T  # noqa: E402
 
 BASE = [
     "--num-layers",
@@ -405,21 +405,21 @@ def _install_hooks(rank, world, timeout_kw):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from startrail_megatron.megatron import compat, state
+    from startrail_megatron.megatron import cpu_support, registry
 
     seen = []
-    create = state.StarTrailGroups.create
+    create = registry.StarTrailGroups.create
 
     def spy(*a, **kw):
         seen.append(kw.get("timeout"))
         return create(*a, **kw)
 
-    state.StarTrailGroups.create = spy
-    compat.enable_cpu_support()
-    state.install(1)
+    registry.StarTrailGroups.create = spy
+    cpu_support.enable_cpu_support()
+    registry.install(1)
     try:
         parallel_state.initialize_model_parallel(**timeout_kw)
-        compat.cpu_manual_seed(0)
+        cpu_support.cpu_manual_seed(0)
         cfg = TransformerConfig(
             num_layers=2,
             hidden_size=64,
@@ -447,9 +447,9 @@ def _install_hooks(rank, world, timeout_kw):
         loss.sum().backward()
         return decoder, mtp_layers, seen
     finally:
-        state.StarTrailGroups.create = create
+        registry.StarTrailGroups.create = create
         parallel_state.destroy_model_parallel()
-        state.uninstall()
+        registry.uninstall()
 
 
 @pytest.mark.parametrize("timeout_kw", [{}, {"distributed_timeout_minutes": 7}])
@@ -498,27 +498,27 @@ def test_team_size_auto_profiles_candidates_and_trains_exactly():
 
 def _release(rank, world):
     """release_startrail_groups forgets the state and destroys its team/sub-ring groups."""
-    from startrail_megatron.megatron import state
+    from startrail_megatron.megatron import registry
 
-    st_state = state.create_startrail_groups(None, 2)
+    st_state = registry.create_startrail_groups(None, 2)
     team = st_state.groups.team_group
     destroyed, real = [], torch.distributed.destroy_process_group
     torch.distributed.destroy_process_group = lambda g=None: (destroyed.append(g), real(g))
     try:
-        state.release_startrail_groups(None)
-        state.release_startrail_groups(None)  # nothing registered: no-op
+        registry.release_startrail_groups(None)
+        registry.release_startrail_groups(None)  # nothing registered: no-op
     finally:
         torch.distributed.destroy_process_group = real
     try:
-        state.get_startrail_state(None)
+        registry.get_startrail_state(None)
         registered = True
     except RuntimeError:
         registered = False
     usable = not (len(destroyed) == 1 and destroyed[0] is team)  # P = 4, C = 2: no sub-ring
-    again = state.create_startrail_groups(None, 2)  # and new groups work
+    again = registry.create_startrail_groups(None, 2)  # and new groups work
     out = torch.ones(1)
     torch.distributed.all_reduce(out, group=again.groups.team_group)
-    state.release_startrail_groups(None)
+    registry.release_startrail_groups(None)
     return registered, usable, out.item()
 
 

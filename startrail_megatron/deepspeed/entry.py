@@ -116,7 +116,7 @@ def _zero_settings(cfg: dict, st: StarTrailConfig) -> None:
 
 def _check_hpz_is_team(mpu: StarTrailMPU) -> None:
     """Assert that DeepSpeed's hpZ group is this rank's StarTrail team."""
-    from .compat import hpz_group_ranks
+    from .patch import hpz_group_ranks
 
     lay, d = mpu.startrail.layout, mpu.data_parallel_rank
     team = [d * lay.cp_size + r for r in lay.team_ranks(lay.coord(mpu.startrail.cp_rank)[0])]
@@ -149,7 +149,7 @@ def initialize(
     the model preparation (``HFHandle``; set its ``shard_inputs = False`` to feed batches
     from ``StarTrailDataLoaderAdapter``).
     """
-    from .compat import original_initialize
+    from .patch import original_initialize
 
     plain = dict(
         args=args,
@@ -229,7 +229,7 @@ def initialize(
     handle.grad_scale = float(st.sequence_parallel_size) if stage == 3 else 1.0
 
     if stage == 3:
-        from .compat import set_hpz_group
+        from .patch import set_hpz_group
 
         ring_hpz = st.zero_mapping == "hpz_team" and st.placement != "team"
         # team placement: DeepSpeed's contiguous hpZ groups are the teams (checked below);

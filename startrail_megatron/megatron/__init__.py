@@ -23,12 +23,12 @@ _EXPORTS = {
     "StarTrailCoreAttention": "attention",
     "add_startrail_args": "arguments",
     "apply_startrail_spec": "spec",
-    "create_startrail_groups": "state",
-    "enable_cpu_support": "compat",
-    "get_startrail_state": "state",
-    "install": "state",
+    "create_startrail_groups": "registry",
+    "enable_cpu_support": "cpu_support",
+    "get_startrail_state": "registry",
+    "install": "registry",
     "install_from_args": "arguments",
-    "uninstall": "state",
+    "uninstall": "registry",
     "validate_startrail_args": "arguments",
 }
 

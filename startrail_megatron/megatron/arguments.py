@@ -149,7 +149,7 @@ def validate_startrail_args(args: argparse.Namespace, *, allow_auto: bool | None
 
 def install_from_args(args: argparse.Namespace, team_size: int | None = None) -> None:
     """Install the StarTrail hooks when ``--context-parallel-impl startrail``."""
-    from .state import install
+    from .registry import install
 
     if getattr(args, "context_parallel_impl", "te") != "startrail":
         return

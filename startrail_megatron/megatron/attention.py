@@ -17,8 +17,8 @@ from megatron.core.transformer.module import MegatronModule
 
 from ..attention import startrail_attention
 from .arguments import REFUSED_FLAGS
-from .compat import cp_group_from
-from .state import get_startrail_state
+from .cpu_support import cp_group_from
+from .registry import get_startrail_state
 
 __all__ = ["StarTrailCoreAttention"]
 

@@ -33,7 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .arguments import add_startrail_args, install_from_args, validate_startrail_args
+from ..arguments import add_startrail_args, install_from_args, validate_startrail_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,7 +184,7 @@ def initialize(args: argparse.Namespace) -> None:
     """Megatron's parallel state (plus StarTrail's groups when enabled) and seeds."""
     from megatron.core import parallel_state
 
-    from .compat import cpu_manual_seed, enable_cpu_support
+    from ..cpu_support import cpu_manual_seed, enable_cpu_support
 
     on_cpu = enable_cpu_support()
     install_from_args(args)
@@ -204,7 +204,7 @@ def initialize(args: argparse.Namespace) -> None:
 def teardown() -> None:
     from megatron.core import parallel_state
 
-    from .state import uninstall
+    from ..registry import uninstall
 
     parallel_state.destroy_model_parallel()
     uninstall()
@@ -239,7 +239,7 @@ def layer_spec(args: argparse.Namespace):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    from .spec import apply_startrail_spec
+    from ..spec import apply_startrail_spec
 
     if _have_te():  # megatron-core 0.16's TE spec takes no normalization: TENorm reads the config
         spec = _call_supported(
@@ -446,8 +446,8 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
     """
     from megatron.core import parallel_state
 
-    from ..planner.autotune import autotune, startrail_candidates
-    from .state import create_startrail_groups, release_startrail_groups
+    from ...planner.autotune import autotune, startrail_candidates
+    from ..registry import create_startrail_groups, release_startrail_groups
 
     cp_group = parallel_state.get_context_parallel_group()
     sample = next(global_batches(args, build_dataset(args, args.global_batch_size)))
@@ -554,8 +554,8 @@ def _startrail_bytes(args) -> dict:
     """
     from megatron.core import parallel_state
 
-    from ..layout import StarTrailLayout
-    from .state import get_startrail_state
+    from ...layout import StarTrailLayout
+    from ..registry import get_startrail_state
 
     cp_group = parallel_state.get_context_parallel_group()
     state = get_startrail_state(cp_group)
@@ -656,7 +656,7 @@ def _train_rank(rank: int, world: int, args) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.nproc:
-        from ..spawn import spawn_local_ranks
+        from ...spawn import spawn_local_ranks
 
         _banner(args)
         spawn_local_ranks(
