@@ -405,7 +405,7 @@ def _install_hooks(rank, world, timeout_kw):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from startrail_megatron.megatron import cpu_support, registry
+    from startrail_megatron.megatron import cpu_support, hooks, registry
 
     seen = []
     create = registry.StarTrailGroups.create
@@ -416,7 +416,7 @@ def _install_hooks(rank, world, timeout_kw):
 
     registry.StarTrailGroups.create = spy
     cpu_support.enable_cpu_support()
-    registry.install(1)
+    hooks.install(1)
     try:
         parallel_state.initialize_model_parallel(**timeout_kw)
         cpu_support.cpu_manual_seed(0)
@@ -449,7 +449,7 @@ def _install_hooks(rank, world, timeout_kw):
     finally:
         registry.StarTrailGroups.create = create
         parallel_state.destroy_model_parallel()
-        registry.uninstall()
+        hooks.uninstall()
 
 
 @pytest.mark.parametrize("timeout_kw", [{}, {"distributed_timeout_minutes": 7}])

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from startrail_megatron.megatron import registry  # noqa: E402
+from startrail_megatron.megatron import hooks  # noqa: E402
 from startrail_megatron.megatron.arguments import extra_args_provider  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def test_extra_args_provider_refuses_what_it_cannot_honour(flags, needle, capsys
         _parser().parse_args(ST4 + flags)
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
-    assert registry.installed_config() is None
+    assert hooks.installed_config() is None
     # the same flags without StarTrail are Megatron's business
     _parser().parse_args(flags)
 
@@ -73,7 +73,7 @@ def test_install_from_args_refuses_auto_without_the_autotuner():
     )
     with pytest.raises(ValueError, match="--startrail-team-size auto needs"):
         install_from_args(ns)
-    assert registry.installed_config() is None
+    assert hooks.installed_config() is None
 
 
 def test_extra_args_provider_validates_and_installs():
@@ -100,17 +100,17 @@ def test_extra_args_provider_validates_and_installs():
             ]
         )
         assert seen == ["chained"] and args.other == "y"
-        assert registry.installed_config() == {
+        assert hooks.installed_config() == {
             "team_size": 2,
             "placement": "ring",
             "kernel": "auto",
         }
     finally:
-        registry.uninstall()
-    assert registry.installed_config() is None
+        hooks.uninstall()
+    assert hooks.installed_config() is None
     # te (the default) installs nothing
     _parser().parse_args(["--context-parallel-size", "8"])
-    assert registry.installed_config() is None
+    assert hooks.installed_config() is None
 
 
 def test_extra_args_provider_rejects_bad_flags(capsys):
@@ -128,7 +128,7 @@ def test_extra_args_provider_rejects_bad_flags(capsys):
     assert (
         "--startrail-team-size 4 does not fit --context-parallel-size 8" in capsys.readouterr().err
     )
-    assert registry.installed_config() is None
+    assert hooks.installed_config() is None
 
 
 FAKE_ARGUMENTS = """
@@ -148,9 +148,9 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
 FAKE_SCRIPT = """
 import json
 from megatron.training.initialize import parse_args
-from startrail_megatron.megatron import registry
+from startrail_megatron.megatron import hooks
 args = parse_args(None)
-print(json.dumps({"impl": args.context_parallel_impl, "installed": registry.installed_config()}))
+print(json.dumps({"impl": args.context_parallel_impl, "installed": hooks.installed_config()}))
 """
 
 

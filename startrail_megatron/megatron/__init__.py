@@ -7,7 +7,7 @@ Entry points:
   StarTrailCoreAttention                   the core_attention module
   apply_startrail_spec(spec)               rewrite any GPT layer / block spec
   add_startrail_args / validate_startrail_args   the CLI flags
-  enable_cpu_support()                     megatron-core on CPU ranks (compat)
+  enable_cpu_support()                     megatron-core on CPU ranks (cpu_support)
 
 The names are imported on first use (PEP 562): importing this package, or an
 entry point inside it, does not import megatron-core, so the Megatron-LM
@@ -26,9 +26,9 @@ _EXPORTS = {
     "create_startrail_groups": "registry",
     "enable_cpu_support": "cpu_support",
     "get_startrail_state": "registry",
-    "install": "registry",
+    "install": "hooks",
     "install_from_args": "arguments",
-    "uninstall": "registry",
+    "uninstall": "hooks",
     "validate_startrail_args": "arguments",
 }
 

@@ -1,18 +1,11 @@
-"""The one compatibility module for megatron-core (0.13 - 0.16).
+"""megatron-core on CPU ranks: opt-in, reversible patches (``enable_cpu_support()``).
 
-Two kinds of shims live here and nowhere else:
-
-* interface differences between megatron-core versions: the process-group
-  argument of attention modules (``model_comm_pgs`` in 0.13/0.14,
-  ``pg_collection`` from 0.15), and how ``SelfAttention`` builds
-  ``core_attention`` (``build_module`` before 0.16, a direct call after: our
-  module is a plain class, which both accept);
-* CPU support, opt-in (``enable_cpu_support()``), reversible: megatron-core
-  assumes CUDA in a few places (``torch.cuda.current_device()`` for buffers
-  and RoPE frequencies, ``torch.cuda.synchronize()`` in the checkpoint
-  writer, a CUDA causal mask, ``pin_memory`` in RoPE's CP slicing, the CUDA
-  RNG tracker). On a machine without CUDA we point those at
-  the CPU; nothing is patched when CUDA is available.
+megatron-core assumes CUDA in a few places (``torch.cuda.current_device()``
+for buffers and RoPE frequencies, ``torch.cuda.synchronize()`` in the
+checkpoint writer, a CUDA causal mask, ``pin_memory`` in RoPE's CP slicing,
+the CUDA RNG tracker). On a machine without CUDA we point those at the CPU;
+nothing is patched when CUDA is available. The patches live here and nowhere
+else; megatron-core's version differences are in ``versions.py``.
 """
 
 from __future__ import annotations
@@ -30,23 +23,6 @@ def _patch(obj: Any, name: str, value: Any) -> None:
     old = getattr(obj, name)
     setattr(obj, name, value)
     _UNDO.append(lambda: setattr(obj, name, old))
-
-
-def megatron_version() -> tuple[int, int]:
-    from megatron.core import package_info
-
-    major, minor = package_info.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-def cp_group_from(pg_collection: Any = None, model_comm_pgs: Any = None):
-    """The context-parallel group an attention module was given, whatever the version."""
-    for pgs in (pg_collection, model_comm_pgs):
-        if pgs is not None and getattr(pgs, "cp", None) is not None:
-            return pgs.cp
-    from megatron.core import parallel_state
-
-    return parallel_state.get_context_parallel_group()
 
 
 class _CpuRNGTracker:

@@ -61,9 +61,9 @@ def uninstall_megatron_lm_hooks() -> None:
 def _purge_megatron() -> None:
     """Forget megatron and StarTrail's Megatron adapter (which imported megatron classes)."""
     adapter = "startrail_megatron.megatron"
-    old_state = sys.modules.get(adapter + ".registry")
-    if old_state is not None:
-        old_state.uninstall()  # hooks set on the old megatron-core's modules
+    old_hooks = sys.modules.get(adapter + ".hooks")
+    if old_hooks is not None:
+        old_hooks.uninstall()  # hooks set on the old megatron-core's modules
     for name in list(sys.modules):
         if name == "megatron" or name.startswith(("megatron.", adapter + ".")) or name == adapter:
             del sys.modules[name]

@@ -204,7 +204,7 @@ def initialize(args: argparse.Namespace) -> None:
 def teardown() -> None:
     from megatron.core import parallel_state
 
-    from ..registry import uninstall
+    from ..hooks import uninstall
 
     parallel_state.destroy_model_parallel()
     uninstall()
