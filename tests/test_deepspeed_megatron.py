@@ -17,7 +17,7 @@ from ds_common import ds_config  # noqa: E402  (sets DS_ACCELERATOR=cpu first)
 from harness import run_ranks  # noqa: E402
 
 import startrail_megatron.deepspeed as sds  # noqa: E402
-from startrail_megatron.megatron.training import loop as T  # noqa: E402
+from startrail_megatron.megatron import training as T  # noqa: E402
 
 ARGV = [
     "--num-layers",

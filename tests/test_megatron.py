@@ -23,7 +23,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
 )
 
 from startrail_megatron.megatron import StarTrailCoreAttention, apply_startrail_spec  # noqa: E402
-from startrail_megatron.megatron.training import loop as T  # noqa: E402
+from startrail_megatron.megatron import training as T  # noqa: E402
 
 BASE = [
     "--num-layers",
@@ -238,8 +238,10 @@ def _fake_te(monkeypatch):
 def test_entry_point_layer_spec_with_transformer_engine(monkeypatch):
     """Where TE is installed our entry point builds megatron-core's TE spec; its 0.16
     signature has no ``normalization`` (TENorm follows the config): no TypeError."""
+    from startrail_megatron.megatron import versions
+
     _fake_te(monkeypatch)
-    monkeypatch.setattr(T, "_have_te", lambda: True)
+    monkeypatch.setattr(versions, "have_transformer_engine", lambda: True)
     args = T.parse_args(BASE + ["--context-parallel-size", "1"])
     spec = T.layer_spec(args)
     assert spec.submodules.self_attention.submodules.core_attention.__name__ == (

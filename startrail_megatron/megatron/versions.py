@@ -3,14 +3,17 @@
 The process-group argument of attention modules (``model_comm_pgs`` in
 0.13/0.14, ``pg_collection`` from 0.15), and how ``SelfAttention`` builds
 ``core_attention`` (``build_module`` before 0.16, a direct call after: our
-module is a plain class, which both accept). The one place for such shims.
+module is a plain class, which both accept). The one place for such shims,
+and for what is installed beside megatron-core (``have_transformer_engine``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["cp_group_from", "megatron_version"]
+import torch
+
+__all__ = ["cp_group_from", "have_transformer_engine", "megatron_version"]
 
 
 def megatron_version() -> tuple[int, int]:
@@ -28,3 +31,12 @@ def cp_group_from(pg_collection: Any = None, model_comm_pgs: Any = None):
     from megatron.core import parallel_state
 
     return parallel_state.get_context_parallel_group()
+
+
+def have_transformer_engine() -> bool:
+    """Whether Transformer Engine is installed and usable here (it needs CUDA)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
