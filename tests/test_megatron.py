@@ -526,3 +526,58 @@ def _release(rank, world):
 
 def test_release_startrail_groups():
     assert run_ranks(4, _release) == [(False, False, 2.0)] * 4
+
+
+# ---- process-wide changes: scoped, undone, released ----------------------------------------
+
+
+def _destroy_releases(rank, world):
+    """With the hooks, destroy_model_parallel releases StarTrail's groups: the entries and
+    their communicators; a second create for the same CP group releases the first."""
+    import gc
+    import weakref
+
+    from megatron.core import parallel_state
+
+    from startrail_megatron.megatron import hooks, registry
+
+    destroyed, real = [], torch.distributed.destroy_process_group
+    torch.distributed.destroy_process_group = lambda g=None: (destroyed.append(g), real(g))
+    hooks.install(2)
+    try:
+        parallel_state.initialize_model_parallel(context_parallel_size=4)
+        cp = parallel_state.get_context_parallel_group()
+        first = registry.get_startrail_state(cp)
+        first_team = first.groups.team_group
+        second = registry.create_startrail_groups(cp, 2)  # replaces (releases) the first
+        replaced = destroyed == [first_team] and registry.get_startrail_state(cp) is second
+        ref, team = weakref.ref(second), second.groups.team_group
+        del first, second
+        parallel_state.destroy_model_parallel()
+        gc.collect()
+        # ours first (megatron-core then destroys its own gloo groups)
+        released = destroyed[:2] == [first_team, team] and not registry.registered_cp_groups()
+        return replaced, released, ref() is None
+    finally:
+        torch.distributed.destroy_process_group = real
+        hooks.uninstall()
+
+
+def test_destroy_model_parallel_releases_startrail_groups_fully():
+    assert run_ranks(4, _destroy_releases) == [(True, True, True)] * 4
+
+
+def _registry_key(rank, world):
+    """The default group is one key, whether named None or given as the group object."""
+    from startrail_megatron.megatron import registry
+
+    state = registry.create_startrail_groups(None, 1)
+    try:
+        same = registry.get_startrail_state(torch.distributed.group.WORLD) is state
+        return same, registry.registered_cp_groups() == [torch.distributed.group.WORLD]
+    finally:
+        registry.release_startrail_groups(torch.distributed.group.WORLD)
+
+
+def test_registry_keys_the_world_group_once():
+    assert run_ranks(4, _registry_key) == [(True, True)] * 4

@@ -4,9 +4,12 @@
 (all arguments passed through untouched) so that every caller, Megatron's own
 included, gets the StarTrail groups (``registry.create_startrail_groups``)
 right after Megatron's, with the same ``distributed_timeout_minutes`` as
-Megatron's groups; wraps ``destroy_model_parallel`` to drop them; and
-rewrites the layer spec and the multi-token-prediction block spec given to
-``GPTModel`` (``spec.apply_startrail_spec``). ``uninstall()`` undoes it.
+Megatron's groups; wraps ``destroy_model_parallel`` to release them first
+(``registry.release_all_startrail_groups``: entries dropped, their
+communicators destroyed); and rewrites the layer spec and the
+multi-token-prediction block spec given to ``GPTModel``
+(``spec.apply_startrail_spec``). ``uninstall()`` restores the three
+attributes; nothing is installed on import.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import inspect
 from datetime import timedelta
 
 from ..layout import PLACEMENTS, Placement
-from .registry import clear_startrail_groups, create_startrail_groups
+from .registry import create_startrail_groups, release_all_startrail_groups
 from .spec import apply_startrail_spec
 
 __all__ = ["install", "installed_config", "uninstall"]
@@ -61,7 +64,7 @@ def install(
 
     @functools.wraps(orig_destroy)
     def destroy_model_parallel(*args, **kwargs):
-        clear_startrail_groups()
+        release_all_startrail_groups()
         return orig_destroy(*args, **kwargs)
 
     parallel_state.initialize_model_parallel = initialize_model_parallel
