@@ -452,6 +452,7 @@ def _install_hooks(rank, world, timeout_kw):
         registry.StarTrailGroups.create = create
         parallel_state.destroy_model_parallel()
         hooks.uninstall()
+        cpu_support.disable_cpu_support()
 
 
 @pytest.mark.parametrize("timeout_kw", [{}, {"distributed_timeout_minutes": 7}])
@@ -529,6 +530,50 @@ def test_release_startrail_groups():
 
 
 # ---- process-wide changes: scoped, undone, released ----------------------------------------
+
+
+def test_cpu_support_is_scoped():
+    """The CPU patches hold inside their scope only; scopes nest; leaving restores everything."""
+    import megatron.core.transformer.utils as tutils
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from startrail_megatron.megatron import cpu_support
+
+    def patched_objects():
+        return (
+            torch.cuda.current_device,
+            torch.cuda.synchronize,
+            tutils.get_default_causal_mask,
+            mrandom._CUDA_RNG_STATE_TRACKER,
+        )
+
+    before = patched_objects()
+    assert not cpu_support.cpu_support_active()
+    with cpu_support.cpu_support_enabled() as patched:
+        assert patched and torch.cuda.current_device() == torch.device("cpu")
+        with cpu_support.cpu_support_enabled():
+            pass
+        assert cpu_support.cpu_support_active()  # the inner scope leaves the outer one's
+    assert not cpu_support.cpu_support_active()
+    assert all(a is b for a, b in zip(patched_objects(), before))
+
+
+def _initialize_then_teardown(rank, world):
+    from startrail_megatron.megatron import cpu_support, hooks, registry
+
+    current_device = torch.cuda.current_device
+    args = T.parse_args(BASE + ["--context-parallel-impl", "startrail"])
+    T.initialize(args)
+    during = (cpu_support.cpu_support_active(), hooks.installed_config() is not None)
+    n_registered = len(registry.registered_cp_groups())
+    T.teardown()
+    after = (cpu_support.cpu_support_active(), hooks.installed_config() is not None)
+    restored = torch.cuda.current_device is current_device
+    return during, n_registered, after, restored, len(registry.registered_cp_groups())
+
+
+def test_teardown_undoes_what_initialize_changed():
+    assert run_ranks(1, _initialize_then_teardown) == [((True, True), 1, (False, False), True, 0)]
 
 
 def _destroy_releases(rank, world):
