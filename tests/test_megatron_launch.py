@@ -236,6 +236,37 @@ def test_launcher_in_process_after_megatron_core_was_imported(fake_megatron_lm):
     assert lines == [{"same_class": True}, {"restored": True}]
 
 
+SAME_TREE_DRIVER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import megatron.training.arguments  # the script's own tree, imported before the launcher
+import startrail_megatron.megatron.attention as before
+from startrail_megatron.launch import main
+argv = list(sys.argv)
+main(sys.argv[2:])
+print(json.dumps({"kept": sys.modules["startrail_megatron.megatron.attention"] is before,
+                  "argv": sys.argv == argv}))
+"""
+
+
+def test_launcher_keeps_modules_of_the_scripts_own_tree(fake_megatron_lm):
+    """Nothing is removed from sys.modules when megatron already is the script's tree;
+    sys.argv is the caller's again after the script."""
+    script = fake_megatron_lm / "identity.py"
+    script.write_text(textwrap.dedent(IDENTITY_SCRIPT))
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SAME_TREE_DRIVER), str(fake_megatron_lm)]
+        + [str(script), *ST4],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(fake_megatron_lm),
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [json.loads(ln) for ln in res.stdout.strip().splitlines()[-2:]]
+    assert lines == [{"same_class": True}, {"kept": True, "argv": True}]
+
+
 def test_launcher_bad_flag_names_it(fake_megatron_lm):
     res = _launch(
         fake_megatron_lm,
