@@ -1,15 +1,6 @@
-"""``python -m startrail_megatron.pretrain_gpt``: see ``startrail_megatron.megatron.training``."""
+"""Moved to ``startrail_megatron.megatron.pretrain_gpt``; ``python -m startrail_megatron.pretrain_gpt`` runs it."""
 
-import warnings
-
-# megatron-core announces at import that optional CUDA accelerators (Apex, Transformer
-# Engine) are absent; expected on CPU ranks, and repeated once per rank.
-warnings.filterwarnings(
-    "ignore", message=r".*(Apex|Transformer Engine and Apex) (is|are) not installed"
-)
-warnings.filterwarnings("ignore", message=r".*full scope is deprecated")
-
-from startrail_megatron.megatron.training import main  # noqa: E402
+from startrail_megatron.megatron.pretrain_gpt import main
 
 if __name__ == "__main__":
     main()

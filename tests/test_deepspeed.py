@@ -146,12 +146,12 @@ def test_dataloader_adapter_path():
 def _launch(rank: int, world: int, cfg_path: str, out: str):
     import deepspeed
 
-    from startrail_megatron.deepspeed import compat, launch
+    from startrail_megatron.deepspeed import internals, launch, patch
 
     _ds_env(rank, world)
     script = os.path.join(REPO, "scripts", "train_tiny_llama.py")
     launch.main([script, "--deepspeed_config", cfg_path, "--seq", str(SEQ), "--out", out])
-    restored = deepspeed.initialize is compat.original_initialize and not compat.is_patched()
+    restored = deepspeed.initialize is internals.original_initialize and not patch.is_patched()
     gc.collect()
     with open(f"{out}.{rank}") as f:
         return json.load(f), restored
@@ -239,7 +239,7 @@ def test_sequence_parallel_size_must_divide_world():
 def test_config_without_startrail_is_plain_deepspeed(monkeypatch, section, tmp_path):
     import argparse
 
-    from startrail_megatron.deepspeed import compat
+    from startrail_megatron.deepspeed import internals
 
     calls = []
     sentinel = object()
@@ -248,7 +248,7 @@ def test_config_without_startrail_is_plain_deepspeed(monkeypatch, section, tmp_p
         calls.append(kwargs)
         return sentinel
 
-    monkeypatch.setattr(compat, "original_initialize", spy)
+    monkeypatch.setattr(internals, "original_initialize", spy)
     model = tiny_llama()
     cfg = make_cfg(2, dp=1, startrail=section)
     path = tmp_path / "ds.json"

@@ -238,8 +238,10 @@ def _fake_te(monkeypatch):
 def test_entry_point_layer_spec_with_transformer_engine(monkeypatch):
     """Where TE is installed our entry point builds megatron-core's TE spec; its 0.16
     signature has no ``normalization`` (TENorm follows the config): no TypeError."""
+    from startrail_megatron.megatron import versions
+
     _fake_te(monkeypatch)
-    monkeypatch.setattr(T, "_have_te", lambda: True)
+    monkeypatch.setattr(versions, "have_transformer_engine", lambda: True)
     args = T.parse_args(BASE + ["--context-parallel-size", "1"])
     spec = T.layer_spec(args)
     assert spec.submodules.self_attention.submodules.core_attention.__name__ == (
@@ -405,21 +407,21 @@ def _install_hooks(rank, world, timeout_kw):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from startrail_megatron.megatron import compat, state
+    from startrail_megatron.megatron import cpu_support, hooks, registry
 
     seen = []
-    create = state.StarTrailGroups.create
+    create = registry.StarTrailGroups.create
 
     def spy(*a, **kw):
         seen.append(kw.get("timeout"))
         return create(*a, **kw)
 
-    state.StarTrailGroups.create = spy
-    compat.enable_cpu_support()
-    state.install(1)
+    registry.StarTrailGroups.create = spy
+    cpu_support.enable_cpu_support()
+    hooks.install(1)
     try:
         parallel_state.initialize_model_parallel(**timeout_kw)
-        compat.cpu_manual_seed(0)
+        cpu_support.cpu_manual_seed(0)
         cfg = TransformerConfig(
             num_layers=2,
             hidden_size=64,
@@ -447,9 +449,10 @@ def _install_hooks(rank, world, timeout_kw):
         loss.sum().backward()
         return decoder, mtp_layers, seen
     finally:
-        state.StarTrailGroups.create = create
+        registry.StarTrailGroups.create = create
         parallel_state.destroy_model_parallel()
-        state.uninstall()
+        hooks.uninstall()
+        cpu_support.disable_cpu_support()
 
 
 @pytest.mark.parametrize("timeout_kw", [{}, {"distributed_timeout_minutes": 7}])
@@ -498,29 +501,128 @@ def test_team_size_auto_profiles_candidates_and_trains_exactly():
 
 def _release(rank, world):
     """release_startrail_groups forgets the state and destroys its team/sub-ring groups."""
-    from startrail_megatron.megatron import state
+    from startrail_megatron.megatron import registry
 
-    st_state = state.create_startrail_groups(None, 2)
+    st_state = registry.create_startrail_groups(None, 2)
     team = st_state.groups.team_group
     destroyed, real = [], torch.distributed.destroy_process_group
     torch.distributed.destroy_process_group = lambda g=None: (destroyed.append(g), real(g))
     try:
-        state.release_startrail_groups(None)
-        state.release_startrail_groups(None)  # nothing registered: no-op
+        registry.release_startrail_groups(None)
+        registry.release_startrail_groups(None)  # nothing registered: no-op
     finally:
         torch.distributed.destroy_process_group = real
     try:
-        state.get_startrail_state(None)
+        registry.get_startrail_state(None)
         registered = True
     except RuntimeError:
         registered = False
     usable = not (len(destroyed) == 1 and destroyed[0] is team)  # P = 4, C = 2: no sub-ring
-    again = state.create_startrail_groups(None, 2)  # and new groups work
+    again = registry.create_startrail_groups(None, 2)  # and new groups work
     out = torch.ones(1)
     torch.distributed.all_reduce(out, group=again.groups.team_group)
-    state.release_startrail_groups(None)
+    registry.release_startrail_groups(None)
     return registered, usable, out.item()
 
 
 def test_release_startrail_groups():
     assert run_ranks(4, _release) == [(False, False, 2.0)] * 4
+
+
+# ---- process-wide changes: scoped, undone, released ----------------------------------------
+
+
+def test_cpu_support_is_scoped():
+    """The CPU patches hold inside their scope only; scopes nest; leaving restores everything."""
+    import megatron.core.transformer.utils as tutils
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from startrail_megatron.megatron import cpu_support
+
+    def patched_objects():
+        return (
+            torch.cuda.current_device,
+            torch.cuda.synchronize,
+            tutils.get_default_causal_mask,
+            mrandom._CUDA_RNG_STATE_TRACKER,
+        )
+
+    before = patched_objects()
+    assert not cpu_support.cpu_support_active()
+    with cpu_support.cpu_support_enabled() as patched:
+        assert patched and torch.cuda.current_device() == torch.device("cpu")
+        with cpu_support.cpu_support_enabled():
+            pass
+        assert cpu_support.cpu_support_active()  # the inner scope leaves the outer one's
+    assert not cpu_support.cpu_support_active()
+    assert all(a is b for a, b in zip(patched_objects(), before))
+
+
+def _initialize_then_teardown(rank, world):
+    from startrail_megatron.megatron import cpu_support, hooks, registry
+
+    current_device = torch.cuda.current_device
+    args = T.parse_args(BASE + ["--context-parallel-impl", "startrail"])
+    T.initialize(args)
+    during = (cpu_support.cpu_support_active(), hooks.installed_config() is not None)
+    n_registered = len(registry.registered_cp_groups())
+    T.teardown()
+    after = (cpu_support.cpu_support_active(), hooks.installed_config() is not None)
+    restored = torch.cuda.current_device is current_device
+    return during, n_registered, after, restored, len(registry.registered_cp_groups())
+
+
+def test_teardown_undoes_what_initialize_changed():
+    assert run_ranks(1, _initialize_then_teardown) == [((True, True), 1, (False, False), True, 0)]
+
+
+def _destroy_releases(rank, world):
+    """With the hooks, destroy_model_parallel releases StarTrail's groups: the entries and
+    their communicators; a second create for the same CP group releases the first."""
+    import gc
+    import weakref
+
+    from megatron.core import parallel_state
+
+    from startrail_megatron.megatron import hooks, registry
+
+    destroyed, real = [], torch.distributed.destroy_process_group
+    torch.distributed.destroy_process_group = lambda g=None: (destroyed.append(g), real(g))
+    hooks.install(2)
+    try:
+        parallel_state.initialize_model_parallel(context_parallel_size=4)
+        cp = parallel_state.get_context_parallel_group()
+        first = registry.get_startrail_state(cp)
+        first_team = first.groups.team_group
+        second = registry.create_startrail_groups(cp, 2)  # replaces (releases) the first
+        replaced = destroyed == [first_team] and registry.get_startrail_state(cp) is second
+        ref, team = weakref.ref(second), second.groups.team_group
+        del first, second
+        parallel_state.destroy_model_parallel()
+        gc.collect()
+        # ours first (megatron-core then destroys its own gloo groups)
+        released = destroyed[:2] == [first_team, team] and not registry.registered_cp_groups()
+        return replaced, released, ref() is None
+    finally:
+        torch.distributed.destroy_process_group = real
+        hooks.uninstall()
+
+
+def test_destroy_model_parallel_releases_startrail_groups_fully():
+    assert run_ranks(4, _destroy_releases) == [(True, True, True)] * 4
+
+
+def _registry_key(rank, world):
+    """The default group is one key, whether named None or given as the group object."""
+    from startrail_megatron.megatron import registry
+
+    state = registry.create_startrail_groups(None, 1)
+    try:
+        same = registry.get_startrail_state(torch.distributed.group.WORLD) is state
+        return same, registry.registered_cp_groups() == [torch.distributed.group.WORLD]
+    finally:
+        registry.release_startrail_groups(torch.distributed.group.WORLD)
+
+
+def test_registry_keys_the_world_group_once():
+    assert run_ranks(4, _registry_key) == [(True, True)] * 4

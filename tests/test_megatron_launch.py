@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from startrail_megatron.megatron import state  # noqa: E402
+from startrail_megatron.megatron import hooks  # noqa: E402
 from startrail_megatron.megatron.arguments import extra_args_provider  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def test_extra_args_provider_refuses_what_it_cannot_honour(flags, needle, capsys
         _parser().parse_args(ST4 + flags)
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
-    assert state.installed_config() is None
+    assert hooks.installed_config() is None
     # the same flags without StarTrail are Megatron's business
     _parser().parse_args(flags)
 
@@ -73,7 +73,7 @@ def test_install_from_args_refuses_auto_without_the_autotuner():
     )
     with pytest.raises(ValueError, match="--startrail-team-size auto needs"):
         install_from_args(ns)
-    assert state.installed_config() is None
+    assert hooks.installed_config() is None
 
 
 def test_extra_args_provider_validates_and_installs():
@@ -100,13 +100,17 @@ def test_extra_args_provider_validates_and_installs():
             ]
         )
         assert seen == ["chained"] and args.other == "y"
-        assert state.installed_config() == {"team_size": 2, "placement": "ring", "kernel": "auto"}
+        assert hooks.installed_config() == {
+            "team_size": 2,
+            "placement": "ring",
+            "kernel": "auto",
+        }
     finally:
-        state.uninstall()
-    assert state.installed_config() is None
+        hooks.uninstall()
+    assert hooks.installed_config() is None
     # te (the default) installs nothing
     _parser().parse_args(["--context-parallel-size", "8"])
-    assert state.installed_config() is None
+    assert hooks.installed_config() is None
 
 
 def test_extra_args_provider_rejects_bad_flags(capsys):
@@ -124,7 +128,7 @@ def test_extra_args_provider_rejects_bad_flags(capsys):
     assert (
         "--startrail-team-size 4 does not fit --context-parallel-size 8" in capsys.readouterr().err
     )
-    assert state.installed_config() is None
+    assert hooks.installed_config() is None
 
 
 FAKE_ARGUMENTS = """
@@ -144,9 +148,9 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
 FAKE_SCRIPT = """
 import json
 from megatron.training.initialize import parse_args
-from startrail_megatron.megatron import state
+from startrail_megatron.megatron import hooks
 args = parse_args(None)
-print(json.dumps({"impl": args.context_parallel_impl, "installed": state.installed_config()}))
+print(json.dumps({"impl": args.context_parallel_impl, "installed": hooks.installed_config()}))
 """
 
 
@@ -205,7 +209,7 @@ print(json.dumps({"same_class": att.AttnMaskType is enums.AttnMaskType}))
 
 IN_PROCESS_DRIVER = """
 import json, sys
-import startrail_megatron.megatron  # megatron-core imported before the launcher runs
+import startrail_megatron.megatron.attention  # imports megatron-core before the launcher runs
 from startrail_megatron.launch import main
 main(sys.argv[1:])
 import megatron.training.arguments as mlm_arguments
@@ -230,6 +234,37 @@ def test_launcher_in_process_after_megatron_core_was_imported(fake_megatron_lm):
     assert res.returncode == 0, res.stderr[-2000:]
     lines = [json.loads(ln) for ln in res.stdout.strip().splitlines()[-2:]]
     assert lines == [{"same_class": True}, {"restored": True}]
+
+
+SAME_TREE_DRIVER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import megatron.training.arguments  # the script's own tree, imported before the launcher
+import startrail_megatron.megatron.attention as before
+from startrail_megatron.launch import main
+argv = list(sys.argv)
+main(sys.argv[2:])
+print(json.dumps({"kept": sys.modules["startrail_megatron.megatron.attention"] is before,
+                  "argv": sys.argv == argv}))
+"""
+
+
+def test_launcher_keeps_modules_of_the_scripts_own_tree(fake_megatron_lm):
+    """Nothing is removed from sys.modules when megatron already is the script's tree;
+    sys.argv is the caller's again after the script."""
+    script = fake_megatron_lm / "identity.py"
+    script.write_text(textwrap.dedent(IDENTITY_SCRIPT))
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SAME_TREE_DRIVER), str(fake_megatron_lm)]
+        + [str(script), *ST4],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(fake_megatron_lm),
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [json.loads(ln) for ln in res.stdout.strip().splitlines()[-2:]]
+    assert lines == [{"same_class": True}, {"kept": True, "argv": True}]
 
 
 def test_launcher_bad_flag_names_it(fake_megatron_lm):

@@ -8,10 +8,10 @@ Entry points:
   StarTrailMPU                         the groups handed to DeepSpeed (``mpu=``)
   prepare_hf_model / StarTrailDataLoaderAdapter / shard_causal_lm_batch
                                        transformers causal LMs and their data
-  compat.patch / compat.unpatch        the opt-in, reversible ``deepspeed.initialize`` patch
+  patch.patch / patch.unpatch          the opt-in, reversible ``deepspeed.initialize`` patch
 """
 
-from . import compat
+from . import patch
 from .config import StarTrailConfig
 from .entry import initialize
 from .hf import (
@@ -28,7 +28,7 @@ __all__ = [
     "StarTrailConfig",
     "StarTrailDataLoaderAdapter",
     "StarTrailMPU",
-    "compat",
+    "patch",
     "initialize",
     "prepare_hf_model",
     "shard_causal_lm_batch",

@@ -30,6 +30,7 @@ from typing import Any
 
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
+from . import internals
 from .config import STARTRAIL_KEY, StarTrailConfig
 from .mpu import StarTrailMPU
 
@@ -116,11 +117,9 @@ def _zero_settings(cfg: dict, st: StarTrailConfig) -> None:
 
 def _check_hpz_is_team(mpu: StarTrailMPU) -> None:
     """Assert that DeepSpeed's hpZ group is this rank's StarTrail team."""
-    from .compat import hpz_group_ranks
-
     lay, d = mpu.startrail.layout, mpu.data_parallel_rank
     team = [d * lay.cp_size + r for r in lay.team_ranks(lay.coord(mpu.startrail.cp_rank)[0])]
-    got = hpz_group_ranks()
+    got = internals.hpz_group_ranks()
     if got != team:
         raise RuntimeError(
             f"DeepSpeed's hpZ partition group {got} is not this rank's StarTrail team {team}"
@@ -149,8 +148,6 @@ def initialize(
     the model preparation (``HFHandle``; set its ``shard_inputs = False`` to feed batches
     from ``StarTrailDataLoaderAdapter``).
     """
-    from .compat import original_initialize
-
     plain = dict(
         args=args,
         model=model,
@@ -169,7 +166,7 @@ def initialize(
     cfg = resolve_config(args, config, config_params)
     st = StarTrailConfig.from_ds_config(cfg) if cfg is not None else None
     if st is None or not st.active:
-        return original_initialize(**plain)
+        return internals.original_initialize(**plain)
 
     # Checks that need no communication first.
     if mpu is not None or mesh_param is not None:
@@ -229,12 +226,10 @@ def initialize(
     handle.grad_scale = float(st.sequence_parallel_size) if stage == 3 else 1.0
 
     if stage == 3:
-        from .compat import set_hpz_group
-
         ring_hpz = st.zero_mapping == "hpz_team" and st.placement != "team"
         # team placement: DeepSpeed's contiguous hpZ groups are the teams (checked below);
         # ring placement: teams are strided, so hand DeepSpeed the team groups themselves.
-        set_hpz_group(st_mpu.startrail.team_group if ring_hpz else None)
+        internals.set_hpz_group(st_mpu.startrail.team_group if ring_hpz else None)
 
     cfg.pop(STARTRAIL_KEY)
     if args is not None and (
@@ -247,7 +242,7 @@ def initialize(
                 setattr(args, name, None)
     plain.update(args=args, mpu=st_mpu, config=cfg, config_params=None)
     try:
-        engine, opt, loader, sched = original_initialize(**plain)
+        engine, opt, loader, sched = internals.original_initialize(**plain)
         if st.zero_mapping == "hpz_team":
             _check_hpz_is_team(st_mpu)
     except BaseException:

@@ -9,7 +9,7 @@ The ``deepspeed`` launcher puts ``--local_rank=N`` before ``train.py``; it is mo
 it (where the script's argparse expects it) and ``LOCAL_RANK`` is set if unset.
 The script runs as ``__main__`` with ``sys.argv = [train.py, ...]``; its
 ``deepspeed.initialize`` calls go through ``startrail_megatron.deepspeed.initialize``
-(``compat.patch``), so a config with an enabled ``"startrail"`` section gets
+(``patch.patch``), so a config with an enabled ``"startrail"`` section gets
 StarTrail and any other config plain DeepSpeed. The patch is undone when the
 script returns.
 """
@@ -21,7 +21,7 @@ import os
 import runpy
 import sys
 
-from . import compat
+from . import patch
 
 __all__ = ["main", "split_argv"]
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = argv
     megatron_hooks = _maybe_install_megatron_hooks(argv[1:])
     try:
-        with compat.patched():
+        with patch.patched():
             runpy.run_path(script, run_name="__main__")
     finally:
         sys.argv = saved_argv

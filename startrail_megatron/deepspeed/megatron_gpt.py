@@ -50,7 +50,7 @@ def megatron_mpu(config: StarTrailConfig) -> StarTrailMPU:
     """DeepSpeed's sequence-parallel mpu from Megatron's CP group and StarTrail's groups."""
     from megatron.core import parallel_state
 
-    from ..megatron.state import get_startrail_state
+    from ..megatron.registry import get_startrail_state
 
     if not parallel_state.model_parallel_is_initialized():
         raise ValueError(

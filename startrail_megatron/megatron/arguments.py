@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 
 from ..layout import PLACEMENTS, valid_team_sizes
+from .hooks import install
+from .refusals import REFUSED_FLAGS
 
 __all__ = [
     "IMPLS",
@@ -68,18 +70,6 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "'ring': sub-ring neighbours adjacent (P2P inside a node).",
     )
     return parser
-
-
-# Megatron flags (dest names of Megatron-LM core_r0.16.0 / megatron-core 0.16 TransformerConfig)
-# whose feature needs something from core_attention that StarTrailCoreAttention does not provide.
-REFUSED_FLAGS = {
-    "qk_clip": "needs the per-head max attention logit (core_attention.current_max_attn_logits), "
-    "which StarTrail attention does not compute",
-    "log_max_attention_logit": "needs the per-head max attention logit "
-    "(core_attention.current_max_attn_logits), which StarTrail attention does not compute",
-    "hybrid_context_parallel": "builds per-batch context-parallel groups for packed "
-    "sequences, which StarTrail does not support",
-}
 
 
 def _autotuner_available(args: argparse.Namespace) -> bool:
@@ -149,8 +139,6 @@ def validate_startrail_args(args: argparse.Namespace, *, allow_auto: bool | None
 
 def install_from_args(args: argparse.Namespace, team_size: int | None = None) -> None:
     """Install the StarTrail hooks when ``--context-parallel-impl startrail``."""
-    from .state import install
-
     if getattr(args, "context_parallel_impl", "te") != "startrail":
         return
     c = team_size if team_size is not None else args.startrail_team_size

@@ -16,9 +16,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..attention import startrail_attention
-from .arguments import REFUSED_FLAGS
-from .compat import cp_group_from
-from .state import get_startrail_state
+from .refusals import REFUSED_FLAGS
+from .registry import get_startrail_state
+from .versions import cp_group_from
 
 __all__ = ["StarTrailCoreAttention"]
 

@@ -1,52 +1,45 @@
-"""The one compatibility module for megatron-core (0.13 - 0.16).
+"""megatron-core on CPU ranks: scoped, reversible patches.
 
-Two kinds of shims live here and nowhere else:
+megatron-core assumes CUDA in a few places (``torch.cuda.current_device()``
+for buffers and RoPE frequencies, ``torch.cuda.synchronize()`` in the
+checkpoint writer, a CUDA causal mask, ``pin_memory`` in RoPE's CP slicing,
+the CUDA RNG tracker). On a machine without CUDA we point those at the CPU;
+nothing is patched when CUDA is available, and nothing on import.
 
-* interface differences between megatron-core versions: the process-group
-  argument of attention modules (``model_comm_pgs`` in 0.13/0.14,
-  ``pg_collection`` from 0.15), and how ``SelfAttention`` builds
-  ``core_attention`` (``build_module`` before 0.16, a direct call after: our
-  module is a plain class, which both accept);
-* CPU support, opt-in (``enable_cpu_support()``), reversible: megatron-core
-  assumes CUDA in a few places (``torch.cuda.current_device()`` for buffers
-  and RoPE frequencies, ``torch.cuda.synchronize()`` in the checkpoint
-  writer, a CUDA causal mask, ``pin_memory`` in RoPE's CP slicing, the CUDA
-  RNG tracker). On a machine without CUDA we point those at
-  the CPU; nothing is patched when CUDA is available.
+The patches change process-wide objects (``torch.cuda`` functions, functions
+and globals of megatron-core modules), so they are scoped: ``with
+cpu_support_enabled():``, or ``enable_cpu_support()`` paired with
+``disable_cpu_support()``. Scopes nest (a count): the first enable applies
+the patches, the matching last disable restores every patched attribute.
+StarTrail's entry point enables them in ``training.initialize`` and disables
+them in ``training.teardown``. megatron-core's version differences are in
+``versions.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+__all__ = [
+    "cpu_manual_seed",
+    "cpu_support_active",
+    "cpu_support_enabled",
+    "disable_cpu_support",
+    "enable_cpu_support",
+]
+
 _UNDO: list[Callable[[], None]] = []
+_scopes = 0  # enable_cpu_support() calls not yet matched by disable_cpu_support()
 
 
 def _patch(obj: Any, name: str, value: Any) -> None:
     old = getattr(obj, name)
     setattr(obj, name, value)
     _UNDO.append(lambda: setattr(obj, name, old))
-
-
-def megatron_version() -> tuple[int, int]:
-    from megatron.core import package_info
-
-    major, minor = package_info.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-def cp_group_from(pg_collection: Any = None, model_comm_pgs: Any = None):
-    """The context-parallel group an attention module was given, whatever the version."""
-    for pgs in (pg_collection, model_comm_pgs):
-        if pgs is not None and getattr(pgs, "cp", None) is not None:
-            return pgs.cp
-    from megatron.core import parallel_state
-
-    return parallel_state.get_context_parallel_group()
 
 
 class _CpuRNGTracker:
@@ -120,14 +113,48 @@ def cpu_manual_seed(seed: int) -> None:
 
 
 def enable_cpu_support() -> bool:
-    """Point megatron-core's CUDA-only spots at the CPU. No-op with CUDA; idempotent.
+    """Point megatron-core's CUDA-only spots at the CPU; returns whether they are patched.
 
-    Returns whether patches are active. ``disable_cpu_support()`` undoes them.
+    Without CUDA: opens a scope (the first one applies the patches) which one
+    ``disable_cpu_support()`` closes. With CUDA: nothing, and returns ``False``
+    (then no ``disable_cpu_support()`` is owed, though one is harmless).
     """
+    global _scopes
     if torch.cuda.is_available():
         return False
-    if _UNDO:
-        return True
+    if not _scopes:
+        _apply_patches()
+    _scopes += 1
+    return True
+
+
+def disable_cpu_support() -> None:
+    """Close one ``enable_cpu_support()`` scope; the last one restores what was patched."""
+    global _scopes
+    if not _scopes:
+        return
+    _scopes -= 1
+    if not _scopes:
+        while _UNDO:
+            _UNDO.pop()()
+
+
+def cpu_support_active() -> bool:
+    return bool(_UNDO)
+
+
+@contextlib.contextmanager
+def cpu_support_enabled() -> Iterator[bool]:
+    """``with cpu_support_enabled() as patched:`` megatron-core on the CPU inside the block."""
+    patched = enable_cpu_support()
+    try:
+        yield patched
+    finally:
+        if patched:
+            disable_cpu_support()
+
+
+def _apply_patches() -> None:
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.models.common.embeddings.rope_utils as rope_utils
     import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
@@ -142,9 +169,3 @@ def enable_cpu_support() -> bool:
         _patch(mod, "get_pos_emb_on_this_cp_rank", _cpu_pos_emb_on_this_cp_rank)
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", _CpuRNGTracker())
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
-    return True
-
-
-def disable_cpu_support() -> None:
-    while _UNDO:
-        _UNDO.pop()()

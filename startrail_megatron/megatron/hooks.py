@@ -1,0 +1,111 @@
+"""The opt-in hooks that make megatron-core build StarTrail: ``install`` / ``uninstall``.
+
+``install(team_size, placement)`` wraps ``parallel_state.initialize_model_parallel``
+(all arguments passed through untouched) so that every caller, Megatron's own
+included, gets the StarTrail groups (``registry.create_startrail_groups``)
+right after Megatron's, with the same ``distributed_timeout_minutes`` as
+Megatron's groups; wraps ``destroy_model_parallel`` to release them first
+(``registry.release_all_startrail_groups``: entries dropped, their
+communicators destroyed); and rewrites the layer spec and the
+multi-token-prediction block spec given to ``GPTModel``
+(``spec.apply_startrail_spec``). ``uninstall()`` restores the three
+attributes; nothing is installed on import.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from datetime import timedelta
+
+from ..layout import PLACEMENTS, Placement
+from .registry import create_startrail_groups, release_all_startrail_groups
+from .spec import apply_startrail_spec
+
+__all__ = ["install", "installed_config", "uninstall"]
+
+_INSTALLED: dict[str, object] = {}
+
+
+def installed_config() -> dict | None:
+    """The (team_size, placement, kernel) of ``install``, or None."""
+    cfg = _INSTALLED.get("config")
+    return dict(cfg) if cfg else None
+
+
+def install(
+    team_size: int, placement: Placement = "team", kernel: str = "auto", *, spec_hook: bool = True
+) -> None:
+    """Make Megatron create StarTrail groups and build StarTrail attention. Reversible."""
+    from megatron.core import parallel_state
+
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r} is not known; allowed: {list(PLACEMENTS)}")
+    if not isinstance(team_size, int) or team_size < 1:
+        raise ValueError(f"team_size must be an integer >= 1, got {team_size!r}")
+    uninstall()
+    _INSTALLED["config"] = {"team_size": team_size, "placement": placement, "kernel": kernel}
+    orig_init = parallel_state.initialize_model_parallel
+    orig_destroy = parallel_state.destroy_model_parallel
+    init_sig = inspect.signature(orig_init)
+
+    @functools.wraps(orig_init)
+    def initialize_model_parallel(*args, **kwargs):
+        out = orig_init(*args, **kwargs)
+        cfg = _INSTALLED["config"]
+        create_startrail_groups(
+            parallel_state.get_context_parallel_group(),
+            cfg["team_size"],
+            cfg["placement"],
+            cfg["kernel"],
+            timeout=_megatron_timeout(init_sig, args, kwargs),
+        )
+        return out
+
+    @functools.wraps(orig_destroy)
+    def destroy_model_parallel(*args, **kwargs):
+        release_all_startrail_groups()
+        return orig_destroy(*args, **kwargs)
+
+    parallel_state.initialize_model_parallel = initialize_model_parallel
+    parallel_state.destroy_model_parallel = destroy_model_parallel
+    undo = [
+        lambda: setattr(parallel_state, "initialize_model_parallel", orig_init),
+        lambda: setattr(parallel_state, "destroy_model_parallel", orig_destroy),
+    ]
+    if spec_hook:
+        from megatron.core.models.gpt import gpt_model
+
+        orig_gpt_init = gpt_model.GPTModel.__init__
+
+        gpt_sig = inspect.signature(orig_gpt_init)
+
+        @functools.wraps(orig_gpt_init)
+        def gpt_init(self, *args, **kwargs):
+            bound = gpt_sig.bind(self, *args, **kwargs)
+            # the decoder's layers and the multi-token-prediction (--mtp-num-layers) layers
+            for name in ("transformer_layer_spec", "mtp_block_spec"):
+                if bound.arguments.get(name) is not None:
+                    bound.arguments[name] = apply_startrail_spec(bound.arguments[name])
+            return orig_gpt_init(*bound.args, **bound.kwargs)
+
+        gpt_model.GPTModel.__init__ = gpt_init
+        undo.append(lambda: setattr(gpt_model.GPTModel, "__init__", orig_gpt_init))
+    _INSTALLED["undo"] = undo
+
+
+def _megatron_timeout(sig: inspect.Signature, args, kwargs) -> timedelta | None:
+    """The ``distributed_timeout_minutes`` of an ``initialize_model_parallel`` call (its
+    default when not given), as Megatron uses it for its own groups."""
+    if "distributed_timeout_minutes" not in sig.parameters:
+        return None
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    minutes = bound.arguments["distributed_timeout_minutes"]
+    return timedelta(minutes=minutes) if minutes is not None else None
+
+
+def uninstall() -> None:
+    for fn in reversed(_INSTALLED.pop("undo", [])):
+        fn()
+    _INSTALLED.pop("config", None)

@@ -1,0 +1,153 @@
+"""The entry point's command line: Megatron-LM's flag names for what it supports.
+
+``parse_args(argv)`` builds the parser (``build_parser``: model, parallelism,
+training flags, StarTrail's flags from ``megatron/arguments.py``), parses and
+validates (``validate_args``: a bad flag exits with argparse's error naming it)
+and derives what Megatron-LM derives (``num_query_groups``,
+``max_position_embeddings``, ``data_parallel_size``, ``global_batch_size``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch.distributed as dist
+
+from .. import versions
+from ..arguments import add_startrail_args, validate_startrail_args
+
+__all__ = ["build_parser", "parse_args", "validate_args"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m startrail_megatron.pretrain_gpt",
+        description="GPT pre-training with megatron-core, optionally with StarTrail context parallelism.",
+        allow_abbrev=False,
+    )
+    g = p.add_argument_group("model (Megatron-LM flag names)")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument(
+        "--position-embedding-type", choices=["rope", "learned_absolute"], default="rope"
+    )
+    g.add_argument(
+        "--vocab-size", type=int, default=128, help="NullTokenizer vocabulary (mock data)"
+    )
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--bf16", action="store_true")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="spawn this many local ranks (CPU/gloo) instead of launching with torchrun",
+    )
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument(
+        "--clip-grad",
+        type=float,
+        default=1.0,
+        help="clip the global gradient norm to this (0: off), as Megatron-LM",
+    )
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument(
+        "--mock-data",
+        action="store_true",
+        help="megatron-core's MockGPTDataset (the only data source here)",
+    )
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--log-json", type=str, default=None, help="write per-iteration figures here")
+    g.add_argument(
+        "--startrail-autotune-iters",
+        type=int,
+        default=3,
+        help="timed iterations per candidate for --startrail-team-size auto (after 1 warm-up)",
+    )
+    add_startrail_args(p)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and validate; a bad flag exits with argparse's error naming it."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        validate_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    elif not args.group_query_attention:
+        raise ValueError("--num-query-groups needs --group-query-attention")
+    if args.num_attention_heads % args.num_query_groups:
+        raise ValueError(
+            f"--num-attention-heads {args.num_attention_heads} must be a multiple of "
+            f"--num-query-groups {args.num_query_groups}"
+        )
+    if args.pipeline_model_parallel_size != 1:
+        raise ValueError("--pipeline-model-parallel-size: only 1 is supported by this entry point")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    if cp > 1 and args.context_parallel_impl == "te" and not versions.have_transformer_engine():
+        raise ValueError(
+            "--context-parallel-impl te needs Transformer Engine, which is not installed; "
+            "use --context-parallel-impl startrail"
+        )
+    validate_startrail_args(args)
+    if args.seq_length % (2 * cp) and cp > 1:
+        raise ValueError(
+            f"--seq-length {args.seq_length} must be divisible by 2 * --context-parallel-size = {2 * cp}"
+        )
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
+    if world % (tp * cp):
+        raise ValueError(
+            f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--context-parallel-size {cp}"
+        )
+    args.data_parallel_size = world // (tp * cp)
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step:
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} must be a multiple of "
+            f"--micro-batch-size x data-parallel size = {per_step}"
+        )

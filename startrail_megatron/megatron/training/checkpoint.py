@@ -1,0 +1,69 @@
+"""Checkpoints: Megatron's distributed checkpoint of the model, plus the optimizer state.
+
+The same format whatever the CP implementation or size (a StarTrail run's
+checkpoint loads into a CP = 1 run), so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+
+def _optimizer_file(ckpt: str) -> str:
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return os.path.join(
+        ckpt, f"optimizer_tp{parallel_state.get_tensor_model_parallel_rank()}_of{tp}.pt"
+    )
+
+
+def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
+    """Megatron distributed checkpoint of the model (the same format for any CP impl/size),
+    plus the optimizer state of each TP rank (identical over CP and DP ranks: no
+    distributed optimizer), so a resumed run continues exactly."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    ckpt = os.path.join(path, f"iter_{iteration:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(model.module.sharded_state_dict(), ckpt)
+    if (
+        optimizer is not None
+        and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    ):
+        torch.save(optimizer.state_dict(), _optimizer_file(ckpt))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+    dist.barrier()
+
+
+def load_checkpoint(path: str, model, optimizer=None) -> int:
+    """Load the latest checkpoint; the optimizer state too when it was saved with the same
+    tensor-parallel size (any CP implementation, CP or DP size). Returns its iteration."""
+    from megatron.core import dist_checkpointing
+
+    with open(os.path.join(path, "latest_checkpointed_iteration.txt")) as f:
+        iteration = int(f.read().strip())
+    ckpt = os.path.join(path, f"iter_{iteration:07d}")
+    state = dist_checkpointing.load(model.module.sharded_state_dict(), ckpt)
+    model.module.load_state_dict(state)
+    if optimizer is not None:
+        opt_file = _optimizer_file(ckpt)
+        if os.path.exists(opt_file):
+            optimizer.load_state_dict(torch.load(opt_file, weights_only=False))
+        elif dist.get_rank() == 0:
+            print(
+                f"note: {ckpt} has no optimizer state for this tensor-parallel size; "
+                "the optimizer starts fresh",
+                flush=True,
+            )
+    return iteration

@@ -1,0 +1,91 @@
+"""One training step: forward and backward of the global batch, clipping, the update.
+
+Loss and gradients: each rank's loss is its token-loss sum times the DP x CP
+size over the global token count; megatron's DDP averages gradients over
+DP x CP, so the gradient is that of the global per-token mean, whatever the
+CP size or implementation (tests compare CP = 4 with CP = 1). On CPU ranks the
+update clips with megatron's global-norm rule (``clip_grad_norm``); on GPUs
+megatron's optimizer clips by its config.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["clip_grad_norm", "forward_backward", "optimizer_step", "rank_device"]
+
+
+def forward_backward(args: argparse.Namespace, model, micro_batches) -> float:
+    """Loss of the global batch (per-token mean); gradients left in ``main_grad``."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    dev = rank_device()  # also of every reduced tensor: NCCL groups take CUDA tensors only
+    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    n_dp_cp = dist.get_world_size(dp_cp)
+    total_tokens = torch.tensor(
+        [sum(float(mb["loss_mask"].sum()) for mb in micro_batches)],
+        dtype=torch.float64,
+        device=dev,
+    )
+    dist.all_reduce(total_tokens, group=parallel_state.get_data_parallel_group())
+    total = total_tokens.item()
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
+    for mb in micro_batches:
+        batch = {k: mb[k].to(dev) for k in ("tokens", "labels", "loss_mask", "position_ids")}
+        batch = get_batch_on_this_cp_rank(batch)
+        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        local = (losses.float() * batch["loss_mask"]).sum()
+        (local * n_dp_cp / total).backward()
+        loss_sum += local.detach().double()
+    model.finish_grad_sync()
+    dist.all_reduce(loss_sum, group=dp_cp)
+    return loss_sum.item() / total
+
+
+def clip_grad_norm(model, max_norm: float) -> float:
+    """Megatron's global gradient-norm clipping on ``.grad``, for the CPU optimizer path.
+
+    The norm counts each parameter once over the tensor-parallel group (TP shards
+    summed, TP-replicated parameters once), as ``clip_grad_by_total_norm_fp32``;
+    clipped when ``max_norm / (norm + 1e-6) < 1``. Returns the norm before clipping.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
+    for p in model.parameters():
+        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+            sq += p.grad.double().pow(2).sum()
+    dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+    norm = sq.sqrt().item()
+    coef = max_norm / (norm + 1e-6)
+    if max_norm > 0 and coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+def optimizer_step(model, optimizer, clip_grad: float = 0.0) -> None:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for p in model.parameters():
+            p.grad = p.main_grad.to(p.dtype) if p.main_grad.dtype != p.dtype else p.main_grad
+        if clip_grad > 0:
+            clip_grad_norm(model, clip_grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()  # megatron's optimizer clips by its config
+        optimizer.zero_grad()
+    model.zero_grad_buffer()
+
+
+def rank_device() -> torch.device:
+    """The device of this rank's tensors (and of what it reduces): its GPU, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
