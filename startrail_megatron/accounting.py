@@ -3,7 +3,7 @@
 One function per strategy, all on one shape argument (``LocalShape``: one
 rank's tensors), all returning the same keys: ``fwd_p2p``, ``bwd_p2p``,
 ``fwd_collective``, ``bwd_collective``. Ints in, ints out; this module imports
-nothing of ours (``layout.py`` imports it). The tests check every one of them
+only the pure ``layout.py``. The tests check every one of them
 against the ``CommLedger`` of real runs; the planner and the benchmark use
 them as they are. Collectives count the ring-algorithm volume: (n-1)/n of the
 full buffer over n ranks.
@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from .layout import StarTrailLayout
 
 __all__ = [
     "LocalShape",
@@ -86,14 +88,11 @@ def _keys(fwd_p2p: int, bwd_p2p: int, fwd_coll: int, bwd_coll: int) -> dict[str,
 
 
 # ---- StarTrail (ring = C 1) ----------------------------------------------------
-def startrail_comm_bytes(
-    team_size: int, sends: Mapping[str, int], shape: LocalShape
-) -> dict[str, int]:
-    """Bytes one rank sends in one StarTrail attention forward and backward.
-
-    ``sends``: its P2P message counts, ``StarTrailLayout.p2p_sends(rank, backward=True)``.
-    """
-    c = team_size
+def startrail_comm_bytes(layout: StarTrailLayout, rank: int, shape: LocalShape) -> dict[str, int]:
+    """Bytes CP rank ``rank`` of ``layout`` sends in one StarTrail attention forward and
+    backward (its P2P message counts: ``StarTrailLayout.p2p_sends``)."""
+    c = layout.team_size
+    sends = layout.p2p_sends(rank, backward=True)
     tok, acc_bytes, elem_bytes = shape.tokens, shape.acc_bytes, shape.elem_bytes
     q_el, kv_el, heads_q = shape.q_elems, shape.kv_elems, shape.heads_q
     team_kv = c * 2 * kv_el  # K and V of the whole team

@@ -51,8 +51,6 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal, get_args
 
-from .accounting import LocalShape, startrail_comm_bytes
-
 Placement = Literal["team", "ring"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 
@@ -222,24 +220,3 @@ class StarTrailLayout:
             ret_to, _ = self.dkv_return_peers(rank)
             sends["dkv"] = (g - 1) + int(ret_to != rank)
         return sends
-
-    def comm_bytes(
-        self,
-        rank: int,
-        *,
-        s_local: int,
-        batch: int,
-        heads_q: int,
-        heads_kv: int,
-        head_dim: int,
-        elem_bytes: int,
-        acc_bytes: int = 4,
-    ) -> dict[str, int]:
-        """Bytes this rank sends in one attention forward and backward.
-
-        ``accounting.startrail_comm_bytes`` on a ``LocalShape`` of these
-        keywords (kept for its callers). Keys: ``fwd_p2p``, ``bwd_p2p``,
-        ``fwd_collective``, ``bwd_collective``.
-        """
-        shape = LocalShape(s_local, batch, heads_q, heads_kv, head_dim, elem_bytes, acc_bytes)
-        return startrail_comm_bytes(self.team_size, self.p2p_sends(rank, backward=True), shape)

@@ -37,7 +37,7 @@ def assert_startrail_ledger(events, layout, rank: int, shape) -> None:
     calls, never a self-send). ``shape``: an ``accounting.LocalShape``."""
     from startrail_megatron.accounting import startrail_comm_bytes
 
-    want = startrail_comm_bytes(layout.team_size, layout.p2p_sends(rank, backward=True), shape)
+    want = startrail_comm_bytes(layout, rank, shape)
     led = st.CommLedger.from_events(events)
     for ph in ("fwd", "bwd"):
         for kind in ("p2p", "collective"):

@@ -77,12 +77,7 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     """(fwd, bwd, team all-gather of q,k,v) seconds for StarTrail / ring."""
     p = shape.cp_size
     no_acc = replace(shape.local, acc_bytes=0)  # the q,k,v all-gather: input dtype only
-    qkv = max(
-        startrail_comm_bytes(lay.team_size, lay.p2p_sends(r, backward=True), no_acc)[
-            "fwd_collective"
-        ]
-        for r in range(p)
-    )
+    qkv = max(startrail_comm_bytes(lay, r, no_acc)["fwd_collective"] for r in range(p))
     teams = lay.all_team_ranks()
     team_kv = lay.team_size * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
     kv_msg = team_kv * shape.elem_bytes

@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ...accounting import LocalShape, startrail_comm_bytes
 from ...layout import StarTrailLayout
 from ..registry import get_startrail_state
 from .autotune import autotune_team_size
@@ -36,8 +37,7 @@ def _startrail_bytes(args) -> dict:
     cp_group = parallel_state.get_context_parallel_group()
     state = get_startrail_state(cp_group)
     led, lay = state.ledger, state.groups.layout
-    ring = StarTrailLayout(lay.cp_size, 1).comm_bytes(
-        state.groups.cp_rank,
+    shape = LocalShape(
         s_local=args.seq_length // lay.cp_size,
         batch=args.micro_batch_size,
         heads_q=args.num_attention_heads // args.tensor_model_parallel_size,
@@ -45,6 +45,7 @@ def _startrail_bytes(args) -> dict:
         head_dim=args.hidden_size // args.num_attention_heads,
         elem_bytes=2 if args.bf16 else 4,
     )
+    ring = startrail_comm_bytes(StarTrailLayout(lay.cp_size, 1), state.groups.cp_rank, shape)
     n_calls = (
         args.num_layers
         * args.global_batch_size

@@ -1,0 +1,109 @@
+"""The package's imports run one way: no import circle, counting lazy imports inside functions.
+
+Read from the source (``ast``), so an import placed inside a function to dodge a circle at
+import time counts as an edge too. Edges go from a module to each of our modules it
+imports by name (``from .x import y`` is an edge to ``x``, or to ``x.y`` when that is a
+module); a package's ``__init__`` counts as the package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "startrail_megatron"
+PKG = "startrail_megatron"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        here = mod if is_pkg else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = here.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    src = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    src = node.module or ""
+                targets = [f"{src}.{a.name}" for a in node.names] + [src]
+                # ``from .x import y``: y's module if it is one, else x itself
+                targets = [t for t in targets[:-1] if t in mods] or [targets[-1]]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for t in targets:
+                while t and t not in mods and "." in t:
+                    t = t.rpartition(".")[0]
+                if t in mods and t != mod and t.startswith(PKG):
+                    graph[mod].add(t)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_is_read():
+    g = _graph()
+    assert "startrail_megatron.kernels.select" in g["startrail_megatron.kernels"]
+    assert "startrail_megatron.block_plan" in g["startrail_megatron.attention"]
+    # a lazy import inside a function counts
+    assert "startrail_megatron.megatron.attention" in g["startrail_megatron.deepspeed.megatron_gpt"]
+
+
+def test_no_import_circle():
+    assert _cycles(_graph()) == []
+
+
+def test_the_core_never_imports_an_adapter():
+    g = _graph()
+    core = [m for m in g if not m.startswith((f"{PKG}.megatron", f"{PKG}.deepspeed"))]
+    core = [m for m in core if m not in (f"{PKG}.launch", f"{PKG}.pretrain_gpt")]  # shims
+    for m in core:
+        bad = {t for t in g[m] if t.startswith((f"{PKG}.megatron", f"{PKG}.deepspeed"))}
+        assert not bad, (m, bad)
