@@ -67,9 +67,30 @@ def main() -> None:
         losses.append(loss.item())
         if torch.distributed.get_rank() == 0:
             print(f"step {step} loss {loss.item():.6f}")
+    handle = getattr(engine, "startrail_handle", None)  # set when StarTrail is on
+    if handle is not None and torch.distributed.get_rank() == 0:
+        led, lengths = handle.ledger, sorted(handle.local_lengths)
+        print(
+            f"StarTrail on rank 0: {led.bytes('p2p')} P2P bytes, {led.bytes('collective')} "
+            f"collective bytes; local sequence lengths {lengths}"
+        )
     if args.out:
+        out = {"losses": losses, "startrail": handle is not None}
+        if handle is not None:
+            mpu = engine.startrail_mpu
+            out["proof"] = {
+                "ledger": handle.ledger.summary(),
+                "local_lengths": sorted(handle.local_lengths),
+                "attn": model.config._attn_implementation,
+                "layout": [
+                    mpu.startrail.cp_size,
+                    mpu.startrail.team_size,
+                    mpu.startrail.layout.placement,
+                ],
+                "cp_rank": mpu.startrail.cp_rank,
+            }
         with open(f"{args.out}.{torch.distributed.get_rank()}", "w") as f:
-            json.dump({"losses": losses, "startrail": hasattr(engine, "startrail_mpu")}, f)
+            json.dump(out, f)
     del engine
 
 

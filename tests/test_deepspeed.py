@@ -14,6 +14,8 @@ from ds_common import ds_config as make_cfg
 from harness import run_ranks
 
 import startrail_megatron.deepspeed as sds  # after ds_common, which sets DS_ACCELERATOR
+from startrail_megatron.accounting import LocalShape, startrail_comm_bytes, startrail_comm_calls
+from startrail_megatron.layout import StarTrailLayout
 
 REL = 1e-5
 
@@ -87,9 +89,44 @@ def _train(rank: int, world: int, cfg: dict, use_adapter: bool = False, as_tuple
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    handle = engine.startrail_handle
+    info.update(_proof(handle.ledger, handle.local_lengths, model, mpu))
     params = _full_params(engine, cfg["zero_optimization"]["stage"])
     _teardown(engine)
     return losses, (params if rank == 0 else None), info
+
+
+def _proof(ledger, local_lengths, model, mpu) -> dict:
+    """What shows StarTrail ran on this rank: its transfers, the lengths its attention saw,
+    the attention implementation in use, and where the rank sits in the layout."""
+    return {
+        "ledger": ledger.summary(),
+        "local_lengths": sorted(local_lengths),
+        "attn": model.config._attn_implementation,
+        "layout": (mpu.startrail.cp_size, mpu.startrail.team_size, mpu.startrail.layout.placement),
+        "cp_rank": mpu.startrail.cp_rank,
+    }
+
+
+def _check_startrail_ran(info: dict, steps: int = len(global_batches(1))) -> None:
+    """StarTrail's attention ran on every layer of every step: each rank saw S/P tokens, the
+    model used the "startrail" implementation, and the ledger holds exactly the bytes and
+    calls the accounting gives for this layout (tiny Llama: 2 layers, 4 q / 2 KV heads of
+    8, fp32, one sequence per replica)."""
+    p, c, placement = info["layout"]
+    assert info["attn"] == "startrail", info["attn"]
+    assert info["local_lengths"] == [SEQ // p], info["local_lengths"]
+    lay = StarTrailLayout(p, c, placement)
+    shape = LocalShape(SEQ // p, 1, 4, 2, 8, elem_bytes=4, acc_bytes=4)
+    n = steps * 2  # attention calls: steps x layers
+    want = startrail_comm_bytes(lay, info["cp_rank"], shape)
+    calls = startrail_comm_calls(c, lay.p2p_sends(info["cp_rank"], backward=True))
+    got = info["ledger"]
+    for ph in ("fwd", "bwd"):
+        for kind in ("p2p", "collective"):
+            assert got[f"{ph}_{kind}_bytes"] == n * want[f"{ph}_{kind}"], (ph, kind, got)
+            assert got[f"{ph}_{kind}_calls"] == n * calls[f"{ph}_{kind}"], (ph, kind, got)
+    assert got["fwd_p2p_bytes"] + got["fwd_collective_bytes"] > 0  # P = 4 always sends
 
 
 _REF: dict = {}
@@ -104,12 +141,15 @@ def _reference(dp: int):
 def _check(results, world: int, p: int):
     dp = world // p
     ref_losses, ref_params = _reference(dp)
+    assert all(len(res[0]) == len(ref_losses) for res in results)
     for step in range(len(ref_losses)):
         replica = [results[d * p][0][step] for d in range(dp)]
         for d in range(dp):  # every rank of a replica reports the replica's loss
             assert all(results[d * p + r][0][step] == replica[d] for r in range(p))
         got = sum(replica) / dp
         assert abs(got - ref_losses[step]) <= REL * abs(ref_losses[step]), (step, got, ref_losses)
+    for res in results:
+        _check_startrail_ran(res[2])
     params = results[0][1]
     assert params.keys() == ref_params.keys()
     worst = max(_rel(params[k], ref_params[k]) for k in ref_params)
@@ -166,6 +206,8 @@ def test_launcher_runs_unmodified_script(tmp_path):
     for res, restored in results:
         assert restored, "the deepspeed.initialize patch was not undone"
         assert res["startrail"], "the script's deepspeed.initialize did not go through StarTrail"
+        _check_startrail_ran(res["proof"])
+        assert len(res["losses"]) == len(ref_losses)
         for got, ref in zip(res["losses"], ref_losses):
             assert abs(got - ref) <= REL * abs(ref), (res["losses"], ref_losses)
 
@@ -440,14 +482,17 @@ def _hf_call(monkeypatch, **kwargs):
 
     calls = []
 
-    def fake(q, k, v, groups, causal, softmax_scale):
+    def fake(q, k, v, groups, causal, softmax_scale, ledger):
         calls.append({"causal": causal, "softmax_scale": softmax_scale})
         return q
 
     monkeypatch.setattr(hf, "startrail_attention", fake)
     module = torch.nn.Module()
     module.is_causal = True
-    setattr(module, hf._SPEC_ATTR, SimpleNamespace(cp_size=4))
+    handle = SimpleNamespace(
+        mpu=SimpleNamespace(startrail=SimpleNamespace(cp_size=4)), ledger=None, local_lengths=set()
+    )
+    setattr(module, hf._SPEC_ATTR, handle)
     q = torch.zeros(1, 4, 8, 16)  # [b, hq, S/P, d]: the global sequence is 32
     kv = torch.zeros(1, 2, 8, 16)
     out, weights = hf.startrail_hf_attention(module, q, kv, kv, None, **kwargs)

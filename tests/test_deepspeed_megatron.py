@@ -15,6 +15,7 @@ warnings.filterwarnings(
 pytest.importorskip("megatron.core")
 from ds_common import ds_config  # noqa: E402  (sets DS_ACCELERATOR=cpu first)
 from harness import run_ranks  # noqa: E402
+from megatron_common import assert_startrail_ran, startrail_proof  # noqa: E402
 
 import startrail_megatron.deepspeed as sds  # noqa: E402
 from startrail_megatron.megatron import training as T  # noqa: E402
@@ -90,17 +91,9 @@ def _deepspeed(rank, world, stage, team):
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
     )
-    model = _model(
-        ARGV
-        + [
-            "--context-parallel-size",
-            "4",
-            "--context-parallel-impl",
-            "startrail",
-            "--startrail-team-size",
-            str(team),
-        ]
-    )
+    argv = ARGV + ["--context-parallel-size", "4", "--context-parallel-impl", "startrail"]
+    argv += ["--startrail-team-size", str(team)]
+    model = _model(argv)
     try:
         cfg = ds_config(stage, 1, {"enabled": True, "sequence_parallel_size": 4, "team_size": team})
         opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -113,6 +106,7 @@ def _deepspeed(rank, world, stage, team):
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+        proof = startrail_proof(T.parse_args(argv), engine.module, STEPS)
         try:  # two documents packed in one row: refused by name, never trained as one
             engine(ids, pos.remainder(pos.shape[1] // 2), None, labels=labels)
             packed_error = None
@@ -127,7 +121,7 @@ def _deepspeed(rank, world, stage, team):
         del engine
         gc.collect()
         ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
-        return losses, final, packed_error
+        return losses, final, packed_error, proof
     finally:
         T.teardown()
 
@@ -135,8 +129,10 @@ def _deepspeed(rank, world, stage, team):
 @pytest.mark.parametrize("stage,team", [(1, 2), (3, 2), (2, 1)])
 def test_megatron_gpt_through_deepspeed_matches_single_rank(stage, team):
     ref_losses, ref_params = run_ranks(1, _reference)[0]
-    for losses, params, packed_error in run_ranks(4, _deepspeed, stage, team):
+    for losses, params, packed_error, proof in run_ranks(4, _deepspeed, stage, team):
+        assert_startrail_ran(proof)
         assert packed_error is not None and "position_ids: packed sequences" in packed_error
+        assert len(losses) == len(ref_losses)
         for a, b in zip(losses, ref_losses):
             assert abs(a - b) <= 1e-5 * abs(b), (losses, ref_losses)
         assert params.keys() == ref_params.keys()

@@ -21,6 +21,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
 )
+from megatron_common import assert_startrail_ran, startrail_proof  # noqa: E402
 
 from startrail_megatron.megatron import StarTrailCoreAttention, apply_startrail_spec  # noqa: E402
 from startrail_megatron.megatron import training as T  # noqa: E402
@@ -71,7 +72,7 @@ def _train(rank, world, argv, steps, save=None, load=None, grads=True):
             T.optimizer_step(model, opt, args.clip_grad)
             if save and it == save[1]:
                 T.save_checkpoint(save[0], model, it, opt)
-        return losses, all_grads
+        return losses, all_grads, startrail_proof(args, model, steps)
     finally:
         T.teardown()
 
@@ -82,8 +83,13 @@ def _baseline(extra=(), steps=3, gbs=None):
 
 
 def _assert_close_runs(got, ref, grads=True, tol=1e-5):
-    losses, g = got
-    ref_losses, ref_g = ref
+    """Losses (and gradients) of a run against the reference; a StarTrail run must also
+    show that StarTrail ran (``_startrail_proof``)."""
+    losses, g, proof = got
+    ref_losses, ref_g, _ = ref
+    if proof is not None:
+        assert_startrail_ran(proof)
+    assert len(losses) == len(ref_losses), (losses, ref_losses)
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) <= tol * abs(b), (losses, ref_losses)
     if grads:
@@ -142,8 +148,8 @@ def test_adam_losses_and_first_gradients_match():
     ref = _baseline(GQA)
     argv = BASE + GQA + st_flags(4, 2)
     res = run_ranks(4, _train, argv, 3)
-    for losses, grads in res:
-        _assert_close_runs((losses, grads[:1]), (ref[0], ref[1][:1]))
+    for losses, grads, proof in res:
+        _assert_close_runs((losses, grads[:1], proof), (ref[0], ref[1][:1], None))
 
 
 def test_tp2_cp2_ring_matches_cp1():
@@ -159,8 +165,8 @@ def test_dp2_cp4_startrail_matches_cp1():
     ref = _baseline(gbs=4)
     argv = BASE + st_flags(4, 2, placement="ring")
     res = run_ranks(8, _train, argv, 3)
-    for losses, grads in res:
-        _assert_close_runs((losses, grads[:1]), (ref[0], ref[1][:1]))
+    for losses, grads, proof in res:
+        _assert_close_runs((losses, grads[:1], proof), (ref[0], ref[1][:1], None))
 
 
 def test_resume_continues_exactly(tmp_path):
@@ -495,6 +501,7 @@ def test_team_size_auto_profiles_candidates_and_trains_exactly():
     assert len(tried) == 2  # ring and C=2 (at P=4, G=1: both placements are the same layout)
     assert lines[-1].startswith("startrail autotune: chose")
     for _, _, losses in res:
+        assert len(losses) == len(ref[0])
         for a, b in zip(losses, ref[0]):
             assert abs(a - b) <= 1e-5 * abs(b)
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..attention import startrail_attention
-from ..groups import StarTrailGroups
+from ..comm import CommLedger
 from ..zigzag import zigzag_shard
 from .mpu import StarTrailMPU
 
@@ -69,8 +69,8 @@ def startrail_hf_attention(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers ``AttentionInterface`` function: query ``[b, hq, s, d]`` -> ``[b, s, hq, d]``."""
-    groups: StarTrailGroups | None = getattr(module, _SPEC_ATTR, None)
-    if groups is None:
+    handle: HFHandle | None = getattr(module, _SPEC_ATTR, None)
+    if handle is None:
         raise RuntimeError(
             f"{type(module).__name__} uses attn_implementation={ATTN_IMPLEMENTATION!r} but was not "
             "prepared by startrail_megatron.deepspeed.prepare_hf_model"
@@ -82,8 +82,10 @@ def startrail_hf_attention(
         )
     if dropout:
         raise NotImplementedError(f"attention dropout={dropout} is not supported by StarTrail")
+    groups = handle.mpu.startrail
     _check_unsupported(query.shape[2] * groups.cp_size, kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    handle.local_lengths.add(query.shape[2])
     out = startrail_attention(
         query.permute(2, 0, 1, 3),  # [s, b, hq, d]
         key.permute(2, 0, 1, 3),  # [s, b, hkv, d]
@@ -91,6 +93,7 @@ def startrail_hf_attention(
         groups,
         causal=bool(causal),
         softmax_scale=scaling,
+        ledger=handle.ledger,
     )  # [s, b, hq, d]
     return out.transpose(0, 1), None  # [b, s, hq, d]
 
@@ -237,6 +240,10 @@ class HFHandle:
     previous_attn_implementation: str | None
     grad_scale: float = 1.0
     """Factor on every output's gradient (``initialize`` sets P for ZeRO-3)."""
+    ledger: CommLedger = field(default_factory=CommLedger)
+    """Every transfer StarTrail's attention made on this rank (bytes and calls, fwd/bwd)."""
+    local_lengths: set = field(default_factory=set)
+    """The sequence lengths the attention saw on this rank (S/P when sharding works)."""
     _hooks: list = field(default_factory=list)
     _modules: list = field(default_factory=list)
 
@@ -345,7 +352,7 @@ def prepare_hf_model(model: nn.Module, mpu: StarTrailMPU, *, shard_inputs: bool 
     for m in model.modules():
         # transformers' attention modules: the ones that call the interface carry is_causal.
         if hasattr(m, "is_causal") and hasattr(m, "config") and not isinstance(m, PreTrainedModel):
-            setattr(m, _SPEC_ATTR, mpu.startrail)
+            setattr(m, _SPEC_ATTR, handle)
             handle._modules.append(m)
     if not handle._modules:
         handle.remove()

@@ -116,6 +116,7 @@ class StarTrailCoreAttention(MegatronModule):
         # A causal mask tensor, if the data loader made one, is the standard causal mask
         # (as TEDotProductAttention, we follow attn_mask_type and ignore it).
         state = self.state
+        state.local_lengths.add(query.shape[0])
         out = startrail_attention(
             query,
             key,

@@ -50,6 +50,9 @@ class StarTrailMegatronState:
     groups: StarTrailGroups
     kernel: str = "auto"
     ledger: CommLedger = field(default_factory=CommLedger)
+    """Every transfer the attention of this CP group made on this rank."""
+    local_lengths: set = field(default_factory=set)
+    """The local sequence lengths the attention saw on this rank (S/P when sharding works)."""
 
 
 _REGISTRY: dict[dist.ProcessGroup | None, StarTrailMegatronState] = {}

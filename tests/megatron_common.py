@@ -1,0 +1,56 @@
+"""Shared pieces of the Megatron tests: proof that StarTrail ran in a Megatron run."""
+
+from __future__ import annotations
+
+from startrail_megatron.megatron import StarTrailCoreAttention
+
+
+def startrail_proof(args, model, steps: int) -> dict | None:
+    """With StarTrail on: what it recorded on this rank next to what it must have done.
+
+    ``None`` for a run without StarTrail CP. Otherwise the attention modules in use, the
+    local lengths the attention saw and the ledger's totals, beside S/P and the
+    accounting's bytes and calls for this layout times the attention calls made
+    (steps x layers x micro-batches per step).
+    """
+    if args.context_parallel_impl != "startrail" or args.context_parallel_size == 1:
+        return None
+    from megatron.core import parallel_state as ps
+
+    from startrail_megatron.accounting import (
+        LocalShape,
+        startrail_comm_bytes,
+        startrail_comm_calls,
+    )
+    from startrail_megatron.megatron.registry import get_startrail_state
+
+    state = get_startrail_state(ps.get_context_parallel_group())
+    lay, r = state.groups.layout, state.groups.cp_rank
+    tp = args.tensor_model_parallel_size
+    shape = LocalShape(
+        s_local=args.seq_length // lay.cp_size,
+        batch=args.micro_batch_size,
+        heads_q=args.num_attention_heads // tp,
+        heads_kv=(args.num_query_groups or args.num_attention_heads) // tp,
+        head_dim=args.hidden_size // args.num_attention_heads,
+        elem_bytes=4,
+    )
+    micro = args.global_batch_size // (args.micro_batch_size * ps.get_data_parallel_world_size())
+    n = steps * args.num_layers * micro
+    want = {k: n * v for k, v in startrail_comm_bytes(lay, r, shape).items()}
+    calls = startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True))
+    led = state.ledger.summary()
+    return {
+        "attention": sum(isinstance(m, StarTrailCoreAttention) for m in model.modules()),
+        "layers": args.num_layers,
+        "local_lengths": (sorted(state.local_lengths), [shape.s_local]),
+        "bytes": ({k: led[f"{k}_bytes"] for k in want}, want),
+        "calls": ({k: led[f"{k}_calls"] for k in want}, {k: n * v for k, v in calls.items()}),
+    }
+
+
+def assert_startrail_ran(proof: dict) -> None:
+    assert proof["attention"] == proof["layers"], proof  # StarTrail's module on every layer
+    for what in ("local_lengths", "bytes", "calls"):
+        got, want = proof[what]
+        assert got == want, (what, got, want)
