@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", type=str, default=None)
+    g.add_argument(
+        "--ckpt-step",
+        type=int,
+        default=None,
+        help="the iteration to load from --load (default: its latest checkpoint)",
+    )
     g.add_argument("--log-json", type=str, default=None, help="write per-iteration figures here")
     g.add_argument(
         "--startrail-autotune-iters",
@@ -122,6 +128,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("--pipeline-model-parallel-size: only 1 is supported by this entry point")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    if args.ckpt_step is not None and not args.load:
+        raise ValueError("--ckpt-step needs --load")
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
     if cp > 1 and args.context_parallel_impl == "te" and not versions.have_transformer_engine():
         raise ValueError(

@@ -46,14 +46,18 @@ def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
     dist.barrier()
 
 
-def load_checkpoint(path: str, model, optimizer=None) -> int:
-    """Load the latest checkpoint; the optimizer state too when it was saved with the same
-    tensor-parallel size (any CP implementation, CP or DP size). Returns its iteration."""
+def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = None) -> int:
+    """Load the checkpoint of ``iteration`` (default: the latest); the optimizer state too
+    when it was saved with the same tensor-parallel size (any CP implementation, CP or DP
+    size). Returns its iteration."""
     from megatron.core import dist_checkpointing
 
-    with open(os.path.join(path, "latest_checkpointed_iteration.txt")) as f:
-        iteration = int(f.read().strip())
+    if iteration is None:
+        with open(os.path.join(path, "latest_checkpointed_iteration.txt")) as f:
+            iteration = int(f.read().strip())
     ckpt = os.path.join(path, f"iter_{iteration:07d}")
+    if not os.path.isdir(ckpt):
+        raise FileNotFoundError(f"--load {path}: no checkpoint of iteration {iteration} ({ckpt})")
     state = dist_checkpointing.load(model.module.sharded_state_dict(), ckpt)
     model.module.load_state_dict(state)
     if optimizer is not None:

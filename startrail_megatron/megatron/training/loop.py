@@ -76,7 +76,7 @@ def train(args: argparse.Namespace) -> list[dict]:
             autotune_team_size(args, model)
         start = 0
         if args.load:
-            start = load_checkpoint(args.load, model, optimizer)
+            start = load_checkpoint(args.load, model, optimizer, args.ckpt_step)
         dataset = build_dataset(args, (args.train_iters + 1) * args.global_batch_size)
         batches = global_batches(args, dataset)
         for _ in range(start):
