@@ -1,0 +1,123 @@
+"""Parallel layouts users run, against one rank without CP (issue 11, item 3): TP = 2 with
+C = 2, DP x CP x TP on 8 ranks, P = 8 with C = 2.
+
+Each run trains 3 SGD steps with the entry point's own pieces and saves its final
+distributed checkpoint. Checked: the losses (1e-5), the final parameters of the whole
+model read back from the checkpoint against the one-rank run's (1e-5 of each tensor's
+largest entry), every rank's own parameter shards bitwise equal to those of every other
+rank of its tensor-parallel rank (the CP and DP replicas stayed in step), and the proof
+that StarTrail ran (``megatron_common``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings(
+    "ignore", message=r".*(Apex|Transformer Engine and Apex) (is|are) not installed"
+)
+import megatron.core  # noqa: E402, F401  (imported once here, before the ranks fork)
+from harness import run_ranks  # noqa: E402
+from megatron_common import assert_startrail_ran, startrail_proof  # noqa: E402
+
+from startrail_megatron.megatron import training as T  # noqa: E402
+
+BASE = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32",
+    "--micro-batch-size", "2", "--mock-data", "--optimizer", "sgd", "--lr", "1e-2",
+]  # fmt: skip
+STEPS, TOL = 3, 1e-5
+
+
+def _run(rank, world, argv, ckpt):
+    from megatron.core import parallel_state as ps
+
+    args = T.parse_args(argv)
+    T.initialize(args)
+    try:
+        model = T.build_model(args)
+        opt = T.build_optimizer(args, model)
+        batches = T.global_batches(args, T.build_dataset(args, 8 * args.global_batch_size))
+        losses = []
+        for _ in range(STEPS):
+            losses.append(T.forward_backward(args, model, next(batches)))
+            T.optimizer_step(model, opt, args.clip_grad)
+        T.save_checkpoint(ckpt, model, STEPS)
+        local = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        return losses, local, tp_rank, startrail_proof(args, model, STEPS)
+    finally:
+        T.teardown()
+
+
+def _checkpoint_params(ckpt) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = ckpt.parent / f"{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt / f"iter_{STEPS:07d}"), str(out))
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and "_extra" not in k}
+
+
+def _reference(tmp_path, gbs: int):
+    ckpt = tmp_path / "reference"
+    argv = BASE + ["--global-batch-size", str(gbs)]
+    losses = run_ranks(1, _run, argv, str(ckpt))[0][0]
+    return losses, _checkpoint_params(ckpt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "tp, cp, team, placement",
+    [(2, 4, 2, "team"), (2, 2, 1, "team"), (1, 8, 2, "ring")],
+    ids=["tp2-cp4-c2", "dp2-cp2-tp2-ring", "cp8-c2-ring-placement"],
+)
+def test_layout_on_8_ranks_matches_one_rank(tmp_path, tp, cp, team, placement):
+    dp = 8 // (tp * cp)
+    argv = BASE + ["--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp)]
+    argv += ["--context-parallel-impl", "startrail", "--startrail-team-size", str(team)]
+    argv += ["--startrail-placement", placement, "--global-batch-size", str(2 * dp)]
+    ref_losses, ref_params = _reference(tmp_path, 2 * dp)
+    ckpt = tmp_path / "run"
+    results = run_ranks(8, _run, argv, str(ckpt))
+    by_tp: dict[int, dict] = {}
+    for losses, local, tp_rank, proof in results:
+        assert_startrail_ran(proof)
+        assert len(losses) == len(ref_losses) == STEPS
+        for a, b in zip(losses, ref_losses):
+            assert abs(a - b) <= TOL * abs(b), (losses, ref_losses)
+        first = by_tp.setdefault(tp_rank, local)  # the replicas of one TP rank: bitwise equal
+        assert all(torch.equal(first[k], v) for k, v in local.items())
+    assert sorted(by_tp) == list(range(tp))
+    got = _checkpoint_params(ckpt)
+    assert got.keys() == ref_params.keys() and got
+    for k, r in ref_params.items():
+        assert got[k].shape == r.shape, k
+        err = ((got[k] - r).abs().max() / r.abs().max()).item()
+        assert err <= TOL, f"{k}: {err:.2e}"
+    # the steps moved the parameters far beyond the tolerance: the comparison can fail
+    init = _checkpoint_params_at_init(tmp_path)
+    assert (
+        max(((ref_params[k] - init[k]).abs().max() / init[k].abs().max()).item() for k in init)
+        > 1e3 * TOL
+    )
+
+
+def _init(rank, world, ckpt):
+    args = T.parse_args(BASE)
+    T.initialize(args)
+    try:
+        T.save_checkpoint(ckpt, T.build_model(args), STEPS)
+    finally:
+        T.teardown()
+
+
+def _checkpoint_params_at_init(tmp_path) -> dict:
+    ckpt = tmp_path / "init"
+    if not ckpt.exists():
+        run_ranks(1, _init, str(ckpt))
+    return _checkpoint_params(ckpt)
