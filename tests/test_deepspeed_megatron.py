@@ -1,5 +1,6 @@
-"""A megatron-core GPTModel with StarTrail trained by DeepSpeed (ZeRO 1 and 3, P = 4, C = 2)
-matches a single-rank Megatron run without CP or DeepSpeed (losses and final parameters, fp32)."""
+"""A megatron-core GPTModel with StarTrail trained by DeepSpeed (ZeRO 0-3, P = 4, C = 1 and 2,
+DP = 1 and 2) matches a single-rank Megatron run without CP or DeepSpeed (losses and every
+rank's final parameters, fp32, 1e-5), with gradient clipping on."""
 
 from __future__ import annotations
 
@@ -39,14 +40,14 @@ ARGV = [
 LR, STEPS, CLIP = 0.1, 3, 1.0
 
 
-def _batches():
+def _batches(dp: int = 1):
+    """STEPS global batches of ``dp`` sequences: (input_ids, position_ids, labels)."""
     g = torch.Generator().manual_seed(7)
     out = []
     for _ in range(STEPS):
-        ids = torch.randint(0, 128, (1, 33), generator=g)
-        out.append(
-            (ids[:, :-1].contiguous(), torch.arange(32).unsqueeze(0), ids[:, 1:].contiguous())
-        )
+        ids = torch.randint(0, 128, (dp, 33), generator=g)
+        pos = torch.arange(32).expand(dp, 32)
+        out.append((ids[:, :-1].contiguous(), pos, ids[:, 1:].contiguous()))
     return out
 
 
@@ -65,12 +66,12 @@ def _model(argv):
     )
 
 
-def _reference(rank, world):
+def _reference(rank, world, dp):
     model = _model(ARGV)
     try:
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         losses = []
-        for ids, pos, labels in _batches():
+        for ids, pos, labels in _batches(dp):
             loss = model(ids, pos, None, labels=labels).mean()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -82,7 +83,7 @@ def _reference(rank, world):
         T.teardown()
 
 
-def _deepspeed(rank, world, stage, team):
+def _deepspeed(rank, world, stage, team, dp):
     import os
 
     import deepspeed
@@ -95,17 +96,25 @@ def _deepspeed(rank, world, stage, team):
     argv += ["--startrail-team-size", str(team)]
     model = _model(argv)
     try:
-        cfg = ds_config(stage, 1, {"enabled": True, "sequence_parallel_size": 4, "team_size": team})
+        from megatron.core import parallel_state as ps
+
+        d = ps.get_data_parallel_rank()
+        cfg = ds_config(
+            stage, dp, {"enabled": True, "sequence_parallel_size": 4, "team_size": team}
+        )
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         engine, _, _, _ = sds.initialize(model=model, optimizer=opt, config=cfg)
         losses = []
-        for ids, pos, labels in _batches():  # full sequences: the adapter shards them
+        for ids, pos, labels in _batches(dp):  # full sequences: the adapter shards them
+            ids, pos, labels = ids[d : d + 1], pos[d : d + 1], labels[d : d + 1]  # this replica's
             per_token = engine(ids, pos, None, labels=labels)
             assert per_token.shape == (1, 32)  # gathered back to the whole sequence
             loss = per_token.mean()
             engine.backward(loss)
             engine.step()
-            losses.append(loss.item())
+            replicas = torch.tensor([loss.item()], dtype=torch.float64)
+            torch.distributed.all_reduce(replicas, group=ps.get_data_parallel_group())
+            losses.append(replicas.item() / dp)  # the global batch's loss
         proof = startrail_proof(T.parse_args(argv), engine.module, STEPS)
         try:  # two documents packed in one row: refused by name, never trained as one
             engine(ids, pos.remainder(pos.shape[1] // 2), None, labels=labels)
@@ -126,10 +135,14 @@ def _deepspeed(rank, world, stage, team):
         T.teardown()
 
 
-@pytest.mark.parametrize("stage,team", [(1, 2), (3, 2), (2, 1)])
-def test_megatron_gpt_through_deepspeed_matches_single_rank(stage, team):
-    ref_losses, ref_params = run_ranks(1, _reference)[0]
-    for losses, params, packed_error, proof in run_ranks(4, _deepspeed, stage, team):
+@pytest.mark.parametrize(
+    "stage, team, dp",
+    [(1, 2, 1), (3, 2, 1), (2, 1, 1), (0, 2, 1), pytest.param(1, 2, 2, marks=pytest.mark.slow)],
+)
+def test_megatron_gpt_through_deepspeed_matches_single_rank(stage, team, dp):
+    """Every rank's final parameters and the global batch's losses equal one rank's."""
+    ref_losses, ref_params = run_ranks(1, _reference, dp)[0]
+    for losses, params, packed_error, proof in run_ranks(4 * dp, _deepspeed, stage, team, dp):
         assert_startrail_ran(proof)
         assert packed_error is not None and "position_ids: packed sequences" in packed_error
         assert len(losses) == len(ref_losses)

@@ -118,11 +118,14 @@ class MegatronHandle:
     mpu: StarTrailMPU
     grad_scale: float = 1.0
     _hooks: list = field(default_factory=list)
+    _unmarked: list = field(default_factory=list)
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
-        self._hooks = []
+        for p in self._unmarked:
+            p.tensor_model_parallel = True
+        self._hooks, self._unmarked = [], []
 
     def _pre_hook(self, module, args, kwargs):
         args = list(args)
@@ -172,6 +175,15 @@ def prepare_megatron_gpt(model: nn.Module, mpu: StarTrailMPU) -> MegatronHandle:
             "this when megatron-core is installed)"
         )
     handle = MegatronHandle(model, mpu)
+    # Megatron marks its linear weights ``tensor_model_parallel`` even at TP = 1 (the only
+    # size this path runs). DeepSpeed's sequence-parallel mpu aliases model parallel to the
+    # sequence group, so its non-ZeRO gradient clipping (ZeRO-0; also its fp16/bf16
+    # optimizers) would count such a weight's norm once per sequence rank: the norm P times
+    # too large in square, the clipped step wrong. At TP = 1 no weight is split: unmark them.
+    for p in model.parameters():
+        if getattr(p, "tensor_model_parallel", False):
+            p.tensor_model_parallel = False
+            handle._unmarked.append(p)
     handle._hooks.append(model.register_forward_pre_hook(handle._pre_hook, with_kwargs=True))
     handle._hooks.append(model.register_forward_hook(handle._post_hook, with_kwargs=True))
     return handle
