@@ -88,6 +88,8 @@ def main() -> None:
                     mpu.startrail.layout.placement,
                 ],
                 "cp_rank": mpu.startrail.cp_rank,
+                "elem_bytes": next(model.parameters()).element_size(),
+                "attention_calls": args.steps * cfg.num_hidden_layers,
             }
         with open(f"{args.out}.{torch.distributed.get_rank()}", "w") as f:
             json.dump(out, f)
