@@ -11,7 +11,10 @@ single-process float64 reference and the bytes each rank sent.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
+import tempfile
 from datetime import timedelta
 
 import torch
@@ -24,6 +27,9 @@ from .layout import StarTrailLayout
 from .spawn import spawn_local_ranks
 from .testing import make_inputs, reference_attention, rel_err
 from .zigzag import zigzag_shard, zigzag_unshard
+
+LIMIT = 1e-5
+"""Relative error against float64 above which the demo fails (fp32 inputs)."""
 
 
 def _run(rank: int, world: int, args) -> None:
@@ -74,8 +80,19 @@ def _run(rank: int, world: int, args) -> None:
             )
         worst = max(e for _, errs, _ in rows for e in errs)
         print(
-            f"{'PASS' if worst < 1e-5 else 'FAIL'}: worst relative error {worst:.1e} (limit 1e-5)"
+            f"{'PASS' if worst < LIMIT else 'FAIL'}: worst relative error {worst:.1e} "
+            f"(limit {LIMIT:.0e})"
         )
+        with open(args.json, "w") as f:
+            keys = ("p2p_fwd", "p2p_bwd", "collective")
+            json.dump(
+                [
+                    {"team_size": c, "errors": dict(zip(("out", "dq", "dk", "dv"), errs)),
+                     **dict(zip(keys, sent))}
+                    for c, errs, sent in rows
+                ],
+                f,
+            )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--json", default=None, help="also write the figures (errors, bytes) here")
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
     try:
@@ -100,14 +118,23 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--team-size/--nproc: {e}")
     if args.seq_len % (2 * world):
         p.error(f"--seq-len {args.seq_len} must be divisible by 2*nproc = {2 * world}")
-    if "RANK" in os.environ:  # launched by torchrun
-        dist.init_process_group("gloo")
-        try:
-            _run(dist.get_rank(), world, args)
-        finally:
-            dist.destroy_process_group()
-        return
-    spawn_local_ranks(_run, world, args, timeout=timedelta(seconds=120))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.json
+        args.json = out or os.path.join(tmp, "demo.json")
+        if "RANK" in os.environ:  # launched by torchrun
+            dist.init_process_group("gloo")
+            try:
+                _run(dist.get_rank(), world, args)
+            finally:
+                dist.destroy_process_group()
+            if dist.get_rank() != 0:
+                return
+        else:
+            spawn_local_ranks(_run, world, args, timeout=timedelta(seconds=120))
+        with open(args.json) as f:
+            rows = json.load(f)
+    if max(e for row in rows for e in row["errors"].values()) >= LIMIT:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -97,10 +97,37 @@ def test_startrail_matches_fp64_reference(p, c, placement, causal, heads, dt):
     _check(results, p, c, placement, causal, hq, hkv, dtype)
 
 
+def _counted_kernel_case(rank, world, kernel):
+    """``_attention_case`` with each kernel class's forward/backward calls counted."""
+    from startrail_megatron.kernels import SdpaKernel, TorchKernel
+
+    counts = {"torch": 0, "sdpa": 0}
+    saved = {}
+    for cls in (TorchKernel, SdpaKernel):
+        for meth in ("forward", "backward"):
+            real = getattr(cls, meth)
+            saved[cls, meth] = real
+
+            def counted(self, *a, _real=real, _name=cls.name, **kw):
+                counts[_name] += 1
+                return _real(self, *a, **kw)
+
+            setattr(cls, meth, counted)
+    try:
+        res = _attention_case(rank, world, 2, "team", True, 8, 2, torch.float32, kernel)
+    finally:
+        for (cls, meth), real in saved.items():
+            setattr(cls, meth, real)
+    return (*res, counts)
+
+
 @pytest.mark.parametrize("kernel", ["torch", "sdpa"])
 def test_both_kernels_fp32(kernel):
-    results = run_ranks(4, _attention_case, 2, "team", True, 8, 2, torch.float32, kernel)
-    _check(results, 4, 2, "team", True, 8, 2, torch.float32)
+    results = run_ranks(4, _counted_kernel_case, kernel)
+    _check([r[:2] for r in results], 4, 2, "team", True, 8, 2, torch.float32)
+    other = "sdpa" if kernel == "torch" else "torch"
+    for *_, counts in results:  # the kernel asked for ran, and only it
+        assert counts[kernel] > 0 and counts[other] == 0, counts
 
 
 def _p2p_totals(rank, world, c):

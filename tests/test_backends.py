@@ -305,6 +305,7 @@ def test_flash_attn_adapter_computes_attention(version, causal, hq, hkv):
     torch.testing.assert_close(lse.double(), r_lse, rtol=0, atol=1e-6)
     grads = ker.backward(do, q, k, v, r_out, r_lse, causal=causal, scale=0.3)
     want = ref.backward(do, q, k, v, r_out, r_lse.float(), causal=causal, scale=0.3)
+    assert len(grads) == 3
     for got, w, x in zip(grads, want, (q, k, v)):
         assert got.shape == x.shape  # dk, dv keep the KV heads (GQA native)
         torch.testing.assert_close(got, w, rtol=0, atol=1e-12)
@@ -351,6 +352,7 @@ def test_sdpa_cuda_ops_wiring_on_meta(cls, hq, hkv):
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
     grads = ker.backward(q, q, k, k, out, lse, causal=True, scale=0.125)
+    assert len(grads) == 3
     for g, x in zip(grads, (q, k, k)):
         assert g.shape == x.shape and g.dtype == x.dtype
 
@@ -686,6 +688,7 @@ def test_te_adapter_computes_attention(te_install, version, causal, sq, sk, hq, 
     (do,) = _sbhd_views(sq, b, hq, d, g)
     grads = ker.backward(do, q, k, v, fin_out, fin_lse, causal=causal, scale=scale)
     want = ref.backward(do, q, k, v, fin_out, fin_lse, causal=causal, scale=scale)
+    assert len(grads) == 3
     for got, w, x in zip(grads, want, (q, k, v)):
         assert got.shape == x.shape  # dk, dv keep the KV heads (GQA natively)
         torch.testing.assert_close(got, w, rtol=0, atol=1e-10)
@@ -706,6 +709,7 @@ def test_te_arguments(te_install, version, causal):
     torch.testing.assert_close(lse, r_lse, rtol=0, atol=1e-5)
     grads = ker.backward(do, q, k, v, r_out.float(), r_lse, causal=causal, scale=0.2)
     want = TorchKernel().backward(do, q, k, v, r_out.float(), r_lse, causal=causal, scale=0.2)
+    assert len(grads) == 3
     for got, w in zip(grads, want):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), w.float(), rtol=0, atol=5e-2)

@@ -34,6 +34,7 @@ def test_bench_tiny_all_strategies(tmp_path):
         assert r["max_rel_error"] <= 1e-5, r
         assert len(r["times_s"]) == 2 and r["min_s"] <= r["median_s"] <= r["max_s"]
         led, model = r["ledger_max_over_ranks"], r["model_bytes_max_over_ranks"]
+        assert set(model) == {"fwd_p2p", "bwd_p2p", "fwd_collective", "bwd_collective"}
         for key in model:
             assert led[f"{key}_bytes"] == model[key], (r["strategy"], key)
         assert r["predicted_s"] > 0 and r["peak_memory_bytes"] > 0

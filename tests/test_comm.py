@@ -22,8 +22,18 @@ def _team_collectives(rank, world, shape_name):
         "single": (dist.all_gather_single, dist.reduce_scatter_single),
         "into_tensor": (dist.all_gather_into_tensor, dist.reduce_scatter_tensor),
     }[shape_name]
+    calls = {"all_gather": 0, "reduce_scatter": 0}
+
+    def spy(name, fn):
+        def counted(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+
+        return counted
+
     saved = comm._all_gather, comm._reduce_scatter
-    comm._all_gather, comm._reduce_scatter = fns
+    comm._all_gather = spy("all_gather", fns[0])
+    comm._reduce_scatter = spy("reduce_scatter", fns[1])
     try:
         groups = st.StarTrailGroups.create(2)
         ledger = st.CommLedger()
@@ -34,13 +44,14 @@ def _team_collectives(rank, world, shape_name):
         bf = tc.all_gather(torch.full((2,), rank, dtype=torch.bfloat16), "bf")
     finally:
         comm._all_gather, comm._reduce_scatter = saved
-    return gathered, summed, bf, [(e.op, e.nbytes) for e in ledger.events]
+    return gathered, summed, bf, [(e.op, e.nbytes) for e in ledger.events], calls
 
 
 @pytest.mark.parametrize("shape_name", ["single", "into_tensor"])
 def test_team_collectives_both_call_shapes(shape_name):
     res = run_ranks(4, _team_collectives, shape_name)
-    for r, (gathered, summed, bf, events) in enumerate(res):
+    for r, (gathered, summed, bf, events, calls) in enumerate(res):
+        assert calls == {"all_gather": 2, "reduce_scatter": 1}  # this call shape was used
         team = [r - r % 2, r - r % 2 + 1]
         assert gathered[:, 0].tolist() == [team[0]] * 3 + [team[1]] * 3
         mult = sum(t + 1 for t in team)

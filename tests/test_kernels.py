@@ -31,6 +31,7 @@ def test_torch_kernel_is_exact(causal, hq, hkv):
     assert lse.shape == (2, hq, 6) and lse.dtype == torch.float64
     torch.testing.assert_close(out, ref[0], rtol=0, atol=1e-12)
     grads = ker.backward(do, q, k, v, out, lse, causal=causal, scale=64**-0.5)
+    assert len(grads) == 3
     for g, r in zip(grads, ref[1:]):
         torch.testing.assert_close(g, r, rtol=0, atol=1e-12)
 
@@ -50,6 +51,7 @@ def test_sdpa_kernel_matches_reference(causal, hq, hkv, dtype, tol):
     assert (lse.double() - ref_lse).abs().max() <= tol
     assert (out.double() - ref[0]).abs().max() <= tol * ref[0].abs().max()
     grads = ker.backward(do, q, k, v, out, lse, causal=causal, scale=64**-0.5)
+    assert len(grads) == 3
     for g, r in zip(grads, ref[1:]):
         assert g.dtype == dtype and g.shape == r.shape
         assert (g.double() - r).abs().max() <= tol * r.abs().max()
@@ -78,19 +80,30 @@ def test_merge_equals_full_attention_and_never_nans():
     z_out, z_lse = torch.zeros_like(q), torch.full((2, 4, 6), -math.inf, dtype=torch.float64)
     merge_partial(z_out, z_lse, torch.zeros_like(q), z_lse.clone())
     assert torch.isneginf(z_lse).all() and (z_out == 0).all()
-    # a row that sees nothing in the kernel itself: zero output, zero gradients
+    # a row that sees nothing (lse = -inf): zero gradients from that row, finite elsewhere
     out, lse = ker.forward(q, k, v, causal=False, scale=0.1)
     lse[:, :, 0] = -math.inf
     grads = ker.backward(torch.ones_like(q), q, k, v, out, lse, causal=False, scale=0.1)
     assert all(torch.isfinite(g).all() for g in grads)
+    assert (grads[0][0] == 0).all()  # dq of the row
+    dout = torch.ones_like(q)
+    dout[0] = 0  # the row's dout removed: dk, dv must not change (the row contributes 0)
+    out_ok, lse_ok = ker.forward(q, k, v, causal=False, scale=0.1)
+    without = ker.backward(dout, q, k, v, out_ok, lse_ok, causal=False, scale=0.1)
+    torch.testing.assert_close(grads[1], without[1], rtol=0, atol=1e-13)
+    torch.testing.assert_close(grads[2], without[2], rtol=0, atol=1e-13)
 
 
 def test_merge_in_lower_precision_casts_back():
     q, k, v, _ = _qkvd(4, 8, 4, 4, dtype=torch.bfloat16)
     acc_out = torch.zeros(4, 2, 4, 64)
     acc_lse = torch.full((2, 4, 4), -math.inf)
-    merge_partial(acc_out, acc_lse, *SdpaKernel().forward(q, k, v, causal=False, scale=0.125))
+    out, lse = SdpaKernel().forward(q, k, v, causal=False, scale=0.125)
+    merge_partial(acc_out, acc_lse, out, lse)
     assert acc_out.dtype == torch.float32 and torch.isfinite(acc_out).all()
+    # the first merge into an empty accumulator is the partial itself, in fp32
+    torch.testing.assert_close(acc_out, out.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(acc_lse, lse.float(), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("p", [1, 2, 4, 8])

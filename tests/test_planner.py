@@ -75,7 +75,13 @@ def test_model_bytes_equal_ledger_for_every_strategy(p, hq, hkv, causal):
     for s in strategies:
         got = run_ranks(p, _ledger_run, s.kind, s.team_size, s.placement, hq, hkv, causal)
         want_b, want_c = comm_bytes(s, shape), comm_calls(s, shape)
+        assert len(got) == len(want_b) == len(want_c) == p
         for r in range(p):
+            assert (
+                set(want_b[r])
+                == set(want_c[r])
+                == {"fwd_p2p", "bwd_p2p", "fwd_collective", "bwd_collective"}
+            )
             for key in want_b[r]:
                 assert got[r][f"{key}_bytes"] == want_b[r][key], (s.name, r, key)
                 assert got[r][f"{key}_calls"] == want_c[r][key], (s.name, r, key)

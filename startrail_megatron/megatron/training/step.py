@@ -70,18 +70,23 @@ def clip_grad_norm(model, max_norm: float) -> float:
     return norm
 
 
-def optimizer_step(model, optimizer, clip_grad: float = 0.0) -> None:
+def optimizer_step(model, optimizer, clip_grad: float = 0.0) -> float | None:
+    """One update from the DDP gradients; returns the global gradient norm before clipping
+    (``None`` when no clipping was asked of the CPU path)."""
+    norm = None
     if isinstance(optimizer, torch.optim.Optimizer):
         for p in model.parameters():
             p.grad = p.main_grad.to(p.dtype) if p.main_grad.dtype != p.dtype else p.main_grad
         if clip_grad > 0:
-            clip_grad_norm(model, clip_grad)
+            norm = clip_grad_norm(model, clip_grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     else:
-        optimizer.step()  # megatron's optimizer clips by its config
+        result = optimizer.step()  # megatron's optimizer clips by its config
+        norm = result[1] if isinstance(result, tuple) else None  # (success, norm, zeros)
         optimizer.zero_grad()
     model.zero_grad_buffer()
+    return norm
 
 
 def rank_device() -> torch.device:
