@@ -202,7 +202,19 @@ def _bad_inputs(rank, world):
         "groups": lambda: st.startrail_attention(ok, ok, ok, None, ledger=ledger),
         "placement": lambda: st.StarTrailGroups.create(2, placement="node"),
     }
-    msgs = value_errors(cases)
+    import torch.distributed as dist
+
+    sent = []  # group creation is watched too: the ledger sees only the attention
+    names = ("all_gather_object", "new_group", "all_reduce", "batch_isend_irecv")
+    real = {n: getattr(dist, n) for n in names}
+    for n in names:
+        setattr(dist, n, lambda *a, _n=n, **kw: sent.append(_n) or real[_n](*a, **kw))
+    try:
+        msgs = value_errors(cases)
+    finally:
+        for n, fn in real.items():
+            setattr(dist, n, fn)
+    assert not sent, sent
     assert not ledger.events, "nothing may be sent before validation"
     # The ranks still agree afterwards: a valid call goes through.
     st.startrail_attention(ok, ok, ok, groups, ledger=ledger)

@@ -232,6 +232,9 @@ def test_cli_table_and_json(capsys):
     )
     out = capsys.readouterr().out
     assert "<- recommended" in out and "startrail-C4-team" in out and "ring" in out
+    best = plan(CLUSTER_PRESETS["h100-ib"], MODEL_PRESETS["gpt-7b"], 64 * 1024, 32).recommended
+    (marked,) = [ln for ln in out.splitlines() if "<- recommended" in ln]
+    assert marked.split()[0] == best.strategy, (marked, best.strategy)
     assert cli.main(["--model", "llama3-8b", "--seq-len", "128k", "--cp-size", "16", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     names = [r["strategy"] for r in data["rows"]]
