@@ -4,6 +4,7 @@ Entry points:
   StarTrailGroups.create(team_size, cp_group=None, placement="team")  process groups
   startrail_attention(q, k, v, groups, *, causal=True, softmax_scale=None)  the attention
   zigzag_shard / zigzag_unshard                                        sequence layout
+  pack_lengths, PackedLayout, shard_packed / unshard_packed            packed documents
   StarTrailLayout                                                      pure rank arithmetic
   CommLedger                                                           communication accounting
   allgather_attention / ulysses_attention                             the peers (peers/)
@@ -19,8 +20,9 @@ from .comm import CommEvent, CommLedger
 from .groups import StarTrailGroups
 from .kernels import get_kernel, merge_partial
 from .layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
+from .packing import PackedLayout, pack_lengths
 from .peers import allgather_attention, ulysses_attention
-from .zigzag import zigzag_shard, zigzag_unshard
+from .zigzag import shard_packed, unshard_packed, zigzag_shard, zigzag_unshard
 
 __version__ = "0.1.0"
 
@@ -28,14 +30,18 @@ __all__ = [
     "CommEvent",
     "CommLedger",
     "PLACEMENTS",
+    "PackedLayout",
     "StarTrailGroups",
     "StarTrailLayout",
     "allgather_attention",
     "get_kernel",
     "merge_partial",
+    "pack_lengths",
     "peers",
+    "shard_packed",
     "startrail_attention",
     "ulysses_attention",
+    "unshard_packed",
     "valid_team_sizes",
     "zigzag_shard",
     "zigzag_unshard",

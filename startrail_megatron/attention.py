@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .block_plan import startrail_step_calls, team_chunk_len
+from .block_plan import packed_team_order, startrail_step_rows
 from .comm import (
     CommLedger,
     P2PComm,
@@ -52,10 +52,12 @@ from .comm import (
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
 from .layout import PLACEMENTS
+from .packing import PackedLayout
 from .zigzag import inverse_order, reorder_chunks
 
 __all__ = [
     "RankContext",
+    "packed_layout",
     "startrail_attention",
     "startrail_rank_backward",
     "startrail_rank_forward",
@@ -103,11 +105,18 @@ def validate_inputs(q: Tensor, k: Tensor, v: Tensor, cp_size: int, causal: bool)
 _DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
 
-def agree_once(groups: StarTrailGroups, q: Tensor, k: Tensor, causal: bool) -> None:
+def agree_once(
+    groups: StarTrailGroups,
+    q: Tensor,
+    k: Tensor,
+    causal: bool,
+    packed: PackedLayout | None = None,
+) -> None:
     """Check, the first time this rank sees a call setting, that every CP rank has the same.
 
-    Ranks that disagree on the local length, batch, heads, head_dim, dtype or
-    causal (or on C, placement, P through their groups) would post mismatched
+    Ranks that disagree on the local length, batch, heads, head_dim, dtype,
+    causal or the packed documents (or on C, placement, P through their groups)
+    would post mismatched
     transfers and hang until the group's timeout; instead every rank raises the
     same ``ValueError`` naming what differs. One tiny all-reduce, and one device
     synchronization to read it, per new setting (not per call). A rank that
@@ -129,6 +138,8 @@ def agree_once(groups: StarTrailGroups, q: Tensor, k: Tensor, causal: bool) -> N
         "cp_size": lay.cp_size,
         "team_size": lay.team_size,
         "placement": PLACEMENTS.index(lay.placement),
+        "documents": packed.num_docs if packed is not None else 0,
+        "cu_seqlens": packed.fingerprint() if packed is not None else 0,
     }
     key = tuple(fields.values())
     if lay.cp_size == 1 or key in groups.agreed:
@@ -146,6 +157,7 @@ class RankContext:
     on (``comm/protocols.py``); by default the ``torch.distributed`` transport
     over ``groups`` (``TeamComm``, ``P2PComm``). ``one_process.py`` passes the
     in-process transport instead; the algorithm below is the same either way.
+    ``packed``: the documents of a packed sequence (``packing.py``), or ``None``.
     """
 
     def __init__(
@@ -154,6 +166,7 @@ class RankContext:
         causal: bool,
         ledger: CommLedger | None,
         comms: tuple[TeamCollectives, PeerExchange] | None = None,
+        packed: PackedLayout | None = None,
     ):
         lay = groups.layout
         self.layout, self.causal, self.ledger = lay, causal, ledger
@@ -166,10 +179,38 @@ class RankContext:
             )
         self.team_comm, self.p2p = comms
         self.subring = groups.subring_group
-        c2 = 2 * lay.team_size
-        perm = lay.team_chunk_order(self.team) if causal else list(range(c2))
-        self.perm = perm
-        self.inv_perm = inverse_order(perm)
+        self.packed = packed
+        if packed is None:  # zigzag chunks (causal) or any layout (full): equal chunks
+            c2 = 2 * lay.team_size
+            self.perm = lay.team_chunk_order(self.team) if causal else list(range(c2))
+            self.inv_perm = inverse_order(self.perm)
+        else:  # per document: row indices (documents have their own chunk lengths)
+            order = packed_team_order(lay, self.team, packed)
+            self._order = None if order == tuple(range(len(order))) else order
+            self._index: dict = {}
+
+    def _rows_index(self, device: torch.device, inverse: bool) -> Tensor:
+        key = (device, inverse)
+        if key not in self._index:
+            idx = torch.tensor(self._order, dtype=torch.long, device=device)
+            self._index[key] = torch.argsort(idx) if inverse else idx
+        return self._index[key]
+
+    def to_team_order(self, x: Tensor) -> Tensor:
+        """The all-gathered member order -> the team buffer's order (rows, dim 0)."""
+        if self.packed is None:
+            return reorder_chunks(x, self.perm)
+        return x if self._order is None else x.index_select(0, self._rows_index(x.device, False))
+
+    def from_team_order(self, x: Tensor) -> Tensor:
+        """The team buffer's order -> member order (the inverse of ``to_team_order``)."""
+        if self.packed is None:
+            return reorder_chunks(x, self.inv_perm)
+        return x if self._order is None else x.index_select(0, self._rows_index(x.device, True))
+
+    def rows(self, step: int, s_local: int):
+        """This rank's kernel calls at ``step`` on team-buffer rows (``block_plan``)."""
+        return startrail_step_rows(self.layout, self.rank, step, self.causal, s_local, self.packed)
 
     def ring_step(self, x: Tensor, step: int, what: str):
         """Start passing ``x`` to the next rank of the sub-ring (None at the last step)."""
@@ -204,26 +245,25 @@ def startrail_rank_forward(
     if C == 1:  # no team: the rank's own q and K,V (chunk order is the identity)
         q_team, kv_team = q.contiguous(), kv_local
     else:
-        packed = torch.cat((q.reshape(s, -1), kv_local.reshape(s, -1)), dim=1)  # [s, F]
-        packed = reorder_chunks(cx.team_comm.all_gather(packed, "qkv"), cx.perm)  # chunk order
-        # Both halves copied out of ``packed``: a view of q would keep the whole packed
+        flat = torch.cat((q.reshape(s, -1), kv_local.reshape(s, -1)), dim=1)  # [s, F]
+        flat = cx.to_team_order(cx.team_comm.all_gather(flat, "qkv"))  # team order
+        # Both halves copied out of ``flat``: a view of q would keep the whole gathered
         # buffer (q and the K,V copy) alive for the backward.
-        q_team = packed[:, : b * hq * d].reshape(n, b, hq, d).contiguous()
-        kv_team = packed[:, b * hq * d :].contiguous().view(n, 2, b, hkv, d)
-        del packed
+        q_team = flat[:, : b * hq * d].reshape(n, b, hq, d).contiguous()
+        kv_team = flat[:, b * hq * d :].contiguous().view(n, 2, b, hkv, d)
+        del flat
     # 2. initial KV placement.
     kv_cur = cx.initial_placement(kv_team).wait()
     # 3. G sub-ring steps; the next KV is in flight while this one computes.
     acc = acc_dtype(q.dtype)
     acc_out = torch.zeros(n, b, hq, d, dtype=acc, device=q.device)
     acc_lse = torch.full((b, hq, n), -math.inf, dtype=acc, device=q.device)
-    c = team_chunk_len(lay, s, cx.causal)
     for step in range(lay.ring_size):
         pending = cx.ring_step(kv_cur, step, "kv")
-        for call in startrail_step_calls(lay, cx.rank, step, cx.causal):
-            qs, ks = slice(call.q_lo * c, call.q_hi * c), slice(call.kv_lo * c, call.kv_hi * c)
+        for q_lo, q_hi, kv_lo, kv_hi, causal in cx.rows(step, s):
+            qs, ks = slice(q_lo, q_hi), slice(kv_lo, kv_hi)
             o, lse = kernel.forward(
-                q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], causal=call.causal, scale=scale
+                q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], causal=causal, scale=scale
             )
             merge_partial(acc_out[qs], acc_lse[..., qs], o, lse)
         if pending is not None:
@@ -234,10 +274,10 @@ def startrail_rank_forward(
         lse_team = torch.logsumexp(lse_all, dim=0)
         safe = torch.where(torch.isneginf(lse_team), torch.zeros_like(lse_team), lse_team)
         acc_out.mul_(torch.exp(acc_lse - safe).permute(2, 0, 1).unsqueeze(-1))
-        out = cx.team_comm.reduce_scatter(reorder_chunks(acc_out, cx.inv_perm), "out")
+        out = cx.team_comm.reduce_scatter(cx.from_team_order(acc_out), "out")
     else:
         lse_team = acc_lse
-        out = reorder_chunks(acc_out, cx.inv_perm)
+        out = cx.from_team_order(acc_out)
     out = out.to(q.dtype)
     return out, (q_team, kv_team, lse_team)
 
@@ -279,19 +319,18 @@ def startrail_rank_backward(
     acc = acc_dtype(dout.dtype)
     # Team rows' dout and D = rowsum(dout * out), gathered in chunk order.
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [s, b, hq]
-    do_team = reorder_chunks(cx.team_comm.all_gather(dout, "dout"), cx.perm)
-    delta_team = reorder_chunks(cx.team_comm.all_gather(delta, "delta"), cx.perm)
+    do_team = cx.to_team_order(cx.team_comm.all_gather(dout, "dout"))
+    delta_team = cx.to_team_order(cx.team_comm.all_gather(delta, "delta"))
     out_eff = _delta_out(do_team, delta_team)
     # KV travels as in the forward; its dK/dV follow one step behind.
     kv_cur = cx.initial_placement(kv_team).wait()
     dq = torch.zeros(n, b, hq, d, dtype=acc, device=dout.device)
-    c = team_chunk_len(lay, s, cx.causal)
     dkv_pending = None
     for step in range(lay.ring_size):
         pending = cx.ring_step(kv_cur, step, "kv")
         dkv = torch.zeros(n, 2, b, hkv, d, dtype=acc, device=dout.device)
-        for call in startrail_step_calls(lay, cx.rank, step, cx.causal):
-            qs, ks = slice(call.q_lo * c, call.q_hi * c), slice(call.kv_lo * c, call.kv_hi * c)
+        for q_lo, q_hi, kv_lo, kv_hi, causal in cx.rows(step, s):
+            qs, ks = slice(q_lo, q_hi), slice(kv_lo, kv_hi)
             g_q, g_k, g_v = kernel.backward(
                 do_team[qs],
                 q_team[qs],
@@ -299,7 +338,7 @@ def startrail_rank_backward(
                 kv_cur[ks, 1],
                 out_eff[qs],
                 lse_team[..., qs],
-                causal=call.causal,
+                causal=causal,
                 scale=scale,
             )
             dq[qs] += g_q
@@ -316,8 +355,8 @@ def startrail_rank_backward(
             kv_cur = pending.wait()
     dkv = dkv_pending.wait()  # this team's dK/dV as seen by this member's KV copy
     # Sum over the team and keep this rank's rows: one reduce-scatter.
-    dq_m = reorder_chunks(dq, cx.inv_perm).reshape(C, -1)
-    dkv_m = reorder_chunks(dkv, cx.inv_perm).reshape(C, -1)
+    dq_m = cx.from_team_order(dq).reshape(C, -1)
+    dkv_m = cx.from_team_order(dkv).reshape(C, -1)
     flat = cx.team_comm.reduce_scatter(torch.cat((dq_m, dkv_m), dim=1), "dqkv")
     flat = flat.reshape(-1)
     nq = s * b * hq * d
@@ -329,10 +368,10 @@ def startrail_rank_backward(
 
 class _StarTrailAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, groups, causal, scale, kernel, ledger):
+    def forward(ctx, q, k, v, groups, causal, scale, kernel, ledger, packed):
         if ledger is not None:
             ledger.phase = "fwd"
-        cx = RankContext(groups, causal, ledger)
+        cx = RankContext(groups, causal, ledger, packed=packed)
         out, saved = startrail_rank_forward(q, k, v, cx, scale, kernel)
         ctx.save_for_backward(out, *saved)
         ctx.cx, ctx.scale, ctx.kernel, ctx.ledger = cx, scale, kernel, ledger
@@ -347,7 +386,26 @@ class _StarTrailAttention(torch.autograd.Function):
         dq, dk, dv = startrail_rank_backward(
             dout.contiguous(), out, (q_team, kv_team, lse_team), ctx.cx, ctx.scale, ctx.kernel
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def packed_layout(
+    cp_size: int, s_local: int, cu_seqlens, cu_seqlens_padded=None
+) -> PackedLayout | None:
+    """The ``PackedLayout`` of a call's ``cu_seqlens`` (``None`` for none), checked against
+    the local length: ``ValueError`` naming the argument, before any communication."""
+    if cu_seqlens is None:
+        if cu_seqlens_padded is not None:
+            raise ValueError("cu_seqlens_padded needs cu_seqlens (the real boundaries)")
+        return None
+    packed = PackedLayout.create(cp_size, cu_seqlens, cu_seqlens_padded)
+    if packed.total != cp_size * s_local:
+        name = "cu_seqlens_padded" if cu_seqlens_padded is not None else "cu_seqlens"
+        raise ValueError(
+            f"{name} ends at {packed.total}, but the sequence has cp_size * s_local = "
+            f"{cp_size} * {s_local} = {cp_size * s_local} tokens"
+        )
+    return packed
 
 
 def startrail_attention(
@@ -360,6 +418,8 @@ def startrail_attention(
     softmax_scale: float | None = None,
     kernel: str | AttentionKernel = "auto",
     ledger: CommLedger | None = None,
+    cu_seqlens=None,
+    cu_seqlens_padded=None,
 ) -> Tensor:
     """Exact attention over the whole CP-sharded sequence, StarTrail schedule.
 
@@ -376,6 +436,15 @@ def startrail_attention(
             ``$STARTRAIL_KERNEL`` replaces ``"auto"``) or a kernel object.
         ledger: a ``CommLedger`` that records every transfer (forward and
             backward) of this call on this rank.
+        cu_seqlens, cu_seqlens_padded: packed documents (Megatron/TE's
+            ``PackedSeqParams.cu_seqlens_q`` / ``cu_seqlens_q_padded``: global
+            boundaries, lists or 1-D integer tensors; the padded ones default to
+            the real ones). Attention stays inside each document, causal or
+            full. The inputs must then be in the per-document zigzag layout
+            (every padded document length a multiple of 2P, CP rank r holding
+            each document's chunks r and 2P-1-r: ``zigzag.shard_packed``);
+            padding tokens get zero output and zero gradients. The same on
+            every CP rank. CUDA tensors are read on the host once per call.
 
     Returns:
         out ``[s_local, b, heads_q, head_dim]`` in q's dtype.
@@ -385,6 +454,7 @@ def startrail_attention(
             f"groups must be a StarTrailGroups (StarTrailGroups.create), got {type(groups).__name__}"
         )
     validate_inputs(q, k, v, groups.cp_size, causal)
+    packed = packed_layout(groups.cp_size, q.shape[0], cu_seqlens, cu_seqlens_padded)
     kern, scale = resolve_kernel(q, kernel, softmax_scale)
-    agree_once(groups, q, k, bool(causal))
-    return _StarTrailAttention.apply(q, k, v, groups, bool(causal), scale, kern, ledger)
+    agree_once(groups, q, k, bool(causal), packed)
+    return _StarTrailAttention.apply(q, k, v, groups, bool(causal), scale, kern, ledger, packed)

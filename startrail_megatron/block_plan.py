@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .layout import StarTrailLayout
+from .packing import PackedLayout
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,76 @@ def team_chunk_len(layout: StarTrailLayout, s_local: int, causal: bool) -> int:
     """Tokens per chunk unit of ``BlockCall`` positions: a zigzag chunk (``s_local/2``)
     under the causal mask, the whole team buffer (``C * s_local``) without it."""
     return s_local // 2 if causal else layout.team_size * s_local
+
+
+# ---- rows: what the attention loops slice ---------------------------------------------
+RowCall = tuple[int, int, int, int, bool]
+"""(q_lo, q_hi, kv_lo, kv_hi, causal): one kernel call on team-buffer rows."""
+
+
+@lru_cache(maxsize=4096)
+def startrail_step_rows(
+    layout: StarTrailLayout,
+    rank: int,
+    step: int,
+    causal: bool,
+    s_local: int,
+    packed: PackedLayout | None = None,
+) -> tuple[RowCall, ...]:
+    """The kernel calls of ``rank`` at sub-ring step ``step``, on rows of the team buffers
+    (its team's queries, the held KV team), in the order the attention makes them.
+
+    Dense: ``startrail_step_calls`` scaled by ``team_chunk_len``. Packed documents
+    (Note [packed documents under StarTrail] in ``packing.py``): per document, the same
+    block plan scaled by that document's chunk length (the whole team part of the document
+    for full attention), offset to the document and clipped to the real tokens of the Q and
+    KV teams; calls left empty are not made (no pair of the same document).
+    """
+    if packed is None:
+        c = team_chunk_len(layout, s_local, causal)
+        return tuple(
+            (k.q_lo * c, k.q_hi * c, k.kv_lo * c, k.kv_hi * c, k.causal)
+            for k in startrail_step_calls(layout, rank, step, causal)
+        )
+    team = layout.coord(rank)[0]
+    kv_team = layout.kv_team_at_step(rank, step)
+    calls = team_block_calls(layout, team, kv_team, causal)
+    q_chunks, kv_chunks = layout.team_chunks(team), layout.team_chunks(kv_team)
+    cc = layout.team_size
+    out: list[RowCall] = []
+    for d in range(packed.num_docs):
+        c = packed.chunk_len(d)
+        if c == 0:
+            continue  # an empty document
+        unit = c if causal else 2 * cc * c
+        base = cc * packed.local_offsets[d]  # the same in every team's buffer
+        q_end = base + packed.real_in_chunks(d, q_chunks)
+        kv_end = base + packed.real_in_chunks(d, kv_chunks)
+        for k in calls:
+            q_lo, kv_lo = base + k.q_lo * unit, base + k.kv_lo * unit
+            q_hi, kv_hi = min(base + k.q_hi * unit, q_end), min(base + k.kv_hi * unit, kv_end)
+            if q_hi > q_lo and kv_hi > kv_lo:
+                out.append((q_lo, q_hi, kv_lo, kv_hi, k.causal))
+    return tuple(out)
+
+
+@lru_cache(maxsize=256)
+def packed_team_order(layout: StarTrailLayout, team: int, packed: PackedLayout) -> tuple[int, ...]:
+    """Row permutation from a team's all-gathered buffer (members in order, each its local
+    buffer) to the team buffer (per document, the team's chunks in ascending order):
+    ``team_buffer = gathered[order]``."""
+    p, s_local = layout.cp_size, packed.s_local
+    members = layout.team_ranks(team)
+    order: list[int] = []
+    for d in range(packed.num_docs):
+        c, off = packed.chunk_len(d), packed.local_offsets[d]
+        pieces = []  # (chunk id, first gathered row)
+        for m, r in enumerate(members):
+            for half, j in enumerate((r, 2 * p - 1 - r)):
+                pieces.append((j, m * s_local + off + half * c))
+        for _, first in sorted(pieces):
+            order.extend(range(first, first + c))
+    return tuple(order)
 
 
 # ---- the all-gather-KV peer ------------------------------------------------------------

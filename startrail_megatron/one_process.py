@@ -31,6 +31,7 @@ from torch.autograd.function import once_differentiable
 
 from .attention import (
     RankContext,
+    packed_layout,
     startrail_rank_backward,
     startrail_rank_forward,
     validate_inputs,
@@ -38,7 +39,7 @@ from .attention import (
 from .comm import CommLedger
 from .comm.in_process import Baton, InProcessP2P, InProcessTeam, InProcessWorld
 from .groups import StarTrailGroups
-from .kernels import AttentionKernel, get_kernel
+from .kernels import AttentionKernel, resolve_kernel
 from .layout import Placement, StarTrailLayout
 
 __all__ = ["RankTimer", "one_process_attention"]
@@ -103,7 +104,7 @@ class _OneProcess(torch.autograd.Function):
                 if led is not None:
                     led.phase = "fwd"
                 comms = (InProcessTeam(world, r, led), InProcessP2P(world, r, led))
-                cx = RankContext(groups, run["causal"], led, comms)
+                cx = RankContext(groups, run["causal"], led, comms, run["packed"])
                 out, saved = startrail_rank_forward(
                     qs[r], ks[r], vs[r], cx, run["scale"], run["kernel"]
                 )
@@ -161,6 +162,8 @@ def one_process_attention(
     kernel: str | AttentionKernel = "auto",
     ledgers: Sequence[CommLedger | None] | None = None,
     timer: RankTimer | None = None,
+    cu_seqlens=None,
+    cu_seqlens_padded=None,
 ) -> list[Tensor]:
     """StarTrail over ``P = len(q_shards)`` CP ranks, all run in this process.
 
@@ -169,7 +172,8 @@ def one_process_attention(
             tensors (``zigzag_shard`` of the full sequence for causal), all on
             one device; differentiable.
         team_size: C, with C*C dividing P.
-        placement, causal, softmax_scale, kernel: as ``startrail_attention``.
+        placement, causal, softmax_scale, kernel, cu_seqlens, cu_seqlens_padded: as
+            ``startrail_attention``.
         ledgers: one ``CommLedger`` (or ``None``) per rank; each records what
             that rank would send, exactly as in a multi-rank run.
         timer: a ``RankTimer`` that accumulates each rank's compute time.
@@ -198,11 +202,11 @@ def one_process_attention(
     elif len(ledgers) != p:
         raise ValueError(f"ledgers needs one entry per rank ({p}), got {len(ledgers)}")
     q0 = q_shards[0]
-    scale = float(q0.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
-    if isinstance(kernel, str):
-        kernel = get_kernel(kernel, q0.dtype, device=q0.device, head_dim=q0.shape[-1])
+    packed = packed_layout(p, q0.shape[0], cu_seqlens, cu_seqlens_padded)
+    kernel, scale = resolve_kernel(q0, kernel, softmax_scale)
     run = dict(
         layout=layout,
+        packed=packed,
         causal=bool(causal),
         scale=scale,
         kernel=kernel,

@@ -11,7 +11,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["inverse_order", "reorder_chunks", "zigzag_shard", "zigzag_unshard"]
+from .packing import PackedLayout
+
+__all__ = [
+    "inverse_order",
+    "reorder_chunks",
+    "shard_packed",
+    "unshard_packed",
+    "zigzag_shard",
+    "zigzag_unshard",
+]
 
 
 def zigzag_shard(x: Tensor, cp_rank: int, cp_size: int, dim: int = 0) -> Tensor:
@@ -57,3 +66,43 @@ def reorder_chunks(x: Tensor, order: Sequence[int], dim: int = 0) -> Tensor:
 def inverse_order(order: Sequence[int]) -> list[int]:
     """The permutation that undoes ``reorder_chunks(x, order)``."""
     return sorted(range(len(order)), key=order.__getitem__)
+
+
+def shard_packed(x: Tensor, layout: PackedLayout, cp_rank: int, dim: int = 0) -> Tensor:
+    """This CP rank's per-document zigzag shard of packed documents.
+
+    ``x`` holds the documents' real tokens one after another along ``dim``
+    (``layout.cu_seqlens[-1]`` of them, THD style); the shard has ``layout.s_local``
+    rows: per document, its chunks ``cp_rank`` and ``2P-1-cp_rank`` of the document
+    padded to ``layout.padded_lengths``, with zeros where the padding is.
+    """
+    if not 0 <= cp_rank < layout.cp_size:
+        raise ValueError(f"cp_rank={cp_rank} must be in [0, cp_size={layout.cp_size})")
+    if x.shape[dim] != layout.cu_seqlens[-1]:
+        raise ValueError(
+            f"x has {x.shape[dim]} rows along dim {dim}, but cu_seqlens holds "
+            f"{layout.cu_seqlens[-1]} real tokens"
+        )
+    xd = x.movedim(dim, 0)
+    out = xd.new_zeros((layout.s_local, *xd.shape[1:]))
+    for src, dst, n in layout.local_rows(cp_rank):
+        out[dst : dst + n] = xd[src : src + n]
+    return out.movedim(0, dim)
+
+
+def unshard_packed(shards: Sequence[Tensor], layout: PackedLayout, dim: int = 0) -> Tensor:
+    """Inverse of ``shard_packed`` over every rank's shard (CP rank order): the real tokens
+    one after another, padding dropped."""
+    if len(shards) != layout.cp_size:
+        raise ValueError(f"need {layout.cp_size} shards (one per CP rank), got {len(shards)}")
+    moved = [s.movedim(dim, 0) for s in shards]
+    if any(m.shape[0] != layout.s_local for m in moved):
+        raise ValueError(
+            f"every shard must have s_local = {layout.s_local} rows along dim {dim}; got "
+            f"{[m.shape[0] for m in moved]}"
+        )
+    out = moved[0].new_empty((layout.cu_seqlens[-1], *moved[0].shape[1:]))
+    for r, m in enumerate(moved):
+        for dst, src, n in layout.local_rows(r):
+            out[dst : dst + n] = m[src : src + n]
+    return out.movedim(0, dim)
