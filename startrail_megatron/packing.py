@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["PackedLayout", "pack_lengths"]
+__all__ = ["PackedLayout", "lengths_from_position_ids", "pack_lengths"]
 
 
 def _as_ints(name: str, xs) -> tuple[int, ...]:
@@ -185,3 +185,28 @@ def pack_lengths(lengths: Sequence[int], cp_size: int) -> PackedLayout:
         cu.append(cu[-1] + n)
         padded.append(padded[-1] + -(-n // step) * step)
     return PackedLayout(cp_size, tuple(cu), tuple(padded))
+
+
+def lengths_from_position_ids(position_ids: Sequence[int]) -> list[int]:
+    """Document lengths of one packed row whose position ids restart at 0 per document
+    (transformers' ``DataCollatorWithFlattening``): ``[0, 1, 2, 0, 1]`` -> ``[3, 2]``.
+
+    ``ValueError`` unless the row starts at 0 and every document's ids step by one.
+    """
+    pos = _as_ints("position_ids", position_ids)
+    if not pos or pos[0] != 0:
+        raise ValueError(
+            "position_ids of a packed row must start at 0 and restart at 0 for every document"
+        )
+    lengths: list[int] = []
+    for i, x in enumerate(pos):
+        if x == 0:
+            lengths.append(1)
+        elif x == pos[i - 1] + 1:
+            lengths[-1] += 1
+        else:
+            raise ValueError(
+                f"position_ids[{i}] = {x} after {pos[i - 1]}: a packed row's position ids must "
+                "step by one inside a document and restart at 0 for the next"
+            )
+    return lengths

@@ -68,13 +68,16 @@ def inverse_order(order: Sequence[int]) -> list[int]:
     return sorted(range(len(order)), key=order.__getitem__)
 
 
-def shard_packed(x: Tensor, layout: PackedLayout, cp_rank: int, dim: int = 0) -> Tensor:
+def shard_packed(
+    x: Tensor, layout: PackedLayout, cp_rank: int, dim: int = 0, fill: float = 0
+) -> Tensor:
     """This CP rank's per-document zigzag shard of packed documents.
 
     ``x`` holds the documents' real tokens one after another along ``dim``
     (``layout.cu_seqlens[-1]`` of them, THD style); the shard has ``layout.s_local``
     rows: per document, its chunks ``cp_rank`` and ``2P-1-cp_rank`` of the document
-    padded to ``layout.padded_lengths``, with zeros where the padding is.
+    padded to ``layout.padded_lengths``, with ``fill`` where the padding is (e.g. -100
+    for labels).
     """
     if not 0 <= cp_rank < layout.cp_size:
         raise ValueError(f"cp_rank={cp_rank} must be in [0, cp_size={layout.cp_size})")
@@ -84,7 +87,7 @@ def shard_packed(x: Tensor, layout: PackedLayout, cp_rank: int, dim: int = 0) ->
             f"{layout.cu_seqlens[-1]} real tokens"
         )
     xd = x.movedim(dim, 0)
-    out = xd.new_zeros((layout.s_local, *xd.shape[1:]))
+    out = xd.new_full((layout.s_local, *xd.shape[1:]), fill)
     for src, dst, n in layout.local_rows(cp_rank):
         out[dst : dst + n] = xd[src : src + n]
     return out.movedim(0, dim)

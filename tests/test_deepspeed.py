@@ -9,13 +9,14 @@ import os
 
 import pytest
 import torch
-from ds_common import LR, REPO, SEQ, global_batches, reference_run, tiny_llama
+from ds_common import CLIP, LR, REPO, SEQ, global_batches, reference_run, tiny_llama
 from ds_common import ds_config as make_cfg
 from harness import run_ranks
 
 import startrail_megatron.deepspeed as sds  # after ds_common, which sets DS_ACCELERATOR
 from startrail_megatron.accounting import LocalShape, startrail_comm_bytes, startrail_comm_calls
 from startrail_megatron.layout import StarTrailLayout
+from startrail_megatron.packing import pack_lengths
 
 REL = 1e-5
 
@@ -376,6 +377,89 @@ def test_shard_causal_lm_batch_shifts_before_sharding():
     assert shards[0]["shift_labels"][0].tolist() == [1, 2, 15, -100]
 
 
+# ---- packed rows (DataCollatorWithFlattening) ------------------------------------------------
+PACKED_STEPS = [[37, 20, 5, 60], [45, 3, 50, 1], [64, 64]]  # documents per step (a 1-token one)
+
+
+def _packed_batches():
+    g = torch.Generator().manual_seed(99)
+    return [[torch.randint(0, 64, (n,), generator=g) for n in docs] for docs in PACKED_STEPS]
+
+
+def _packed_reference():
+    """One rank, no DeepSpeed: every document on its own (unpacked), the loss the mean over
+    all the step's predicted tokens, SGD with clipping as DeepSpeed."""
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for docs in _packed_batches():
+        n_pred = sum(len(d) - 1 for d in docs)
+        loss = (
+            sum(
+                model(input_ids=d[None], labels=d[None]).loss * (len(d) - 1)
+                for d in docs
+                if len(d) > 1
+            )
+            / n_pred
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _packed_train(rank, world, stage):
+    _ds_env(rank, world)
+    model = tiny_llama()
+    cfg = make_cfg(stage, dp=1, startrail=_st(4, 2))
+    engine, _, _, _ = sds.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg
+    )
+    losses = []
+    for docs in _packed_batches():  # one row, position ids restarting per document
+        ids = torch.cat(docs)[None]
+        pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+        loss = engine(input_ids=ids, labels=ids, position_ids=pos).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    handle, mpu = engine.startrail_handle, engine.startrail_mpu
+    proof = _proof(handle.ledger, handle.local_lengths, model, mpu)
+    params = _full_params(engine, stage)
+    _teardown(engine)
+    return losses, params, proof
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_packed_rows_train_like_unpacked_documents(stage):
+    """Issue 12: documents packed in one row with position_ids restarting per document give
+    the losses and parameters of the documents trained unpacked on one rank (1e-5)."""
+    ref_losses, ref_params = _packed_reference()
+    layouts = [pack_lengths(docs, 4) for docs in PACKED_STEPS]
+    for losses, params, proof in run_ranks(4, _packed_train, stage):
+        assert len(losses) == len(ref_losses)
+        for a, b in zip(losses, ref_losses):
+            assert abs(a - b) <= REL * abs(b), (losses, ref_losses)
+        worst = max(_rel(params[k], ref_params[k]) for k in ref_params)
+        assert worst <= REL, worst
+        # StarTrail ran on the per-document layout: each step's padded local length, and
+        # the bytes of that layout for 2 layers per step
+        assert proof["attn"] == "startrail"
+        assert proof["local_lengths"] == sorted({lay.s_local for lay in layouts})
+        lay = StarTrailLayout(4, 2)
+        want = {"fwd_p2p": 0, "bwd_p2p": 0, "fwd_collective": 0, "bwd_collective": 0}
+        for packed in layouts:
+            shape = LocalShape(packed.s_local, 1, 4, 2, 8, elem_bytes=4, acc_bytes=4)
+            for key, v in startrail_comm_bytes(lay, proof["cp_rank"], shape).items():
+                want[key] += 2 * v
+        for key, v in want.items():
+            assert proof["ledger"][f"{key}_bytes"] == v, key
+    init = dict(tiny_llama().named_parameters())
+    assert max(_rel(ref_params[k], init[k].detach()) for k in ref_params) > 1e3 * REL
+
+
 def test_packed_position_ids_are_refused_by_name():
     """Issue 12: documents packed in one row (position_ids restarting) must not train silently
     as one causal sequence; the same ids without restarts are accepted."""
@@ -405,8 +489,13 @@ def _misuse(rank: int, world: int):
     for kwargs in (
         {"input_ids": ids, "labels": ids},  # a different batch on every rank
         {"input_ids": ids * 0, "attention_mask": torch.zeros_like(ids)},  # padding
-        # two documents packed in one row (the same batch on every rank)
-        {"input_ids": ids * 0, "position_ids": torch.arange(SEQ).remainder(SEQ // 2)[None]},
+        # a packed row whose ids jump inside a document (not 0, 1, 2, ...): refused
+        {"input_ids": ids * 0, "position_ids": torch.tensor([[0, 1, 2, 0, 5, 6] + [7] * 10])},
+        # two packed rows in one batch: refused (one row per batch, as the collator makes)
+        {
+            "input_ids": torch.zeros(2, SEQ, dtype=torch.long),
+            "position_ids": torch.arange(SEQ).remainder(SEQ // 2).expand(2, SEQ),
+        },
     ):
         try:
             model(**kwargs)
@@ -423,7 +512,8 @@ def test_misuse_is_refused_and_prepare_is_reversible():
     for errors, local_len, restored in run_ranks(4, _misuse):
         assert "were given different batches" in errors[0]
         assert "attention_mask with padding is not supported" in errors[1]
-        assert "position_ids: packed sequences" in errors[2]
+        assert "position_ids[4] = 5 after 0" in errors[2]
+        assert "need one row per batch" in errors[3]
         assert local_len == SEQ // 4 and restored
 
 

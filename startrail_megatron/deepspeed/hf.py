@@ -16,8 +16,13 @@
    batch the script passes (the same on every rank of a sequence group) and
    keeps this rank's zigzag shard (``shard_causal_lm_batch``): input_ids,
    position_ids (global, so RoPE is right) and labels shifted *before*
-   sharding. Scripts that shard in their data loader
-   (``StarTrailDataLoaderAdapter``) use ``shard_inputs=False``.
+   sharding. A row of packed documents whose position_ids restart at 0 per
+   document (``DataCollatorWithFlattening``, batch of one row) is sharded per
+   document instead (``packing.py``: each document padded to a multiple of 2P,
+   labels -100 on padding and at each document's last token) and its attention
+   stays inside each document (``cu_seqlens``). Scripts that shard in their data
+   loader (``StarTrailDataLoaderAdapter``) use ``shard_inputs=False``; that path
+   refuses packed rows.
 3. Loss: transformers' causal-LM loss is given ``shift_labels`` and
    ``num_items_in_batch`` = (valid tokens of the global batch) / D, so each
    rank's loss is (its token-loss sum) / that count: the sequence ranks'
@@ -40,7 +45,8 @@ from torch import Tensor, nn
 
 from ..attention import startrail_attention
 from ..comm import CommLedger
-from ..zigzag import zigzag_shard
+from ..packing import PackedLayout, lengths_from_position_ids, pack_lengths
+from ..zigzag import shard_packed, zigzag_shard
 from .mpu import StarTrailMPU
 
 __all__ = [
@@ -86,6 +92,7 @@ def startrail_hf_attention(
     _check_unsupported(query.shape[2] * groups.cp_size, kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     handle.local_lengths.add(query.shape[2])
+    packed = handle.packed
     out = startrail_attention(
         query.permute(2, 0, 1, 3),  # [s, b, hq, d]
         key.permute(2, 0, 1, 3),  # [s, b, hkv, d]
@@ -94,6 +101,8 @@ def startrail_hf_attention(
         causal=bool(causal),
         softmax_scale=scaling,
         ledger=handle.ledger,
+        cu_seqlens=packed.cu_seqlens if packed is not None else None,
+        cu_seqlens_padded=packed.cu_seqlens_padded if packed is not None else None,
     )  # [s, b, hq, d]
     return out.transpose(0, 1), None  # [b, s, hq, d]
 
@@ -112,7 +121,7 @@ _UNSUPPORTED = {
 
 _PACKED = (
     "packed sequences (position_ids that restart or jump, e.g. one row of several documents "
-    "from DataCollatorWithFlattening) are not supported by StarTrail yet: its attention would "
+    "from DataCollatorWithFlattening) are not supported on this path: its attention would "
     "run across the document boundaries. Pass one document per row with position_ids "
     "arange(S) (or None)"
 )
@@ -156,28 +165,65 @@ def shard_causal_lm_batch(
     Labels are shifted over the *global* sequence first (token i predicts
     label i+1; the last gets ``-100``), then sharded; position_ids default to
     ``arange(S)`` and keep their global values; position_ids that do not step by
-    one (packed documents) raise ``ValueError``. Returns ``input_ids``,
+    one (packed documents) raise ``ValueError`` here: a model prepared with
+    ``shard_inputs=True`` trains such rows (``HFHandle``). Returns ``input_ids``,
     ``position_ids`` and, with labels, ``shift_labels`` (all ``[b, S/P]``).
     """
+    shard, packed = _shard_batch(input_ids, labels, position_ids, sp_rank, sp_size)
+    if packed is not None:
+        raise ValueError(
+            f"position_ids: {_PACKED}; or let the model shard (prepare_hf_model(..., "
+            "shard_inputs=True)), which trains packed rows"
+        )
+    return shard
+
+
+def _shard_batch(input_ids, labels, position_ids, sp_rank: int, sp_size: int):
+    """(this rank's shard, the PackedLayout of a packed row or None): zigzag for one
+    sequence per row; per-document zigzag for one row of documents whose position ids
+    restart at 0 (``DataCollatorWithFlattening``), labels ``-100`` at each document's
+    last token (it predicts nothing across the boundary) and on the padding."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
     b, s = input_ids.shape
     if position_ids is None:
         position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)
-    _check_consecutive(position_ids, "position_ids")
-    position_ids = position_ids.expand(b, s)
-    out = {
-        "input_ids": zigzag_shard(input_ids, sp_rank, sp_size, dim=1),
-        "position_ids": zigzag_shard(position_ids, sp_rank, sp_size, dim=1),
-    }
+    if labels is not None and labels.shape != input_ids.shape:
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must be shaped like input_ids {tuple(input_ids.shape)}"
+        )
+    shifted = None
     if labels is not None:
-        if labels.shape != input_ids.shape:
-            raise ValueError(
-                f"labels {tuple(labels.shape)} must be shaped like input_ids {tuple(input_ids.shape)}"
-            )
         shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        out["shift_labels"] = zigzag_shard(shifted, sp_rank, sp_size, dim=1)
-    return out
+    consecutive = position_ids.shape[-1] < 2 or bool((position_ids.diff(dim=-1) == 1).all())
+    if consecutive:
+        position_ids = position_ids.expand(b, s)
+        out = {
+            "input_ids": zigzag_shard(input_ids, sp_rank, sp_size, dim=1),
+            "position_ids": zigzag_shard(position_ids, sp_rank, sp_size, dim=1),
+        }
+        if shifted is not None:
+            out["shift_labels"] = zigzag_shard(shifted, sp_rank, sp_size, dim=1)
+        return out, None
+    if b != 1 or position_ids.shape[0] != 1:
+        raise ValueError(
+            f"position_ids: packed documents (position ids restarting at 0) need one row per "
+            f"batch (DataCollatorWithFlattening's layout), got {b} rows"
+        )
+    try:
+        lengths = lengths_from_position_ids(position_ids[0].tolist())
+    except ValueError as e:
+        raise ValueError(f"position_ids: {e}; {_PACKED}") from e
+    packed = pack_lengths(lengths, sp_size)
+    out = {
+        "input_ids": shard_packed(input_ids, packed, sp_rank, dim=1),
+        "position_ids": shard_packed(position_ids.expand(1, s), packed, sp_rank, dim=1),
+    }
+    if shifted is not None:
+        ends = [packed.cu_seqlens[d + 1] - 1 for d in range(packed.num_docs) if lengths[d]]
+        shifted[:, ends] = IGNORE_INDEX
+        out["shift_labels"] = shard_packed(shifted, packed, sp_rank, dim=1, fill=IGNORE_INDEX)
+    return out, packed
 
 
 def _loss_normalizer(shift_labels: Tensor, mpu: StarTrailMPU) -> Tensor:
@@ -244,6 +290,8 @@ class HFHandle:
     """Every transfer StarTrail's attention made on this rank (bytes and calls, fwd/bwd)."""
     local_lengths: set = field(default_factory=set)
     """The sequence lengths the attention saw on this rank (S/P when sharding works)."""
+    packed: PackedLayout | None = None
+    """The documents of the packed row in the forward now running (None: not packed)."""
     _hooks: list = field(default_factory=list)
     _modules: list = field(default_factory=list)
 
@@ -277,7 +325,7 @@ class HFHandle:
         if self.shard_inputs:
             ids = kwargs["input_ids"]
             _check_same_batch(ids, mpu.sequence_parallel_group)
-            shard = shard_causal_lm_batch(
+            shard, self.packed = _shard_batch(
                 ids,
                 kwargs.get("labels"),
                 kwargs.get("position_ids"),
@@ -303,6 +351,7 @@ class HFHandle:
         return args, kwargs
 
     def _post_hook(self, module, args, kwargs, output):
+        self.packed = None  # the next forward says again whether its row is packed
         # return_dict=True gives a ModelOutput (a mapping); return_dict=False a tuple whose
         # first item is the loss when labels were passed.
         has_loss = kwargs.get("labels") is not None
