@@ -413,6 +413,13 @@ def _build_both_ways(rank, world):
             new(q, k, v, None, packed_seq_params=object())
         with pytest.raises(NotImplementedError, match="attention dropout"):
             StarTrailCoreAttention(pg_collection=pgs, attention_dropout=0.1, **common)
+        # groups registered for another CP group are never used: a module whose CP group has
+        # none fails when it is built, naming the cause
+        from types import SimpleNamespace
+
+        other = torch.distributed.new_group([0])
+        with pytest.raises(RuntimeError, match="found no StarTrail groups for its context-parall"):
+            StarTrailCoreAttention(pg_collection=SimpleNamespace(cp=other), **common)
         for name in ("qk_clip", "log_max_attention_logit", "hybrid_context_parallel"):
             bad = copy.copy(cfg)
             setattr(bad, name, True)
