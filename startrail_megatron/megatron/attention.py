@@ -22,6 +22,36 @@ from .versions import cp_group_from
 
 __all__ = ["StarTrailCoreAttention"]
 
+
+def _packed_boundaries(psp) -> tuple[list[int], list[int]]:
+    """(cu_seqlens, cu_seqlens_padded) of self-attention ``PackedSeqParams``, as host ints;
+    ``NotImplementedError`` naming the field for what StarTrail does not serve."""
+    fmt = getattr(psp, "qkv_format", None)
+    if fmt != "thd":
+        raise NotImplementedError(
+            f"StarTrail attention takes packed sequences in qkv_format 'thd', got {fmt!r}"
+        )
+
+    def host(t):
+        return None if t is None else [int(x) for x in t.tolist()]
+
+    cu_q, cu_kv = host(psp.cu_seqlens_q), host(psp.cu_seqlens_kv)
+    pad_q = host(getattr(psp, "cu_seqlens_q_padded", None))
+    pad_kv = host(getattr(psp, "cu_seqlens_kv_padded", None))
+    if cu_q is None:
+        raise ValueError("packed_seq_params.cu_seqlens_q is None")
+    if cu_kv is not None and cu_kv != cu_q or pad_kv is not None and pad_kv != pad_q:
+        raise NotImplementedError(
+            "StarTrail attention serves self-attention: packed_seq_params.cu_seqlens_kv(_padded) "
+            "must equal cu_seqlens_q(_padded)"
+        )
+    if getattr(psp, "local_cp_size", None) not in (None, 0):
+        raise NotImplementedError(
+            "packed_seq_params.local_cp_size (dynamic/hybrid context parallelism) is not "
+            "supported by StarTrail"
+        )
+    return cu_q, pad_q
+
 _SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
 
 
@@ -34,7 +64,11 @@ class StarTrailCoreAttention(MegatronModule):
     masks other than causal / no mask, cross attention, sliding windows,
     non-vanilla softmax, ``qk_clip`` / ``log_max_attention_logit`` (no
     ``current_max_attn_logits``), ``hybrid_context_parallel``; and at call time
-    for packed sequences and bias.
+    for bias and for packed sequences other than self-attention in ``thd``
+    format. Packed sequences (``PackedSeqParams``, ``qkv_format="thd"``): q, k, v
+    ``[t, heads, hn]``, this rank's tokens in the per-document zigzag layout of
+    the global ``cu_seqlens_q(_padded)`` (as TE's CP attention takes them); the
+    output is ``[t, np*hn]``.
     """
 
     def __init__(
@@ -102,10 +136,6 @@ class StarTrailCoreAttention(MegatronModule):
         packed_seq_params=None,
         **kwargs,
     ):
-        if packed_seq_params is not None:
-            raise NotImplementedError(
-                "StarTrail attention does not support packed sequences (packed_seq_params) yet"
-            )
         if attention_bias is not None:
             raise NotImplementedError("StarTrail attention does not support attention_bias")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -116,6 +146,10 @@ class StarTrailCoreAttention(MegatronModule):
         # A causal mask tensor, if the data loader made one, is the standard causal mask
         # (as TEDotProductAttention, we follow attn_mask_type and ignore it).
         state = self.state
+        thd = packed_seq_params is not None
+        cu, cu_padded = _packed_boundaries(packed_seq_params) if thd else (None, None)
+        if thd:  # [t, np, hn]: the local tokens of the packed sequence, batch 1
+            query, key, value = (x.unsqueeze(1) for x in (query, key, value))
         state.local_lengths.add(query.shape[0])
         out = startrail_attention(
             query,
@@ -126,6 +160,10 @@ class StarTrailCoreAttention(MegatronModule):
             softmax_scale=self.softmax_scale,
             kernel=state.kernel,
             ledger=state.ledger,
+            cu_seqlens=cu,
+            cu_seqlens_padded=cu_padded,
         )
         sq, b = out.shape[:2]
+        if thd:
+            return out.reshape(sq, -1)  # [t, np*hn], as TEDotProductAttention's thd output
         return out.reshape(sq, b, -1)  # [sq, b, np*hn]
