@@ -28,7 +28,13 @@ def _parser(chain=None):
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--seq-length", type=int, default=64)
     # as Megatron-LM core_r0.16.0 adds them (TransformerConfig / ModelParallelConfig / logger)
-    for flag in ("--qk-clip", "--log-max-attention-logit", "--hybrid-context-parallel"):
+    for flag in (
+        "--qk-clip",
+        "--log-max-attention-logit",
+        "--hybrid-context-parallel",
+        "--reset-attention-mask",
+        "--reset-position-ids",
+    ):
         p.add_argument(flag, action="store_true")
     return extra_args_provider(p, chain=chain)
 
@@ -52,6 +58,14 @@ ST4 = ["--context-parallel-size", "4", "--context-parallel-impl", "startrail"]
         (
             ["--hybrid-context-parallel"],
             "--hybrid-context-parallel is not supported with --context-parallel-impl startrail",
+        ),
+        (  # Megatron-LM packs documents with a dense mask StarTrail does not read
+            ["--startrail-team-size", "2", "--reset-attention-mask"],
+            "--reset-attention-mask makes packed sequences, which StarTrail takes only",
+        ),
+        (
+            ["--startrail-team-size", "2", "--reset-position-ids"],
+            "--reset-position-ids makes packed sequences",
         ),
     ],
 )

@@ -118,3 +118,69 @@ def test_packed_thd_batch_matches_documents_one_by_one(cp, team):
             assert err <= TOL, f"{name}: {err:.2e}"
         lengths, s_local, sent = proof
         assert lengths == [s_local] and sent > 0  # StarTrail ran on the packed layout
+
+
+# ---- the entry point: --reset-attention-mask trains packed documents -------------------------
+TRAIN = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--seq-length", "100",
+    "--micro-batch-size", "2", "--mock-data", "--optimizer", "sgd", "--lr", "1e-2",
+]  # fmt: skip
+PACKED_FLAGS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+
+
+def _train_packed(rank, world, argv, steps=3):
+    """The entry point's own pieces on mock documents of 1-40 tokens (several per row)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+    from startrail_megatron.megatron.registry import get_startrail_state
+
+    saved = MockGPTLowLevelDataset.max_sequence_length
+    MockGPTLowLevelDataset.max_sequence_length = 40
+    args = T.parse_args(argv)
+    T.initialize(args)
+    try:
+        model = T.build_model(args)
+        opt = T.build_optimizer(args, model)
+        batches = T.global_batches(args, T.build_dataset(args, 8 * args.global_batch_size))
+        losses, docs = [], 0
+        for _ in range(steps):
+            micro = next(batches)
+            docs += sum(int((mb["tokens"] == T.eod_id(args)).sum()) for mb in micro)
+            losses.append(T.forward_backward(args, model, micro))
+            T.optimizer_step(model, opt, args.clip_grad)
+        state = get_startrail_state(ps.get_context_parallel_group())
+        return losses, docs, sorted(state.local_lengths), state.ledger.bytes()
+    finally:
+        MockGPTLowLevelDataset.max_sequence_length = saved
+        T.teardown()
+
+
+def _st(cp, team):
+    return ["--context-parallel-size", str(cp), "--context-parallel-impl", "startrail",
+            "--startrail-team-size", str(team)]  # fmt: skip
+
+
+def test_entry_point_trains_packed_documents_alike_at_every_cp_size():
+    ref_losses, docs, lengths, _ = run_ranks(1, _train_packed, TRAIN + PACKED_FLAGS + _st(1, 1))[0]
+    assert docs >= 6, docs  # the rows hold several documents
+    dense = run_ranks(1, _train_packed, TRAIN + _st(1, 1))[0][0]
+    # the document boundaries change the losses far beyond the tolerance (the check can fail)
+    assert max(abs(a - b) / b for a, b in zip(dense, ref_losses)) > 20 * TOL
+    for cp, team in [(2, 1), (4, 1), (4, 2), (8, 2)]:
+        for losses, _, lengths, sent in run_ranks(
+            cp, _train_packed, TRAIN + PACKED_FLAGS + _st(cp, team)
+        ):
+            assert len(losses) == len(ref_losses)
+            for a, b in zip(losses, ref_losses):
+                assert abs(a - b) <= TOL * abs(b), (cp, team, losses, ref_losses)
+            assert sent > 0 and all(n % 2 == 0 for n in lengths)  # StarTrail's packed layout
+
+
+def test_reset_attention_mask_is_refused_without_startrail(capsys):
+    with pytest.raises(SystemExit):
+        T.parse_args(TRAIN + ["--reset-attention-mask"])
+    assert (
+        "--reset-attention-mask needs --context-parallel-impl startrail" in capsys.readouterr().err
+    )

@@ -85,11 +85,18 @@ def _refuse_auto() -> ValueError:
     )
 
 
-def validate_startrail_args(args: argparse.Namespace, *, allow_auto: bool | None = None) -> None:
+def validate_startrail_args(
+    args: argparse.Namespace,
+    *,
+    allow_auto: bool | None = None,
+    allow_packed: bool | None = None,
+) -> None:
     """Raise ``ValueError`` naming the flag when StarTrail's flags do not fit.
 
-    ``allow_auto``: whether ``--startrail-team-size auto`` is accepted; default:
-    only for StarTrail's own entry point (args with ``startrail_autotune_iters``).
+    ``allow_auto``: whether ``--startrail-team-size auto`` is accepted;
+    ``allow_packed``: whether ``--reset-attention-mask`` / ``--reset-position-ids``
+    are (packed documents, any ``--seq-length``); default for both: only for
+    StarTrail's own entry point (args with ``startrail_autotune_iters``).
     """
     impl = getattr(args, "context_parallel_impl", "te")
     if impl not in IMPLS:
@@ -107,8 +114,10 @@ def validate_startrail_args(args: argparse.Namespace, *, allow_auto: bool | None
             f"--startrail-team-size {c} does not fit --context-parallel-size {cp}: its "
             f"square must divide it; allowed: {valid_team_sizes(cp)}" + (" or 'auto'" * auto_ok)
         )
+    packed_ok = auto_ok if allow_packed is None else allow_packed
+    packed = bool(getattr(args, "reset_attention_mask", False))
     seq = getattr(args, "seq_length", None)
-    if seq is not None and seq % (2 * cp) != 0:
+    if seq is not None and seq % (2 * cp) != 0 and not (packed and packed_ok):
         raise ValueError(
             f"--seq-length {seq} must be divisible by 2 * --context-parallel-size = {2 * cp} "
             "for StarTrail's causal zigzag layout"
@@ -119,10 +128,11 @@ def validate_startrail_args(args: argparse.Namespace, *, allow_auto: bool | None
             "dropout yet; set --attention-dropout 0"
         )
     for flag in ("reset_attention_mask", "reset_position_ids"):
-        if getattr(args, flag, False):
+        if getattr(args, flag, False) and not packed_ok:
             raise ValueError(
-                f"--{flag.replace('_', '-')} makes packed sequences, which StarTrail does not "
-                "support yet"
+                f"--{flag.replace('_', '-')} makes packed sequences, which StarTrail takes only "
+                "from its own entry point (python -m startrail_megatron.pretrain_gpt) or as "
+                "PackedSeqParams(qkv_format='thd'); Megatron-LM's dense document mask is not used"
             )
     if getattr(args, "hierarchical_context_parallel_sizes", None):
         raise ValueError(
@@ -167,7 +177,9 @@ def extra_args_provider(parser: argparse.ArgumentParser, *, chain=None) -> argpa
     def parse_known_args(args=None, namespace=None):
         ns, rest = parse_known(args, namespace)
         try:
-            validate_startrail_args(ns, allow_auto=False)  # Megatron-LM runs no autotuner
+            # Megatron-LM runs no autotuner, and packs documents with a dense mask StarTrail
+            # does not read
+            validate_startrail_args(ns, allow_auto=False, allow_packed=False)
         except ValueError as e:
             parser.error(str(e))
         install_from_args(ns)

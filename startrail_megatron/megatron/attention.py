@@ -52,6 +52,7 @@ def _packed_boundaries(psp) -> tuple[list[int], list[int]]:
         )
     return cu_q, pad_q
 
+
 _SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
 
 
@@ -151,6 +152,7 @@ class StarTrailCoreAttention(MegatronModule):
         if thd:  # [t, np, hn]: the local tokens of the packed sequence, batch 1
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))
         state.local_lengths.add(query.shape[0])
+        state.calls_by_length[query.shape[0]] += 1
         out = startrail_attention(
             query,
             key,

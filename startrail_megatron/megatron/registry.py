@@ -24,6 +24,7 @@ every group down, and release only drops the entries).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -53,6 +54,9 @@ class StarTrailMegatronState:
     """Every transfer the attention of this CP group made on this rank."""
     local_lengths: set = field(default_factory=set)
     """The local sequence lengths the attention saw on this rank (S/P when sharding works)."""
+    calls_by_length: Counter = field(default_factory=Counter)
+    """Attention calls per local length since the ledger was last read (the entry point
+    compares the ledger with ring attention's bytes at the same shapes)."""
 
 
 _REGISTRY: dict[dist.ProcessGroup | None, StarTrailMegatronState] = {}

@@ -7,7 +7,8 @@ it accepts Megatron-LM's flag names for what it supports, builds ``GPTModel``
 (local spec; the Transformer Engine spec when TE is installed on GPUs), mock
 data from megatron-core's ``MockGPTDataset``, megatron-core's
 ``DistributedDataParallel``, shards each batch with
-``get_batch_on_this_cp_rank``, and trains. With ``--context-parallel-impl
+``get_batch_on_this_cp_rank`` (with ``--reset-attention-mask``: per document,
+as packed ``PackedSeqParams`` in THD format), and trains. With ``--context-parallel-impl
 startrail`` the layer spec's core attention is StarTrail's.
 
 One concern per module, imported in this order:
@@ -25,11 +26,11 @@ One concern per module, imported in this order:
 from .arguments import build_parser, parse_args, validate_args
 from .autotune import autotune_team_size
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data import build_dataset, global_batches
+from .data import build_dataset, eod_id, global_batches
 from .initialize import initialize, teardown
 from .loop import train
 from .model import build_model, build_optimizer, layer_spec, transformer_config
-from .step import clip_grad_norm, forward_backward, optimizer_step, rank_device
+from .step import clip_grad_norm, forward_backward, optimizer_step, pack_micro_batch, rank_device
 
 __all__ = [
     "autotune_team_size",
@@ -38,12 +39,14 @@ __all__ = [
     "build_optimizer",
     "build_parser",
     "clip_grad_norm",
+    "eod_id",
     "forward_backward",
     "global_batches",
     "initialize",
     "layer_spec",
     "load_checkpoint",
     "optimizer_step",
+    "pack_micro_batch",
     "parse_args",
     "rank_device",
     "save_checkpoint",

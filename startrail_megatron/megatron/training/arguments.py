@@ -82,6 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="megatron-core's MockGPTDataset (the only data source here)",
     )
+    g.add_argument(
+        "--reset-position-ids",
+        action="store_true",
+        help="position ids restart after each end-of-document token",
+    )
+    g.add_argument(
+        "--reset-attention-mask",
+        action="store_true",
+        help="attention stays inside each document (ended by the end-of-document token): "
+        "StarTrail's packed documents (needs --context-parallel-impl startrail)",
+    )
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
@@ -136,8 +148,14 @@ def validate_args(args: argparse.Namespace) -> None:
             "--context-parallel-impl te needs Transformer Engine, which is not installed; "
             "use --context-parallel-impl startrail"
         )
+    if args.reset_attention_mask and args.context_parallel_impl != "startrail":
+        raise ValueError(
+            "--reset-attention-mask needs --context-parallel-impl startrail (also at "
+            "--context-parallel-size 1): Megatron's own attention here ignores document "
+            "boundaries"
+        )
     validate_startrail_args(args)
-    if args.seq_length % (2 * cp) and cp > 1:
+    if args.seq_length % (2 * cp) and cp > 1 and not args.reset_attention_mask:
         raise ValueError(
             f"--seq-length {args.seq_length} must be divisible by 2 * --context-parallel-size = {2 * cp}"
         )

@@ -6,7 +6,12 @@ import argparse
 
 import torch
 
-__all__ = ["build_dataset", "global_batches"]
+__all__ = ["build_dataset", "eod_id", "global_batches"]
+
+
+def eod_id(args: argparse.Namespace) -> int:
+    """The end-of-document token of the mock data's NullTokenizer: its last id."""
+    return args.vocab_size - 1
 
 
 def build_dataset(args: argparse.Namespace, num_samples: int):
@@ -19,16 +24,16 @@ def build_dataset(args: argparse.Namespace, num_samples: int):
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
     logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)  # "Unable to save indexes"
-    tok = NullTokenizer(args.vocab_size - 1)  # its eod is the last id
+    tok = NullTokenizer(eod_id(args))  # its eod is the last id
     cfg = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         blend=None,
         split="1,0,0",
         tokenizer=tok,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=False,  # documents go to the attention as PackedSeqParams
+        eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False,
     )
     train, _, _ = BlendedMegatronDatasetBuilder(

@@ -29,34 +29,35 @@ __all__ = ["train"]
 def _startrail_bytes(args) -> dict:
     """StarTrail's bytes in the last iteration, summed over the CP group, and ring's.
 
-    Measured from the ledger; ring attention's figure is the layout's prediction for
-    C = 1 at the same shapes (the tests check predictions against ledgers).
+    Measured from the ledger; ring attention's figure is the accounting's for C = 1 at the
+    same shapes: each attention call's local length, as recorded by the attention (the
+    tests check the accounting against ledgers).
     """
     from megatron.core import parallel_state
 
     cp_group = parallel_state.get_context_parallel_group()
     state = get_startrail_state(cp_group)
     led, lay = state.ledger, state.groups.layout
-    shape = LocalShape(
-        s_local=args.seq_length // lay.cp_size,
-        batch=args.micro_batch_size,
-        heads_q=args.num_attention_heads // args.tensor_model_parallel_size,
-        heads_kv=max(args.num_query_groups // args.tensor_model_parallel_size, 1),
-        head_dim=args.hidden_size // args.num_attention_heads,
-        elem_bytes=2 if args.bf16 else 4,
-    )
-    ring = startrail_comm_bytes(StarTrailLayout(lay.cp_size, 1), state.groups.cp_rank, shape)
-    n_calls = (
-        args.num_layers
-        * args.global_batch_size
-        // (args.micro_batch_size * args.data_parallel_size)
-    )
+    ring_lay, rank = StarTrailLayout(lay.cp_size, 1), state.groups.cp_rank
+    ring_p2p = 0
+    for s_local, calls in state.calls_by_length.items():  # packed batches vary in length
+        shape = LocalShape(
+            s_local=s_local,
+            batch=args.micro_batch_size if not args.reset_attention_mask else 1,
+            heads_q=args.num_attention_heads // args.tensor_model_parallel_size,
+            heads_kv=max(args.num_query_groups // args.tensor_model_parallel_size, 1),
+            head_dim=args.hidden_size // args.num_attention_heads,
+            elem_bytes=2 if args.bf16 else 4,
+        )
+        ring = startrail_comm_bytes(ring_lay, rank, shape)
+        ring_p2p += (ring["fwd_p2p"] + ring["bwd_p2p"]) * calls
     figures = torch.tensor(
-        [led.bytes("p2p"), led.bytes("collective"), (ring["fwd_p2p"] + ring["bwd_p2p"]) * n_calls],
+        [led.bytes("p2p"), led.bytes("collective"), ring_p2p],
         dtype=torch.float64,
         device=rank_device(),
     )
     led.clear()
+    state.calls_by_length.clear()
     dist.all_reduce(figures, group=cp_group)
     return {
         "p2p": figures[0].item(),

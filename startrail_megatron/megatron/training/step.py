@@ -15,13 +15,66 @@ import argparse
 import torch
 import torch.distributed as dist
 
-__all__ = ["clip_grad_norm", "forward_backward", "optimizer_step", "rank_device"]
+__all__ = [
+    "clip_grad_norm",
+    "forward_backward",
+    "optimizer_step",
+    "pack_micro_batch",
+    "rank_device",
+]
+
+
+def pack_micro_batch(batch: dict, eod: int) -> tuple[dict, object]:
+    """One micro-batch ``[b, S]`` as packed documents for this CP rank (``--reset-attention-mask``).
+
+    Documents end at each end-of-document token and at each row's end (Megatron-LM's
+    rule); the rows' documents are concatenated into one packed sequence (batch 1), each
+    document padded to a multiple of 2P and sharded by the per-document zigzag
+    (``shard_packed``; padding: token 0, label 0, loss mask 0). Returns the local batch
+    (``[1, s_local]`` each) and megatron's ``PackedSeqParams(qkv_format="thd")`` with the
+    global boundaries.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from ...packing import pack_lengths
+    from ...zigzag import shard_packed
+
+    tokens = batch["tokens"]
+    lengths = []
+    for row in tokens.tolist():
+        start = 0
+        for i, t in enumerate(row):
+            if t == eod or i == len(row) - 1:
+                lengths.append(i + 1 - start)
+                start = i + 1
+    cp = parallel_state.get_context_parallel_world_size()
+    packed = pack_lengths(lengths, cp)
+    r = parallel_state.get_context_parallel_rank()
+    local = {k: shard_packed(v.reshape(-1), packed, r)[None] for k, v in batch.items()}
+
+    def cu(xs):
+        return torch.tensor(xs, dtype=torch.int32, device=tokens.device)
+
+    longest = max(packed.padded_lengths)
+    psp = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu(packed.cu_seqlens),
+        cu_seqlens_kv=cu(packed.cu_seqlens),
+        cu_seqlens_q_padded=cu(packed.cu_seqlens_padded),
+        cu_seqlens_kv_padded=cu(packed.cu_seqlens_padded),
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+    return local, psp
 
 
 def forward_backward(args: argparse.Namespace, model, micro_batches) -> float:
     """Loss of the global batch (per-token mean); gradients left in ``main_grad``."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from .data import eod_id
 
     dev = rank_device()  # also of every reduced tensor: NCCL groups take CUDA tensors only
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -36,8 +89,17 @@ def forward_backward(args: argparse.Namespace, model, micro_batches) -> float:
     loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
     for mb in micro_batches:
         batch = {k: mb[k].to(dev) for k in ("tokens", "labels", "loss_mask", "position_ids")}
-        batch = get_batch_on_this_cp_rank(batch)
-        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        if args.reset_attention_mask:  # packed documents: per-document zigzag, THD
+            batch, psp = pack_micro_batch(batch, eod_id(args))
+        else:
+            batch, psp = get_batch_on_this_cp_rank(batch), None
+        losses = model(
+            batch["tokens"],
+            batch["position_ids"],
+            None,
+            labels=batch["labels"],
+            packed_seq_params=psp,
+        )
         local = (losses.float() * batch["loss_mask"]).sum()
         (local * n_dp_cp / total).backward()
         loss_sum += local.detach().double()
