@@ -25,6 +25,7 @@ on team buffers (C times the local size); Ulysses copies each all-to-all'd tenso
 from __future__ import annotations
 
 from ..layout import StarTrailLayout
+from ..packing import PackedLayout
 from .cluster import ClusterSpec
 from .compute import allgather_call_shapes, startrail_call_shapes
 from .shape import AttnShape
@@ -37,9 +38,11 @@ __all__ = [
 ]
 
 
-def _startrail_rows(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
+def _startrail_rows(
+    lay: StarTrailLayout, causal: bool, s_local: int, packed: PackedLayout | None = None
+) -> tuple:
     """[rank] -> (q rows, kv rows) summed over this rank's kernel calls of every step (tokens)."""
-    steps = startrail_call_shapes(lay, causal, s_local)
+    steps = startrail_call_shapes(lay, causal, s_local, packed)
     return tuple(
         (
             sum(nq for row in steps for nq, _, _ in row[r]),
@@ -77,7 +80,7 @@ def startrail_buffer_bytes(
 
     c = lay.team_size
     reord = shape.causal and c > 1  # the team's [fronts, backs] order (identity for C = 1)
-    rows = _startrail_rows(lay, shape.causal, shape.s_local)
+    rows = _startrail_rows(lay, shape.causal, shape.s_local, shape.packed)
     g = lay.ring_size
     f = 4 * ukv * e  # stack k,v
     if c > 1:  # cat q with it; reorder; the q and K,V copies out of the gathered buffer

@@ -1,8 +1,9 @@
 """Kernel time: the kernel calls each rank makes, and what one call costs.
 
-The calls are those the implementations make (``block_plan.startrail_step_calls``
-on the StarTrail schedule, ``block_plan.allgather_calls``), so causal balance and
-the diagonal blocks are counted exactly. A call costs a fixed overhead plus its
+The calls are those the implementations make (``block_plan.startrail_step_rows``
+on the StarTrail schedule, dense or per packed document, and
+``block_plan.allgather_calls``), so causal balance, the diagonal blocks and the
+calls skipped between documents are counted exactly. A call costs a fixed overhead plus its
 (q, k) pairs at ``attn_flops`` (the masked part of causal diagonal tiles
 included), times ``attn_bwd_ratio`` in the backward, plus the K,V re-streaming of
 calls too long for the cache (``kv_stream_bytes``).
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..block_plan import allgather_calls, startrail_step_calls, team_chunk_len
+from ..block_plan import allgather_calls, startrail_step_rows
 from ..layout import StarTrailLayout
+from ..packing import PackedLayout
 from .cluster import ClusterSpec
 from .shape import AttnShape
 
@@ -34,15 +36,17 @@ CallShape = tuple[int, int, bool]
 
 @lru_cache(maxsize=256)
 def startrail_call_shapes(
-    lay: StarTrailLayout, causal: bool, s_local: int
+    lay: StarTrailLayout, causal: bool, s_local: int, packed: PackedLayout | None = None
 ) -> tuple[tuple[tuple[CallShape, ...], ...], ...]:
-    """[step][rank] -> the calls of ``block_plan.startrail_step_calls``, in tokens."""
-    chunk = team_chunk_len(lay, s_local, causal)
+    """[step][rank] -> the calls the attention makes (``block_plan.startrail_step_rows``,
+    dense or per packed document), in tokens."""
     return tuple(
         tuple(
             tuple(
-                ((x.q_hi - x.q_lo) * chunk, (x.kv_hi - x.kv_lo) * chunk, x.causal)
-                for x in startrail_step_calls(lay, r, step, causal)
+                (q_hi - q_lo, kv_hi - kv_lo, cz)
+                for q_lo, q_hi, kv_lo, kv_hi, cz in startrail_step_rows(
+                    lay, r, step, causal, s_local, packed
+                )
             )
             for r in range(lay.cp_size)
         )
@@ -65,9 +69,11 @@ def call_work(shapes: tuple[CallShape, ...]) -> tuple:
 
 
 @lru_cache(maxsize=256)
-def startrail_work(lay: StarTrailLayout, causal: bool, s_local: int) -> tuple:
+def startrail_work(
+    lay: StarTrailLayout, causal: bool, s_local: int, packed: PackedLayout | None = None
+) -> tuple:
     """[step][rank] -> ``call_work`` of that rank's calls at that step."""
-    steps = startrail_call_shapes(lay, causal, s_local)
+    steps = startrail_call_shapes(lay, causal, s_local, packed)
     return tuple(tuple(call_work(calls) for calls in row) for row in steps)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..accounting import LocalShape
+from ..packing import PackedLayout
 from .cluster import ModelSpec
 
 __all__ = ["AttnShape"]
@@ -25,12 +26,23 @@ class AttnShape:
     acc_bytes: int = 4
     """Accumulation dtype bytes (fp32: 4; fp64 runs: 8)."""
     causal: bool = True
+    packed: PackedLayout | None = None
+    """Packed documents (``packing.pack_lengths``): StarTrail's compute counts the
+    per-document calls it makes; its bytes are those of the padded ``s_local``. The peers
+    are charged as dense sequences (they take no document boundaries)."""
 
     def __post_init__(self) -> None:
         for f in ("cp_size", "s_local", "batch", "heads_q", "heads_kv", "head_dim", "elem_bytes"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{f}={v!r} must be an integer >= 1")
+        if self.packed is not None and (
+            self.packed.cp_size != self.cp_size or self.packed.s_local != self.s_local
+        ):
+            raise ValueError(
+                f"packed is laid out for cp_size {self.packed.cp_size}, s_local "
+                f"{self.packed.s_local}; this shape has {self.cp_size}, {self.s_local}"
+            )
         if self.causal and self.s_local % 2:
             raise ValueError(
                 f"causal zigzag needs an even s_local (sequence / cp_size), got {self.s_local}"
