@@ -41,7 +41,8 @@ def _documents():
 
 def _run(rank, world, argv):
     from megatron.core import parallel_state as ps
-    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from startrail_megatron.megatron.attention import packed_seq_params
 
     args = T.parse_args(argv)
     T.initialize(args)
@@ -69,18 +70,7 @@ def _run(rank, world, argv):
             pos = torch.cat([torch.arange(n) for n in LENGTHS])
             position_ids = st.shard_packed(pos, packed, r)[None]
 
-            def cu(xs):
-                return torch.tensor(xs, dtype=torch.int32)
-
-            psp = PackedSeqParams(
-                qkv_format="thd",
-                cu_seqlens_q=cu(packed.cu_seqlens),
-                cu_seqlens_kv=cu(packed.cu_seqlens),
-                cu_seqlens_q_padded=cu(packed.cu_seqlens_padded),
-                cu_seqlens_kv_padded=cu(packed.cu_seqlens_padded),
-                max_seqlen_q=max(packed.padded_lengths),
-                max_seqlen_kv=max(packed.padded_lengths),
-            )
+            psp = packed_seq_params(packed)
             losses = model(tokens, position_ids, None, labels=labels, packed_seq_params=psp)
             local = (losses * mask).sum()
             (local * cp / total).backward()  # DDP averages over the CP group

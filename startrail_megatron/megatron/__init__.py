@@ -5,7 +5,9 @@ Entry points:
                                            spec rewrite in GPTModel (reversible: uninstall())
   create_startrail_groups(cp_group, C)     the explicit call for own process-group collections
                                            (release_startrail_groups(cp_group) ends it)
-  StarTrailCoreAttention                   the core_attention module
+  StarTrailCoreAttention                   the core_attention module (also packed documents:
+                                           packed_seq_params(pack_lengths(...)) gives its THD
+                                           PackedSeqParams)
   apply_startrail_spec(spec)               rewrite any GPT layer / block spec
   add_startrail_args / validate_startrail_args   the CLI flags
   cpu_support_enabled()                    megatron-core on CPU ranks, inside a with-block
@@ -36,6 +38,7 @@ _EXPORTS = {
     "get_startrail_state": "registry",
     "install": "hooks",
     "install_from_args": "arguments",
+    "packed_seq_params": "attention",
     "release_startrail_groups": "registry",
     "uninstall": "hooks",
     "validate_startrail_args": "arguments",

@@ -20,7 +20,29 @@ from .refusals import REFUSED_FLAGS
 from .registry import get_startrail_state
 from .versions import cp_group_from
 
-__all__ = ["StarTrailCoreAttention"]
+__all__ = ["StarTrailCoreAttention", "packed_seq_params"]
+
+
+def packed_seq_params(layout, device=None):
+    """megatron-core's ``PackedSeqParams(qkv_format="thd")`` of a ``packing.PackedLayout``:
+    the global real and padded boundaries (int32), q and kv alike, as TE's THD path and
+    ``StarTrailCoreAttention`` read them."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    def cu(xs):
+        return torch.tensor(xs, dtype=torch.int32, device=device)
+
+    longest = max(layout.padded_lengths)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu(layout.cu_seqlens),
+        cu_seqlens_kv=cu(layout.cu_seqlens),
+        cu_seqlens_q_padded=cu(layout.cu_seqlens_padded),
+        cu_seqlens_kv_padded=cu(layout.cu_seqlens_padded),
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
 
 
 def _packed_boundaries(psp) -> tuple[list[int], list[int]]:

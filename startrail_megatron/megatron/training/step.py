@@ -35,10 +35,10 @@ def pack_micro_batch(batch: dict, eod: int) -> tuple[dict, object]:
     global boundaries.
     """
     from megatron.core import parallel_state
-    from megatron.core.packed_seq_params import PackedSeqParams
 
     from ...packing import pack_lengths
     from ...zigzag import shard_packed
+    from ..attention import packed_seq_params
 
     tokens = batch["tokens"]
     lengths = []
@@ -53,19 +53,7 @@ def pack_micro_batch(batch: dict, eod: int) -> tuple[dict, object]:
     r = parallel_state.get_context_parallel_rank()
     local = {k: shard_packed(v.reshape(-1), packed, r)[None] for k, v in batch.items()}
 
-    def cu(xs):
-        return torch.tensor(xs, dtype=torch.int32, device=tokens.device)
-
-    longest = max(packed.padded_lengths)
-    psp = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu(packed.cu_seqlens),
-        cu_seqlens_kv=cu(packed.cu_seqlens),
-        cu_seqlens_q_padded=cu(packed.cu_seqlens_padded),
-        cu_seqlens_kv_padded=cu(packed.cu_seqlens_padded),
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-    )
+    psp = packed_seq_params(packed, tokens.device)
     return local, psp
 
 
