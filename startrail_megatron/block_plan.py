@@ -153,7 +153,6 @@ RowCall = tuple[int, int, int, int, bool]
 """(q_lo, q_hi, kv_lo, kv_hi, causal): one kernel call on team-buffer rows."""
 
 
-@lru_cache(maxsize=4096)
 def startrail_step_rows(
     layout: StarTrailLayout,
     rank: int,
@@ -172,11 +171,23 @@ def startrail_step_rows(
     KV teams; calls left empty are not made (no pair of the same document).
     """
     if packed is None:
-        c = team_chunk_len(layout, s_local, causal)
-        return tuple(
-            (k.q_lo * c, k.q_hi * c, k.kv_lo * c, k.kv_hi * c, k.causal)
-            for k in startrail_step_calls(layout, rank, step, causal)
-        )
+        return _dense_rows(layout, rank, step, causal, s_local)
+    return _packed_rows(layout, rank, step, causal, packed)
+
+
+@lru_cache(maxsize=4096)
+def _dense_rows(layout, rank, step, causal, s_local) -> tuple[RowCall, ...]:
+    c = team_chunk_len(layout, s_local, causal)
+    return tuple(
+        (k.q_lo * c, k.q_hi * c, k.kv_lo * c, k.kv_hi * c, k.causal)
+        for k in startrail_step_calls(layout, rank, step, causal)
+    )
+
+
+# Packed layouts change with every batch: a small cache (the steps and the backward of the
+# batch in flight, and the planner's ranks), never one that grows with the training run.
+@lru_cache(maxsize=512)
+def _packed_rows(layout, rank, step, causal, packed) -> tuple[RowCall, ...]:
     team = layout.coord(rank)[0]
     kv_team = layout.kv_team_at_step(rank, step)
     calls = team_block_calls(layout, team, kv_team, causal)
@@ -199,7 +210,7 @@ def startrail_step_rows(
     return tuple(out)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=8)  # one team per rank and batch; each entry holds C * s_local ints
 def packed_team_order(layout: StarTrailLayout, team: int, packed: PackedLayout) -> tuple[int, ...]:
     """Row permutation from a team's all-gathered buffer (members in order, each its local
     buffer) to the team buffer (per document, the team's chunks in ascending order):
