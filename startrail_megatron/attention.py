@@ -41,113 +41,20 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .block_plan import packed_team_order, startrail_step_rows
-from .comm import (
-    CommLedger,
-    P2PComm,
-    PeerExchange,
-    TeamCollectives,
-    TeamComm,
-    check_agreement,
-)
+from .comm import CommLedger, P2PComm, PeerExchange, TeamCollectives, TeamComm
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
-from .layout import PLACEMENTS
 from .packing import PackedLayout
+from .validation import agree_once, packed_layout, validate_inputs
 from .zigzag import inverse_order, reorder_chunks
 
 __all__ = [
     "RankContext",
-    "packed_layout",
     "startrail_attention",
     "startrail_rank_backward",
     "startrail_rank_forward",
     "validate_inputs",
 ]
-
-
-def validate_inputs(q: Tensor, k: Tensor, v: Tensor, cp_size: int, causal: bool) -> None:
-    """Local checks, identical on every rank, made before any communication."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must have 4 dims [s_local, batch, heads, head_dim], got shape "
-                f"{tuple(t.shape)}"
-            )
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    (s, b, hq, d), (sk, bk, hkv, dk) = q.shape, k.shape
-    if (sk, bk, dk) != (s, b, d):
-        raise ValueError(
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on s_local, batch and head_dim"
-        )
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(
-            f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for GQA/MQA"
-        )
-    if s == 0:
-        raise ValueError("s_local is 0: every CP rank needs at least one token")
-    if causal and s % 2 != 0:
-        raise ValueError(
-            f"causal StarTrail needs Megatron's zigzag layout: the sequence must split into "
-            f"2*cp_size = {2 * cp_size} equal chunks, i.e. an even s_local; got s_local={s} "
-            f"(sequence length {s * cp_size})"
-        )
-
-
-_DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
-
-
-def agree_once(
-    groups: StarTrailGroups,
-    q: Tensor,
-    k: Tensor,
-    causal: bool,
-    packed: PackedLayout | None = None,
-) -> None:
-    """Check, the first time this rank sees a call setting, that every CP rank has the same.
-
-    Ranks that disagree on the local length, batch, heads, head_dim, dtype,
-    causal or the packed documents (or on C, placement, P through their groups)
-    would post mismatched
-    transfers and hang until the group's timeout; instead every rank raises the
-    same ``ValueError`` naming what differs. One tiny all-reduce, and one device
-    synchronization to read it, per new setting (not per call). A rank that
-    changes its setting while the others reuse one they already checked is not
-    caught here: its transfers then fail at the group's timeout, naming the peers.
-    Skipped while a CUDA graph is being captured (no host read is allowed there;
-    the warm-up iterations before a capture make the check).
-    """
-    (s, b, hq, d), hkv = q.shape, k.shape[2]
-    lay = groups.layout
-    fields = {
-        "s_local": s,
-        "batch": b,
-        "heads_q": hq,
-        "heads_kv": hkv,
-        "head_dim": d,
-        "dtype": _DTYPE_CODES.get(q.dtype, 99),
-        "causal": int(causal),
-        "cp_size": lay.cp_size,
-        "team_size": lay.team_size,
-        "placement": PLACEMENTS.index(lay.placement),
-        "documents": packed.num_docs if packed is not None else 0,
-        "cu_seqlens": packed.fingerprint() if packed is not None else 0,
-    }
-    key = tuple(fields.values())
-    if lay.cp_size == 1 or key in groups.agreed:
-        return
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    check_agreement(groups.cp_group, fields, q.device)
-    groups.agreed.add(key)
 
 
 class RankContext:
@@ -387,25 +294,6 @@ class _StarTrailAttention(torch.autograd.Function):
             dout.contiguous(), out, (q_team, kv_team, lse_team), ctx.cx, ctx.scale, ctx.kernel
         )
         return dq, dk, dv, None, None, None, None, None, None
-
-
-def packed_layout(
-    cp_size: int, s_local: int, cu_seqlens, cu_seqlens_padded=None
-) -> PackedLayout | None:
-    """The ``PackedLayout`` of a call's ``cu_seqlens`` (``None`` for none), checked against
-    the local length: ``ValueError`` naming the argument, before any communication."""
-    if cu_seqlens is None:
-        if cu_seqlens_padded is not None:
-            raise ValueError("cu_seqlens_padded needs cu_seqlens (the real boundaries)")
-        return None
-    packed = PackedLayout.create(cp_size, cu_seqlens, cu_seqlens_padded)
-    if packed.total != cp_size * s_local:
-        name = "cu_seqlens_padded" if cu_seqlens_padded is not None else "cu_seqlens"
-        raise ValueError(
-            f"{name} ends at {packed.total}, but the sequence has cp_size * s_local = "
-            f"{cp_size} * {s_local} = {cp_size * s_local} tokens"
-        )
-    return packed
 
 
 def startrail_attention(

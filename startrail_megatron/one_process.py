@@ -29,18 +29,13 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .attention import (
-    RankContext,
-    packed_layout,
-    startrail_rank_backward,
-    startrail_rank_forward,
-    validate_inputs,
-)
+from .attention import RankContext, startrail_rank_backward, startrail_rank_forward
 from .comm import CommLedger
 from .comm.in_process import Baton, InProcessP2P, InProcessTeam, InProcessWorld
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, resolve_kernel
 from .layout import Placement, StarTrailLayout
+from .validation import packed_layout, validate_inputs
 
 __all__ = ["RankTimer", "one_process_attention"]
 

@@ -627,7 +627,7 @@ def _hf_call(monkeypatch, **kwargs):
 
     calls = []
 
-    def fake(q, k, v, groups, causal, softmax_scale, ledger):
+    def fake(q, k, v, groups, causal, softmax_scale, ledger, cu_seqlens, cu_seqlens_padded):
         calls.append({"causal": causal, "softmax_scale": softmax_scale})
         return q
 
@@ -635,7 +635,10 @@ def _hf_call(monkeypatch, **kwargs):
     module = torch.nn.Module()
     module.is_causal = True
     handle = SimpleNamespace(
-        mpu=SimpleNamespace(startrail=SimpleNamespace(cp_size=4)), ledger=None, local_lengths=set()
+        mpu=SimpleNamespace(startrail=SimpleNamespace(cp_size=4)),
+        ledger=None,
+        local_lengths=set(),
+        packed=None,
     )
     setattr(module, hf._SPEC_ATTR, handle)
     q = torch.zeros(1, 4, 8, 16)  # [b, hq, S/P, d]: the global sequence is 32

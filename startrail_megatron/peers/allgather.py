@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..attention import validate_inputs
 from ..block_plan import allgather_calls
 from ..comm import CommLedger, TeamComm
 from ..kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
+from ..validation import validate_inputs
 from ..zigzag import inverse_order, reorder_chunks
 from .common import cp_rank_and_size, natural_order
 

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..accounting import ulysses_supported
-from ..attention import validate_inputs
 from ..comm import CommLedger, tap_all_to_all
 from ..kernels import AttentionKernel, resolve_kernel
+from ..validation import validate_inputs
 from ..zigzag import inverse_order, reorder_chunks
 from .common import cp_rank_and_size, natural_order
 
