@@ -21,8 +21,8 @@
    document instead (``packing.py``: each document padded to a multiple of 2P,
    labels -100 on padding and at each document's last token) and its attention
    stays inside each document (``cu_seqlens``). Scripts that shard in their data
-   loader (``StarTrailDataLoaderAdapter``) use ``shard_inputs=False``; that path
-   refuses packed rows.
+   loader (``StarTrailDataLoaderAdapter``, which does the same for packed rows)
+   use ``shard_inputs=False``.
 3. Loss: transformers' causal-LM loss is given ``shift_labels`` and
    ``num_items_in_batch`` = (valid tokens of the global batch) / D, so each
    rank's loss is (its token-loss sum) / that count: the sequence ranks'
@@ -59,6 +59,8 @@ __all__ = [
 ]
 
 ATTN_IMPLEMENTATION = "startrail"
+PACKED_KEY = "startrail_packed"
+"""The batch key of a packed row's ``PackedLayout`` (``StarTrailDataLoaderAdapter``)."""
 _SPEC_ATTR = "_startrail_groups"
 IGNORE_INDEX = -100
 
@@ -172,8 +174,8 @@ def shard_causal_lm_batch(
     shard, packed = _shard_batch(input_ids, labels, position_ids, sp_rank, sp_size)
     if packed is not None:
         raise ValueError(
-            f"position_ids: {_PACKED}; or let the model shard (prepare_hf_model(..., "
-            "shard_inputs=True)), which trains packed rows"
+            f"position_ids: {_PACKED}; packed rows train when the model shards them "
+            "(prepare_hf_model(..., shard_inputs=True)) or through StarTrailDataLoaderAdapter"
         )
     return shard
 
@@ -322,6 +324,15 @@ class HFHandle:
                 "batch so every token is valid (an all-ones mask is accepted)"
             )
         mpu = self.mpu
+        given = kwargs.pop(PACKED_KEY, None)  # StarTrailDataLoaderAdapter's packed layout
+        if given is not None and not isinstance(given, PackedLayout):
+            raise ValueError(f"{PACKED_KEY} must be a PackedLayout, got {type(given).__name__}")
+        if given is not None and self.shard_inputs:
+            raise ValueError(
+                f"{PACKED_KEY} comes with already sharded batches (shard_inputs=False); this "
+                "model shards its inputs itself"
+            )
+        self.packed = given
         if self.shard_inputs:
             ids = kwargs["input_ids"]
             _check_same_batch(ids, mpu.sequence_parallel_group)
@@ -344,7 +355,7 @@ class HFHandle:
                 "with shard_inputs=False pass shift_labels (StarTrailDataLoaderAdapter gives "
                 "them), not labels: labels must be shifted over the global sequence"
             )
-        if not self.shard_inputs and kwargs.get("position_ids") is not None:
+        if not self.shard_inputs and given is None and kwargs.get("position_ids") is not None:
             # A zigzag shard holds two runs (chunks r and 2P-1-r): each must step by one.
             for half in kwargs["position_ids"].chunk(2, dim=-1):
                 _check_consecutive(half, "position_ids (this rank's zigzag shard)")
@@ -419,7 +430,10 @@ class StarTrailDataLoaderAdapter:
 
     For a model prepared with ``shard_inputs=False``. The P ranks of a replica
     must iterate the same batches (shard the data over
-    ``mpu.data_parallel_rank``); ``num_items_in_batch`` is an all-reduce.
+    ``mpu.data_parallel_rank``); ``num_items_in_batch`` is an all-reduce. A packed
+    row (position_ids restarting at 0 per document, batch of one row) is sharded per
+    document and its layout passed along as ``startrail_packed``, which the prepared
+    model's pre-hook removes before the model sees the batch.
     """
 
     def __init__(self, batches: Iterable[Mapping[str, Tensor]], mpu: StarTrailMPU):
@@ -431,13 +445,15 @@ class StarTrailDataLoaderAdapter:
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         mpu = self.mpu
         for batch in self.batches:
-            out = shard_causal_lm_batch(
+            out, packed = _shard_batch(
                 batch["input_ids"],
                 batch.get("labels"),
                 batch.get("position_ids"),
                 mpu.get_sequence_parallel_rank(),
                 mpu.get_sequence_parallel_world_size(),
             )
+            if packed is not None:
+                out[PACKED_KEY] = packed  # the prepared model's pre-hook takes it out
             if "shift_labels" in out:
                 out["num_items_in_batch"] = _loss_normalizer(out["shift_labels"], mpu)
             yield out
