@@ -116,8 +116,9 @@ def _deepspeed(rank, world, stage, team, dp):
             torch.distributed.all_reduce(replicas, group=ps.get_data_parallel_group())
             losses.append(replicas.item() / dp)  # the global batch's loss
         proof = startrail_proof(T.parse_args(argv), engine.module, STEPS)
-        try:  # two documents packed in one row: refused by name, never trained as one
-            engine(ids, pos.remainder(pos.shape[1] // 2), None, labels=labels)
+        try:  # position ids that jump inside a document: refused by name, never trained
+            jump = torch.cat([torch.arange(5), torch.arange(10, 10 + pos.shape[1] - 5)])[None]
+            engine(ids, jump, None, labels=labels)
             packed_error = None
         except ValueError as e:
             packed_error = str(e)
@@ -144,7 +145,7 @@ def test_megatron_gpt_through_deepspeed_matches_single_rank(stage, team, dp):
     ref_losses, ref_params = run_ranks(1, _reference, dp)[0]
     for losses, params, packed_error, proof in run_ranks(4 * dp, _deepspeed, stage, team, dp):
         assert_startrail_ran(proof)
-        assert packed_error is not None and "position_ids: packed sequences" in packed_error
+        assert packed_error is not None and "position_ids[5] = 10 after 4" in packed_error
         assert len(losses) == len(ref_losses)
         for a, b in zip(losses, ref_losses):
             assert abs(a - b) <= 1e-5 * abs(b), (losses, ref_losses)
@@ -180,3 +181,86 @@ def _no_startrail_spec(rank, world):
 def test_megatron_gpt_mismatched_cp_size_is_refused():
     msg = run_ranks(4, _no_startrail_spec)
     assert all(m is not None and "startrail.sequence_parallel_size=4" in m for m in msg), msg
+
+
+# ---- packed documents in one row (position ids restarting per document) ----------------------
+DOC_LENGTHS = [9, 3, 14, 1, 5]  # 32 tokens in one row
+
+
+def _packed_docs():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 128, (n + 1,), generator=g) for n in DOC_LENGTHS]
+
+
+def _packed_reference(rank, world):
+    """Megatron's own attention at CP = 1 on each document on its own: per-token losses, and
+    the parameters after one clipped SGD step on their mean."""
+    model = _model(ARGV)
+    try:
+        per_token = torch.cat(
+            [
+                model(d[:-1][None], torch.arange(len(d) - 1)[None], None, labels=d[1:][None])[0]
+                for d in _packed_docs()
+            ]
+        )
+        per_token.mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        torch.optim.SGD(model.parameters(), lr=LR).step()
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        return per_token.detach(), params
+    finally:
+        T.teardown()
+
+
+def _packed_deepspeed(rank, world):
+    import os
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    argv = ARGV + ["--context-parallel-size", "4", "--context-parallel-impl", "startrail"]
+    model = _model(argv + ["--startrail-team-size", "2"])
+    try:
+        cfg = ds_config(1, 1, {"enabled": True, "sequence_parallel_size": 4, "team_size": 2})
+        engine, _, _, _ = sds.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg
+        )
+        docs = _packed_docs()
+        ids = torch.cat([d[:-1] for d in docs])[None]
+        labels = torch.cat([d[1:] for d in docs])[None]
+        pos = torch.cat([torch.arange(n) for n in DOC_LENGTHS])[None]
+        per_token = engine(ids, pos, None, labels=labels)
+        engine.backward(per_token.mean())
+        engine.step()
+        params = {k: v.detach().clone() for k, v in engine.module.named_parameters()}
+        lengths = sorted(get_state().local_lengths)
+        del engine
+        gc.collect()
+        return per_token.detach()[0], lengths, params
+    finally:
+        T.teardown()
+
+
+def get_state():
+    from megatron.core import parallel_state as ps
+
+    from startrail_megatron.megatron.registry import get_startrail_state
+
+    return get_startrail_state(ps.get_context_parallel_group())
+
+
+def test_packed_row_through_deepspeed_matches_documents_one_by_one():
+    """Per-token losses (padding dropped) and every rank's parameters after one step equal
+    Megatron's own attention on each document at CP = 1 (1e-5)."""
+    ref, ref_params = run_ranks(1, _packed_reference)[0]
+    from startrail_megatron.packing import pack_lengths
+
+    s_local = pack_lengths(DOC_LENGTHS, 4).s_local
+    for per_token, lengths, params in run_ranks(4, _packed_deepspeed):
+        assert per_token.shape == ref.shape == (sum(DOC_LENGTHS),)  # padding dropped
+        assert (per_token - ref).abs().max() <= 1e-5 * ref.abs().max()
+        assert lengths == [s_local]  # StarTrail's per-document layout ran
+        assert params.keys() == ref_params.keys()
+        for k, r in ref_params.items():
+            err = ((params[k] - r).abs().max() / r.abs().max()).item()
+            assert err <= 1e-5, f"{k}: {err:.2e}"

@@ -9,7 +9,9 @@ loop, like a model of the whole sequence:
 
 * a forward pre-hook cuts full-length ``input_ids``, ``position_ids`` and
   ``labels`` ``[b, s]`` into this CP rank's zigzag shard (the P ranks of a
-  replica must be given the same batch; checked);
+  replica must be given the same batch; checked); a packed row (one row whose
+  position ids restart at 0 per document) is cut per document instead and the
+  model gets its ``PackedSeqParams(qkv_format="thd")``;
 * a forward hook all-gathers the output (per-token losses ``[b, s_local]`` or
   logits ``[b, s_local, V]``) over the CP group and restores sequence order,
   so ``loss = (losses * loss_mask).sum() / loss_mask.sum()`` is the exact
@@ -30,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..zigzag import zigzag_shard, zigzag_unshard
+from ..packing import PackedLayout, lengths_from_position_ids, pack_lengths
+from ..zigzag import shard_packed, unshard_packed, zigzag_shard, zigzag_unshard
 from .config import StarTrailConfig
-from .hf import _check_consecutive, _check_same_batch, _ScaleGrad
+from .hf import _check_same_batch, _ScaleGrad
 from .mpu import StarTrailMPU
 
 __all__ = ["is_megatron_gpt", "megatron_mpu", "prepare_megatron_gpt"]
@@ -93,21 +96,49 @@ def megatron_mpu(config: StarTrailConfig) -> StarTrailMPU:
 
 
 class _GatherSequence(torch.autograd.Function):
-    """[b, s_local, ...] zigzag shards -> [b, s, ...] on every CP rank; backward: own slice."""
+    """[b, s_local, ...] shards -> [b, s, ...] on every CP rank; backward: own slice.
+
+    Zigzag shards, or with ``packed`` the per-document shards of one packed row (the
+    padding dropped on the way out, zero gradient on it on the way back)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup, rank: int, size: int) -> Tensor:
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, rank: int, size: int, packed=None):
         parts = [torch.empty_like(x) for _ in range(size)]
         dist.all_gather(parts, x.contiguous(), group=group)
-        ctx.rank, ctx.size = rank, size
+        ctx.rank, ctx.size, ctx.packed = rank, size, packed
+        if packed is not None:
+            return unshard_packed(parts, packed, dim=1)
         return zigzag_unshard(parts, dim=1)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return zigzag_shard(g, ctx.rank, ctx.size, dim=1).contiguous(), None, None, None
+        if ctx.packed is not None:
+            local = shard_packed(g, ctx.packed, ctx.rank, dim=1)
+        else:
+            local = zigzag_shard(g, ctx.rank, ctx.size, dim=1)
+        return local.contiguous(), None, None, None, None
 
 
 _ARG_NAMES = ("input_ids", "position_ids", "attention_mask")
+
+
+def _packed_row(position_ids, shape, cp_size: int) -> PackedLayout | None:
+    """The layout of a packed row (position ids restarting at 0 per document), or None."""
+    if position_ids is None:
+        return None
+    pos = position_ids.expand(shape)
+    if pos.shape[-1] < 2 or bool((pos.diff(dim=-1) == 1).all()):
+        return None
+    if shape[0] != 1:
+        raise ValueError(
+            f"position_ids: packed documents (position ids restarting at 0) need one row per "
+            f"batch, got {shape[0]} rows"
+        )
+    try:
+        lengths = lengths_from_position_ids(pos[0].tolist())
+    except ValueError as e:
+        raise ValueError(f"position_ids: {e}") from e
+    return pack_lengths(lengths, cp_size)
 
 
 @dataclass
@@ -117,6 +148,8 @@ class MegatronHandle:
     model: nn.Module
     mpu: StarTrailMPU
     grad_scale: float = 1.0
+    packed: PackedLayout | None = None
+    """The documents of the packed row in the forward now running (None: not packed)."""
     _hooks: list = field(default_factory=list)
     _unmarked: list = field(default_factory=list)
 
@@ -137,15 +170,26 @@ class MegatronHandle:
                 "pass attention_mask=None: StarTrail's causal attention needs no mask tensor "
                 "(padding masks are not supported)"
             )
+        if kwargs.get("packed_seq_params") is not None:
+            raise ValueError(
+                "pass packed documents as position_ids restarting at 0 per document (one row); "
+                "the adapter builds packed_seq_params from the full row itself"
+            )
         mpu = self.mpu
         p, r = mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank()
         ids = kwargs["input_ids"]
-        if kwargs.get("position_ids") is not None:
-            _check_consecutive(kwargs["position_ids"], "position_ids")
         _check_same_batch(ids, mpu.sequence_parallel_group)
+        self.packed = _packed_row(kwargs.get("position_ids"), ids.shape, p)
         for name in ("input_ids", "position_ids", "labels"):
             if kwargs.get(name) is not None:
-                kwargs[name] = zigzag_shard(kwargs[name], r, p, dim=1)
+                if self.packed is not None:
+                    kwargs[name] = shard_packed(kwargs[name], self.packed, r, dim=1)
+                else:
+                    kwargs[name] = zigzag_shard(kwargs[name], r, p, dim=1)
+        if self.packed is not None:
+            from ..megatron.attention import packed_seq_params
+
+            kwargs["packed_seq_params"] = packed_seq_params(self.packed, ids.device)
         return tuple(args), kwargs
 
     def _post_hook(self, module, args, kwargs, output):
@@ -154,11 +198,13 @@ class MegatronHandle:
                 f"StarTrail's GPTModel adapter expects a tensor output, got {type(output).__name__}"
             )
         mpu = self.mpu
+        packed, self.packed = self.packed, None
         out = _GatherSequence.apply(
             output,
             mpu.sequence_parallel_group,
             mpu.get_sequence_parallel_rank(),
             mpu.get_sequence_parallel_world_size(),
+            packed,
         )
         return _ScaleGrad.apply(out, self.grad_scale) if self.grad_scale != 1.0 else out
 
