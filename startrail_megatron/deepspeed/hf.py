@@ -180,6 +180,32 @@ def shard_causal_lm_batch(
     return shard
 
 
+def packed_row_layout(position_ids: Tensor | None, shape, cp_size: int) -> PackedLayout | None:
+    """The ``PackedLayout`` of a packed row (position ids restarting at 0 per document,
+    as ``DataCollatorWithFlattening`` makes), or ``None`` for position ids that step by one.
+
+    ``shape``: the batch's ``(rows, S)``. ``ValueError`` naming ``position_ids`` for
+    several packed rows or ids that jump inside a document.
+    """
+    if position_ids is None:
+        return None
+    pos = position_ids.expand(shape)
+    if pos.shape[-1] < 2 or bool((pos.diff(dim=-1) == 1).all()):
+        return None
+    if shape[0] != 1:
+        raise ValueError(
+            f"position_ids: packed documents (position ids restarting at 0) need one row per "
+            f"batch (DataCollatorWithFlattening's layout), got {shape[0]} rows"
+        )
+    try:
+        lengths = lengths_from_position_ids(pos[0].tolist())
+    except ValueError as e:
+        raise ValueError(
+            f"position_ids: {e} (packed sequences: the ids restart at 0 for every document)"
+        ) from e
+    return pack_lengths(lengths, cp_size)
+
+
 def _shard_batch(input_ids, labels, position_ids, sp_rank: int, sp_size: int):
     """(this rank's shard, the PackedLayout of a packed row or None): zigzag for one
     sequence per row; per-document zigzag for one row of documents whose position ids
@@ -197,8 +223,8 @@ def _shard_batch(input_ids, labels, position_ids, sp_rank: int, sp_size: int):
     shifted = None
     if labels is not None:
         shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    consecutive = position_ids.shape[-1] < 2 or bool((position_ids.diff(dim=-1) == 1).all())
-    if consecutive:
+    packed = packed_row_layout(position_ids, (b, s), sp_size)
+    if packed is None:
         position_ids = position_ids.expand(b, s)
         out = {
             "input_ids": zigzag_shard(input_ids, sp_rank, sp_size, dim=1),
@@ -207,22 +233,12 @@ def _shard_batch(input_ids, labels, position_ids, sp_rank: int, sp_size: int):
         if shifted is not None:
             out["shift_labels"] = zigzag_shard(shifted, sp_rank, sp_size, dim=1)
         return out, None
-    if b != 1 or position_ids.shape[0] != 1:
-        raise ValueError(
-            f"position_ids: packed documents (position ids restarting at 0) need one row per "
-            f"batch (DataCollatorWithFlattening's layout), got {b} rows"
-        )
-    try:
-        lengths = lengths_from_position_ids(position_ids[0].tolist())
-    except ValueError as e:
-        raise ValueError(f"position_ids: {e}; {_PACKED}") from e
-    packed = pack_lengths(lengths, sp_size)
     out = {
         "input_ids": shard_packed(input_ids, packed, sp_rank, dim=1),
         "position_ids": shard_packed(position_ids.expand(1, s), packed, sp_rank, dim=1),
     }
     if shifted is not None:
-        ends = [packed.cu_seqlens[d + 1] - 1 for d in range(packed.num_docs) if lengths[d]]
+        ends = [packed.cu_seqlens[d + 1] - 1 for d, n in enumerate(packed.lengths) if n]
         shifted[:, ends] = IGNORE_INDEX
         out["shift_labels"] = shard_packed(shifted, packed, sp_rank, dim=1, fill=IGNORE_INDEX)
     return out, packed

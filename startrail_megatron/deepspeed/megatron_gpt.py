@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..packing import PackedLayout, lengths_from_position_ids, pack_lengths
+from ..packing import PackedLayout
 from ..zigzag import shard_packed, unshard_packed, zigzag_shard, zigzag_unshard
 from .config import StarTrailConfig
-from .hf import _check_same_batch, _ScaleGrad
+from .hf import _check_same_batch, _ScaleGrad, packed_row_layout
 from .mpu import StarTrailMPU
 
 __all__ = ["is_megatron_gpt", "megatron_mpu", "prepare_megatron_gpt"]
@@ -122,25 +122,6 @@ class _GatherSequence(torch.autograd.Function):
 _ARG_NAMES = ("input_ids", "position_ids", "attention_mask")
 
 
-def _packed_row(position_ids, shape, cp_size: int) -> PackedLayout | None:
-    """The layout of a packed row (position ids restarting at 0 per document), or None."""
-    if position_ids is None:
-        return None
-    pos = position_ids.expand(shape)
-    if pos.shape[-1] < 2 or bool((pos.diff(dim=-1) == 1).all()):
-        return None
-    if shape[0] != 1:
-        raise ValueError(
-            f"position_ids: packed documents (position ids restarting at 0) need one row per "
-            f"batch, got {shape[0]} rows"
-        )
-    try:
-        lengths = lengths_from_position_ids(pos[0].tolist())
-    except ValueError as e:
-        raise ValueError(f"position_ids: {e}") from e
-    return pack_lengths(lengths, cp_size)
-
-
 @dataclass
 class MegatronHandle:
     """What ``prepare_megatron_gpt`` changed; ``remove()`` undoes it."""
@@ -179,7 +160,7 @@ class MegatronHandle:
         p, r = mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank()
         ids = kwargs["input_ids"]
         _check_same_batch(ids, mpu.sequence_parallel_group)
-        self.packed = _packed_row(kwargs.get("position_ids"), ids.shape, p)
+        self.packed = packed_row_layout(kwargs.get("position_ids"), ids.shape, p)
         for name in ("input_ids", "position_ids", "labels"):
             if kwargs.get(name) is not None:
                 if self.packed is not None:
