@@ -410,7 +410,7 @@ def _packed_reference():
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _packed_train(rank, world, stage, use_adapter=False):
+def _packed_train(rank, world, stage, use_adapter=False, flash_kwargs=False):
     _ds_env(rank, world)
     model = tiny_llama()
     cfg = make_cfg(stage, dp=1, startrail=_st(4, 2))
@@ -425,6 +425,13 @@ def _packed_train(rank, world, stage, use_adapter=False):
         }
         for docs in _packed_batches()
     ]
+    if flash_kwargs:  # DataCollatorWithFlattening(return_flash_attn_kwargs=True)'s form
+        for row, docs in zip(rows, _packed_batches()):
+            cu = torch.tensor([0, *torch.tensor([len(d) for d in docs]).cumsum(0).tolist()])
+            longest = max(len(d) for d in docs)
+            del row["position_ids"]
+            row.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest)
+            row.update(max_length_k=longest)
     if use_adapter:  # the data loader shards; the batch carries the packed layout
         engine.startrail_handle.shard_inputs = False
         rows = sds.StarTrailDataLoaderAdapter(rows, engine.startrail_mpu)
@@ -441,13 +448,16 @@ def _packed_train(rank, world, stage, use_adapter=False):
     return losses, params, proof
 
 
-@pytest.mark.parametrize("stage, use_adapter", [(1, False), (3, False), (2, True)])
-def test_packed_rows_train_like_unpacked_documents(stage, use_adapter):
+@pytest.mark.parametrize(
+    "stage, use_adapter, flash_kwargs",
+    [(1, False, False), (3, False, False), (2, True, False), (1, False, True)],
+)
+def test_packed_rows_train_like_unpacked_documents(stage, use_adapter, flash_kwargs):
     """Issue 12: documents packed in one row with position_ids restarting per document give
     the losses and parameters of the documents trained unpacked on one rank (1e-5)."""
     ref_losses, ref_params = _packed_reference()
     layouts = [pack_lengths(docs, 4) for docs in PACKED_STEPS]
-    for losses, params, proof in run_ranks(4, _packed_train, stage, use_adapter):
+    for losses, params, proof in run_ranks(4, _packed_train, stage, use_adapter, flash_kwargs):
         assert len(losses) == len(ref_losses)
         for a, b in zip(losses, ref_losses):
             assert abs(a - b) <= REL * abs(b), (losses, ref_losses)

@@ -17,8 +17,8 @@
    keeps this rank's zigzag shard (``shard_causal_lm_batch``): input_ids,
    position_ids (global, so RoPE is right) and labels shifted *before*
    sharding. A row of packed documents whose position_ids restart at 0 per
-   document (``DataCollatorWithFlattening``, batch of one row) is sharded per
-   document instead (``packing.py``: each document padded to a multiple of 2P,
+   document (``DataCollatorWithFlattening``, batch of one row; or its
+   ``cu_seq_lens_q/k`` flash-attention kwargs) is sharded per document instead (``packing.py``: each document padded to a multiple of 2P,
    labels -100 on padding and at each document's last token) and its attention
    stays inside each document (``cu_seqlens``). Scripts that shard in their data
    loader (``StarTrailDataLoaderAdapter``, which does the same for packed rows)
@@ -206,6 +206,39 @@ def packed_row_layout(position_ids: Tensor | None, shape, cp_size: int) -> Packe
     return pack_lengths(lengths, cp_size)
 
 
+_FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _position_ids_from_flash_kwargs(kwargs: dict, shape) -> Tensor | None:
+    """The position ids of a packed row given as transformers' flash-attention varlen
+    kwargs (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): the kwargs are
+    taken out (StarTrail's attention gets the documents itself) and their boundaries become
+    position ids restarting at 0 per document; ``kwargs["position_ids"]`` otherwise."""
+    if all(kwargs.get(k) is None for k in _FLASH_KWARGS):
+        return kwargs.get("position_ids")
+    cu_q, cu_k = (kwargs.pop(k, None) for k in _FLASH_KWARGS[:2])
+    for k in _FLASH_KWARGS[2:]:
+        kwargs.pop(k, None)
+    if cu_q is None or (cu_k is not None and not torch.equal(cu_q.cpu(), cu_k.cpu())):
+        raise ValueError(
+            "cu_seq_lens_q and cu_seq_lens_k must both be given and equal (self-attention of "
+            "one packed row)"
+        )
+    cu = [int(x) for x in cu_q.tolist()]
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != shape[-1] or shape[0] != 1:
+        raise ValueError(
+            f"cu_seq_lens_q must run from 0 to the row's length {shape[-1]} over one row "
+            f"(batch {shape[0]}), got {cu}"
+        )
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seq_lens_q must not decrease, got {cu}")
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])[None]
+    given = kwargs.get("position_ids")
+    if given is not None and not torch.equal(given.expand(shape).cpu(), pos):
+        raise ValueError("position_ids disagree with cu_seq_lens_q (documents restart at 0)")
+    return pos.to(kwargs["input_ids"].device)
+
+
 def _shard_batch(input_ids, labels, position_ids, sp_rank: int, sp_size: int):
     """(this rank's shard, the PackedLayout of a packed row or None): zigzag for one
     sequence per row; per-document zigzag for one row of documents whose position ids
@@ -352,10 +385,11 @@ class HFHandle:
         if self.shard_inputs:
             ids = kwargs["input_ids"]
             _check_same_batch(ids, mpu.sequence_parallel_group)
+            position_ids = _position_ids_from_flash_kwargs(kwargs, ids.shape)
             shard, self.packed = _shard_batch(
                 ids,
                 kwargs.get("labels"),
-                kwargs.get("position_ids"),
+                position_ids,
                 mpu.get_sequence_parallel_rank(),
                 mpu.get_sequence_parallel_world_size(),
             )
