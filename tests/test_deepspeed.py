@@ -759,3 +759,22 @@ def test_launch_reads_configs_as_deepspeed_does(tmp_path, monkeypatch):
     )
     assert launch._maybe_install_megatron_hooks(["--deepspeed_config", str(path)])
     assert calls == [(2, "team")]
+
+
+def test_flash_varlen_kwargs_become_position_ids_or_are_refused():
+    from startrail_megatron.deepspeed.hf import _position_ids_from_flash_kwargs as conv
+
+    ids = torch.zeros(1, 7, dtype=torch.long)
+    cu = torch.tensor([0, 3, 3, 7])
+    kw = {"input_ids": ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 4}
+    assert conv(kw, ids.shape).tolist() == [[0, 1, 2, 0, 1, 2, 3]]
+    assert not any(k in kw for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q"))
+    for bad, match in [
+        ({"cu_seq_lens_q": cu, "cu_seq_lens_k": torch.tensor([0, 7])}, "must both be given"),
+        ({"cu_seq_lens_q": torch.tensor([0, 5])}, "from 0 to the row's length 7"),
+        ({"cu_seq_lens_q": torch.tensor([0, 5, 2, 7])}, "must not decrease"),
+        ({"cu_seq_lens_q": cu, "position_ids": torch.arange(7)[None]}, "disagree"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            conv({"input_ids": ids, **bad}, ids.shape)
+    assert conv({"input_ids": ids, "position_ids": None}, ids.shape) is None
