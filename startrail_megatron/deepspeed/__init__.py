@@ -12,15 +12,10 @@ Entry points:
 """
 
 from . import patch
+from .batches import StarTrailDataLoaderAdapter, shard_causal_lm_batch
 from .config import StarTrailConfig
 from .entry import initialize
-from .hf import (
-    HFHandle,
-    StarTrailDataLoaderAdapter,
-    prepare_hf_model,
-    shard_causal_lm_batch,
-    startrail_hf_attention,
-)
+from .hf import HFHandle, prepare_hf_model, startrail_hf_attention
 from .mpu import StarTrailMPU
 
 __all__ = [

@@ -34,8 +34,9 @@ from torch import Tensor, nn
 
 from ..packing import PackedLayout
 from ..zigzag import shard_packed, unshard_packed, zigzag_shard, zigzag_unshard
+from .batches import _check_same_batch, packed_row_layout
 from .config import StarTrailConfig
-from .hf import _check_same_batch, _ScaleGrad, packed_row_layout
+from .hf import _ScaleGrad
 from .mpu import StarTrailMPU
 
 __all__ = ["is_megatron_gpt", "megatron_mpu", "prepare_megatron_gpt"]
