@@ -35,6 +35,7 @@ most 2*(1+1) = 4 forward and 4 + 2*(1+1) = 8 backward.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -44,6 +45,7 @@ from .block_plan import packed_team_order, startrail_step_rows
 from .comm import CommLedger, P2PComm, PeerExchange, TeamCollectives, TeamComm
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
+from .layout import StarTrailLayout
 from .packing import PackedLayout
 from .validation import agree_once, packed_layout, validate_inputs
 from .zigzag import inverse_order, reorder_chunks
@@ -55,6 +57,20 @@ __all__ = [
     "startrail_rank_forward",
     "validate_inputs",
 ]
+
+
+@lru_cache(maxsize=8)  # one team per rank: the batches in flight (forward, backward)
+def _team_rows_index(
+    layout: StarTrailLayout, team: int, packed: PackedLayout, device: torch.device
+) -> tuple[Tensor, Tensor] | None:
+    """(order, its inverse) of ``block_plan.packed_team_order`` as index tensors on
+    ``device``, built once per packed layout rather than in every layer's call; ``None``
+    when the order is the identity (a team of one rank)."""
+    order = packed_team_order(layout, team, packed)
+    if order == tuple(range(len(order))):
+        return None
+    idx = torch.tensor(order, dtype=torch.long, device=device)
+    return idx, torch.argsort(idx)
 
 
 class RankContext:
@@ -91,29 +107,24 @@ class RankContext:
             c2 = 2 * lay.team_size
             self.perm = lay.team_chunk_order(self.team) if causal else list(range(c2))
             self.inv_perm = inverse_order(self.perm)
-        else:  # per document: row indices (documents have their own chunk lengths)
-            order = packed_team_order(lay, self.team, packed)
-            self._order = None if order == tuple(range(len(order))) else order
-            self._index: dict = {}
 
-    def _rows_index(self, device: torch.device, inverse: bool) -> Tensor:
-        key = (device, inverse)
-        if key not in self._index:
-            idx = torch.tensor(self._order, dtype=torch.long, device=device)
-            self._index[key] = torch.argsort(idx) if inverse else idx
-        return self._index[key]
+    def _packed_index(self, device: torch.device, inverse: bool) -> Tensor | None:
+        index = _team_rows_index(self.layout, self.team, self.packed, device)
+        return None if index is None else index[inverse]
 
     def to_team_order(self, x: Tensor) -> Tensor:
         """The all-gathered member order -> the team buffer's order (rows, dim 0)."""
         if self.packed is None:
             return reorder_chunks(x, self.perm)
-        return x if self._order is None else x.index_select(0, self._rows_index(x.device, False))
+        idx = self._packed_index(x.device, False)
+        return x if idx is None else x.index_select(0, idx)
 
     def from_team_order(self, x: Tensor) -> Tensor:
         """The team buffer's order -> member order (the inverse of ``to_team_order``)."""
         if self.packed is None:
             return reorder_chunks(x, self.inv_perm)
-        return x if self._order is None else x.index_select(0, self._rows_index(x.device, True))
+        idx = self._packed_index(x.device, True)
+        return x if idx is None else x.index_select(0, idx)
 
     def rows(self, step: int, s_local: int):
         """This rank's kernel calls at ``step`` on team-buffer rows (``block_plan``)."""
