@@ -41,13 +41,13 @@ def pack_micro_batch(batch: dict, eod: int) -> tuple[dict, object]:
     from ..attention import packed_seq_params
 
     tokens = batch["tokens"]
+    seq = tokens.shape[1]
     lengths = []
-    for row in tokens.tolist():
-        start = 0
-        for i, t in enumerate(row):
-            if t == eod or i == len(row) - 1:
-                lengths.append(i + 1 - start)
-                start = i + 1
+    for row in tokens:
+        ends = [i + 1 for i in (row == eod).nonzero().flatten().tolist()]
+        if not ends or ends[-1] != seq:
+            ends.append(seq)
+        lengths += [b - a for a, b in zip([0, *ends[:-1]], ends)]
     cp = parallel_state.get_context_parallel_world_size()
     packed = pack_lengths(lengths, cp)
     r = parallel_state.get_context_parallel_rank()
