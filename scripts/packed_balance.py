@@ -7,7 +7,9 @@ from a long-tailed (log-normal) distribution and scaled to about ``--tokens`` to
 packed layout pads each to a multiple of 2P (``pack_lengths``). For each team size C the
 script counts, from the calls the attention makes (``block_plan.startrail_step_rows``), the
 (query, key) pairs each rank computes (the masked half of diagonal tiles included, as the
-kernels compute them), the kernel calls, and the P2P and collective bytes per rank of one
+kernels compute them), the kernel calls (one per document and block, as on CPU and the SDPA
+kernels; and grouped, one per block-plan call, as flash-attn's varlen functions and TE's
+THD format take them: ``block_plan.startrail_step_varlen``), and the P2P and collective bytes per rank of one
 forward and backward (``accounting``), and prints them beside the same tokens as one dense
 causal sequence and beside the pairs the documents really need. The table in
 docs/performance.md ("Packed documents") is this script's output.
@@ -20,7 +22,7 @@ import math
 import random
 
 from startrail_megatron.accounting import LocalShape, startrail_comm_bytes
-from startrail_megatron.block_plan import startrail_step_rows
+from startrail_megatron.block_plan import startrail_step_rows, startrail_step_varlen
 from startrail_megatron.layout import StarTrailLayout, valid_team_sizes
 from startrail_megatron.packing import pack_lengths
 
@@ -32,19 +34,22 @@ def long_tailed_lengths(n_docs: int, tokens: int, seed: int) -> list[int]:
     return [max(1, round(x * scale)) for x in raw]
 
 
-def rank_work(lay: StarTrailLayout, s_local: int, packed) -> list[tuple[int, int]]:
-    """[rank] -> ((q, k) pairs computed, kernel calls) over every step, per (batch, head)."""
+def rank_work(lay: StarTrailLayout, s_local: int, packed) -> list[tuple[int, int, int]]:
+    """[rank] -> ((q, k) pairs computed, kernel calls, varlen kernel calls) over every step,
+    per (batch, head)."""
     out = []
     for r in range(lay.cp_size):
-        pairs = calls = 0
+        pairs = calls = grouped = 0
         for step in range(lay.ring_size):
+            if packed is not None:
+                grouped += len(startrail_step_varlen(lay, r, step, True, packed))
             for q_lo, q_hi, kv_lo, kv_hi, cz in startrail_step_rows(
                 lay, r, step, True, s_local, packed
             ):
                 nq, nk = q_hi - q_lo, kv_hi - kv_lo
                 pairs += nq * (nq + 1) // 2 if cz else nq * nk
                 calls += 1
-        out.append((pairs, calls))
+        out.append((pairs, calls, grouped if packed is not None else calls))
     return out
 
 
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     hdr = (
         f"{'C':>2} {'layout':>6} {'pairs/rank max':>15} {'max/mean':>9} {'vs need/P':>10} "
-        f"{'calls/rank':>10} {'P2P MiB/rank':>13} {'coll MiB/rank':>14} {'P2P vs dense':>13}"
+        f"{'calls/rank':>10} {'varlen':>6} {'P2P MiB/rank':>13} {'coll MiB/rank':>14} {'P2P vs dense':>13}"
     )
     print(hdr)
     for c in valid_team_sizes(P):
@@ -90,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
             work = rank_work(lay, s_local, lay_packed)
             pairs = [w[0] for w in work]
             calls = max(w[1] for w in work)
+            grouped = max(w[2] for w in work)
             shape = LocalShape(s_local, 1, args.heads, args.kv_heads, args.head_dim, 2, 4)
             byts = [startrail_comm_bytes(lay, r, shape) for r in range(P)]
             p2p = max(b["fwd_p2p"] + b["bwd_p2p"] for b in byts)
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
             ratio = "" if name == "packed" else f"{packed_p2p / p2p:13.3f}"
             print(
                 f"{c:>2} {name:>6} {max(pairs):>15.4g} {max(pairs) / (sum(pairs) / P):>9.3f} "
-                f"{max(pairs) / (need / P):>10.2f} {calls:>10} {p2p / 2**20:>13.1f} "
+                f"{max(pairs) / (need / P):>10.2f} {calls:>10} {grouped:>6} {p2p / 2**20:>13.1f} "
                 f"{coll / 2**20:>14.1f} {ratio:>13}"
             )
     if not math.isfinite(need):

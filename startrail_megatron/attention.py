@@ -35,16 +35,17 @@ most 2*(1+1) = 4 forward and 4 + 2*(1+1) = 8 backward.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .block_plan import packed_team_order, startrail_step_rows
+from .block_plan import VarlenCall, packed_team_order, startrail_step_rows, startrail_step_varlen
 from .comm import CommLedger, P2PComm, PeerExchange, TeamCollectives, TeamComm
 from .groups import StarTrailGroups
-from .kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
+from .kernels import AttentionKernel, acc_dtype, has_varlen, merge_partial, resolve_kernel
 from .layout import StarTrailLayout
 from .packing import PackedLayout
 from .validation import agree_once, packed_layout, validate_inputs
@@ -71,6 +72,92 @@ def _team_rows_index(
         return None
     idx = torch.tensor(order, dtype=torch.long, device=device)
     return idx, torch.argsort(idx)
+
+
+@dataclass(frozen=True)
+class _VarlenIndex:
+    """A ``VarlenCall`` as tensors: the team-buffer rows it gathers (one batch row's
+    worth: every batch row has the same documents) and the THD offsets of its
+    ``b * len(segments)`` sequences (batch-major, as the gathered rows are laid out)."""
+
+    q_rows: Tensor
+    kv_rows: Tensor
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+    causal: bool
+
+
+def _rows_and_offsets(segs, b: int, device) -> tuple[Tensor, Tensor, int]:
+    rows = [i for lo, hi in segs for i in range(lo, hi)]
+    lens = [hi - lo for lo, hi in segs] * b
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return (
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(cu, dtype=torch.int32, device=device),
+        max(lens),
+    )
+
+
+@lru_cache(maxsize=64)  # the calls of the batches in flight, on each device
+def _varlen_index(call: VarlenCall, b: int, device: torch.device) -> _VarlenIndex:
+    q_rows, cu_q, max_q = _rows_and_offsets(call.q_segments, b, device)
+    kv_rows, cu_k, max_k = _rows_and_offsets(call.kv_segments, b, device)
+    return _VarlenIndex(q_rows, kv_rows, cu_q, cu_k, max_q, max_k, call.causal)
+
+
+def _to_thd(x: Tensor, rows: Tensor) -> Tensor:
+    """Team-buffer rows ``[n, b, h, d]`` -> the THD tensor ``[b * len(rows), h, d]`` of
+    those rows, batch-major (a copy; no second one when b == 1)."""
+    g = x.index_select(0, rows)
+    return g.transpose(0, 1).reshape(-1, *g.shape[2:])
+
+
+def _from_thd(x: Tensor, b: int) -> Tensor:
+    """THD ``[b * t, h, d]`` (batch-major) -> ``[t, b, h, d]`` (a view)."""
+    return x.view(b, -1, *x.shape[1:]).transpose(0, 1)
+
+
+def _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale) -> None:
+    """One ``VarlenCall`` of the forward: gather its rows, one kernel call, fold the
+    result into the running (acc_out, acc_lse) of those rows."""
+    b = q_team.shape[1]
+    ix = _varlen_index(call, b, q_team.device)
+    o, lse = kernel.forward_varlen(
+        _to_thd(q_team, ix.q_rows),
+        _to_thd(kv_cur[:, 0], ix.kv_rows),
+        _to_thd(kv_cur[:, 1], ix.kv_rows),
+        ix.cu_q, ix.cu_k, ix.max_q, ix.max_k, causal=ix.causal, scale=scale,
+    )  # fmt: skip
+    hq = q_team.shape[2]
+    part_out = acc_out.index_select(0, ix.q_rows)
+    part_lse = acc_lse.index_select(2, ix.q_rows)
+    merge_partial(part_out, part_lse, _from_thd(o, b), lse.view(hq, b, -1).transpose(0, 1))
+    acc_out.index_copy_(0, ix.q_rows, part_out)
+    acc_lse.index_copy_(2, ix.q_rows, part_lse)
+
+
+def _varlen_backward(kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, dq, dkv, scale):
+    """One ``VarlenCall`` of the backward: gradients added into dq and dkv's rows."""
+    b, hq = q_team.shape[1], q_team.shape[2]
+    ix = _varlen_index(call, b, q_team.device)
+    lse = lse_team.index_select(2, ix.q_rows).transpose(0, 1).reshape(hq, -1)  # [hq, b*t]
+    g_q, g_k, g_v = kernel.backward_varlen(
+        _to_thd(do_team, ix.q_rows),
+        _to_thd(q_team, ix.q_rows),
+        _to_thd(kv_cur[:, 0], ix.kv_rows),
+        _to_thd(kv_cur[:, 1], ix.kv_rows),
+        _to_thd(out_eff, ix.q_rows),
+        lse,
+        ix.cu_q, ix.cu_k, ix.max_q, ix.max_k, causal=ix.causal, scale=scale,
+    )  # fmt: skip
+    acc = dq.dtype
+    dq.index_add_(0, ix.q_rows, _from_thd(g_q, b).to(acc))
+    dkv[:, 0].index_add_(0, ix.kv_rows, _from_thd(g_k, b).to(acc))
+    dkv[:, 1].index_add_(0, ix.kv_rows, _from_thd(g_v, b).to(acc))
 
 
 class RankContext:
@@ -126,9 +213,15 @@ class RankContext:
         idx = self._packed_index(x.device, True)
         return x if idx is None else x.index_select(0, idx)
 
-    def rows(self, step: int, s_local: int):
-        """This rank's kernel calls at ``step`` on team-buffer rows (``block_plan``)."""
-        return startrail_step_rows(self.layout, self.rank, step, self.causal, s_local, self.packed)
+    def step_calls(self, step: int, s_local: int, kernel: AttentionKernel):
+        """This rank's kernel calls at ``step`` (``block_plan``), as (varlen calls, row
+        calls), one of them empty: packed documents on a kernel with variable-length
+        methods are grouped over the documents (``startrail_step_varlen``); otherwise
+        one call per row block (``startrail_step_rows``, dense or per document)."""
+        lay, r = self.layout, self.rank
+        if self.packed is not None and has_varlen(kernel):
+            return startrail_step_varlen(lay, r, step, self.causal, self.packed), ()
+        return (), startrail_step_rows(lay, r, step, self.causal, s_local, self.packed)
 
     def ring_step(self, x: Tensor, step: int, what: str):
         """Start passing ``x`` to the next rank of the sub-ring (None at the last step)."""
@@ -178,7 +271,10 @@ def startrail_rank_forward(
     acc_lse = torch.full((b, hq, n), -math.inf, dtype=acc, device=q.device)
     for step in range(lay.ring_size):
         pending = cx.ring_step(kv_cur, step, "kv")
-        for q_lo, q_hi, kv_lo, kv_hi, causal in cx.rows(step, s):
+        varlen, rows = cx.step_calls(step, s, kernel)
+        for call in varlen:
+            _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale)
+        for q_lo, q_hi, kv_lo, kv_hi, causal in rows:
             qs, ks = slice(q_lo, q_hi), slice(kv_lo, kv_hi)
             o, lse = kernel.forward(
                 q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], causal=causal, scale=scale
@@ -247,7 +343,12 @@ def startrail_rank_backward(
     for step in range(lay.ring_size):
         pending = cx.ring_step(kv_cur, step, "kv")
         dkv = torch.zeros(n, 2, b, hkv, d, dtype=acc, device=dout.device)
-        for q_lo, q_hi, kv_lo, kv_hi, causal in cx.rows(step, s):
+        varlen, rows = cx.step_calls(step, s, kernel)
+        for call in varlen:
+            _varlen_backward(
+                kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, dq, dkv, scale
+            )
+        for q_lo, q_hi, kv_lo, kv_hi, causal in rows:
             qs, ks = slice(q_lo, q_hi), slice(kv_lo, kv_hi)
             g_q, g_k, g_v = kernel.backward(
                 do_team[qs],
@@ -344,6 +445,9 @@ def startrail_attention(
             each document's chunks r and 2P-1-r: ``zigzag.shard_packed``);
             padding tokens get zero output and zero gradients. The same on
             every CP rank. CUDA tensors are read on the host once per call.
+            Kernels with variable-length methods (flash-attn's varlen functions,
+            TE's THD format) get one call per block-plan call over all the
+            documents; the others one call per document and block.
 
     Returns:
         out ``[s_local, b, heads_q, head_dim]`` in q's dtype.

@@ -188,25 +188,67 @@ def _dense_rows(layout, rank, step, causal, s_local) -> tuple[RowCall, ...]:
 # batch in flight, and the planner's ranks), never one that grows with the training run.
 @lru_cache(maxsize=512)
 def _packed_rows(layout, rank, step, causal, packed) -> tuple[RowCall, ...]:
+    per_call = _packed_rows_per_call(layout, rank, step, causal, packed)
+    return tuple(row for doc_rows in zip(*per_call) for row in doc_rows if row is not None)
+
+
+@lru_cache(maxsize=512)
+def _packed_rows_per_call(layout, rank, step, causal, packed):
+    """Per call of the team block plan, per document: its clipped row call or None."""
     team = layout.coord(rank)[0]
     kv_team = layout.kv_team_at_step(rank, step)
     calls = team_block_calls(layout, team, kv_team, causal)
     q_chunks, kv_chunks = layout.team_chunks(team), layout.team_chunks(kv_team)
     cc = layout.team_size
-    out: list[RowCall] = []
+    out: list[list[RowCall | None]] = [[] for _ in calls]
     for d in range(packed.num_docs):
         c = packed.chunk_len(d)
-        if c == 0:
-            continue  # an empty document
         unit = c if causal else 2 * cc * c
         base = cc * packed.local_offsets[d]  # the same in every team's buffer
         q_end = base + packed.real_in_chunks(d, q_chunks)
         kv_end = base + packed.real_in_chunks(d, kv_chunks)
-        for k in calls:
+        for i, k in enumerate(calls):
             q_lo, kv_lo = base + k.q_lo * unit, base + k.kv_lo * unit
             q_hi, kv_hi = min(base + k.q_hi * unit, q_end), min(base + k.kv_hi * unit, kv_end)
-            if q_hi > q_lo and kv_hi > kv_lo:
-                out.append((q_lo, q_hi, kv_lo, kv_hi, k.causal))
+            ok = q_hi > q_lo and kv_hi > kv_lo  # empty documents and padding: no call
+            out[i].append((q_lo, q_hi, kv_lo, kv_hi, k.causal) if ok else None)
+    return tuple(tuple(x) for x in out)
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """One variable-length kernel call (flash-attn's varlen functions, TE's THD format):
+    the same call of the team block plan for every document, as one batch of sequences.
+
+    ``q_segments[i]`` and ``kv_segments[i]`` are team-buffer rows ``[lo, hi)`` of the
+    i-th sequence; ``causal`` sequences have equal lengths (top-left and bottom-right
+    causal masks agree).
+    """
+
+    causal: bool
+    q_segments: tuple[tuple[int, int], ...]
+    kv_segments: tuple[tuple[int, int], ...]
+
+
+@lru_cache(maxsize=512)
+def startrail_step_varlen(
+    layout: StarTrailLayout, rank: int, step: int, causal: bool, packed: PackedLayout
+) -> tuple[VarlenCall, ...]:
+    """The packed calls of ``startrail_step_rows`` grouped for a variable-length kernel:
+    one ``VarlenCall`` per call of the team block plan (at most three with the team
+    placement), holding that call's rows of every document. The same (q, k) pairs as
+    the rows, in fewer, larger kernel calls."""
+    out = []
+    for rows in _packed_rows_per_call(layout, rank, step, causal, packed):
+        rows = [r for r in rows if r is not None]
+        if rows:
+            out.append(
+                VarlenCall(
+                    rows[0][4],
+                    tuple((r[0], r[1]) for r in rows),
+                    tuple((r[2], r[3]) for r in rows),
+                )
+            )
     return tuple(out)
 
 

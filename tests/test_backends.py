@@ -175,6 +175,50 @@ def _ref_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal, scale):
     return torch.zeros_like(lse)  # softmax_d
 
 
+def _ref_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """Real attention per sequence of THD inputs, checked like flash-attn's mha_varlen_fwd:
+    -> out [t, h, d], lse [h, t] (float32; float64 for float64 inputs)."""
+    for x in (q, k, v):
+        assert x.dim() == 3 and x.stride(-1) == 1, "flash-attn needs THD with a unit last stride"
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.shape == cu_k.shape
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    assert cq[-1] == q.shape[0] and ck[-1] == k.shape[0]
+    lens_q = [b - a for a, b in zip(cq, cq[1:])]
+    lens_k = [b - a for a, b in zip(ck, ck[1:])]
+    assert max_q == max(lens_q) and max_k == max(lens_k) and min(lens_q + lens_k) > 0
+    outs, lses = [], []
+    for i in range(len(cq) - 1):
+        if causal:  # flash-attn aligns the causal mask bottom-right; equal lengths: no matter
+            assert lens_q[i] == lens_k[i]
+        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        o, lse = TorchKernel().forward(
+            q[qs].unsqueeze(1), k[ks].unsqueeze(1), v[ks].unsqueeze(1), causal=causal, scale=scale
+        )
+        outs.append(o[:, 0])
+        lses.append(lse[0])
+    lse = torch.cat(lses, dim=1)
+    return torch.cat(outs), lse.float() if q.dtype != torch.float64 else lse
+
+
+def _ref_varlen_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, causal, scale):
+    """Fills dq, dk, dv (THD, written in place as flash-attn does) from lse [h, t]."""
+    for x in (dout, q, k, v, out, dq, dk, dv):
+        assert x.dim() == 3 and x.stride(-1) == 1
+    assert lse.is_contiguous() and lse.shape == (q.shape[1], q.shape[0])
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        g = TorchKernel().backward(
+            *(x[sl].unsqueeze(1) for x, sl in ((dout, qs), (q, qs), (k, ks), (v, ks), (out, qs))),
+            lse[:, qs].unsqueeze(0),
+            causal=causal,
+            scale=scale,
+        )
+        for buf, sl, val in zip((dq, dk, dv), (qs, ks, ks), g):
+            buf[sl] = val[:, 0]
+    return torch.zeros_like(lse)  # softmax_d
+
+
 def _v25():
     def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size,
                             alibi_slopes, return_softmax):  # fmt: skip
@@ -191,10 +235,33 @@ def _v25():
         d = _ref_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, softmax_scale)
         return dq, dk, dv, d
 
+    # 2.5.7 - 2.5.9: block_table required; softmax_lse [n_seqs, h, max_seqlen_q]
+    def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                   alibi_slopes, return_softmax, block_table):  # fmt: skip
+        assert dropout_p == 0.0 and tuple(window_size) == (-1, -1) and block_table is None
+        out, lse = _ref_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, causal, softmax_scale)  # fmt: skip
+        lse = kn.contract.varlen_lse_padded(lse, cu_seqlens_q, max_seqlen_q)
+        return out, q, k, v, out, lse, None, torch.zeros(2, dtype=torch.int64)
+
+    def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                    softmax_scale, causal, window_size, alibi_slopes,
+                                    deterministic, rng_state=None):  # fmt: skip
+        n = cu_seqlens_q.shape[0] - 1
+        assert softmax_lse.shape == (n, q.shape[1], max_seqlen_q)
+        lse = kn.contract.varlen_lse_packed(softmax_lse, cu_seqlens_q, q.shape[0]).contiguous()
+        d = _ref_varlen_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                            causal, softmax_scale)  # fmt: skip
+        return dq, dk, dv, d
+
     return types.SimpleNamespace(
         __version__="2.5.9",
         _flash_attn_forward=_flash_attn_forward,
         _flash_attn_backward=_flash_attn_backward,
+        _flash_attn_varlen_forward=_flash_attn_varlen_forward,
+        _flash_attn_varlen_backward=_flash_attn_varlen_backward,
     )
 
 
@@ -212,10 +279,32 @@ def _v26():
         d = _ref_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, softmax_scale)
         return dq, dk, dv, d
 
+    def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, dropout_p, softmax_scale, causal,
+                                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                   return_softmax=False, block_table=None, leftpad_k=None,
+                                   seqused_k=None):  # fmt: skip
+        assert softcap == 0.0 and tuple(window_size) == (-1, -1) and block_table is None
+        assert leftpad_k is None and seqused_k is None and return_softmax is False
+        out, lse = _ref_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, causal, softmax_scale)  # fmt: skip
+        return out, q, k, v, out, lse, None, torch.zeros(2, dtype=torch.int64)
+
+    def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                    softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                    deterministic, rng_state=None):  # fmt: skip
+        assert softcap == 0.0 and dropout_p == 0.0
+        d = _ref_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                            cu_seqlens_k, causal, softmax_scale)  # fmt: skip
+        return dq, dk, dv, d
+
     return types.SimpleNamespace(
         __version__="2.6.3",
         _flash_attn_forward=_flash_attn_forward,
         _flash_attn_backward=_flash_attn_backward,
+        _flash_attn_varlen_forward=_flash_attn_varlen_forward,
+        _flash_attn_varlen_backward=_flash_attn_varlen_backward,
     )
 
 
@@ -237,9 +326,40 @@ def _bwd27(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return _ref_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, softmax_scale)
 
 
+def _vfwd27(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+            softmax_scale: float, causal: bool, window_size_left: int = -1,
+            window_size_right: int = -1, softcap: float = 0.0,
+            alibi_slopes: torch.Tensor | None = None, return_softmax: bool = False,
+            block_table: torch.Tensor | None = None, leftpad_k: torch.Tensor | None = None,
+            seqused_k: torch.Tensor | None = None, zero_tensors: bool = False,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    assert (window_size_left, window_size_right) == (-1, -1) and softcap == 0.0
+    assert block_table is None and leftpad_k is None and seqused_k is None and not zero_tensors
+    out, lse = _ref_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               causal, softmax_scale)  # fmt: skip
+    return out, lse, torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
+
+
+def _vbwd27(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            out: torch.Tensor, softmax_lse: torch.Tensor, dq: torch.Tensor | None,
+            dk: torch.Tensor | None, dv: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+            softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
+            softcap: float, alibi_slopes: torch.Tensor | None, deterministic: bool,
+            rng_state: torch.Tensor | None = None,
+            zero_tensors: bool = False) -> torch.Tensor:  # fmt: skip
+    return _ref_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                           cu_seqlens_k, causal, softmax_scale)  # fmt: skip
+
+
 def _v27_plain():  # flash-attn 2.7+ under torch < 2.4: plain functions
     return types.SimpleNamespace(
-        __version__="2.7.4", _flash_attn_forward=_fwd27, _flash_attn_backward=_bwd27
+        __version__="2.7.4",
+        _flash_attn_forward=_fwd27,
+        _flash_attn_backward=_bwd27,
+        _flash_attn_varlen_forward=_vfwd27,
+        _flash_attn_varlen_backward=_vbwd27,
     )
 
 
@@ -254,7 +374,22 @@ def _v27_custom_op():  # flash-attn 2.7 / 2.8 under torch >= 2.4: torch.library 
         bwd = torch.library.custom_op(
             "startrail_test::flash_bwd", _bwd27, mutates_args=("dq", "dk", "dv"), device_types="cpu"
         )
-        _CUSTOM.update(__version__="2.8.3", _flash_attn_forward=fwd, _flash_attn_backward=bwd)
+        vfwd = torch.library.custom_op(
+            "startrail_test::flash_varlen_fwd", _vfwd27, mutates_args=(), device_types="cpu"
+        )
+        vbwd = torch.library.custom_op(
+            "startrail_test::flash_varlen_bwd",
+            _vbwd27,
+            mutates_args=("dq", "dk", "dv"),
+            device_types="cpu",
+        )
+        _CUSTOM.update(
+            __version__="2.8.3",
+            _flash_attn_forward=fwd,
+            _flash_attn_backward=bwd,
+            _flash_attn_varlen_forward=vfwd,
+            _flash_attn_varlen_backward=vbwd,
+        )
     return types.SimpleNamespace(**_CUSTOM)
 
 
@@ -441,9 +576,107 @@ def _te_common_checks(te, a: dict, q, k) -> None:
         assert torch.equal(cu, torch.arange(0, (b + 1) * n, n, dtype=torch.int32))
 
 
+# THD softmax statistics by generation: [n, h, max_q, 1] (1.x, cuDNN < 9.6), [bucket(t), h, 1]
+# (1.13 - 2.10 with cuDNN >= 9.6), [t, h, 1] (2.11+).
+_TE_THD_STATS = {"1.12.0": "padded", "2.4.0": "bucketed", "2.13.0": "exact", "2.18.0": "exact"}
+
+
+def _te_max_tokens(t: int) -> int:  # TE's get_max_tokens: the bucketed stats rows
+    if t <= 1024:
+        return 1024
+    if t <= 32768:
+        return 1 << (t - 1).bit_length()
+    return -(-t // 32768) * 32768
+
+
+def _te_thd_setup(te, a: dict):
+    """Checks of a THD call; -> (q, k, v [t, h, d], cu_q, cu_k lists, per-sequence mask)."""
+    assert a["qkv_layout"] == "thd_thd_thd" and a.get("o_format", "thd") == "thd"
+    assert a["fused_attention_backend"] is te.FusedAttnBackend["F16_arbitrary_seqlen"]
+    mask = a["attn_mask_type"]
+    assert mask in ("padding", "padding_causal"), "TE refuses THD without a padding mask"
+    window = (-1, 0) if mask == "padding_causal" else (-1, -1)
+    assert a["dropout"] == 0.0 and tuple(a["window_size"]) == window
+    assert a["attn_bias_type"] == "no_bias" and a.get("attn_bias") is None
+    assert a.get("bottom_right_diagonal") in (None, False)
+    q, k, v = a["q"], a["k"], a["v"]
+    for x in (q, k, v):
+        assert x.dim() == 3 and x.is_contiguous(), "TE reads a data pointer and a shape"
+    cu = {}
+    for which, x in (("q", q), ("kv", k)):
+        c = a[f"cu_seqlens_{which}"]
+        assert c.dtype == torch.int32 and torch.equal(a[f"cu_seqlens_{which}_padded"], c)
+        c = c.tolist()
+        lens = [y - z for z, y in zip(c, c[1:])]
+        assert c[0] == 0 and c[-1] == x.shape[0] and min(lens) > 0
+        assert a[f"max_seqlen_{which}"] == max(lens)
+        cu[which] = c
+    return q, k, v, cu["q"], cu["kv"], ("causal" if mask == "padding_causal" else "no_mask")
+
+
+def _te_thd_fwd(te, a: dict):
+    q, k, v, cq, ck, mask = _te_thd_setup(te, a)
+    hq, hkv = q.shape[1], k.shape[1]
+    outs, lses = [], []
+    for i in range(len(cq) - 1):
+        qs = q[cq[i] : cq[i + 1]].unsqueeze(1)
+        ks, vs = (x[ck[i] : ck[i + 1]].unsqueeze(1) for x in (k, v))
+        if mask == "causal":
+            assert qs.shape[0] == ks.shape[0]
+        sc = _te_scores({"attn_mask_type": mask}, qs, ks, a["attn_scale"])  # (1, hq, sq, sk)
+        lse = torch.logsumexp(sc, dim=-1, keepdim=True)
+        vd = vs.double().permute(1, 2, 0, 3).repeat_interleave(hq // hkv, dim=1)
+        outs.append((torch.exp(sc - lse) @ vd)[0].transpose(0, 1))  # [sq, hq, d]
+        lses.append(lse[0, :, :, 0])  # [hq, sq]
+    lse = torch.cat(lses, dim=1)  # [hq, t]
+    t, n, form = q.shape[0], len(cq) - 1, _TE_THD_STATS[te.version]
+    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if form == "padded":
+        max_q = a["max_seqlen_q"]
+        stats = torch.full((n, hq, max_q, 1), 7.0, dtype=sdt)  # padding rows: never read
+        for i in range(n):
+            stats[i, :, : cq[i + 1] - cq[i], 0] = lse[:, cq[i] : cq[i + 1]]
+    else:
+        rows = _te_max_tokens(t) if form == "bucketed" else t
+        stats = torch.full((rows, hq, 1), 7.0, dtype=sdt)
+        stats[:t, :, 0] = lse.transpose(0, 1)
+    rng_state = torch.tensor([1234, 0], dtype=torch.int64)
+    return torch.cat(outs).to(q.dtype), [stats, rng_state]
+
+
+def _te_thd_bwd(te, a: dict):
+    q, k, v, cq, ck, mask = _te_thd_setup(te, a)
+    assert a.get("dqkv_layout", "thd_thd_thd") == "thd_thd_thd"
+    assert a.get("do_format", "thd") == "thd"
+    o, do = a["o"], a["d_o"]
+    stats, rng_state = a["aux_ctx_tensors"]
+    t, hq, n, form = q.shape[0], q.shape[1], len(cq) - 1, _TE_THD_STATS[te.version]
+    if form == "padded":
+        assert stats.shape == (n, hq, a["max_seqlen_q"], 1)
+    else:
+        assert stats.shape == ((_te_max_tokens(t) if form == "bucketed" else t), hq, 1)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v))
+    for i in range(n):
+        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        if form == "padded":
+            st_i = stats[i : i + 1, :, : cq[i + 1] - cq[i]]
+        else:
+            st_i = stats[qs].permute(2, 1, 0).unsqueeze(-1)  # (1, hq, sq, 1)
+        g = _te_grads(
+            mask, a["attn_scale"], *(x[sl].unsqueeze(1) for x, sl in
+                                     ((q, qs), (k, ks), (v, ks), (o, qs), (do, qs))),
+            st_i,
+        )  # fmt: skip
+        for buf, sl, val in zip((dq, dk, dv), (qs, ks, ks), g):
+            buf[sl] = val[:, 0]
+    return [x.to(q.dtype) for x in (dq, dk, dv)] + [None] * (2 if "softmax_type" in a else 1)
+
+
 def _te_fwd(te, a: dict):
     """fused_attn_fwd's work: (out in o_format, [softmaxStats [b, h, sq, 1], rng_state])."""
     te.calls.append(("fwd", a))
+    if a["qkv_layout"].startswith("thd"):
+        return _te_thd_fwd(te, a)
     fmt = _te_format(a["qkv_layout"])
     q, k, v = (_te_read(fmt, a[n]) for n in ("q", "k", "v"))
     _te_common_checks(te, a, q, k)
@@ -462,6 +695,8 @@ def _te_fwd(te, a: dict):
 def _te_bwd(te, a: dict):
     """fused_attn_bwd's work from the given statistics: [dq, dk, dv, dbias(, d_offset)]."""
     te.calls.append(("bwd", a))
+    if a["qkv_layout"].startswith("thd"):
+        return _te_thd_bwd(te, a)
     fmt = _te_format(a["qkv_layout"])
     q, k, v = (_te_read(fmt, a[n]) for n in ("q", "k", "v"))
     o = _te_read(a.get("o_format", fmt), a["o"])
@@ -472,12 +707,21 @@ def _te_bwd(te, a: dict):
         assert a["dqkv_dtype"] is te.TE_DType[q.dtype]
     stats, rng_state = a["aux_ctx_tensors"]
     sq, b, hq, d = q.shape
-    sk, _, hkv, _ = k.shape
-    g, scale = hq // hkv, a["attn_scale"]
     assert stats.shape == (b, hq, sq, 1) and stats.is_contiguous()
     assert stats.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
     assert rng_state.shape == (2,) and rng_state.dtype == torch.int64
-    p = torch.exp(_te_scores(a, q, k, scale) - stats.double())  # (b, hq, sq, sk)
+    grads = _te_grads(a["attn_mask_type"], a["attn_scale"], q, k, v, o, do, stats)
+    out_fmt = _te_format(a.get("dqkv_layout", a["qkv_layout"]))
+    grads = [_te_write(out_fmt, x, q.dtype) for x in grads]
+    return grads + [None] * (2 if "softmax_type" in a else 1)
+
+
+def _te_grads(mask, scale, q, k, v, o, do, stats):
+    """dq, dk, dv [s, b, h, d] (float64) of attention from the statistics (b, hq, sq, 1)."""
+    sq, b, hq, d = q.shape
+    sk, _, hkv, _ = k.shape
+    g = hq // hkv
+    p = torch.exp(_te_scores({"attn_mask_type": mask}, q, k, scale) - stats.double())
 
     def bh(x, rep=1):  # [s, b, h, d] -> (b, h * rep, s, d) float64
         return x.double().permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
@@ -488,9 +732,7 @@ def _te_bwd(te, a: dict):
     dq = ds @ kd
     dk = (ds.transpose(-1, -2) @ bh(q)).reshape(b, hkv, g, sk, d).sum(2)
     dv = (p.transpose(-1, -2) @ dod).reshape(b, hkv, g, sk, d).sum(2)
-    out_fmt = _te_format(a.get("dqkv_layout", a["qkv_layout"]))
-    grads = [_te_write(out_fmt, x.permute(2, 0, 1, 3), q.dtype) for x in (dq, dk, dv)]
-    return grads + [None] * (2 if "softmax_type" in a else 1)
+    return [x.permute(2, 0, 1, 3) for x in (dq, dk, dv)]
 
 
 _META_QKV, _META_O, _META_S = 0, 1, 2  # TE 1.x's FP8 meta indices (defaults only)

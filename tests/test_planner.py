@@ -672,6 +672,34 @@ def test_cost_model_counts_packed_documents():
         AttnShape(4, packed.s_local, 1, 32, 8, 128, packed=packed)
 
 
+def test_cost_model_charges_varlen_kernels_per_grouped_call():
+    """Short documents: one kernel call per document and block costs more overhead than
+    the grouped (varlen / THD) calls of the same pairs."""
+    from startrail_megatron.block_plan import startrail_step_varlen
+    from startrail_megatron.packing import pack_lengths
+    from startrail_megatron.planner.compute import startrail_work
+
+    packed = pack_lengths([8000, 4000, 2500, 900, 300, 100], 8)
+    h100 = CLUSTER_PRESETS["h100-ib"]
+    for c in (1, 2):
+        lay = st.StarTrailLayout(8, c)
+        per_doc = startrail_work(lay, True, packed.s_local, packed)
+        grouped = startrail_work(lay, True, packed.s_local, packed, True)
+        for step, (row_d, row_g) in enumerate(zip(per_doc, grouped)):
+            for r, (wd, wg) in enumerate(zip(row_d, row_g)):
+                assert wd[0] == wg[0] and wd[2] == wg[2]  # the same pairs and shapes
+                assert wg[1] == len(startrail_step_varlen(lay, r, step, True, packed)) < wd[1]
+        kw = dict(packed=packed)
+        a = predict(
+            Strategy("startrail", c), h100, AttnShape(8, packed.s_local, 1, 32, 8, 128, **kw)
+        )
+        v = predict(
+            Strategy("startrail", c), h100,
+            AttnShape(8, packed.s_local, 1, 32, 8, 128, varlen=True, **kw),
+        )  # fmt: skip
+        assert v.attn_s < a.attn_s and v.p2p_bytes == a.p2p_bytes
+
+
 def test_packed_balance_script():
     import subprocess
     import sys
@@ -697,3 +725,4 @@ def test_packed_balance_script():
     assert [r[0] for r in rows] == ["1", "2"]
     for r in rows:
         assert 1.0 <= float(r[3]) < 1.1  # max/mean kernel work: balanced
+        assert int(r[6]) < int(r[5])  # grouped varlen calls: fewer than per document

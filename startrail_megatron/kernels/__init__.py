@@ -2,7 +2,8 @@
 
 Modules (imports run down this list, never back up):
 
-  contract    the ``AttentionKernel`` Protocol, ``acc_dtype``, ``merge_partial``
+  contract    the ``AttentionKernel`` Protocol (and ``VarlenAttentionKernel``),
+              ``acc_dtype``, ``merge_partial``
   signatures  parameter names of third-party functions (adapters' version detection)
   reference   ``TorchKernel`` (``"torch"``): pure PyTorch, float64-capable, exact
   sdpa        PyTorch's fused SDPA ops: ``"sdpa"`` (CPU), ``"sdpa_flash"``,
@@ -18,7 +19,14 @@ Modules (imports run down this list, never back up):
 
 from __future__ import annotations
 
-from .contract import AttentionKernel, acc_dtype, lse_to_bhs, merge_partial
+from .contract import (
+    AttentionKernel,
+    VarlenAttentionKernel,
+    acc_dtype,
+    has_varlen,
+    lse_to_bhs,
+    merge_partial,
+)
 from .flash_attn import FlashAttnAPI, FlashAttnKernel, detect_flash_attn_api
 from .reference import TorchKernel
 from .sdpa import SdpaCudnnKernel, SdpaEfficientKernel, SdpaFlashKernel, SdpaKernel
@@ -56,12 +64,14 @@ __all__ = [
     "TEFusedAttnAPI",
     "TEKernel",
     "TorchKernel",
+    "VarlenAttentionKernel",
     "acc_dtype",
     "build_kernel",
     "choose_kernel",
     "detect_flash_attn_api",
     "detect_te_api",
     "get_kernel",
+    "has_varlen",
     "lse_to_bhs",
     "merge_partial",
     "resolve_kernel",

@@ -15,6 +15,19 @@ a partial block's gradients are exact (``D = rowsum(dout * out)``).
 ``acc_dtype`` is the accumulation dtype of the lse and of merged outputs;
 ``merge_partial`` folds one kernel call's (out, lse) into a running result;
 ``lse_to_bhs`` brings a fused kernel's log-sum-exp to the contract's shape.
+
+Variable-length (packed documents), optional (``VarlenAttentionKernel``): kernels
+that take many sequences in one call (flash-attn's varlen functions, TE's THD
+format) also implement, on THD tensors (tokens of all sequences one after another)
+
+  forward_varlen(q [tq, hq, d], k [tk, hkv, d], v, cu_q, cu_k, max_q, max_k, *,
+                 causal, scale) -> out [tq, hq, d], lse [hq, tq] (fp32)
+  backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal,
+                  scale) -> dq, dk, dv
+
+``cu_q``/``cu_k`` are int32 ``[n + 1]`` sequence offsets on q's device, causal
+sequences have equal q and k lengths; sequences of length 0 never occur. Kernels
+without them run packed documents as one dense call per document.
 """
 
 from __future__ import annotations
@@ -24,7 +37,16 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionKernel", "acc_dtype", "lse_to_bhs", "merge_partial"]
+__all__ = [
+    "AttentionKernel",
+    "VarlenAttentionKernel",
+    "acc_dtype",
+    "has_varlen",
+    "lse_to_bhs",
+    "merge_partial",
+    "varlen_lse_packed",
+    "varlen_lse_padded",
+]
 
 
 class AttentionKernel(Protocol):
@@ -48,6 +70,30 @@ class AttentionKernel(Protocol):
         causal: bool,
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+class VarlenAttentionKernel(AttentionKernel, Protocol):
+    """A kernel that also runs many sequences in one call (THD tensors)."""
+
+    def forward_varlen(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+        max_k: int, *, causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor]: ...  # fmt: skip
+
+    def backward_varlen(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, *, causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]: ...  # fmt: skip
+
+
+def has_varlen(kernel: object) -> bool:
+    """Whether ``kernel`` implements the variable-length methods (and, where it says so
+    with ``varlen_available``, its library has them)."""
+    return (
+        callable(getattr(kernel, "forward_varlen", None))
+        and callable(getattr(kernel, "backward_varlen", None))
+        and bool(getattr(kernel, "varlen_available", True))
+    )
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -84,3 +130,30 @@ def lse_to_bhs(lse: Tensor, b: int, h: int, sq: int) -> Tensor:
             f">= {sq}] or [{b}, {h}, {sq}, 1]"
         )
     return lse[..., :sq].float()
+
+
+def _padded_index(cu_q: Tensor, t: int, max_q: int) -> Tensor:
+    """For each of the t THD rows, its place ``seq * max_q + pos`` in a per-sequence padded
+    ``[n, max_q]`` layout (no host sync)."""
+    n = cu_q.shape[0] - 1
+    cu = cu_q.long()
+    seq = torch.repeat_interleave(
+        torch.arange(n, device=cu.device), cu[1:] - cu[:-1], output_size=t
+    )
+    return seq * max_q + torch.arange(t, device=cu.device) - cu[seq]
+
+
+def varlen_lse_packed(lse: Tensor, cu_q: Tensor, t: int) -> Tensor:
+    """A per-sequence padded log-sum-exp ``[n, h, max_q]`` -> ``[h, t]`` (THD rows)."""
+    n, h, max_q = lse.shape
+    idx = _padded_index(cu_q, t, max_q)
+    return lse.transpose(0, 1).reshape(h, n * max_q).index_select(1, idx)
+
+
+def varlen_lse_padded(lse: Tensor, cu_q: Tensor, max_q: int) -> Tensor:
+    """``[h, t]`` -> the per-sequence padded ``[n, h, max_q]`` (padding rows 0)."""
+    h, t = lse.shape
+    n = cu_q.shape[0] - 1
+    out = lse.new_zeros(h, n * max_q)
+    out.index_copy_(1, _padded_index(cu_q, t, max_q), lse)
+    return out.view(h, n, max_q).transpose(0, 1).contiguous()

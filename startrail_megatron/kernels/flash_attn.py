@@ -16,6 +16,14 @@ names (``signatures._param_names``), never counts outputs:
          a ``torch.library.custom_op`` (signature on ``_init_fn``, schema on
          ``torch.ops.flash_attn``) when torch >= 2.4, a plain function otherwise.
   bwd    writes into the dq, dk, dv buffers passed in, in every version.
+
+The variable-length pair ``_flash_attn_varlen_forward`` / ``_backward`` (packed
+documents, THD tensors, int32 ``cu_seqlens``) follows the same changes, plus
+``cu_seqlens_q/k`` and ``max_seqlen_q/k`` after v, a required ``block_table``
+(2.5.7 - 2.6.0; ``None``), ``leftpad_k``/``seqused_k`` (2.6.1+) and
+``zero_tensors`` (2.7.3+). Its ``softmax_lse`` is ``[n_seqs, h, max_seqlen_q]``
+(padded per sequence) in 2.5 and ``[h, total_q]`` from 2.6 on; the adapter
+detects the form from the tensor, as ring-flash-attention does.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .contract import lse_to_bhs
+from .contract import acc_dtype, lse_to_bhs, varlen_lse_packed, varlen_lse_padded
 from .signatures import _param_names
 
 __all__ = ["FlashAttnAPI", "FlashAttnKernel", "detect_flash_attn_api"]
@@ -44,6 +52,10 @@ def _fixed_kwargs(causal: bool, scale: float) -> dict[str, Any]:
         "window_size_right": -1,
         "softcap": 0.0,
         "alibi_slopes": None,
+        "block_table": None,  # varlen only: no paged KV cache
+        "leftpad_k": None,
+        "seqused_k": None,
+        "zero_tensors": False,
     }
 
 
@@ -90,8 +102,22 @@ class FlashAttnAPI:
             "return_softmax",
             "deterministic",
             "rng_state",
+            "cu_seqlens_q",
+            "cu_seqlens_k",
+            "max_seqlen_q",
+            "max_seqlen_k",
+            "block_table",
+            "leftpad_k",
+            "seqused_k",
+            "zero_tensors",
         }
     )
+
+    @property
+    def padded_varlen_lse(self) -> bool:
+        """2.5's varlen softmax_lse is ``[n_seqs, h, max_seqlen_q]`` (``[h, total_q]`` from
+        2.6, the release that added ``softcap``)."""
+        return not self.split_window and "softcap" not in self.fwd_params
 
     def _kwargs(self, params, required, values: dict[str, Any], which: str) -> dict[str, Any]:
         unknown = sorted(n for n in required if n not in self._KNOWN)
@@ -105,13 +131,18 @@ class FlashAttnAPI:
             out.pop("window_size", None)
         return out
 
-    def forward_kwargs(self, q, k, v, *, causal: bool, scale: float) -> dict[str, Any]:
-        """Keyword arguments of ``_flash_attn_forward`` for [b, s, h, d] inputs."""
+    def forward_kwargs(self, q, k, v, *, causal: bool, scale: float, varlen=None):
+        """Keyword arguments of ``_flash_attn_forward`` for [b, s, h, d] inputs, or of
+        ``_flash_attn_varlen_forward`` for THD inputs when ``varlen`` is
+        ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``."""
         values = {"q": q, "k": k, "v": v, **_fixed_kwargs(causal, scale), "return_softmax": False}
-        return self._kwargs(self.fwd_params, self.fwd_required, values, "_flash_attn_forward")
+        values.update(_varlen_values(varlen))
+        which = "_flash_attn_varlen_forward" if varlen else "_flash_attn_forward"
+        return self._kwargs(self.fwd_params, self.fwd_required, values, which)
 
-    def backward_kwargs(self, dout, q, k, v, out, lse, dq, dk, dv, *, causal, scale):
-        """Keyword arguments of ``_flash_attn_backward``; it fills dq, dk, dv."""
+    def backward_kwargs(self, dout, q, k, v, out, lse, dq, dk, dv, *, causal, scale, varlen=None):
+        """Keyword arguments of ``_flash_attn_backward`` (or ``_flash_attn_varlen_backward``
+        with ``varlen`` as in ``forward_kwargs``); it fills dq, dk, dv."""
         values = {
             "dout": dout,
             "q": q,
@@ -125,8 +156,22 @@ class FlashAttnAPI:
             **_fixed_kwargs(causal, scale),
             "deterministic": False,
             "rng_state": None,
+            **_varlen_values(varlen),
         }
-        return self._kwargs(self.bwd_params, self.bwd_required, values, "_flash_attn_backward")
+        which = "_flash_attn_varlen_backward" if varlen else "_flash_attn_backward"
+        return self._kwargs(self.bwd_params, self.bwd_required, values, which)
+
+
+def _varlen_values(varlen) -> dict[str, Any]:
+    if varlen is None:
+        return {}
+    cu_q, cu_k, max_q, max_k = varlen
+    return {
+        "cu_seqlens_q": cu_q,
+        "cu_seqlens_k": cu_k,
+        "max_seqlen_q": max_q,
+        "max_seqlen_k": max_k,
+    }
 
 
 def detect_flash_attn_api(fwd: Any, bwd: Any, version: str = "?") -> FlashAttnAPI:
@@ -175,6 +220,16 @@ class FlashAttnKernel:
         self._fwd = interface._flash_attn_forward
         self._bwd = interface._flash_attn_backward
         self.api = detect_flash_attn_api(self._fwd, self._bwd, version)
+        self._vfwd = getattr(interface, "_flash_attn_varlen_forward", None)
+        self._vbwd = getattr(interface, "_flash_attn_varlen_backward", None)
+        self.varlen_api = None
+        if self._vfwd is not None and self._vbwd is not None:
+            self.varlen_api = detect_flash_attn_api(self._vfwd, self._vbwd, version)
+
+    @property
+    def varlen_available(self) -> bool:
+        """Whether the installed flash-attn has the variable-length functions."""
+        return self.varlen_api is not None
 
     def forward(self, q, k, v, *, causal, scale):
         sq, b, hq, _ = q.shape
@@ -198,3 +253,41 @@ class FlashAttnKernel:
         )
         self._bwd(**kw)
         return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
+
+    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale):
+        api = self.varlen_api
+        kw = api.forward_kwargs(
+            q, k, v, causal=causal, scale=scale, varlen=(cu_q, cu_k, int(max_q), int(max_k))
+        )
+        res = self._vfwd(**kw)
+        out, lse = res[0], res[api.lse_index]
+        if tuple(out.shape) != tuple(q.shape):
+            raise RuntimeError(
+                f"flash-attn {api.version}: output {tuple(out.shape)} != q {tuple(q.shape)}"
+            )
+        return out, self._lse_packed(lse, cu_q, q.shape[0], q.shape[1]).to(acc_dtype(q.dtype))
+
+    def _lse_packed(self, lse, cu_q, t: int, h: int):
+        """The varlen lse as ``[h, t]``: 2.6+ returns it so, 2.5 as ``[n, h, max_q]``."""
+        if lse.dim() == 2 and tuple(lse.shape) == (h, t):
+            return lse
+        if lse.dim() == 3 and lse.shape[0] == cu_q.shape[0] - 1 and lse.shape[1] == h:
+            return varlen_lse_packed(lse, cu_q, t)
+        raise RuntimeError(
+            f"flash-attn {self.varlen_api.version}: varlen log-sum-exp of shape "
+            f"{tuple(lse.shape)}; expected [{h}, {t}] or [{cu_q.shape[0] - 1}, {h}, max_seqlen_q]"
+        )
+
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal, scale):
+        api = self.varlen_api
+        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+        lse = lse.to(acc_dtype(q.dtype)).contiguous()  # fp32 for fp16/bf16 inputs
+        if api.padded_varlen_lse:  # 2.5: [n, h, max_q]
+            lse = varlen_lse_padded(lse, cu_q, int(max_q))
+        kw = api.backward_kwargs(
+            dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse,
+            dq, dk, dv, causal=causal, scale=scale,
+            varlen=(cu_q, cu_k, int(max_q), int(max_k)),
+        )  # fmt: skip
+        self._vbwd(**kw)
+        return dq, dk, dv

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .contract import acc_dtype
+from .contract import acc_dtype, varlen_lse_packed, varlen_lse_padded
 from .signatures import _param_names
 
 __all__ = ["TEFusedAttnAPI", "TEKernel", "detect_te_api"]
@@ -40,6 +41,7 @@ _TE_DTYPES: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16})
 _TE_SUPPORTED = "Transformer Engine 1.9 - 2.18"
 _TE_LAYOUT = "sbhd_sbhd_sbhd"  # our [s, b, h, d] tensors, each in its own buffer
 _TE_FORMAT = "sbhd"
+_TE_THD_LAYOUT = "thd_thd_thd"  # packed sequences: [tokens, h, d] each, int32 cu_seqlens
 
 # Every parameter fused_attn_fwd / fused_attn_bwd have had in TE 1.9 - 2.18. A name
 # outside these sets means a release this adapter has not read: its default could
@@ -91,7 +93,9 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _te_fixed_kwargs(causal: bool, scale: float, device: torch.device) -> dict[str, Any]:
+def _te_fixed_kwargs(
+    causal: bool, scale: float, device: torch.device, thd: bool = False
+) -> dict[str, Any]:
     """TE arguments shared by forward and backward: no bias, dropout, window, sink.
 
     ``"causal"`` is TE's top-left causal mask (``"causal_bottom_right"`` is the
@@ -100,14 +104,20 @@ def _te_fixed_kwargs(causal: bool, scale: float, device: torch.device) -> dict[s
     TE's ``DotProductAttention`` passes it (``check_set_window_size``): TE >= 2.12
     with cuDNN 9.2 - 9.5 finds no backend for a causal mask with ``(-1, -1)``.
     ``cuda_graph`` says whether the stream is being captured, as TE's own code does
-    (it changes which backward cuDNN may run).
+    (it changes which backward cuDNN may run). ``thd``: packed sequences
+    (``"thd_thd_thd"``), whose masks TE names ``"padding_causal"`` / ``"padding"``
+    (top-left causal; TE refuses THD with any mask without padding).
     """
+    if thd:
+        layout, mask = _TE_THD_LAYOUT, ("padding_causal" if causal else "padding")
+    else:
+        layout, mask = _TE_LAYOUT, ("causal" if causal else "no_mask")
     return {
         "attn_scale": float(scale),
         "dropout": 0.0,
-        "qkv_layout": _TE_LAYOUT,
+        "qkv_layout": layout,
         "attn_bias_type": "no_bias",
-        "attn_mask_type": "causal" if causal else "no_mask",
+        "attn_mask_type": mask,
         "softmax_type": "vanilla",
         "window_size": (-1, 0) if causal else (-1, -1),
         "bottom_right_diagonal": False,
@@ -150,13 +160,17 @@ class TEFusedAttnAPI:
             )
         return {n: values[n] for n in params if n in values}
 
-    def forward_kwargs(self, q, k, v, cu_q, cu_kv, backend, dtype, *, causal, scale, rng_gen=None):
+    def forward_kwargs(
+        self, q, k, v, cu_q, cu_kv, backend, dtype, *, causal, scale, rng_gen=None, thd=None
+    ):
         """Keyword arguments of ``fused_attn_fwd`` for sbhd q, k, v. ``rng_gen``: the
-        generator TE draws its (unused, dropout 0) Philox state from."""
+        generator TE draws its (unused, dropout 0) Philox state from. ``thd``:
+        ``(max_seqlen_q, max_seqlen_kv)`` of packed THD q, k, v (``cu_q``/``cu_kv``
+        then the sequences' offsets, also passed as the padded ones: no gaps)."""
         values = {
             "is_training": True,  # the softmax statistics come only with training
-            "max_seqlen_q": q.shape[0],
-            "max_seqlen_kv": k.shape[0],
+            "max_seqlen_q": q.shape[0] if thd is None else thd[0],
+            "max_seqlen_kv": k.shape[0] if thd is None else thd[1],
             "cu_seqlens_q": cu_q,
             "cu_seqlens_kv": cu_kv,
             "q": q,
@@ -164,20 +178,24 @@ class TEFusedAttnAPI:
             "v": v,
             self.dtype_arg: dtype,
             "fused_attention_backend": backend,
-            **_te_fixed_kwargs(causal, scale, q.device),
-            "o_format": _TE_FORMAT,
+            **_te_fixed_kwargs(causal, scale, q.device, thd is not None),
+            "o_format": _TE_FORMAT if thd is None else "thd",
             "return_max_logit": False,
             "rng_gen": rng_gen,
+            **_thd_padded(thd, cu_q, cu_kv),
         }
         return self._kwargs(self.fwd_params, self.fwd_required, values, "fused_attn_fwd")
 
     def backward_kwargs(
-        self, d_o, q, k, v, o, aux, cu_q, cu_kv, backend, dtype, dqkv_dtype, *, causal, scale
-    ):
-        """Keyword arguments of ``fused_attn_bwd``; it returns new dq, dk, dv."""
+        self, d_o, q, k, v, o, aux, cu_q, cu_kv, backend, dtype, dqkv_dtype, *, causal, scale,
+        thd=None,
+    ):  # fmt: skip
+        """Keyword arguments of ``fused_attn_bwd`` (``thd`` as in ``forward_kwargs``); it
+        returns new dq, dk, dv."""
+        fmt = _TE_FORMAT if thd is None else "thd"
         values = {
-            "max_seqlen_q": q.shape[0],
-            "max_seqlen_kv": k.shape[0],
+            "max_seqlen_q": q.shape[0] if thd is None else thd[0],
+            "max_seqlen_kv": k.shape[0] if thd is None else thd[1],
             "cu_seqlens_q": cu_q,
             "cu_seqlens_kv": cu_kv,
             "q": q,
@@ -189,13 +207,19 @@ class TEFusedAttnAPI:
             "dqkv_dtype": dqkv_dtype,
             "aux_ctx_tensors": aux,
             "fused_attention_backend": backend,
-            **_te_fixed_kwargs(causal, scale, q.device),
-            "o_format": _TE_FORMAT,
-            "do_format": _TE_FORMAT,
-            "dqkv_layout": _TE_LAYOUT,
+            **_te_fixed_kwargs(causal, scale, q.device, thd is not None),
+            "o_format": fmt,
+            "do_format": fmt,
+            "dqkv_layout": _TE_LAYOUT if thd is None else _TE_THD_LAYOUT,
             "deterministic": False,
+            **_thd_padded(thd, cu_q, cu_kv),
         }
         return self._kwargs(self.bwd_params, self.bwd_required, values, "fused_attn_bwd")
+
+
+def _thd_padded(thd, cu_q, cu_kv) -> dict[str, Any]:
+    """THD: the padded offsets equal the real ones (the sequences have no gaps)."""
+    return {} if thd is None else {"cu_seqlens_q_padded": cu_q, "cu_seqlens_kv_padded": cu_kv}
 
 
 def detect_te_api(fwd: Any, bwd: Any, version: str = "?") -> TEFusedAttnAPI:
@@ -311,6 +335,9 @@ class TEKernel:
             te_dtype = importlib.import_module("transformer_engine.pytorch.constants").TE_DType
         self._te_dtype = te_dtype
         self._generators: dict[str, torch.Generator] = {}
+        # THD softmax statistics: the form the forward returned, per number of tokens
+        # (rows of a packed form), so the backward hands TE back the same form.
+        self._thd_stats: OrderedDict[int, int | None] = OrderedDict()
 
     def _dtypes(self, dtype: torch.dtype) -> tuple[Any, Any]:
         """(value of qkv_dtype / fake_dtype, value of dqkv_dtype) for inputs of ``dtype``."""
@@ -393,6 +420,84 @@ class TEKernel:
             if tuple(g.shape) != tuple(x.shape):
                 raise RuntimeError(
                     f"Transformer Engine {self.api.version}: gradient {tuple(g.shape)} for "
+                    f"an input of shape {tuple(x.shape)}"
+                )
+        return grads
+
+    # ---- packed sequences (THD) -------------------------------------------------------
+    def _thd_stats_to_packed(self, stats: Tensor, cu_q: Tensor, t: int, h: int, dtype) -> Tensor:
+        """TE's THD softmax statistics -> ``[h, t]``. Two forms, by TE release and cuDNN:
+        ``[n_seqs, h, max_seqlen_q, 1]`` (padded per sequence; TE 1.9 - 1.12, cuDNN < 9.6,
+        sm120) or ``[rows, h, 1]`` with rows >= t (TE 1.13 - 2.10 round rows up to a
+        bucket; 2.11+ rows == t). The form is remembered for the backward."""
+        n = cu_q.shape[0] - 1
+        if stats.dim() == 4 and tuple(stats.shape[:2]) == (n, h) and stats.shape[3] == 1:
+            self._remember_thd_stats(t, None)
+            return varlen_lse_packed(stats.squeeze(-1), cu_q, t).to(acc_dtype(dtype))
+        if stats.dim() == 3 and stats.shape[0] >= t and tuple(stats.shape[1:]) == (h, 1):
+            self._remember_thd_stats(t, stats.shape[0])
+            return stats[:t, :, 0].transpose(0, 1).to(acc_dtype(dtype))
+        raise RuntimeError(
+            f"Transformer Engine {self.api.version}: THD softmax statistics of shape "
+            f"{tuple(stats.shape)}; expected [{n}, {h}, max_seqlen_q, 1] or [>= {t}, {h}, 1]"
+        )
+
+    def _remember_thd_stats(self, t: int, rows: int | None) -> None:
+        self._thd_stats[t] = rows
+        self._thd_stats.move_to_end(t)
+        while len(self._thd_stats) > 256:
+            self._thd_stats.popitem(last=False)
+
+    def _thd_stats_from_packed(self, lse: Tensor, cu_q: Tensor, max_q: int, dtype) -> Tensor:
+        """``[h, t]`` -> the form this kernel's forward returned for t tokens."""
+        h, t = lse.shape
+        if t not in self._thd_stats:
+            raise RuntimeError(
+                f"kernel 'te': a THD backward for {t} tokens with no forward of that size"
+            )
+        rows = self._thd_stats[t]
+        lse = lse.to(acc_dtype(dtype))
+        if rows is None:
+            return varlen_lse_padded(lse, cu_q, max_q).unsqueeze(-1)
+        stats = lse.new_zeros(rows, h, 1)
+        stats[:t, :, 0] = lse.transpose(0, 1)
+        return stats
+
+    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale):
+        _check_te_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
+        qc, kc, vc = (x.contiguous() for x in (q, k, v))
+        dtype, _ = self._dtypes(q.dtype)
+        gen = None if _capturing(q.device) else self._generator(q.device)
+        kw = self.api.forward_kwargs(
+            qc, kc, vc, cu_q, cu_k, self._backend, dtype, causal=causal, scale=scale,
+            rng_gen=gen, thd=(int(max_q), int(max_k)),
+        )  # fmt: skip
+        out, aux = self._fwd(**kw)[:2]
+        if tuple(out.shape) != tuple(q.shape):
+            raise RuntimeError(
+                f"Transformer Engine {self.api.version}: THD output {tuple(out.shape)} != q "
+                f"{tuple(q.shape)}"
+            )
+        return out, self._thd_stats_to_packed(aux[0], cu_q, q.shape[0], q.shape[1], q.dtype)
+
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal, scale):
+        _check_te_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
+        if tuple(lse.shape) != (q.shape[1], q.shape[0]):
+            raise ValueError(f"lse {tuple(lse.shape)} != [{q.shape[1]}, {q.shape[0]}]")
+        qc, kc, vc = (x.contiguous() for x in (q, k, v))
+        oc, doc = out.to(q.dtype).contiguous(), dout.to(q.dtype).contiguous()
+        stats = self._thd_stats_from_packed(lse, cu_q, int(max_q), q.dtype)
+        aux = [stats, torch.zeros(2, dtype=torch.int64, device=q.device)]
+        dtype, dqkv_dtype = self._dtypes(q.dtype)
+        kw = self.api.backward_kwargs(
+            doc, qc, kc, vc, oc, aux, cu_q, cu_k, self._backend, dtype, dqkv_dtype,
+            causal=causal, scale=scale, thd=(int(max_q), int(max_k)),
+        )  # fmt: skip
+        grads = tuple(self._bwd(**kw)[:3])
+        for g, x in zip(grads, (q, k, v)):
+            if tuple(g.shape) != tuple(x.shape):
+                raise RuntimeError(
+                    f"Transformer Engine {self.api.version}: THD gradient {tuple(g.shape)} for "
                     f"an input of shape {tuple(x.shape)}"
                 )
         return grads

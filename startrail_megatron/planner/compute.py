@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..block_plan import allgather_calls, startrail_step_rows
+from ..block_plan import allgather_calls, startrail_step_rows, startrail_step_varlen
 from ..layout import StarTrailLayout
 from ..packing import PackedLayout
 from .cluster import ClusterSpec
@@ -70,11 +70,26 @@ def call_work(shapes: tuple[CallShape, ...]) -> tuple:
 
 @lru_cache(maxsize=256)
 def startrail_work(
-    lay: StarTrailLayout, causal: bool, s_local: int, packed: PackedLayout | None = None
+    lay: StarTrailLayout,
+    causal: bool,
+    s_local: int,
+    packed: PackedLayout | None = None,
+    varlen: bool = False,
 ) -> tuple:
-    """[step][rank] -> ``call_work`` of that rank's calls at that step."""
+    """[step][rank] -> ``call_work`` of that rank's calls at that step. ``varlen``: packed
+    documents on a variable-length kernel, whose calls are the grouped ones
+    (``block_plan.startrail_step_varlen``: the same pairs in fewer calls)."""
     steps = startrail_call_shapes(lay, causal, s_local, packed)
-    return tuple(tuple(call_work(calls) for calls in row) for row in steps)
+    out = []
+    for step, row in enumerate(steps):
+        works = []
+        for r, calls in enumerate(row):
+            pairs, n, shapes = call_work(calls)
+            if varlen and packed is not None:
+                n = len(startrail_step_varlen(lay, r, step, causal, packed))
+            works.append((pairs, n, shapes))
+        out.append(tuple(works))
+    return tuple(out)
 
 
 def kv_stream_bytes(

@@ -30,6 +30,10 @@ class AttnShape:
     """Packed documents (``packing.pack_lengths``): StarTrail's compute counts the
     per-document calls it makes; its bytes are those of the padded ``s_local``. The peers
     are charged as dense sequences (they take no document boundaries)."""
+    varlen: bool = False
+    """With ``packed``: the kernel takes all documents of one block-plan call at once
+    (flash-attn's varlen functions, TE's THD format), so a step costs one call's overhead
+    per grouped call (``block_plan.startrail_step_varlen``), not one per document."""
 
     def __post_init__(self) -> None:
         for f in ("cp_size", "s_local", "batch", "heads_q", "heads_kv", "head_dim", "elem_bytes"):

@@ -1,0 +1,284 @@
+"""Packed documents on variable-length kernels (issue 12): flash-attn's varlen functions and
+Transformer Engine's THD format, through stand-ins with each release's exact signatures
+(``test_backends.py``), since neither runs on CPU.
+
+Adapters: THD out, lse and dq, dk, dv against float64 attention per sequence (GQA, a length-1
+sequence, q and k of different lengths without the mask), for every generation's lse form
+(flash-attn 2.5's padded [n, h, max_q] and 2.6+'s [h, t]; TE's [n, h, max_q, 1], bucketed
+[rows >= t, h, 1] and exact [t, h, 1]). StarTrail: packed documents on those kernels against
+float64 per document, one process (P = 4 - 16) and gloo ranks, proving the grouped calls ran:
+every kernel call is a varlen/THD call, one per call of the team block plan (fewer than the
+per-document calls), and none of the dense functions is called.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from common import rel_err
+from harness import run_ranks
+from test_backends import FLASH_VERSIONS, TE_VERSIONS, _te_stand_in
+from test_packed import _reference_per_document
+
+import startrail_megatron as st
+from startrail_megatron import kernels as kn
+from startrail_megatron.block_plan import startrail_step_rows, startrail_step_varlen
+from startrail_megatron.kernels import TorchKernel
+from startrail_megatron.kernels import te as kn_te
+from startrail_megatron.one_process import one_process_attention
+from startrail_megatron.packing import pack_lengths
+
+
+class _Counting:
+    """Wraps a stand-in module's functions to count the calls of each."""
+
+    def __init__(self, ns, names):
+        self.counts = dict.fromkeys(names, 0)
+        for n in names:
+            setattr(self, n, self._wrap(n, getattr(ns, n)))
+        self.__version__ = getattr(ns, "__version__", "?")
+
+    def _wrap(self, name, fn):
+        def call(*a, **kw):
+            self.counts[name] += 1
+            return fn(*a, **kw)
+
+        call._init_fn = getattr(fn, "_init_fn", None) or fn  # signatures are read from it
+        return call
+
+
+_FLASH_FNS = (
+    "_flash_attn_forward",
+    "_flash_attn_backward",
+    "_flash_attn_varlen_forward",
+    "_flash_attn_varlen_backward",
+)
+
+
+def _flash_kernel(version):
+    ns = _Counting(FLASH_VERSIONS[version](), _FLASH_FNS)
+    return kn.FlashAttnKernel(ns), ns.counts
+
+
+class _CpuTE:
+    """TEKernel on the CPU stand-in: widens the devices and dtypes it accepts while in use
+    (restored after: workers are reused across tests)."""
+
+    def __enter__(self):
+        self.saved = kn_te._TE_DEVICES, kn_te._TE_DTYPES
+        kn_te._TE_DEVICES = frozenset({"cuda", "cpu"})
+        kn_te._TE_DTYPES = kn_te._TE_DTYPES | {torch.float64}
+
+    def __exit__(self, *exc):
+        kn_te._TE_DEVICES, kn_te._TE_DTYPES = self.saved
+
+
+def _te_kernel(version):
+    te = _te_stand_in(TE_VERSIONS[version])
+    return kn.TEKernel(te.fused_attn, te_dtype=te.TE_DType, version=te.version), te.calls
+
+
+def _thd(lens, h, d, g):
+    return torch.randn(sum(lens), h, d, generator=g, dtype=torch.float64)
+
+
+def _cu(lens):
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def _per_sequence(kernel_fn, lens_q, lens_k, *tensors):
+    """Run the reference per sequence on THD slices (q-side tensors first, then k, v)."""
+    cq, ck = _cu(lens_q).tolist(), _cu(lens_k).tolist()
+    return [
+        kernel_fn(i, slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(lens_q))
+    ]
+
+
+def _check_varlen_adapter(ker, causal, hq, hkv):
+    g = torch.Generator().manual_seed(5)
+    lens_q = [5, 1, 9, 3]
+    lens_k = lens_q if causal else [2, 7, 9, 1]
+    d, scale = 16, 0.3
+    q, do = _thd(lens_q, hq, d, g), _thd(lens_q, hq, d, g)
+    k, v = _thd(lens_k, hkv, d, g), _thd(lens_k, hkv, d, g)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    ref = TorchKernel()
+
+    def one(i, qs, ks):
+        return ref.forward(q[qs, None], k[ks, None], v[ks, None], causal=causal, scale=scale)
+
+    pieces = _per_sequence(one, lens_q, lens_k)
+    r_out = torch.cat([o[:, 0] for o, _ in pieces])
+    r_lse = torch.cat([lse[0] for _, lse in pieces], dim=1)  # [hq, t]
+    out, lse = ker.forward_varlen(
+        q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, scale=scale
+    )
+    assert out.shape == q.shape and lse.shape == (hq, q.shape[0])
+    torch.testing.assert_close(out, r_out, rtol=0, atol=1e-10)
+    torch.testing.assert_close(lse.double(), r_lse, rtol=0, atol=1e-6)
+
+    def grads(i, qs, ks):
+        return ref.backward(
+            do[qs, None], q[qs, None], k[ks, None], v[ks, None], r_out[qs, None],
+            r_lse[None, :, qs], causal=causal, scale=scale,
+        )  # fmt: skip
+
+    want = [torch.cat([p[j][:, 0] for p in _per_sequence(grads, lens_q, lens_k)]) for j in range(3)]
+    got = ker.backward_varlen(
+        do, q, k, v, r_out, r_lse.float() if ker.name == "flash_attn" else r_lse, cu_q, cu_k,
+        max(lens_q), max(lens_k), causal=causal, scale=scale,
+    )  # fmt: skip
+    for gx, w, x in zip(got, want, (q, k, v)):
+        assert gx.shape == x.shape  # dk, dv keep the KV heads (GQA)
+        torch.testing.assert_close(gx.double(), w, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("version", list(FLASH_VERSIONS))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+def test_flash_attn_varlen_adapter(version, causal, hq, hkv):
+    ker, counts = _flash_kernel(version)
+    assert kn.has_varlen(ker)
+    assert ker.varlen_api.padded_varlen_lse == (version == "2.5")
+    _check_varlen_adapter(ker, causal, hq, hkv)
+    assert counts["_flash_attn_varlen_forward"] == 1 and counts["_flash_attn_varlen_backward"] == 1
+
+
+def test_flash_attn_without_varlen_functions_runs_per_document():
+    ns = FLASH_VERSIONS["2.6"]()
+    del ns._flash_attn_varlen_forward, ns._flash_attn_varlen_backward
+    assert not kn.has_varlen(kn.FlashAttnKernel(ns))
+
+
+@pytest.mark.parametrize("version", list(TE_VERSIONS))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+def test_te_thd_adapter(version, causal, hq, hkv):
+    with _CpuTE():
+        ker, calls = _te_kernel(version)
+        assert kn.has_varlen(ker)
+        _check_varlen_adapter(ker, causal, hq, hkv)
+    fwd, bwd = calls[0][1], calls[1][1]
+    assert [c[0] for c in calls] == ["fwd", "bwd"]
+    for a in (fwd, bwd):
+        assert a["qkv_layout"] == "thd_thd_thd"
+        assert a["attn_mask_type"] == ("padding_causal" if causal else "padding")
+        assert a["cu_seqlens_q"].dtype == torch.int32
+
+
+def test_te_thd_backward_needs_its_forward():
+    with _CpuTE():
+        ker, _ = _te_kernel("2.18")
+        x = torch.zeros(4, 2, 8, dtype=torch.float64)
+        cu = torch.tensor([0, 4], dtype=torch.int32)
+        with pytest.raises(RuntimeError, match="THD backward for 4 tokens with no forward"):
+            ker.backward_varlen(x, x, x, x, x, torch.zeros(2, 4), cu, cu, 4, 4, causal=True,
+                                scale=1.0)  # fmt: skip
+
+
+# ---- StarTrail on the varlen kernels -------------------------------------------------------
+B, HQ, HKV, D = 2, 4, 2, 16
+LENGTHS = [17, 0, 31, 1, 11, 64]
+
+
+def _packed_inputs(lengths, b, seed=3):
+    total = sum(lengths)
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((total, b, HQ, D), (total, b, HKV, D), (total, b, HKV, D), (total, b, HQ, D))
+    return [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+
+
+def _expected_calls(p, c, placement, causal, packed):
+    lay = st.StarTrailLayout(p, c, placement)
+    grouped = per_doc = 0
+    for r in range(p):
+        for step in range(lay.ring_size):
+            grouped += len(startrail_step_varlen(lay, r, step, causal, packed))
+            per_doc += len(startrail_step_rows(lay, r, step, causal, packed.s_local, packed))
+    return grouped, per_doc
+
+
+@pytest.mark.parametrize(
+    "kernel, p, c, placement, causal",
+    [
+        ("flash:2.5", 4, 2, "team", True),
+        ("flash:2.6", 8, 2, "ring", True),
+        ("flash:2.8-custom-op", 9, 3, "team", False),
+        ("te:1.12", 4, 1, "team", True),
+        ("te:2.4", 16, 4, "team", True),
+        ("te:2.18", 16, 2, "ring", False),
+    ],
+)
+def test_startrail_packed_on_varlen_kernels(kernel, p, c, placement, causal):
+    family, version = kernel.split(":")
+    packed = pack_lengths(LENGTHS, p)
+    q, k, v, do = _packed_inputs(LENGTHS, B)
+    leaves = [[st.shard_packed(x, packed, r).requires_grad_() for r in range(p)] for x in (q, k, v)]
+    with _CpuTE():
+        if family == "flash":
+            ker, counts = _flash_kernel(version)
+        else:
+            ker, calls = _te_kernel(version)
+        outs = one_process_attention(
+            *leaves, c, placement=placement, causal=causal, kernel=ker,
+            cu_seqlens=packed.cu_seqlens, cu_seqlens_padded=packed.cu_seqlens_padded,
+        )  # fmt: skip
+        torch.autograd.backward(outs, [st.shard_packed(do, packed, r) for r in range(p)])
+    ref = [torch.cat(x, dim=1) for x in zip(*(
+        _reference_per_document(LENGTHS, causal, *(t[:, i : i + 1] for t in (q, k, v, do)))
+        for i in range(B)
+    ))]  # fmt: skip
+    got = [outs, *([x.grad for x in xs] for xs in leaves)]
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        full = st.unshard_packed([t.detach() for t in got[i]], packed)
+        assert rel_err(full, ref[i]) <= 1e-10, what
+    # the grouped calls ran: one varlen call per call of the block plan, nothing dense
+    grouped, per_doc = _expected_calls(p, c, placement, causal, packed)
+    assert grouped < per_doc
+    if family == "flash":
+        assert counts == {
+            "_flash_attn_forward": 0,
+            "_flash_attn_backward": 0,
+            "_flash_attn_varlen_forward": grouped,
+            "_flash_attn_varlen_backward": grouped,
+        }
+    else:
+        assert [c[0] for c in calls].count("fwd") == grouped == len(calls) // 2
+        assert all(a["qkv_layout"] == "thd_thd_thd" for _, a in calls)
+
+
+def _multi_rank_case(rank, world, kernel, c, lengths):
+    family, version = kernel.split(":")
+    packed = pack_lengths(lengths, world)
+    q, k, v, do = _packed_inputs(lengths, 1)
+    local = [st.shard_packed(x, packed, rank).requires_grad_() for x in (q, k, v)]
+    from common import groups_for
+
+    with _CpuTE():
+        ker, log = _flash_kernel(version) if family == "flash" else _te_kernel(version)
+        out = st.startrail_attention(
+            *local, groups_for(c, "team"), causal=True, kernel=ker,
+            cu_seqlens=packed.cu_seqlens, cu_seqlens_padded=packed.cu_seqlens_padded,
+        )  # fmt: skip
+        out.backward(st.shard_packed(do, packed, rank))
+    n_calls = log["_flash_attn_varlen_forward"] if family == "flash" else len(log) // 2
+    return [out.detach(), *(x.grad for x in local)], n_calls
+
+
+@pytest.mark.parametrize("kernel", ["flash:2.7-plain", "te:2.13"])
+def test_startrail_packed_varlen_on_ranks(kernel):
+    p, c, lengths = 4, 2, [2039, 1013, 509, 3]
+    results = run_ranks(p, _multi_rank_case, kernel, c, lengths)
+    packed = pack_lengths(lengths, p)
+    ref = _reference_per_document(lengths, True, *_packed_inputs(lengths, 1))
+    for i in range(4):
+        got = st.unshard_packed([res[0][i] for res in results], packed)
+        assert rel_err(got, ref[i]) <= 1e-10
+    lay = st.StarTrailLayout(p, c, "team")
+    for r, (_, n_calls) in enumerate(results):
+        assert n_calls == sum(
+            len(startrail_step_varlen(lay, r, s, True, packed)) for s in range(lay.ring_size)
+        )
