@@ -60,6 +60,15 @@ __all__ = [
 ]
 
 
+def _index_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Host ints on ``device``; to CUDA through pinned memory without a blocking copy
+    (built once per packed layout, in the first layer's call)."""
+    x = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 @lru_cache(maxsize=8)  # one team per rank: the batches in flight (forward, backward)
 def _team_rows_index(
     layout: StarTrailLayout, team: int, packed: PackedLayout, device: torch.device
@@ -70,7 +79,7 @@ def _team_rows_index(
     order = packed_team_order(layout, team, packed)
     if order == tuple(range(len(order))):
         return None
-    idx = torch.tensor(order, dtype=torch.long, device=device)
+    idx = _index_tensor(list(order), torch.long, device)
     return idx, torch.argsort(idx)
 
 
@@ -96,8 +105,8 @@ def _rows_and_offsets(segs, b: int, device) -> tuple[Tensor, Tensor, int]:
     for n in lens:
         cu.append(cu[-1] + n)
     return (
-        torch.tensor(rows, dtype=torch.long, device=device),
-        torch.tensor(cu, dtype=torch.int32, device=device),
+        _index_tensor(rows, torch.long, device),
+        _index_tensor(cu, torch.int32, device),
         max(lens),
     )
 

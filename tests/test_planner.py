@@ -698,6 +698,8 @@ def test_cost_model_charges_varlen_kernels_per_grouped_call():
             AttnShape(8, packed.s_local, 1, 32, 8, 128, varlen=True, **kw),
         )  # fmt: skip
         assert v.attn_s < a.attn_s and v.p2p_bytes == a.p2p_bytes
+    with pytest.raises(ValueError, match="varlen=True describes packed documents"):
+        AttnShape(8, packed.s_local, 1, 32, 8, 128, varlen=True)
 
 
 def test_packed_balance_script():

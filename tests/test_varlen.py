@@ -73,9 +73,10 @@ class _CpuTE:
         kn_te._TE_DEVICES, kn_te._TE_DTYPES = self.saved
 
 
-def _te_kernel(version):
+def _te_kernel(version, thd=True):
     te = _te_stand_in(TE_VERSIONS[version])
-    return kn.TEKernel(te.fused_attn, te_dtype=te.TE_DType, version=te.version), te.calls
+    ker = kn.TEKernel(te.fused_attn, te_dtype=te.TE_DType, version=te.version, thd=thd)
+    return ker, te.calls
 
 
 def _thd(lens, h, d, g):
@@ -147,10 +148,49 @@ def test_flash_attn_varlen_adapter(version, causal, hq, hkv):
     assert counts["_flash_attn_varlen_forward"] == 1 and counts["_flash_attn_varlen_backward"] == 1
 
 
-def test_flash_attn_without_varlen_functions_runs_per_document():
+def test_flash_attn_varlen_signature_it_cannot_read_leaves_the_dense_kernel():
     ns = FLASH_VERSIONS["2.6"]()
-    del ns._flash_attn_varlen_forward, ns._flash_attn_varlen_backward
-    assert not kn.has_varlen(kn.FlashAttnKernel(ns))
+
+    def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, softmax_scale, causal):  # fmt: skip
+        raise AssertionError("never called")
+
+    ns._flash_attn_varlen_forward = _flash_attn_varlen_forward
+    ker = kn.FlashAttnKernel(ns)
+    assert not kn.has_varlen(ker) and "neither window_size" in ker.varlen_unavailable_reason
+    x = torch.randn(4, 1, 2, 8, dtype=torch.float64)
+    out, _ = ker.forward(x, x, x, causal=True, scale=1.0)  # the dense functions still work
+    torch.testing.assert_close(out, TorchKernel().forward(x, x, x, causal=True, scale=1.0)[0])
+
+
+def test_te_thd_needs_sm90_and_cudnn_9_6():
+    assert kn_te.te_thd_unsupported_reason((9, 0), 90600) is None
+    assert kn_te.te_thd_unsupported_reason((10, 0), 91000) is None
+    assert "compute capability" in kn_te.te_thd_unsupported_reason((8, 0), 91000)
+    assert "cuDNN >= 90600" in kn_te.te_thd_unsupported_reason((9, 0), 90500)
+    assert "compute capability" in kn_te.te_thd_unsupported_reason(None, None)
+    te = _te_stand_in(TE_VERSIONS["2.18"])
+    ker = kn.TEKernel(te.fused_attn, te_dtype=te.TE_DType, version=te.version)
+    assert ker.varlen_available == (
+        torch.cuda.is_available()
+        and kn_te.te_thd_unsupported_reason(
+            torch.cuda.get_device_capability(), torch.backends.cudnn.version()
+        )
+        is None
+    )
+
+
+def test_te_thd_stats_rows():
+    assert [kn_te.te_max_tokens(t) for t in (1, 1024, 1025, 4097, 32768, 32769, 70000)] == [
+        1024, 1024, 2048, 8192, 32768, 65536, 98304,
+    ]  # fmt: skip
+    with _CpuTE():
+        ker, _ = _te_kernel("2.18")
+        cu = torch.tensor([0, 5], dtype=torch.int32)
+        with pytest.raises(RuntimeError, match="statistics of 1500 rows for 5 tokens"):
+            ker._thd_stats_to_packed(torch.zeros(1500, 2, 1), cu, 5, 2, torch.bfloat16)
+        with pytest.raises(RuntimeError, match="statistics of shape"):
+            ker._thd_stats_to_packed(torch.zeros(2, 5, 1), cu, 5, 2, torch.bfloat16)
 
 
 @pytest.mark.parametrize("version", list(TE_VERSIONS))
@@ -167,16 +207,6 @@ def test_te_thd_adapter(version, causal, hq, hkv):
         assert a["qkv_layout"] == "thd_thd_thd"
         assert a["attn_mask_type"] == ("padding_causal" if causal else "padding")
         assert a["cu_seqlens_q"].dtype == torch.int32
-
-
-def test_te_thd_backward_needs_its_forward():
-    with _CpuTE():
-        ker, _ = _te_kernel("2.18")
-        x = torch.zeros(4, 2, 8, dtype=torch.float64)
-        cu = torch.tensor([0, 4], dtype=torch.int32)
-        with pytest.raises(RuntimeError, match="THD backward for 4 tokens with no forward"):
-            ker.backward_varlen(x, x, x, x, x, torch.zeros(2, 4), cu, cu, 4, 4, causal=True,
-                                scale=1.0)  # fmt: skip
 
 
 # ---- StarTrail on the varlen kernels -------------------------------------------------------
@@ -282,3 +312,37 @@ def test_startrail_packed_varlen_on_ranks(kernel):
         assert n_calls == sum(
             len(startrail_step_varlen(lay, r, s, True, packed)) for s in range(lay.ring_size)
         )
+
+
+@pytest.mark.parametrize("kernel", ["flash:no-varlen", "te:no-thd"])
+def test_packed_falls_back_to_one_call_per_document(kernel):
+    """flash-attn without (readable) varlen functions, TE where THD cannot run: the same
+    exact result from one dense call per document and block, and no varlen/THD call."""
+    p, c, causal = 4, 2, True
+    packed = pack_lengths(LENGTHS, p)
+    q, k, v, do = _packed_inputs(LENGTHS, 1)
+    leaves = [[st.shard_packed(x, packed, r).requires_grad_() for r in range(p)] for x in (q, k, v)]
+    with _CpuTE():
+        if kernel.startswith("flash"):
+            ns = FLASH_VERSIONS["2.8-custom-op"]()
+            counting = _Counting(ns, _FLASH_FNS[:2])
+            ker = kn.FlashAttnKernel(counting)
+            assert not kn.has_varlen(ker)
+        else:
+            ker, calls = _te_kernel("2.18", thd=False)
+        outs = one_process_attention(
+            *leaves, c, causal=causal, kernel=ker,
+            cu_seqlens=packed.cu_seqlens, cu_seqlens_padded=packed.cu_seqlens_padded,
+        )  # fmt: skip
+        torch.autograd.backward(outs, [st.shard_packed(do, packed, r) for r in range(p)])
+    ref = _reference_per_document(LENGTHS, causal, q, k, v, do)
+    got = [outs, *([x.grad for x in xs] for xs in leaves)]
+    tol = 1e-6 if kernel.startswith("flash") else 1e-10  # the dense adapter's lse is fp32
+    for i in range(4):
+        assert rel_err(st.unshard_packed([t.detach() for t in got[i]], packed), ref[i]) <= tol
+    _, per_doc = _expected_calls(p, c, "team", causal, packed)
+    if kernel.startswith("flash"):
+        assert counting.counts == {"_flash_attn_forward": per_doc, "_flash_attn_backward": per_doc}
+    else:
+        assert len(calls) == 2 * per_doc
+        assert all(a["qkv_layout"] == "sbhd_sbhd_sbhd" for _, a in calls)

@@ -223,12 +223,17 @@ class FlashAttnKernel:
         self._vfwd = getattr(interface, "_flash_attn_varlen_forward", None)
         self._vbwd = getattr(interface, "_flash_attn_varlen_backward", None)
         self.varlen_api = None
+        self.varlen_unavailable_reason = "flash-attn has no _flash_attn_varlen_forward/backward"
         if self._vfwd is not None and self._vbwd is not None:
-            self.varlen_api = detect_flash_attn_api(self._vfwd, self._vbwd, version)
+            try:
+                self.varlen_api = detect_flash_attn_api(self._vfwd, self._vbwd, version)
+            except NotImplementedError as e:  # the dense functions still work
+                self.varlen_unavailable_reason = f"varlen functions: {e}"
 
     @property
     def varlen_available(self) -> bool:
-        """Whether the installed flash-attn has the variable-length functions."""
+        """Whether the installed flash-attn has variable-length functions this adapter
+        reads (else packed documents run one dense call per document and block)."""
         return self.varlen_api is not None
 
     def forward(self, q, k, v, *, causal, scale):

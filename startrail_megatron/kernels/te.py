@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -31,7 +30,13 @@ from torch import Tensor
 from .contract import acc_dtype, varlen_lse_packed, varlen_lse_padded
 from .signatures import _param_names
 
-__all__ = ["TEFusedAttnAPI", "TEKernel", "detect_te_api"]
+__all__ = [
+    "TEFusedAttnAPI",
+    "TEKernel",
+    "detect_te_api",
+    "te_max_tokens",
+    "te_thd_unsupported_reason",
+]
 
 _TE_DEVICES: frozenset[str] = frozenset({"cuda"})
 """Device types ``TEKernel`` accepts. Only the tests widen it (to run stand-ins on CPU)."""
@@ -222,6 +227,33 @@ def _thd_padded(thd, cu_q, cu_kv) -> dict[str, Any]:
     return {} if thd is None else {"cu_seqlens_q_padded": cu_q, "cu_seqlens_kv_padded": cu_kv}
 
 
+def te_max_tokens(t: int) -> int:
+    """Rows of TE 1.13 - 2.10's THD softmax statistics for t tokens (``get_max_tokens`` in
+    TE's ``fused_attn_f16_arbitrary_seqlen.cu``): 1024 up to 1024 tokens, then the next
+    power of two up to 32K, then the next multiple of 32K."""
+    if t <= 1024:
+        return 1024
+    if t <= 32768:
+        return 1 << (t - 1).bit_length()
+    return -(-t // 32768) * 32768
+
+
+_TE_THD_MIN_CAPABILITY = (9, 0)
+_TE_THD_MIN_CUDNN = 90600
+
+
+def te_thd_unsupported_reason(capability, cudnn_version) -> str | None:
+    """Why TE cannot run THD (packed) F16 attention for every head layout and causal
+    window StarTrail uses, or ``None``. TE's backend selection (``fused_attn.cpp``) takes
+    ``"thd_thd_thd"`` on F16_arbitrary_seqlen from sm90 and cuDNN 9.1 with equal q and kv
+    heads, 9.6 with GQA; cuDNN 9.2 - 9.5 refuse THD with the causal window (-1, 0)."""
+    if capability is None or tuple(capability) < _TE_THD_MIN_CAPABILITY:
+        return f"THD needs compute capability >= {_TE_THD_MIN_CAPABILITY}, got {capability}"
+    if cudnn_version is None or cudnn_version < _TE_THD_MIN_CUDNN:
+        return f"THD needs cuDNN >= {_TE_THD_MIN_CUDNN}, got {cudnn_version}"
+    return None
+
+
 def detect_te_api(fwd: Any, bwd: Any, version: str = "?") -> TEFusedAttnAPI:
     """Read TE's fused-attention conventions from the parameters of fwd and bwd.
 
@@ -304,6 +336,8 @@ class TEKernel:
         fused_attn: the ``cpp_extensions.fused_attn`` module (imported when ``None``).
         te_dtype: the ``constants.TE_DType`` mapping (imported when needed and ``None``).
         version: TE's version for messages (``transformer_engine.__version__``).
+        thd: whether packed documents use the THD format (``None``: detected,
+            ``varlen_available``).
     """
 
     name = "te"
@@ -313,6 +347,7 @@ class TEKernel:
         fused_attn: ModuleType | Any | None = None,
         te_dtype: Mapping[torch.dtype, Any] | None = None,
         version: str | None = None,
+        thd: bool | None = None,
     ):
         if fused_attn is None:
             fused_attn = importlib.import_module(
@@ -335,9 +370,28 @@ class TEKernel:
             te_dtype = importlib.import_module("transformer_engine.pytorch.constants").TE_DType
         self._te_dtype = te_dtype
         self._generators: dict[str, torch.Generator] = {}
-        # THD softmax statistics: the form the forward returned, per number of tokens
-        # (rows of a packed form), so the backward hands TE back the same form.
-        self._thd_stats: OrderedDict[int, int | None] = OrderedDict()
+        self._thd = thd
+        # THD softmax statistics: the form TE's forward returns ("padded", "bucketed" or
+        # "exact"; fixed by TE release, cuDNN and GPU), so the backward hands back the same.
+        self._thd_stats_form: str | None = None
+
+    @property
+    def varlen_available(self) -> bool:
+        """Whether packed documents go to TE's THD format (else one sbhd call per document).
+
+        ``thd`` given at construction decides; otherwise THD needs what TE's backend
+        selection asks of F16_arbitrary_seqlen with ``"thd_thd_thd"`` for every head layout
+        and causal window: compute capability >= 9.0 and cuDNN >= 9.6
+        (``te_thd_unsupported_reason``), read from the current CUDA device once.
+        """
+        if self._thd is None:
+            cap = cudnn = None
+            if torch.cuda.is_available():
+                cap = tuple(torch.cuda.get_device_capability())
+                if torch.backends.cudnn.is_available():
+                    cudnn = torch.backends.cudnn.version()
+            self._thd = te_thd_unsupported_reason(cap, cudnn) is None
+        return self._thd
 
     def _dtypes(self, dtype: torch.dtype) -> tuple[Any, Any]:
         """(value of qkv_dtype / fake_dtype, value of dqkv_dtype) for inputs of ``dtype``."""
@@ -426,40 +480,39 @@ class TEKernel:
 
     # ---- packed sequences (THD) -------------------------------------------------------
     def _thd_stats_to_packed(self, stats: Tensor, cu_q: Tensor, t: int, h: int, dtype) -> Tensor:
-        """TE's THD softmax statistics -> ``[h, t]``. Two forms, by TE release and cuDNN:
-        ``[n_seqs, h, max_seqlen_q, 1]`` (padded per sequence; TE 1.9 - 1.12, cuDNN < 9.6,
-        sm120) or ``[rows, h, 1]`` with rows >= t (TE 1.13 - 2.10 round rows up to a
-        bucket; 2.11+ rows == t). The form is remembered for the backward."""
+        """TE's THD softmax statistics -> ``[h, t]``. Three forms, by TE release, cuDNN and
+        GPU: ``[n_seqs, h, max_seqlen_q, 1]`` (padded per sequence; TE 1.9 - 1.12, cuDNN
+        < 9.6, sm120), ``[te_max_tokens(t), h, 1]`` (TE 1.13 - 2.10 round the rows up) and
+        ``[t, h, 1]`` (2.11+). The form is kept for the backward; anything else raises."""
         n = cu_q.shape[0] - 1
         if stats.dim() == 4 and tuple(stats.shape[:2]) == (n, h) and stats.shape[3] == 1:
-            self._remember_thd_stats(t, None)
-            return varlen_lse_packed(stats.squeeze(-1), cu_q, t).to(acc_dtype(dtype))
-        if stats.dim() == 3 and stats.shape[0] >= t and tuple(stats.shape[1:]) == (h, 1):
-            self._remember_thd_stats(t, stats.shape[0])
-            return stats[:t, :, 0].transpose(0, 1).to(acc_dtype(dtype))
-        raise RuntimeError(
-            f"Transformer Engine {self.api.version}: THD softmax statistics of shape "
-            f"{tuple(stats.shape)}; expected [{n}, {h}, max_seqlen_q, 1] or [>= {t}, {h}, 1]"
-        )
-
-    def _remember_thd_stats(self, t: int, rows: int | None) -> None:
-        self._thd_stats[t] = rows
-        self._thd_stats.move_to_end(t)
-        while len(self._thd_stats) > 256:
-            self._thd_stats.popitem(last=False)
+            form, packed = "padded", varlen_lse_packed(stats.squeeze(-1), cu_q, t)
+        elif stats.dim() == 3 and tuple(stats.shape[1:]) == (h, 1) and stats.shape[0] >= t:
+            rows = stats.shape[0]
+            form = "exact" if rows == t else "bucketed"
+            if form == "bucketed" and rows != te_max_tokens(t):
+                raise RuntimeError(
+                    f"Transformer Engine {self.api.version}: THD softmax statistics of "
+                    f"{rows} rows for {t} tokens; expected {t} or {te_max_tokens(t)}"
+                )
+            packed = stats[:t, :, 0].transpose(0, 1)
+        else:
+            raise RuntimeError(
+                f"Transformer Engine {self.api.version}: THD softmax statistics of shape "
+                f"{tuple(stats.shape)}; expected [{n}, {h}, max_seqlen_q, 1] or [>= {t}, {h}, 1]"
+            )
+        if form != self._thd_stats_form and not (form == "exact" and t == te_max_tokens(t)):
+            self._thd_stats_form = form  # (t equal to its bucket cannot tell the two apart)
+        return packed.to(acc_dtype(dtype))
 
     def _thd_stats_from_packed(self, lse: Tensor, cu_q: Tensor, max_q: int, dtype) -> Tensor:
-        """``[h, t]`` -> the form this kernel's forward returned for t tokens."""
+        """``[h, t]`` -> the form this kernel's forward returns."""
         h, t = lse.shape
-        if t not in self._thd_stats:
-            raise RuntimeError(
-                f"kernel 'te': a THD backward for {t} tokens with no forward of that size"
-            )
-        rows = self._thd_stats[t]
+        form = self._thd_stats_form or "exact"
         lse = lse.to(acc_dtype(dtype))
-        if rows is None:
+        if form == "padded":
             return varlen_lse_padded(lse, cu_q, max_q).unsqueeze(-1)
-        stats = lse.new_zeros(rows, h, 1)
+        stats = lse.new_zeros(te_max_tokens(t) if form == "bucketed" else t, h, 1)
         stats[:t, :, 0] = lse.transpose(0, 1)
         return stats
 

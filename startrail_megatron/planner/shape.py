@@ -47,6 +47,8 @@ class AttnShape:
                 f"packed is laid out for cp_size {self.packed.cp_size}, s_local "
                 f"{self.packed.s_local}; this shape has {self.cp_size}, {self.s_local}"
             )
+        if self.varlen and self.packed is None:
+            raise ValueError("varlen=True describes packed documents: give packed= as well")
         if self.causal and self.s_local % 2:
             raise ValueError(
                 f"causal zigzag needs an even s_local (sequence / cp_size), got {self.s_local}"
