@@ -45,10 +45,17 @@ from torch.autograd.function import once_differentiable
 from .block_plan import VarlenCall, packed_team_order, startrail_step_rows, startrail_step_varlen
 from .comm import CommLedger, P2PComm, PeerExchange, TeamCollectives, TeamComm
 from .groups import StarTrailGroups
-from .kernels import AttentionKernel, acc_dtype, has_varlen, merge_partial, resolve_kernel
+from .kernels import (
+    AttentionKernel,
+    Dropout,
+    acc_dtype,
+    has_varlen,
+    merge_partial,
+    resolve_kernel,
+)
 from .layout import StarTrailLayout
 from .packing import PackedLayout
-from .validation import agree_once, packed_layout, validate_inputs
+from .validation import agree_once, check_dropout, packed_layout, validate_inputs
 from .zigzag import inverse_order, reorder_chunks
 
 __all__ = [
@@ -130,7 +137,12 @@ def _from_thd(x: Tensor, b: int) -> Tensor:
     return x.view(b, -1, *x.shape[1:]).transpose(0, 1)
 
 
-def _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale) -> None:
+def _drop_kw(drop: Dropout | None) -> dict:
+    """``dropout=`` only when there is dropout: kernels without it keep their signature."""
+    return {} if drop is None else {"dropout": drop}
+
+
+def _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale, drop=None) -> None:
     """One ``VarlenCall`` of the forward: gather its rows, one kernel call, fold the
     result into the running (acc_out, acc_lse) of those rows."""
     b = q_team.shape[1]
@@ -139,7 +151,7 @@ def _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale) -> No
         _to_thd(q_team, ix.q_rows),
         _to_thd(kv_cur[:, 0], ix.kv_rows),
         _to_thd(kv_cur[:, 1], ix.kv_rows),
-        ix.cu_q, ix.cu_k, ix.max_q, ix.max_k, causal=ix.causal, scale=scale,
+        ix.cu_q, ix.cu_k, ix.max_q, ix.max_k, causal=ix.causal, scale=scale, **_drop_kw(drop),
     )  # fmt: skip
     hq = q_team.shape[2]
     part_out = acc_out.index_select(0, ix.q_rows)
@@ -149,7 +161,9 @@ def _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale) -> No
     acc_lse.index_copy_(2, ix.q_rows, part_lse)
 
 
-def _varlen_backward(kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, dq, dkv, scale):
+def _varlen_backward(
+    kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, dq, dkv, scale, drop=None
+):
     """One ``VarlenCall`` of the backward: gradients added into dq and dkv's rows."""
     b, hq = q_team.shape[1], q_team.shape[2]
     ix = _varlen_index(call, b, q_team.device)
@@ -161,7 +175,7 @@ def _varlen_backward(kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, d
         _to_thd(kv_cur[:, 1], ix.kv_rows),
         _to_thd(out_eff, ix.q_rows),
         lse,
-        ix.cu_q, ix.cu_k, ix.max_q, ix.max_k, causal=ix.causal, scale=scale,
+        ix.cu_q, ix.cu_k, ix.max_q, ix.max_k, causal=ix.causal, scale=scale, **_drop_kw(drop),
     )  # fmt: skip
     acc = dq.dtype
     dq.index_add_(0, ix.q_rows, _from_thd(g_q, b).to(acc))
@@ -177,6 +191,8 @@ class RankContext:
     over ``groups`` (``TeamComm``, ``P2PComm``). ``one_process.py`` passes the
     in-process transport instead; the algorithm below is the same either way.
     ``packed``: the documents of a packed sequence (``packing.py``), or ``None``.
+    ``dropout_p``: attention dropout; the forward keeps one ``Dropout`` record per
+    kernel call (its RNG state), which the backward hands the same call again.
     """
 
     def __init__(
@@ -186,8 +202,11 @@ class RankContext:
         ledger: CommLedger | None,
         comms: tuple[TeamCollectives, PeerExchange] | None = None,
         packed: PackedLayout | None = None,
+        dropout_p: float = 0.0,
     ):
         lay = groups.layout
+        self.dropout_p = dropout_p
+        self.dropouts: dict[tuple[int, int], Dropout] = {}
         self.layout, self.causal, self.ledger = lay, causal, ledger
         self.rank = groups.cp_rank
         self.team, self.member = lay.coord(self.rank)
@@ -231,6 +250,16 @@ class RankContext:
         if self.packed is not None and has_varlen(kernel):
             return startrail_step_varlen(lay, r, step, self.causal, self.packed), ()
         return (), startrail_step_rows(lay, r, step, self.causal, s_local, self.packed)
+
+    def dropout(self, step: int, call: int) -> Dropout | None:
+        """The dropout record of kernel call ``call`` at ``step``: new in the forward, the
+        same one in the backward (``None`` without dropout)."""
+        if not self.dropout_p:
+            return None
+        rec = self.dropouts.get((step, call))
+        if rec is None:
+            rec = self.dropouts[step, call] = Dropout(self.dropout_p)
+        return rec
 
     def ring_step(self, x: Tensor, step: int, what: str):
         """Start passing ``x`` to the next rank of the sub-ring (None at the last step)."""
@@ -281,13 +310,15 @@ def startrail_rank_forward(
     for step in range(lay.ring_size):
         pending = cx.ring_step(kv_cur, step, "kv")
         varlen, rows = cx.step_calls(step, s, kernel)
-        for call in varlen:
-            _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale)
-        for q_lo, q_hi, kv_lo, kv_hi, causal in rows:
+        for i, call in enumerate(varlen):
+            drop = cx.dropout(step, i)
+            _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale, drop)
+        for i, (q_lo, q_hi, kv_lo, kv_hi, causal) in enumerate(rows):
             qs, ks = slice(q_lo, q_hi), slice(kv_lo, kv_hi)
             o, lse = kernel.forward(
-                q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], causal=causal, scale=scale
-            )
+                q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], causal=causal, scale=scale,
+                **_drop_kw(cx.dropout(step, i)),
+            )  # fmt: skip
             merge_partial(acc_out[qs], acc_lse[..., qs], o, lse)
         if pending is not None:
             kv_cur = pending.wait()
@@ -353,11 +384,12 @@ def startrail_rank_backward(
         pending = cx.ring_step(kv_cur, step, "kv")
         dkv = torch.zeros(n, 2, b, hkv, d, dtype=acc, device=dout.device)
         varlen, rows = cx.step_calls(step, s, kernel)
-        for call in varlen:
+        for i, call in enumerate(varlen):
             _varlen_backward(
-                kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, dq, dkv, scale
-            )
-        for q_lo, q_hi, kv_lo, kv_hi, causal in rows:
+                kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, dq, dkv, scale,
+                cx.dropout(step, i),
+            )  # fmt: skip
+        for i, (q_lo, q_hi, kv_lo, kv_hi, causal) in enumerate(rows):
             qs, ks = slice(q_lo, q_hi), slice(kv_lo, kv_hi)
             g_q, g_k, g_v = kernel.backward(
                 do_team[qs],
@@ -368,6 +400,7 @@ def startrail_rank_backward(
                 lse_team[..., qs],
                 causal=causal,
                 scale=scale,
+                **_drop_kw(cx.dropout(step, i)),
             )
             dq[qs] += g_q
             dkv[ks, 0] += g_k
@@ -396,10 +429,10 @@ def startrail_rank_backward(
 
 class _StarTrailAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, groups, causal, scale, kernel, ledger, packed):
+    def forward(ctx, q, k, v, groups, causal, scale, kernel, ledger, packed, dropout_p):
         if ledger is not None:
             ledger.phase = "fwd"
-        cx = RankContext(groups, causal, ledger, packed=packed)
+        cx = RankContext(groups, causal, ledger, packed=packed, dropout_p=dropout_p)
         out, saved = startrail_rank_forward(q, k, v, cx, scale, kernel)
         ctx.save_for_backward(out, *saved)
         ctx.cx, ctx.scale, ctx.kernel, ctx.ledger = cx, scale, kernel, ledger
@@ -414,7 +447,7 @@ class _StarTrailAttention(torch.autograd.Function):
         dq, dk, dv = startrail_rank_backward(
             dout.contiguous(), out, (q_team, kv_team, lse_team), ctx.cx, ctx.scale, ctx.kernel
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def startrail_attention(
@@ -429,6 +462,7 @@ def startrail_attention(
     ledger: CommLedger | None = None,
     cu_seqlens=None,
     cu_seqlens_padded=None,
+    dropout_p: float = 0.0,
 ) -> Tensor:
     """Exact attention over the whole CP-sharded sequence, StarTrail schedule.
 
@@ -457,6 +491,13 @@ def startrail_attention(
             Kernels with variable-length methods (flash-attn's varlen functions,
             TE's THD format) get one call per block-plan call over all the
             documents; the others one call per document and block.
+        dropout_p: attention dropout (0 <= p < 1; pass 0 in evaluation): every kernel
+            call drops its attention probabilities after the softmax statistics are
+            taken, as flash-attn does, and its backward rebuilds the same mask from the
+            RNG state the forward saved. The reference kernel draws from the default
+            generator of q's device (Megatron's RNG tracker ``fork`` swaps it), flash-attn
+            from the CUDA generator: a run is reproducible with the same seed and layout.
+            ``0`` runs exactly the code without dropout.
 
     Returns:
         out ``[s_local, b, heads_q, head_dim]`` in q's dtype.
@@ -467,6 +508,9 @@ def startrail_attention(
         )
     validate_inputs(q, k, v, groups.cp_size, causal)
     packed = packed_layout(groups.cp_size, q.shape[0], cu_seqlens, cu_seqlens_padded)
-    kern, scale = resolve_kernel(q, kernel, softmax_scale)
-    agree_once(groups, q, k, bool(causal), packed)
-    return _StarTrailAttention.apply(q, k, v, groups, bool(causal), scale, kern, ledger, packed)
+    dropout_p = check_dropout(dropout_p)
+    kern, scale = resolve_kernel(q, kernel, softmax_scale, dropout=dropout_p > 0)
+    agree_once(groups, q, k, bool(causal), packed, dropout_p)
+    return _StarTrailAttention.apply(
+        q, k, v, groups, bool(causal), scale, kern, ledger, packed, dropout_p
+    )

@@ -35,7 +35,7 @@ from .comm.in_process import Baton, InProcessP2P, InProcessTeam, InProcessWorld
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, resolve_kernel
 from .layout import Placement, StarTrailLayout
-from .validation import packed_layout, validate_inputs
+from .validation import check_dropout, packed_layout, validate_inputs
 
 __all__ = ["RankTimer", "one_process_attention"]
 
@@ -99,7 +99,7 @@ class _OneProcess(torch.autograd.Function):
                 if led is not None:
                     led.phase = "fwd"
                 comms = (InProcessTeam(world, r, led), InProcessP2P(world, r, led))
-                cx = RankContext(groups, run["causal"], led, comms, run["packed"])
+                cx = RankContext(groups, run["causal"], led, comms, run["packed"], run["dropout_p"])
                 out, saved = startrail_rank_forward(
                     qs[r], ks[r], vs[r], cx, run["scale"], run["kernel"]
                 )
@@ -159,6 +159,7 @@ def one_process_attention(
     timer: RankTimer | None = None,
     cu_seqlens=None,
     cu_seqlens_padded=None,
+    dropout_p: float = 0.0,
 ) -> list[Tensor]:
     """StarTrail over ``P = len(q_shards)`` CP ranks, all run in this process.
 
@@ -167,8 +168,9 @@ def one_process_attention(
             tensors (``zigzag_shard`` of the full sequence for causal), all on
             one device; differentiable.
         team_size: C, with C*C dividing P.
-        placement, causal, softmax_scale, kernel, cu_seqlens, cu_seqlens_padded: as
-            ``startrail_attention``.
+        placement, causal, softmax_scale, kernel, cu_seqlens, cu_seqlens_padded,
+            dropout_p: as ``startrail_attention`` (the ranks draw their masks in turn from
+            the one default generator).
         ledgers: one ``CommLedger`` (or ``None``) per rank; each records what
             that rank would send, exactly as in a multi-rank run.
         timer: a ``RankTimer`` that accumulates each rank's compute time.
@@ -198,10 +200,12 @@ def one_process_attention(
         raise ValueError(f"ledgers needs one entry per rank ({p}), got {len(ledgers)}")
     q0 = q_shards[0]
     packed = packed_layout(p, q0.shape[0], cu_seqlens, cu_seqlens_padded)
-    kernel, scale = resolve_kernel(q0, kernel, softmax_scale)
+    dropout_p = check_dropout(dropout_p)
+    kernel, scale = resolve_kernel(q0, kernel, softmax_scale, dropout=dropout_p > 0)
     run = dict(
         layout=layout,
         packed=packed,
+        dropout_p=dropout_p,
         causal=bool(causal),
         scale=scale,
         kernel=kernel,

@@ -9,6 +9,9 @@ disagree raise instead of hanging).
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -60,17 +63,26 @@ def validate_inputs(q: Tensor, k: Tensor, v: Tensor, cp_size: int, causal: bool)
 _DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
 
+def check_dropout(dropout_p) -> float:
+    """``dropout_p`` as a float in [0, 1) (``ValueError`` naming it otherwise)."""
+    ok = isinstance(dropout_p, numbers.Real) and not isinstance(dropout_p, bool)
+    if not ok or not math.isfinite(dropout_p) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p!r} must be a number with 0 <= dropout_p < 1")
+    return float(dropout_p)
+
+
 def agree_once(
     groups: StarTrailGroups,
     q: Tensor,
     k: Tensor,
     causal: bool,
     packed: PackedLayout | None = None,
+    dropout_p: float = 0.0,
 ) -> None:
     """Check, the first time this rank sees a call setting, that every CP rank has the same.
 
     Ranks that disagree on the local length, batch, heads, head_dim, dtype,
-    causal or the packed documents (or on C, placement, P through their groups)
+    causal, dropout_p or the packed documents (or on C, placement, P through their groups)
     would post mismatched
     transfers and hang until the group's timeout; instead every rank raises the
     same ``ValueError`` naming what differs. One tiny all-reduce, and one device
@@ -95,6 +107,7 @@ def agree_once(
         "placement": PLACEMENTS.index(lay.placement),
         "documents": packed.num_docs if packed is not None else 0,
         "cu_seqlens": packed.fingerprint() if packed is not None else 0,
+        "dropout_p (1e-9)": round(dropout_p * 1e9),
     }
     key = tuple(fields.values())
     if lay.cp_size == 1 or key in groups.agreed:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from .contract import (
     AttentionKernel,
+    Dropout,
     VarlenAttentionKernel,
     acc_dtype,
     has_varlen,
@@ -28,7 +29,7 @@ from .contract import (
     merge_partial,
 )
 from .flash_attn import FlashAttnAPI, FlashAttnKernel, detect_flash_attn_api
-from .reference import TorchKernel
+from .reference import TorchKernel, dropout_keep
 from .sdpa import SdpaCudnnKernel, SdpaEfficientKernel, SdpaFlashKernel, SdpaKernel
 from .select import (
     AUTO_ORDER,
@@ -54,6 +55,7 @@ __all__ = [
     "KERNEL_NAMES",
     "AttentionKernel",
     "BackendSpec",
+    "Dropout",
     "FlashAttnAPI",
     "FlashAttnKernel",
     "KernelQuery",
@@ -70,6 +72,7 @@ __all__ = [
     "choose_kernel",
     "detect_flash_attn_api",
     "detect_te_api",
+    "dropout_keep",
     "get_kernel",
     "has_varlen",
     "lse_to_bhs",

@@ -25,6 +25,13 @@ format) also implement, on THD tensors (tokens of all sequences one after anothe
   backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal,
                   scale) -> dq, dk, dv
 
+Attention dropout (optional, ``supports_dropout = True``): ``forward``/``backward``
+(and the varlen pair) take ``dropout=``, a ``Dropout`` record per kernel call: the
+forward drops attention probabilities with probability ``p`` (the softmax
+statistics, the returned lse, are those before dropout, as flash-attn's) and stores
+in the record the RNG state it drew from; the backward gets the same record and
+rebuilds the same mask from that state (never a stored mask).
+
 ``cu_q``/``cu_k`` are int32 ``[n + 1]`` sequence offsets on q's device, causal
 sequences have equal q and k lengths; sequences of length 0 never occur. Kernels
 without them run packed documents as one dense call per document.
@@ -32,13 +39,15 @@ without them run packed documents as one dense call per document.
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "AttentionKernel",
+    "Dropout",
     "VarlenAttentionKernel",
     "acc_dtype",
     "has_varlen",
@@ -47,6 +56,24 @@ __all__ = [
     "varlen_lse_packed",
     "varlen_lse_padded",
 ]
+
+
+@dataclass
+class Dropout:
+    """Attention dropout of one kernel call.
+
+    Attributes:
+        p: the probability of dropping an attention probability (0 < p < 1); kept ones
+            are scaled by ``1 / (1 - p)``.
+        generator: where the reference kernel draws (``None``: the default generator of
+            the inputs' device, which Megatron's RNG tracker ``fork`` swaps in).
+        state: what the forward drew from (the kernel's own form: a generator state, a
+            flash-attn ``rng_state``, Philox seed and offset); ``None`` before the forward.
+    """
+
+    p: float
+    generator: Any = None
+    state: Any = None
 
 
 class AttentionKernel(Protocol):

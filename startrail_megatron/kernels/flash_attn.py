@@ -41,10 +41,10 @@ from .signatures import _param_names
 __all__ = ["FlashAttnAPI", "FlashAttnKernel", "detect_flash_attn_api"]
 
 
-def _fixed_kwargs(causal: bool, scale: float) -> dict[str, Any]:
-    """flash-attn arguments shared by forward and backward: no dropout, window, softcap, alibi."""
+def _fixed_kwargs(causal: bool, scale: float, dropout_p: float = 0.0) -> dict[str, Any]:
+    """flash-attn arguments shared by forward and backward: no window, softcap, alibi."""
     return {
-        "dropout_p": 0.0,
+        "dropout_p": dropout_p,
         "softmax_scale": scale,
         "causal": causal,
         "window_size": (-1, -1),
@@ -131,16 +131,24 @@ class FlashAttnAPI:
             out.pop("window_size", None)
         return out
 
-    def forward_kwargs(self, q, k, v, *, causal: bool, scale: float, varlen=None):
+    @property
+    def rng_index(self) -> int:
+        """Where ``rng_state`` sits in the forward's outputs (3 from 2.7, else 7)."""
+        return 3 if self.split_window else 7
+
+    def forward_kwargs(self, q, k, v, *, causal: bool, scale: float, varlen=None, dropout_p=0.0):
         """Keyword arguments of ``_flash_attn_forward`` for [b, s, h, d] inputs, or of
         ``_flash_attn_varlen_forward`` for THD inputs when ``varlen`` is
         ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``."""
-        values = {"q": q, "k": k, "v": v, **_fixed_kwargs(causal, scale), "return_softmax": False}
+        values = {"q": q, "k": k, "v": v, **_fixed_kwargs(causal, scale, dropout_p)}
+        values["return_softmax"] = False
         values.update(_varlen_values(varlen))
         which = "_flash_attn_varlen_forward" if varlen else "_flash_attn_forward"
         return self._kwargs(self.fwd_params, self.fwd_required, values, which)
 
-    def backward_kwargs(self, dout, q, k, v, out, lse, dq, dk, dv, *, causal, scale, varlen=None):
+    def backward_kwargs(
+        self, dout, q, k, v, out, lse, dq, dk, dv, *, causal, scale, varlen=None, dropout=None
+    ):
         """Keyword arguments of ``_flash_attn_backward`` (or ``_flash_attn_varlen_backward``
         with ``varlen`` as in ``forward_kwargs``); it fills dq, dk, dv."""
         values = {
@@ -153,13 +161,32 @@ class FlashAttnAPI:
             "dq": dq,
             "dk": dk,
             "dv": dv,
-            **_fixed_kwargs(causal, scale),
+            **_fixed_kwargs(causal, scale, 0.0 if dropout is None else dropout.p),
             "deterministic": False,
-            "rng_state": None,
+            "rng_state": None if dropout is None else dropout.state,
             **_varlen_values(varlen),
         }
         which = "_flash_attn_varlen_backward" if varlen else "_flash_attn_backward"
         return self._kwargs(self.bwd_params, self.bwd_required, values, which)
+
+
+def _p(dropout) -> dict[str, Any]:
+    """``dropout_p`` of a ``contract.Dropout`` record (flash-attn draws its Philox state
+    from the current CUDA generator: Megatron's RNG tracker ``fork`` swaps it)."""
+    if dropout is None:
+        return {}
+    if dropout.generator is not None:
+        raise NotImplementedError(
+            "kernel 'flash_attn' draws dropout from the CUDA default generator; it takes no "
+            "generator of its own"
+        )
+    return {"dropout_p": dropout.p}
+
+
+def _keep_rng(dropout, res, api: FlashAttnAPI) -> None:
+    """Keep the forward's ``rng_state`` (seed, offset) for the backward's mask."""
+    if dropout is not None:
+        dropout.state = res[api.rng_index]
 
 
 def _varlen_values(varlen) -> dict[str, Any]:
@@ -210,6 +237,7 @@ class FlashAttnKernel:
     """
 
     name = "flash_attn"
+    supports_dropout = True  # its own Philox dropout; rng_state kept per call
 
     def __init__(self, interface: ModuleType | Any | None = None):
         if interface is None:
@@ -236,36 +264,41 @@ class FlashAttnKernel:
         reads (else packed documents run one dense call per document and block)."""
         return self.varlen_api is not None
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(self, q, k, v, *, causal, scale, dropout=None):
         sq, b, hq, _ = q.shape
         qb, kb, vb = (x.transpose(0, 1) for x in (q, k, v))  # [b, s, h, d] views
-        res = self._fwd(**self.api.forward_kwargs(qb, kb, vb, causal=causal, scale=scale))
+        kw = self.api.forward_kwargs(qb, kb, vb, causal=causal, scale=scale, **_p(dropout))
+        res = self._fwd(**kw)
         out, lse = res[0], res[self.api.lse_index]
+        _keep_rng(dropout, res, self.api)
         if tuple(out.shape) != tuple(qb.shape):
             raise RuntimeError(
                 f"flash-attn {self.api.version}: output {tuple(out.shape)} != q {tuple(qb.shape)}"
             )
         return out.transpose(0, 1), lse_to_bhs(lse, b, hq, sq)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None):
         qb, kb, vb = (x.transpose(0, 1) for x in (q, k, v))
         dob, ob = dout.to(q.dtype).transpose(0, 1), out.to(q.dtype).transpose(0, 1)
         dq = torch.empty(qb.shape, dtype=q.dtype, device=q.device)  # [b, sq, hq, d]
         dk = torch.empty(kb.shape, dtype=k.dtype, device=k.device)  # [b, sk, hkv, d]
         dv = torch.empty(vb.shape, dtype=v.dtype, device=v.device)
         kw = self.api.backward_kwargs(
-            dob, qb, kb, vb, ob, lse.float().contiguous(), dq, dk, dv, causal=causal, scale=scale
-        )
+            dob, qb, kb, vb, ob, lse.float().contiguous(), dq, dk, dv, causal=causal, scale=scale,
+            dropout=dropout,
+        )  # fmt: skip
         self._bwd(**kw)
         return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
 
-    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale):
+    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, dropout=None):
         api = self.varlen_api
         kw = api.forward_kwargs(
-            q, k, v, causal=causal, scale=scale, varlen=(cu_q, cu_k, int(max_q), int(max_k))
-        )
+            q, k, v, causal=causal, scale=scale, varlen=(cu_q, cu_k, int(max_q), int(max_k)),
+            **_p(dropout),
+        )  # fmt: skip
         res = self._vfwd(**kw)
         out, lse = res[0], res[api.lse_index]
+        _keep_rng(dropout, res, api)
         if tuple(out.shape) != tuple(q.shape):
             raise RuntimeError(
                 f"flash-attn {api.version}: output {tuple(out.shape)} != q {tuple(q.shape)}"
@@ -283,7 +316,9 @@ class FlashAttnKernel:
             f"{tuple(lse.shape)}; expected [{h}, {t}] or [{cu_q.shape[0] - 1}, {h}, max_seqlen_q]"
         )
 
-    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal, scale):
+    def backward_varlen(
+        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal, scale, dropout=None
+    ):
         api = self.varlen_api
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
         lse = lse.to(acc_dtype(q.dtype)).contiguous()  # fp32 for fp16/bf16 inputs
@@ -292,7 +327,7 @@ class FlashAttnKernel:
         kw = api.backward_kwargs(
             dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse,
             dq, dk, dv, causal=causal, scale=scale,
-            varlen=(cu_q, cu_k, int(max_q), int(max_k)),
+            varlen=(cu_q, cu_k, int(max_q), int(max_k)), dropout=dropout,
         )  # fmt: skip
         self._vbwd(**kw)
         return dq, dk, dv

@@ -7,9 +7,32 @@ import math
 import torch
 from torch import Tensor
 
-from .contract import acc_dtype
+from .contract import Dropout, acc_dtype
 
-__all__ = ["TorchKernel"]
+__all__ = ["TorchKernel", "dropout_keep"]
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[idx]
+    return torch.default_generator
+
+
+def dropout_keep(rec: Dropout, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """The keep mask (True = kept) of one call, ``shape`` ``(b, hkv, g, sq, sk)``.
+
+    The first call on a record draws from ``rec.generator`` (or the device's default
+    generator, advancing it) and saves the state it started from in ``rec.state``; later
+    calls rebuild the same mask from that state without touching any generator.
+    """
+    if rec.state is None:
+        gen = rec.generator if rec.generator is not None else _default_generator(device)
+        rec.state = gen.get_state()
+    else:
+        gen = torch.Generator(device=device)
+        gen.set_state(rec.state)
+    return torch.rand(shape, generator=gen, device=device) >= rec.p
 
 
 def _finite_lse(lse: Tensor) -> Tensor:
@@ -21,6 +44,7 @@ class TorchKernel:
     """Pure-PyTorch attention in the accumulation dtype: the reference kernel."""
 
     name = "torch"
+    supports_dropout = True
 
     @staticmethod
     def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
@@ -36,17 +60,19 @@ class TorchKernel:
             s = s.masked_fill(mask, -math.inf)
         return s
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None):
         sq, b, hq, d = q.shape
         s = self._scores(q, k, causal, scale)
         lse = torch.logsumexp(s, dim=-1)  # (b, hkv, g, sq)
         p = torch.exp(s - _finite_lse(lse).unsqueeze(-1))
+        if dropout is not None:  # the statistics stay those before dropout
+            p = p * (dropout_keep(dropout, tuple(p.shape), q.device).to(p.dtype) / (1 - dropout.p))
         vg = v.to(s.dtype).permute(1, 2, 0, 3).unsqueeze(2)  # (b, hkv, 1, sk, d)
         out = torch.matmul(p, vg)  # (b, hkv, g, sq, d)
         out = out.reshape(b, hq, sq, d).permute(2, 0, 1, 3).to(q.dtype)
         return out, lse.reshape(b, hq, sq)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None):
         sq, b, hq, d = q.shape
         sk, _, hkv, _ = k.shape
         g = hq // hkv
@@ -60,9 +86,14 @@ class TorchKernel:
 
         do, o = heads(dout, hq), heads(out, hq)
         kg, vg, qg = heads(k, hkv), heads(v, hkv), heads(q, hq)
-        delta = (do * o).sum(-1, keepdim=True)  # (b, hkv, g, sq, 1)
-        dv = torch.matmul(p.transpose(-1, -2), do).sum(2)  # (b, hkv, sk, d)
+        delta = (do * o).sum(-1, keepdim=True)  # (b, hkv, g, sq, 1); o is the dropped output
         dp = torch.matmul(do, vg.transpose(-1, -2))  # (b, hkv, g, sq, sk)
+        if dropout is None:
+            dv = torch.matmul(p.transpose(-1, -2), do).sum(2)  # (b, hkv, sk, d)
+        else:  # the forward's mask, rebuilt from its saved state
+            keep = dropout_keep(dropout, tuple(p.shape), q.device).to(dt) / (1 - dropout.p)
+            dv = torch.matmul((p * keep).transpose(-1, -2), do).sum(2)
+            dp = dp * keep
         ds = p * (dp - delta) * scale
         dq = torch.matmul(ds, kg)  # (b, hkv, g, sq, d)
         dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2)  # (b, hkv, sk, d)

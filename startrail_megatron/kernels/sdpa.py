@@ -34,6 +34,7 @@ class SdpaKernel:
     """
 
     name = "sdpa"
+    supports_dropout = False  # the CPU op returns no RNG state to rebuild a mask from
 
     @staticmethod
     def _bhsd(x: Tensor) -> Tensor:
@@ -111,26 +112,50 @@ def _pad_rows(lse: Tensor, multiple: int) -> Tensor:
 
 
 # ---- PyTorch's fused CUDA SDPA ops ------------------------------------------------------
+# With dropout each op draws a Philox (seed, offset) from the current CUDA generator
+# (Megatron's RNG tracker ``fork`` swaps it) and returns it; the record keeps the pair
+# and the backward op rebuilds the mask from it.
+
+
+def _drop_p(dropout) -> float:
+    if dropout is None:
+        return 0.0
+    if dropout.generator is not None:
+        raise NotImplementedError(
+            "PyTorch's SDPA ops draw dropout from the CUDA default generator; they take no "
+            "generator of their own"
+        )
+    return dropout.p
+
+
+def _keep_philox(dropout, seed: Tensor, offset: Tensor) -> None:
+    if dropout is not None:
+        dropout.state = (seed, offset)
 
 
 class SdpaFlashKernel:
     """``aten._scaled_dot_product_flash_attention``: PyTorch's flash kernel, GQA natively."""
 
     name = "sdpa_flash"
+    supports_dropout = True
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(self, q, k, v, *, causal, scale, dropout=None):
         sq, b, hq, _ = q.shape
         res = torch.ops.aten._scaled_dot_product_flash_attention(
-            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False, scale=scale
+            _bhsd(q), _bhsd(k), _bhsd(v), _drop_p(dropout), causal, False, scale=scale
         )
         out, lse = res[0], res[1]  # (b, hq, sq, d), (b, hq, sq) fp32
+        _keep_philox(dropout, res[6], res[7])
         return _sbhd(out), lse_to_bhs(lse, b, hq, sq)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None):
         sq, sk = q.shape[0], k.shape[0]
         dev = q.device
-        rng = torch.zeros(2, dtype=torch.uint64, device=dev)  # unused without dropout
-        unused = torch.zeros((), dtype=torch.uint64, device=dev)
+        if dropout is not None:
+            rng, unused = dropout.state  # the forward's Philox seed and offset
+        else:  # unused without dropout
+            rng = torch.zeros(2, dtype=torch.uint64, device=dev)
+            unused = torch.zeros((), dtype=torch.uint64, device=dev)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             _bhsd(dout.to(q.dtype)),
             _bhsd(q),
@@ -142,7 +167,7 @@ class SdpaFlashKernel:
             None,
             sq,
             sk,
-            0.0,
+            _drop_p(dropout),
             causal,
             rng,
             unused,
@@ -155,24 +180,28 @@ class SdpaEfficientKernel:
     """``aten._scaled_dot_product_efficient_attention`` (memory-efficient); KV expanded."""
 
     name = "sdpa_efficient"
+    supports_dropout = True
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(self, q, k, v, *, causal, scale, dropout=None):
         sq, b, hq, _ = q.shape
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
             _bhsd(q),
             _expand_kv(_bhsd(k), hq),
             _expand_kv(_bhsd(v), hq),
             None,
             True,
-            0.0,
+            _drop_p(dropout),
             causal,
             scale=scale,
         )
+        _keep_philox(dropout, seed, offset)
         return _sbhd(out), lse_to_bhs(lse, b, hq, sq)  # lse rows padded to 32
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None):
         hq, hkv = q.shape[2], k.shape[2]
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
+        if dropout is not None:
+            seed, offset = dropout.state
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             _bhsd(dout.to(q.dtype)),
             _bhsd(q),
@@ -182,8 +211,8 @@ class SdpaEfficientKernel:
             _bhsd(out.to(q.dtype)),
             _pad_rows(lse, 32),  # the forward's padded form
             seed,
-            seed,
-            0.0,
+            offset,
+            _drop_p(dropout),
             [True, True, True, False],
             causal,
             scale=scale,
@@ -195,8 +224,9 @@ class SdpaCudnnKernel:
     """``aten._scaled_dot_product_cudnn_attention`` (cuDNN >= 9); KV expanded, dense inputs."""
 
     name = "sdpa_cudnn"
+    supports_dropout = True
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(self, q, k, v, *, causal, scale, dropout=None):
         sq, b, hq, _ = q.shape
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             _bhsd(q).contiguous(),
@@ -204,16 +234,19 @@ class SdpaCudnnKernel:
             _expand_kv(_bhsd(v), hq).contiguous(),
             None,
             True,
-            0.0,
+            _drop_p(dropout),
             causal,
             False,
             scale=scale,
         )
+        _keep_philox(dropout, res[6], res[7])
         return _sbhd(res[0]), lse_to_bhs(res[1], b, hq, sq)  # lse (b, hq, sq, 1)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None):
         sq, sk, hq, hkv = q.shape[0], k.shape[0], q.shape[2], k.shape[2]
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
+        if dropout is not None:
+            seed, offset = dropout.state
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             _bhsd(dout.to(q.dtype)).contiguous(),
             _bhsd(q).contiguous(),
@@ -222,13 +255,13 @@ class SdpaCudnnKernel:
             _bhsd(out.to(q.dtype)).contiguous(),
             lse.float().unsqueeze(-1).contiguous(),  # the forward's (b, hq, sq, 1)
             seed,
-            seed,
+            offset,
             None,
             None,
             None,
             sq,
             sk,
-            0.0,
+            _drop_p(dropout),
             causal,
             scale=scale,
         )

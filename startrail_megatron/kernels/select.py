@@ -92,6 +92,7 @@ class BackendSpec:
         head_dim_multiple: head_dim must be a multiple of this.
         min_capability: lowest CUDA compute capability.
         min_cudnn: lowest cuDNN version (``torch.backends.cudnn.version()``).
+        dropout: it runs attention dropout (``contract.Dropout``).
     """
 
     name: str
@@ -102,6 +103,7 @@ class BackendSpec:
     head_dim_multiple: int = 1
     min_capability: tuple[int, int] | None = None
     min_cudnn: int | None = None
+    dropout: bool = True
 
 
 _ALL_FLOAT = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
@@ -110,7 +112,8 @@ BACKENDS: dict[str, BackendSpec] = {
     s.name: s
     for s in (
         BackendSpec("torch", frozenset({"cpu", "cuda", "meta"}), _ALL_FLOAT),
-        BackendSpec("sdpa", frozenset({"cpu", "cuda"}), _ALL_FLOAT),
+        # the CPU flash op has no RNG state to rebuild a mask from
+        BackendSpec("sdpa", frozenset({"cpu", "cuda"}), _ALL_FLOAT, dropout=False),
         BackendSpec("flash_attn", frozenset({"cuda"}), _HALF, "flash_attn", 256, 8, (8, 0)),
         BackendSpec("sdpa_flash", frozenset({"cuda"}), _HALF, None, 256, 8, (8, 0)),
         BackendSpec("sdpa_cudnn", frozenset({"cuda"}), _HALF, None, 128, 8, (8, 0), 90000),
@@ -121,7 +124,17 @@ BACKENDS: dict[str, BackendSpec] = {
             head_dim_multiple=8,
             min_capability=(5, 0),
         ),
-        BackendSpec("te", frozenset({"cuda"}), _HALF, "transformer_engine", 256, 8, (8, 0), 90000),
+        BackendSpec(
+            "te",
+            frozenset({"cuda"}),
+            _HALF,
+            "transformer_engine",
+            256,
+            8,
+            (8, 0),
+            90000,
+            dropout=False,
+        ),  # fmt: skip
     )
 }
 KERNEL_NAMES: tuple[str, ...] = ("auto", *BACKENDS)
@@ -145,6 +158,7 @@ class KernelQuery:
         head_dim: the head dimension (``None``: not known).
         capability: CUDA compute capability (``None`` off CUDA).
         cudnn_version: ``torch.backends.cudnn.version()`` (``None``: no cuDNN).
+        dropout: the call has attention dropout.
     """
 
     device_type: str = "cpu"
@@ -152,6 +166,7 @@ class KernelQuery:
     head_dim: int | None = None
     capability: tuple[int, int] | None = None
     cudnn_version: int | None = None
+    dropout: bool = False
 
     @classmethod
     def of(
@@ -159,6 +174,7 @@ class KernelQuery:
         device: torch.device | str | None,
         dtype: torch.dtype | None,
         head_dim: int | None,
+        dropout: bool = False,
     ) -> KernelQuery:
         """Read capability and cuDNN version of ``device`` from the running torch."""
         dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -167,7 +183,7 @@ class KernelQuery:
             cap = tuple(torch.cuda.get_device_capability(dev))
             if torch.backends.cudnn.is_available():
                 cudnn = torch.backends.cudnn.version()
-        return cls(dev.type, dtype, head_dim, cap, cudnn)  # type: ignore[arg-type]
+        return cls(dev.type, dtype, head_dim, cap, cudnn, dropout)  # type: ignore[arg-type]
 
 
 @functools.cache
@@ -201,6 +217,12 @@ def unsupported_reason(
         query.cudnn_version is None or query.cudnn_version < spec.min_cudnn
     ):
         return f"needs cuDNN >= {spec.min_cudnn}, got {query.cudnn_version}"
+    if query.dropout and not spec.dropout:
+        return (
+            "does not run attention dropout (kernels that do: "
+            + ", ".join(n for n, sp in BACKENDS.items() if sp.dropout)
+            + ")"
+        )
     if name == "te":
         why = _te_limits(query)
         if why is not None:
@@ -270,13 +292,14 @@ def build_kernel(
     env: Mapping[str, str] | None = None,
     query: KernelQuery | None = None,
     installed: Callable[[str], bool] = _installed,
+    dropout: bool = False,
 ) -> Any:
     """A kernel object for ``name`` (see ``choose_kernel``), imported lazily.
 
     With ``"auto"`` a backend whose import fails (a broken install) is skipped.
     ``query`` replaces what ``device``/``dtype``/``head_dim`` would give.
     """
-    q = query or KernelQuery.of(device, dtype, head_dim)
+    q = query or KernelQuery.of(device, dtype, head_dim, dropout)
     candidates = choose_kernel(name, q, installed, env)
     errors = []
     for cand in candidates:
@@ -316,6 +339,7 @@ def get_kernel(
     *,
     device: torch.device | str | None = None,
     head_dim: int | None = None,
+    dropout: bool = False,
 ) -> AttentionKernel:
     """A kernel by name, or the fastest one that runs these inputs.
 
@@ -327,15 +351,16 @@ def get_kernel(
         dtype, device, head_dim: the inputs' (device defaults to CPU); ``"auto"``
             picks by them (float64 always gets the exact ``"torch"`` kernel),
             an explicit name raises ``NotImplementedError`` if it cannot run them.
+        dropout: the kernel must run attention dropout.
 
     Raises:
         ValueError: an unknown name (naming the setting and the allowed values).
     """
-    return build_kernel(name, dtype, device=device, head_dim=head_dim)
+    return build_kernel(name, dtype, device=device, head_dim=head_dim, dropout=dropout)
 
 
 def resolve_kernel(
-    q: Tensor, kernel: str | AttentionKernel, softmax_scale: float | None
+    q: Tensor, kernel: str | AttentionKernel, softmax_scale: float | None, dropout: bool = False
 ) -> tuple[AttentionKernel, float]:
     """The kernel object and softmax scale an attention call on ``q`` uses.
 
@@ -349,5 +374,11 @@ def resolve_kernel(
             raise ValueError(f"softmax_scale={softmax_scale!r} must be a finite number > 0 or None")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if isinstance(kernel, str):
-        kernel = get_kernel(kernel, q.dtype, device=q.device, head_dim=q.shape[-1])
+        kernel = get_kernel(kernel, q.dtype, device=q.device, head_dim=q.shape[-1], dropout=dropout)
+    elif dropout and not getattr(kernel, "supports_dropout", False):
+        raise NotImplementedError(
+            f"kernel {getattr(kernel, 'name', type(kernel).__name__)!r} does not run attention "
+            "dropout; dropout_p > 0 needs one of "
+            + ", ".join(n for n, sp in BACKENDS.items() if sp.dropout)
+        )
     return kernel, scale
