@@ -17,7 +17,7 @@ LR = 0.3
 CLIP = 1.0  # DeepSpeed's default; the reference clips alike, so the global norm is checked too
 
 
-def tiny_llama():
+def tiny_llama(attention_dropout: float = 0.0):
     """A 2-layer Llama-family causal LM with GQA (4 query heads, 2 KV heads), fp32, seed 0."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -31,6 +31,7 @@ def tiny_llama():
         max_position_embeddings=64,
         tie_word_embeddings=False,
         attn_implementation="sdpa",
+        attention_dropout=attention_dropout,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).float()

@@ -46,6 +46,7 @@ def startrail_proof(args, model, steps: int) -> dict | None:
         "local_lengths": (sorted(state.local_lengths), [shape.s_local]),
         "bytes": ({k: led[f"{k}_bytes"] for k in want}, want),
         "calls": ({k: led[f"{k}_calls"] for k in want}, {k: n * v for k, v in calls.items()}),
+        "dropout_calls": state.dropout_calls,
     }
 
 

@@ -646,8 +646,12 @@ def _hf_call(monkeypatch, **kwargs):
 
     calls = []
 
-    def fake(q, k, v, groups, causal, softmax_scale, ledger, cu_seqlens, cu_seqlens_padded):
+    def fake(
+        q, k, v, groups, causal, softmax_scale, ledger, cu_seqlens, cu_seqlens_padded, dropout_p
+    ):
         calls.append({"causal": causal, "softmax_scale": softmax_scale})
+        if dropout_p:
+            calls[-1]["dropout_p"] = dropout_p
         return q
 
     monkeypatch.setattr(hf, "startrail_attention", fake)
@@ -658,6 +662,7 @@ def _hf_call(monkeypatch, **kwargs):
         ledger=None,
         local_lengths=set(),
         packed=None,
+        dropout_calls=0,
     )
     setattr(module, hf._SPEC_ATTR, handle)
     q = torch.zeros(1, 4, 8, 16)  # [b, hq, S/P, d]: the global sequence is 32
@@ -676,7 +681,6 @@ def _hf_call(monkeypatch, **kwargs):
         ({"sinks": torch.zeros(4)}, r"sinks"),
         ({"position_bias": torch.zeros(1)}, r"position_bias"),
         ({"cu_seq_lens_q": torch.tensor([0, 5, 32])}, r"cu_seq_lens_q.*packed sequences"),
-        ({"dropout": 0.1}, r"dropout=0\.1"),
     ],
 )
 def test_hf_attention_refuses_unsupported_arguments(monkeypatch, kwargs, match):
@@ -689,8 +693,50 @@ def test_hf_attention_accepts_unset_arguments(monkeypatch):
     assert _hf_call(monkeypatch, dropout=0.0, scaling=0.125, **unset) == [
         {"causal": True, "softmax_scale": 0.125}
     ]
+    assert _hf_call(monkeypatch, dropout=0.1) == [
+        {"causal": True, "softmax_scale": None, "dropout_p": 0.1}
+    ]
     # a window covering the whole global sequence masks nothing (transformers' FA skips it too)
     assert _hf_call(monkeypatch, sliding_window=32) == [{"causal": True, "softmax_scale": None}]
+
+
+# ---- attention dropout (issue 14) ----------------------------------------------------------
+def _dropout_run(rank, world, seed, attention_dropout):
+    _ds_env(rank, world)
+    model = tiny_llama(attention_dropout)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    engine, _, _, _ = sds.initialize(model=model, optimizer=opt, config=make_cfg(1, 1, _st(4, 2)))
+    batches = global_batches(1)
+    engine.eval()  # evaluation: transformers passes dropout 0
+    with torch.no_grad():
+        eval_loss = engine(input_ids=batches[0][0], labels=batches[0][1]).loss.item()
+    engine.train()
+    torch.manual_seed(seed)  # where the attention draws its masks (transformers' eager does too)
+    losses = []
+    for ids, labels in batches:
+        loss = engine(input_ids=ids, labels=labels).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    calls = engine.startrail_handle.dropout_calls
+    _teardown(engine)
+    return losses, eval_loss, calls
+
+
+def test_hf_attention_dropout_is_reproducible_and_off_in_evaluation():
+    """A Llama with attention_dropout 0.1 (ZeRO-1, P = 4, C = 2): two runs with the same seed
+    train bitwise alike, another seed differently, and differently from attention_dropout 0
+    (the masks were used, in every layer at every step); evaluation is bitwise the model
+    without dropout."""
+    a = run_ranks(4, _dropout_run, 1, 0.1)
+    b = run_ranks(4, _dropout_run, 1, 0.1)
+    other = run_ranks(4, _dropout_run, 2, 0.1)
+    none = run_ranks(4, _dropout_run, 1, 0.0)
+    assert [r[0] for r in a] == [r[0] for r in b]
+    assert a[0][0] != other[0][0] and a[0][0] != none[0][0]
+    for ra, rn in zip(a, none):
+        assert ra[1] == rn[1]  # evaluation: bitwise the same
+        assert ra[2] == 3 * 2 and rn[2] == 0  # dropout in 2 layers x 3 steps
 
 
 # ---- the launcher under the deepspeed launcher, and hjson configs --------------------------

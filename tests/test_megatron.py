@@ -323,9 +323,9 @@ def test_module_level_spec_object():
                 "--context-parallel-impl",
                 "startrail",
                 "--attention-dropout",
-                "0.1",
+                "1.0",
             ],
-            "--attention-dropout 0.1",
+            "--attention-dropout 1.0: StarTrail needs 0 <= it < 1",
         ),
         (["--startrail-placement", "node"], "--startrail-placement: invalid choice: 'node'"),
         (["--context-parallel-size", "4"], "--context-parallel-impl te needs Transformer Engine"),
@@ -411,8 +411,12 @@ def _build_both_ways(rank, world):
         assert torch.equal(a, b)
         with pytest.raises(NotImplementedError, match="packed sequences"):
             new(q, k, v, None, packed_seq_params=object())
-        with pytest.raises(NotImplementedError, match="attention dropout"):
-            StarTrailCoreAttention(pg_collection=pgs, attention_dropout=0.1, **common)
+        # attention dropout: in training only (evaluation is bitwise the module without it)
+        drop = StarTrailCoreAttention(pg_collection=pgs, attention_dropout=0.3, **common)
+        drop.eval()
+        assert torch.equal(drop(q, k, v, None), b)
+        drop.train()
+        assert (drop(q, k, v, None) - b).abs().max() > 1e-3
         # groups registered for another CP group are never used: a module whose CP group has
         # none fails when it is built, naming the cause
         from types import SimpleNamespace

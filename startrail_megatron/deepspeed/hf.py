@@ -9,9 +9,12 @@
    ``([b, s, hq, d], weights)``; we transpose to and from our
    ``[s, b, h, d]``. transformers builds no mask for an implementation it does
    not know, so none is materialised: causality comes from StarTrail.
-   ``dropout``, ``softcap``, attention sinks (``s_aux``/``sinks``),
-   ``position_bias`` and a ``sliding_window`` shorter than the global sequence
-   are refused (``NotImplementedError``); ``scaling`` is the softmax scale.
+   ``softcap``, attention sinks (``s_aux``/``sinks``), ``position_bias`` and a
+   ``sliding_window`` shorter than the global sequence are refused
+   (``NotImplementedError``); ``scaling`` is the softmax scale; ``dropout`` (the
+   config's ``attention_dropout`` in training, 0 in evaluation, as transformers
+   passes it) is StarTrail's attention dropout, drawn from the default generator as
+   transformers' eager attention draws its own.
 2. Inputs (``shard_inputs=True``): a forward pre-hook takes the full-sequence
    batch the script passes (the same on every rank of a sequence group) and
    keeps this rank's zigzag shard (``batches.py``: ``shard_causal_lm_batch``): input_ids,
@@ -90,8 +93,6 @@ def startrail_hf_attention(
             "StarTrail attention takes no attention_mask (only causal or full attention over "
             "unpadded sequences); pass attention_mask=None or all ones"
         )
-    if dropout:
-        raise NotImplementedError(f"attention dropout={dropout} is not supported by StarTrail")
     groups = handle.mpu.startrail
     _check_unsupported(query.shape[2] * groups.cp_size, kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
@@ -107,7 +108,10 @@ def startrail_hf_attention(
         ledger=handle.ledger,
         cu_seqlens=packed.cu_seqlens if packed is not None else None,
         cu_seqlens_padded=packed.cu_seqlens_padded if packed is not None else None,
+        dropout_p=float(dropout or 0.0),
     )  # [s, b, hq, d]
+    if dropout:
+        handle.dropout_calls += 1
     return out.transpose(0, 1), None  # [b, s, hq, d]
 
 
@@ -187,6 +191,8 @@ class HFHandle:
     """The sequence lengths the attention saw on this rank (S/P when sharding works)."""
     packed: PackedLayout | None = None
     """The documents of the packed row in the forward now running (None: not packed)."""
+    dropout_calls: int = 0
+    """Attention calls that ran attention dropout on this rank."""
     _hooks: list = field(default_factory=list)
     _modules: list = field(default_factory=list)
 

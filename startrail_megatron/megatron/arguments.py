@@ -122,11 +122,9 @@ def validate_startrail_args(
             f"--seq-length {seq} must be divisible by 2 * --context-parallel-size = {2 * cp} "
             "for StarTrail's causal zigzag layout"
         )
-    if getattr(args, "attention_dropout", 0.0):
-        raise ValueError(
-            f"--attention-dropout {args.attention_dropout}: StarTrail does not support attention "
-            "dropout yet; set --attention-dropout 0"
-        )
+    drop = getattr(args, "attention_dropout", 0.0)
+    if drop is not None and not 0.0 <= drop < 1.0:
+        raise ValueError(f"--attention-dropout {drop}: StarTrail needs 0 <= it < 1")
     for flag in ("reset_attention_mask", "reset_position_ids"):
         if getattr(args, flag, False) and not packed_ok:
             raise ValueError(

@@ -10,6 +10,7 @@ RoPE's CP slicing and the loss need no change.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from megatron.core.transformer.enums import AttnMaskType
@@ -78,20 +79,32 @@ def _packed_boundaries(psp) -> tuple[list[int], list[int]]:
 _SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
 
 
+def _dropout_rng(dropout_p: float, config):
+    """Where ``DotProductAttention`` draws its attention dropout: inside the RNG tracker's
+    ``fork`` (the model-parallel stream) unless sequence parallelism is on."""
+    if not dropout_p or getattr(config, "sequence_parallel", False):
+        return contextlib.nullcontext()
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.get_cuda_rng_tracker().fork()
+
+
 class StarTrailCoreAttention(MegatronModule):
     """Exact attention over the context-parallel sequence with StarTrail's schedule.
 
     Accepts the constructor arguments of megatron-core 0.13-0.16
     (``pg_collection`` or ``model_comm_pgs``). Raises ``NotImplementedError``
-    at build time for what it does not support yet: attention dropout,
-    masks other than causal / no mask, cross attention, sliding windows,
+    at build time for what it does not support yet: masks other than causal / no mask, cross attention, sliding windows,
     non-vanilla softmax, ``qk_clip`` / ``log_max_attention_logit`` (no
     ``current_max_attn_logits``), ``hybrid_context_parallel``; and at call time
     for bias and for packed sequences other than self-attention in ``thd``
     format. Packed sequences (``PackedSeqParams``, ``qkv_format="thd"``): q, k, v
     ``[t, heads, hn]``, this rank's tokens in the per-document zigzag layout of
     the global ``cu_seqlens_q(_padded)`` (as TE's CP attention takes them); the
-    output is ``[t, np*hn]``.
+    output is ``[t, np*hn]``. Attention dropout (``attention_dropout``, in training mode
+    only) runs inside every kernel call (``startrail_attention(dropout_p=)``), drawn
+    inside Megatron's RNG tracker ``fork`` unless sequence parallelism is on, exactly where
+    ``DotProductAttention`` draws its dropout.
     """
 
     def __init__(
@@ -109,11 +122,7 @@ class StarTrailCoreAttention(MegatronModule):
     ):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout:
-            raise NotImplementedError(
-                f"StarTrail attention does not support attention dropout yet "
-                f"(attention_dropout={dropout}); set --attention-dropout 0"
-            )
+        self.attention_dropout_p = float(dropout or 0.0)
         if attn_mask_type not in _SUPPORTED_MASKS:
             raise NotImplementedError(
                 f"StarTrail attention supports attn_mask_type causal or no_mask, got {attn_mask_type}"
@@ -175,18 +184,23 @@ class StarTrailCoreAttention(MegatronModule):
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))
         state.local_lengths.add(query.shape[0])
         state.calls_by_length[query.shape[0]] += 1
-        out = startrail_attention(
-            query,
-            key,
-            value,
-            state.groups,
-            causal=mask_type == AttnMaskType.causal,
-            softmax_scale=self.softmax_scale,
-            kernel=state.kernel,
-            ledger=state.ledger,
-            cu_seqlens=cu,
-            cu_seqlens_padded=cu_padded,
-        )
+        dropout_p = self.attention_dropout_p if self.training else 0.0
+        with _dropout_rng(dropout_p, self.config):
+            out = startrail_attention(
+                query,
+                key,
+                value,
+                state.groups,
+                causal=mask_type == AttnMaskType.causal,
+                softmax_scale=self.softmax_scale,
+                kernel=state.kernel,
+                ledger=state.ledger,
+                cu_seqlens=cu,
+                cu_seqlens_padded=cu_padded,
+                dropout_p=dropout_p,
+            )
+        if dropout_p:
+            state.dropout_calls += 1
         sq, b = out.shape[:2]
         if thd:
             return out.reshape(sq, -1)  # [t, np*hn], as TEDotProductAttention's thd output

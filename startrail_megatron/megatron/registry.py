@@ -57,6 +57,8 @@ class StarTrailMegatronState:
     calls_by_length: Counter = field(default_factory=Counter)
     """Attention calls per local length since the ledger was last read (the entry point
     compares the ledger with ring attention's bytes at the same shapes)."""
+    dropout_calls: int = 0
+    """Attention calls that ran attention dropout on this rank."""
 
 
 _REGISTRY: dict[dist.ProcessGroup | None, StarTrailMegatronState] = {}

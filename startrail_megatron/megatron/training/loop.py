@@ -27,7 +27,8 @@ __all__ = ["train"]
 
 
 def _startrail_bytes(args) -> dict:
-    """StarTrail's bytes in the last iteration, summed over the CP group, and ring's.
+    """StarTrail's bytes in the last iteration, summed over the CP group, and ring's (and
+    the attention calls that ran attention dropout).
 
     Measured from the ledger; ring attention's figure is the accounting's for C = 1 at the
     same shapes: each attention call's local length, as recorded by the attention (the
@@ -52,17 +53,19 @@ def _startrail_bytes(args) -> dict:
         ring = startrail_comm_bytes(ring_lay, rank, shape)
         ring_p2p += (ring["fwd_p2p"] + ring["bwd_p2p"]) * calls
     figures = torch.tensor(
-        [led.bytes("p2p"), led.bytes("collective"), ring_p2p],
+        [led.bytes("p2p"), led.bytes("collective"), ring_p2p, state.dropout_calls],
         dtype=torch.float64,
         device=rank_device(),
     )
     led.clear()
     state.calls_by_length.clear()
+    state.dropout_calls = 0
     dist.all_reduce(figures, group=cp_group)
     return {
         "p2p": figures[0].item(),
         "collective": figures[1].item(),
         "ring_p2p": figures[2].item(),
+        "dropout_calls": int(figures[3].item()),
     }
 
 
