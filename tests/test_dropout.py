@@ -155,7 +155,13 @@ def test_reference_kernel_dropout_matches_autograd(causal):
 
 
 # ---- StarTrail: exact against the rebuilt global mask -------------------------------------
-def _startrail_case(rank, world, c, placement, causal, lengths, seed):
+def _kernel(name):
+    if name == "torch":
+        return Recording()
+    return Recording(kn.FlashAttnKernel(FLASH_VERSIONS[name.split(":")[1]]()))
+
+
+def _startrail_case(rank, world, c, placement, causal, lengths, seed, kernel="torch"):
     torch.manual_seed(seed + rank)  # each rank's default generator: where the masks come from
     total = world * 12 if lengths is None else sum(lengths)
     packed = None if lengths is None else pack_lengths(lengths, world)
@@ -169,7 +175,7 @@ def _startrail_case(rank, world, c, placement, causal, lengths, seed):
         )
 
     leaves = [local(x).requires_grad_() for x in (q, k, v)]
-    ker = Recording()
+    ker = _kernel(kernel)
     kw = {} if packed is None else dict(cu_seqlens=packed.cu_seqlens)
     if packed is not None:
         kw["cu_seqlens_padded"] = packed.cu_seqlens_padded
@@ -181,7 +187,7 @@ def _startrail_case(rank, world, c, placement, causal, lengths, seed):
     return [out.detach(), *(x.grad for x in leaves)], records
 
 
-def _check(results, p, c, placement, causal, lengths):
+def _check(results, p, c, placement, causal, lengths, tol=1e-10):
     lay = st.StarTrailLayout(p, c, placement)
     total = p * 12 if lengths is None else sum(lengths)
     packed = None if lengths is None else pack_lengths(lengths, p)
@@ -200,7 +206,7 @@ def _check(results, p, c, placement, causal, lengths):
             if packed is None
             else st.unshard_packed(parts, packed)
         )
-        assert rel_err(got, ref[i]) <= 1e-10, what
+        assert rel_err(got, ref[i]) <= tol, what
         if plain is not None:  # the masks mattered: far from attention without dropout
             assert rel_err(got, plain[i]) > 0.05, what
 
@@ -219,6 +225,15 @@ def _check(results, p, c, placement, causal, lengths):
 def test_startrail_dropout_is_exact_against_the_rebuilt_masks(p, c, placement, causal, lengths):
     results = run_ranks(p, _startrail_case, c, placement, causal, lengths, 11)
     _check(results, p, c, placement, causal, lengths)
+
+
+@pytest.mark.parametrize("version", ["2.5", "2.7-plain", "2.8-custom-op"])
+def test_startrail_dropout_on_flash_attn_is_exact(version):
+    """flash-attn (stand-ins with each release's signature, their dropout drawn from the
+    default generator like flash-attn's from the CUDA one): the rng_state each forward
+    returned rebuilds its mask in the backward and in the reference."""
+    results = run_ranks(4, _startrail_case, 2, "team", True, None, 3, f"flash:{version}")
+    _check(results, 4, 2, "team", True, None, tol=1e-6)  # flash's lse is fp32
 
 
 # ---- statistics ----------------------------------------------------------------------------
@@ -331,11 +346,15 @@ def test_auto_picks_a_kernel_with_dropout():
 
 
 # ---- flash-attn stand-ins: the adapter passes dropout_p and hands rng_state back ------------
+@pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("version", list(FLASH_VERSIONS))
-def test_flash_attn_dropout_passes_its_rng_state(version):
+def test_flash_attn_dropout_passes_its_rng_state(version, varlen):
     ns = FLASH_VERSIONS[version]()
     seen = {}
-    fwd, bwd = ns._flash_attn_forward, ns._flash_attn_backward
+    names = ("_flash_attn_varlen_forward", "_flash_attn_varlen_backward") if varlen else (
+        "_flash_attn_forward", "_flash_attn_backward"
+    )  # fmt: skip
+    fwd, bwd = (getattr(ns, n) for n in names)
 
     def fwd_spy(**kw):
         seen["fwd_p"] = kw["dropout_p"]
@@ -350,16 +369,26 @@ def test_flash_attn_dropout_passes_its_rng_state(version):
 
     fwd_spy._init_fn = getattr(fwd, "_init_fn", fwd)
     bwd_spy._init_fn = getattr(bwd, "_init_fn", bwd)
-    ns._flash_attn_forward, ns._flash_attn_backward = fwd_spy, bwd_spy
+    setattr(ns, names[0], fwd_spy)
+    setattr(ns, names[1], bwd_spy)
     ker = kn.FlashAttnKernel(ns)
-    x = torch.randn(6, 1, 2, 16, dtype=torch.float64)
     rec = Dropout(0.25)
-    out, lse = ker.forward(x, x, x, causal=True, scale=0.3, dropout=rec)
+    if varlen:
+        x = torch.randn(6, 2, 16, dtype=torch.float64)
+        cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+        out, lse = ker.forward_varlen(x, x, x, cu, cu, 4, 4, causal=True, scale=0.3, dropout=rec)
+    else:
+        x = torch.randn(6, 1, 2, 16, dtype=torch.float64)
+        out, lse = ker.forward(x, x, x, causal=True, scale=0.3, dropout=rec)
     assert seen["fwd_p"] == 0.25 and torch.equal(rec.state, torch.tensor([123, 456]))
-    ker.backward(x, x, x, x, out, lse, causal=True, scale=0.3, dropout=rec)
+    if varlen:
+        ker.backward_varlen(x, x, x, x, out, lse, cu, cu, 4, 4, causal=True, scale=0.3, dropout=rec)
+    else:
+        ker.backward(x, x, x, x, out, lse, causal=True, scale=0.3, dropout=rec)
     assert seen["bwd_p"] == 0.25 and seen["rng"] is rec.state
     with pytest.raises(NotImplementedError, match="takes no generator"):
-        ker.forward(x, x, x, causal=True, scale=0.3, dropout=Dropout(0.1, torch.Generator()))
+        y = torch.randn(6, 1, 2, 16, dtype=torch.float64)
+        ker.forward(y, y, y, causal=True, scale=0.3, dropout=Dropout(0.1, torch.Generator()))
 
 
 @pytest.mark.parametrize("cls", [kn.SdpaFlashKernel, kn.SdpaEfficientKernel, kn.SdpaCudnnKernel])
