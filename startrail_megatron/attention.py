@@ -42,7 +42,13 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .block_plan import VarlenCall, packed_team_order, startrail_step_rows, startrail_step_varlen
+from .block_plan import (
+    VarlenCall,
+    packed_team_order,
+    startrail_step_rows,
+    startrail_step_varlen,
+    startrail_step_window_rows,
+)
 from .comm import CommLedger, P2PComm, PeerExchange, TeamCollectives, TeamComm
 from .groups import StarTrailGroups
 from .kernels import (
@@ -55,7 +61,15 @@ from .kernels import (
 )
 from .layout import StarTrailLayout
 from .packing import PackedLayout
-from .validation import agree_once, check_dropout, packed_layout, validate_inputs
+from .validation import (
+    agree_once,
+    check_dropout,
+    check_sinks,
+    check_softcap,
+    normalize_window,
+    packed_layout,
+    validate_inputs,
+)
 from .zigzag import inverse_order, reorder_chunks
 
 __all__ = [
@@ -193,6 +207,8 @@ class RankContext:
     ``packed``: the documents of a packed sequence (``packing.py``), or ``None``.
     ``dropout_p``: attention dropout; the forward keeps one ``Dropout`` record per
     kernel call (its RNG state), which the backward hands the same call again.
+    ``window``: a normalized sliding window ``(left, right)`` (``None`` sides unbounded;
+    ``validation.normalize_window``), ``softcap``: logit soft-capping (0: off).
     """
 
     def __init__(
@@ -203,8 +219,11 @@ class RankContext:
         comms: tuple[TeamCollectives, PeerExchange] | None = None,
         packed: PackedLayout | None = None,
         dropout_p: float = 0.0,
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float = 0.0,
     ):
         lay = groups.layout
+        self.window, self.softcap = window, softcap
         self.dropout_p = dropout_p
         self.dropouts: dict[tuple[int, int], Dropout] = {}
         self.layout, self.causal, self.ledger = lay, causal, ledger
@@ -245,11 +264,22 @@ class RankContext:
         """This rank's kernel calls at ``step`` (``block_plan``), as (varlen calls, row
         calls), one of them empty: packed documents on a kernel with variable-length
         methods are grouped over the documents (``startrail_step_varlen``); otherwise
-        one call per row block (``startrail_step_rows``, dense or per document)."""
+        one call per row block, each ``(q rows, kv rows, causal, kernel keywords)``:
+        ``startrail_step_rows`` (dense or per document), or under a sliding window
+        ``startrail_step_window_rows`` (calls on globally contiguous runs, each with its
+        ``band``)."""
         lay, r = self.layout, self.rank
         if self.packed is not None and has_varlen(kernel):
             return startrail_step_varlen(lay, r, step, self.causal, self.packed), ()
-        return (), startrail_step_rows(lay, r, step, self.causal, s_local, self.packed)
+        cap = {"softcap": self.softcap} if self.softcap else {}
+        if self.window is not None:
+            rows = startrail_step_window_rows(lay, r, step, self.causal, s_local, self.window)
+            return (), [
+                (slice(a, b), slice(c, d), False, {"band": (lo, hi), **cap})
+                for a, b, c, d, lo, hi in rows
+            ]
+        rows = startrail_step_rows(lay, r, step, self.causal, s_local, self.packed)
+        return (), [(slice(a, b), slice(c, d), cz, cap) for a, b, c, d, cz in rows]
 
     def dropout(self, step: int, call: int) -> Dropout | None:
         """The dropout record of kernel call ``call`` at ``step``: new in the forward, the
@@ -278,12 +308,19 @@ class RankContext:
 
 
 def startrail_rank_forward(
-    q: Tensor, k: Tensor, v: Tensor, cx: RankContext, scale: float, kernel: AttentionKernel
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cx: RankContext,
+    scale: float,
+    kernel: AttentionKernel,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """One rank's forward: (out ``[s, b, hq, d]`` in q's dtype, what the backward needs).
 
     The saved tuple is (q_team, kv_team, lse_team): the team's queries and K,V in
-    chunk order and the rows' merged log-sum-exp.
+    chunk order and the rows' merged log-sum-exp. ``sinks`` (one logit per query head)
+    enter once, in the final combine: ``lse = logaddexp(lse, sink)``.
     """
     lay, C = cx.layout, cx.layout.team_size
     s, b, hq, d = q.shape
@@ -313,11 +350,10 @@ def startrail_rank_forward(
         for i, call in enumerate(varlen):
             drop = cx.dropout(step, i)
             _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale, drop)
-        for i, (q_lo, q_hi, kv_lo, kv_hi, causal) in enumerate(rows):
-            qs, ks = slice(q_lo, q_hi), slice(kv_lo, kv_hi)
+        for i, (qs, ks, causal, kw) in enumerate(rows):
             o, lse = kernel.forward(
                 q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], causal=causal, scale=scale,
-                **_drop_kw(cx.dropout(step, i)),
+                **kw, **_drop_kw(cx.dropout(step, i)),
             )  # fmt: skip
             merge_partial(acc_out[qs], acc_lse[..., qs], o, lse)
         if pending is not None:
@@ -326,11 +362,16 @@ def startrail_rank_forward(
     if C > 1:
         lse_all = cx.team_comm.all_gather(acc_lse.unsqueeze(0), "lse")  # [C, b, hq, n]
         lse_team = torch.logsumexp(lse_all, dim=0)
-        safe = torch.where(torch.isneginf(lse_team), torch.zeros_like(lse_team), lse_team)
-        acc_out.mul_(torch.exp(acc_lse - safe).permute(2, 0, 1).unsqueeze(-1))
-        out = cx.team_comm.reduce_scatter(cx.from_team_order(acc_out), "out")
     else:
         lse_team = acc_lse
+    if sinks is not None:  # the sink's exp(logit) joins every row's softmax denominator
+        lse_team = torch.logaddexp(lse_team, sinks.to(acc).view(1, hq, 1))
+    if C > 1 or sinks is not None:
+        safe = torch.where(torch.isneginf(lse_team), torch.zeros_like(lse_team), lse_team)
+        acc_out.mul_(torch.exp(acc_lse - safe).permute(2, 0, 1).unsqueeze(-1))
+    if C > 1:
+        out = cx.team_comm.reduce_scatter(cx.from_team_order(acc_out), "out")
+    else:
         out = cx.from_team_order(acc_out)
     out = out.to(q.dtype)
     return out, (q_team, kv_team, lse_team)
@@ -359,11 +400,14 @@ def startrail_rank_backward(
     cx: RankContext,
     scale: float,
     kernel: AttentionKernel,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One rank's backward: dq, dk, dv of its local rows, in dout's dtype.
 
     ``out`` is this rank's forward output and ``saved`` what
-    ``startrail_rank_forward`` returned with it, on the same ``cx``.
+    ``startrail_rank_forward`` returned with it, on the same ``cx``. With ``sinks``,
+    their gradient from this rank's rows is left in ``cx.sinks_grad`` (the ranks' parts
+    sum to the whole, as for any replicated parameter).
     """
     q_team, kv_team, lse_team = saved
     lay, C = cx.layout, cx.layout.team_size
@@ -373,6 +417,11 @@ def startrail_rank_backward(
     acc = acc_dtype(dout.dtype)
     # Team rows' dout and D = rowsum(dout * out), gathered in chunk order.
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [s, b, hq]
+    if sinks is not None:  # d sink_h = -sum over this rank's rows of p_sink * D
+        lse_rows = cx.from_team_order(lse_team.permute(2, 0, 1))  # member order [n, b, hq]
+        lse_mine = lse_rows[cx.member * s : (cx.member + 1) * s]
+        p_sink = torch.exp(sinks.to(acc).view(1, 1, hq) - lse_mine)
+        cx.sinks_grad = -(p_sink * delta).sum((0, 1))
     do_team = cx.to_team_order(cx.team_comm.all_gather(dout, "dout"))
     delta_team = cx.to_team_order(cx.team_comm.all_gather(delta, "delta"))
     out_eff = _delta_out(do_team, delta_team)
@@ -389,8 +438,7 @@ def startrail_rank_backward(
                 kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, dq, dkv, scale,
                 cx.dropout(step, i),
             )  # fmt: skip
-        for i, (q_lo, q_hi, kv_lo, kv_hi, causal) in enumerate(rows):
-            qs, ks = slice(q_lo, q_hi), slice(kv_lo, kv_hi)
+        for i, (qs, ks, causal, kw) in enumerate(rows):
             g_q, g_k, g_v = kernel.backward(
                 do_team[qs],
                 q_team[qs],
@@ -400,6 +448,7 @@ def startrail_rank_backward(
                 lse_team[..., qs],
                 causal=causal,
                 scale=scale,
+                **kw,
                 **_drop_kw(cx.dropout(step, i)),
             )
             dq[qs] += g_q
@@ -429,25 +478,31 @@ def startrail_rank_backward(
 
 class _StarTrailAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, groups, causal, scale, kernel, ledger, packed, dropout_p):
+    def forward(ctx, q, k, v, sinks, groups, causal, scale, kernel, ledger, packed, opts):
         if ledger is not None:
             ledger.phase = "fwd"
-        cx = RankContext(groups, causal, ledger, packed=packed, dropout_p=dropout_p)
-        out, saved = startrail_rank_forward(q, k, v, cx, scale, kernel)
-        ctx.save_for_backward(out, *saved)
+        dropout_p, window, softcap = opts
+        cx = RankContext(
+            groups, causal, ledger, packed=packed, dropout_p=dropout_p, window=window,
+            softcap=softcap,
+        )  # fmt: skip
+        out, saved = startrail_rank_forward(q, k, v, cx, scale, kernel, sinks)
+        ctx.save_for_backward(out, *saved, sinks)
         ctx.cx, ctx.scale, ctx.kernel, ctx.ledger = cx, scale, kernel, ledger
         return out
 
     @staticmethod
     @once_differentiable  # no double backward: an error, not silently wrong gradients
     def backward(ctx, dout):
-        out, q_team, kv_team, lse_team = ctx.saved_tensors
+        out, q_team, kv_team, lse_team, sinks = ctx.saved_tensors
         if ctx.ledger is not None:
             ctx.ledger.phase = "bwd"
         dq, dk, dv = startrail_rank_backward(
-            dout.contiguous(), out, (q_team, kv_team, lse_team), ctx.cx, ctx.scale, ctx.kernel
-        )
-        return dq, dk, dv, None, None, None, None, None, None, None
+            dout.contiguous(), out, (q_team, kv_team, lse_team), ctx.cx, ctx.scale, ctx.kernel,
+            sinks,
+        )  # fmt: skip
+        d_sinks = None if sinks is None else ctx.cx.sinks_grad.to(sinks.dtype)
+        return dq, dk, dv, d_sinks, None, None, None, None, None, None, None
 
 
 def startrail_attention(
@@ -463,6 +518,9 @@ def startrail_attention(
     cu_seqlens=None,
     cu_seqlens_padded=None,
     dropout_p: float = 0.0,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact attention over the whole CP-sharded sequence, StarTrail schedule.
 
@@ -498,6 +556,18 @@ def startrail_attention(
             generator of q's device (Megatron's RNG tracker ``fork`` swaps it), flash-attn
             from the CUDA generator: a run is reproducible with the same seed and layout.
             ``0`` runs exactly the code without dropout.
+        window: a sliding window ``(left, right)`` in Megatron's / flash-attn's convention:
+            query i sees keys ``i - left .. i + right`` (``-1``: unbounded; ``(-1, 0)`` with
+            ``causal`` is plain causal, ``(W - 1, 0)`` a causal window of W tokens). The
+            inputs must be in the zigzag layout (``zigzag_shard``), causal or not. Calls
+            are split where the team buffer is not globally contiguous and trimmed to the
+            window; calls with nothing in it are not made (``block_plan``). A window that
+            masks nothing runs exactly the code without one.
+        softcap: logit soft-capping ``cap * tanh(s / cap)`` inside every call (Gemma 2);
+            ``None`` or 0: off.
+        sinks: ``[heads_q]`` learned attention-sink logits (GPT-OSS), the same on every
+            CP rank; they join each row's softmax denominator once, in the final
+            combine, and receive their gradient (this rank's rows' part).
 
     Returns:
         out ``[s_local, b, heads_q, head_dim]`` in q's dtype.
@@ -509,8 +579,18 @@ def startrail_attention(
     validate_inputs(q, k, v, groups.cp_size, causal)
     packed = packed_layout(groups.cp_size, q.shape[0], cu_seqlens, cu_seqlens_padded)
     dropout_p = check_dropout(dropout_p)
-    kern, scale = resolve_kernel(q, kernel, softmax_scale, dropout=dropout_p > 0)
-    agree_once(groups, q, k, bool(causal), packed, dropout_p)
+    win = normalize_window(window, groups.cp_size * q.shape[0], bool(causal))
+    if win is not None and packed is not None:
+        raise NotImplementedError(
+            f"window={window} with packed documents (cu_seqlens) is not supported yet"
+        )
+    cap = check_softcap(softcap)
+    check_sinks(sinks, q)
+    kern, scale = resolve_kernel(
+        q, kernel, softmax_scale, dropout=dropout_p > 0, window=win is not None, softcap=cap > 0
+    )
+    agree_once(groups, q, k, bool(causal), packed, dropout_p, win, cap, sinks is not None)
+    opts = (dropout_p, win, cap)
     return _StarTrailAttention.apply(
-        q, k, v, groups, bool(causal), scale, kern, ledger, packed, dropout_p
+        q, k, v, sinks, groups, bool(causal), scale, kern, ledger, packed, opts
     )

@@ -215,6 +215,104 @@ def _packed_rows_per_call(layout, rank, step, causal, packed):
     return tuple(tuple(x) for x in out)
 
 
+# ---- sliding windows: calls on globally contiguous runs, with a band ---------------------
+WindowCall = tuple[int, int, int, int, "int | None", "int | None"]
+"""(q_lo, q_hi, kv_lo, kv_hi, band_lo, band_hi): one kernel call on team-buffer rows whose
+query and key rows are each contiguous in the global sequence; query i and key j of the
+call (0-based) form a pair iff ``band_lo <= j - i <= band_hi`` (``None``: unbounded)."""
+
+
+def _buffer_chunks(layout: StarTrailLayout, team: int, causal: bool) -> list[int]:
+    """Zigzag chunk ids of a team's buffer, in buffer order: ascending under the causal
+    mask (``team_chunks``), the all-gathered member order without it."""
+    if causal:
+        return layout.team_chunks(team)
+    p = layout.cp_size
+    return [x for r in layout.team_ranks(team) for x in (r, 2 * p - 1 - r)]
+
+
+def _chunk_runs(chunks: list[int], lo: int, hi: int, c: int) -> list[tuple[int, int, int]]:
+    """Buffer rows [lo, hi) (chunk-aligned) -> (row_lo, row_hi, global position of row_lo)
+    per chunk: each is contiguous in the global sequence, and a band trimmed chunk by chunk
+    wastes at most about one chunk-sized triangle per pair of chunks."""
+    return [(idx * c, idx * c + c, chunks[idx] * c) for idx in range(lo // c, hi // c)]
+
+
+def _band_call(qa, nq, ka, nk, lo, hi) -> WindowCall | None:
+    """The call on rows [qa, qa+nq) x [ka, ka+nk) with band (lo, hi), trimmed to the rows
+    that see at least one key and the keys that at least one row sees (so every row of
+    the call has a key: no empty softmax rows, and flash-attn's window sizes are >= 0);
+    ``None`` when no pair is in the band."""
+    if lo is not None and hi is not None and lo > hi:
+        return None
+    r0 = 0 if hi is None else max(0, -hi)
+    r1 = nq - 1 if lo is None else min(nq - 1, nk - 1 - lo)
+    if r0 > r1:
+        return None
+    c0 = 0 if lo is None else max(0, r0 + lo)
+    c1 = nk - 1 if hi is None else min(nk - 1, r1 + hi)
+    if c0 > c1:
+        return None
+    shift = c0 - r0  # local j - i = j' - i' + shift
+    return (
+        qa + r0,
+        qa + r1 + 1,
+        ka + c0,
+        ka + c1 + 1,
+        None if lo is None else lo - shift,
+        None if hi is None else hi - shift,
+    )
+
+
+@lru_cache(maxsize=512)
+def startrail_step_window_rows(
+    layout: StarTrailLayout,
+    rank: int,
+    step: int,
+    causal: bool,
+    s_local: int,
+    window: tuple[int | None, int | None],
+) -> tuple[WindowCall, ...]:
+    """The calls of ``startrail_step_rows`` (dense, zigzag layout) under a sliding window.
+
+    ``window = (left, right)`` in global positions: key j is visible to query i iff
+    ``i - left <= j <= i + right`` (``None``: unbounded), and ``j <= i`` too under the
+    causal mask. Each row call is split into its (query chunk, key chunk) pairs, each gets
+    the band its global offset gives and is trimmed to the rows and keys inside it
+    (``_band_call``); pairs with nothing in the window are not made: the work the window
+    skips. (More, smaller calls than without a window; merging neighbouring chunk pairs
+    for wide windows is not done.)
+    """
+    left, right = window
+    c = s_local // 2
+    team = layout.coord(rank)[0]
+    q_chunks = _buffer_chunks(layout, team, causal)
+    kv_chunks = _buffer_chunks(layout, layout.kv_team_at_step(rank, step), causal)
+    out: list[WindowCall] = []
+    for q_lo, q_hi, kv_lo, kv_hi, _ in _dense_rows(layout, rank, step, causal, s_local):
+        for qa, qb, qg in _chunk_runs(q_chunks, q_lo, q_hi, c):
+            for ka, kb, kg in _chunk_runs(kv_chunks, kv_lo, kv_hi, c):
+                off = kg - qg  # global j - i = local j - i + off
+                lo = None if left is None else -left - off
+                hi = None if right is None else right - off
+                if causal:
+                    hi = -off if hi is None else min(hi, -off)
+                call = _band_call(qa, qb - qa, ka, kb - ka, lo, hi)
+                if call is not None:
+                    out.append(call)
+    return tuple(out)
+
+
+def band_pairs(nq: int, nk: int, lo: int | None, hi: int | None) -> int:
+    """(query, key) pairs of an nq x nk call inside the band ``lo <= j - i <= hi``."""
+    total = 0
+    for i in range(nq):
+        a = 0 if lo is None else max(0, i + lo)
+        b = nk - 1 if hi is None else min(nk - 1, i + hi)
+        total += max(0, b - a + 1)
+    return total
+
+
 @dataclass(frozen=True)
 class VarlenCall:
     """One variable-length kernel call (flash-attn's varlen functions, TE's THD format):

@@ -35,7 +35,13 @@ from .comm.in_process import Baton, InProcessP2P, InProcessTeam, InProcessWorld
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, resolve_kernel
 from .layout import Placement, StarTrailLayout
-from .validation import check_dropout, packed_layout, validate_inputs
+from .validation import (
+    check_dropout,
+    check_softcap,
+    normalize_window,
+    packed_layout,
+    validate_inputs,
+)
 
 __all__ = ["RankTimer", "one_process_attention"]
 
@@ -99,7 +105,10 @@ class _OneProcess(torch.autograd.Function):
                 if led is not None:
                     led.phase = "fwd"
                 comms = (InProcessTeam(world, r, led), InProcessP2P(world, r, led))
-                cx = RankContext(groups, run["causal"], led, comms, run["packed"], run["dropout_p"])
+                cx = RankContext(
+                    groups, run["causal"], led, comms, run["packed"], run["dropout_p"],
+                    run["window"], run["softcap"],
+                )  # fmt: skip
                 out, saved = startrail_rank_forward(
                     qs[r], ks[r], vs[r], cx, run["scale"], run["kernel"]
                 )
@@ -160,6 +169,8 @@ def one_process_attention(
     cu_seqlens=None,
     cu_seqlens_padded=None,
     dropout_p: float = 0.0,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
 ) -> list[Tensor]:
     """StarTrail over ``P = len(q_shards)`` CP ranks, all run in this process.
 
@@ -169,8 +180,8 @@ def one_process_attention(
             one device; differentiable.
         team_size: C, with C*C dividing P.
         placement, causal, softmax_scale, kernel, cu_seqlens, cu_seqlens_padded,
-            dropout_p: as ``startrail_attention`` (the ranks draw their masks in turn from
-            the one default generator).
+            dropout_p, window, softcap: as ``startrail_attention`` (the ranks draw their
+            dropout masks in turn from the one default generator; no ``sinks`` here).
         ledgers: one ``CommLedger`` (or ``None``) per rank; each records what
             that rank would send, exactly as in a multi-rank run.
         timer: a ``RankTimer`` that accumulates each rank's compute time.
@@ -201,11 +212,21 @@ def one_process_attention(
     q0 = q_shards[0]
     packed = packed_layout(p, q0.shape[0], cu_seqlens, cu_seqlens_padded)
     dropout_p = check_dropout(dropout_p)
-    kernel, scale = resolve_kernel(q0, kernel, softmax_scale, dropout=dropout_p > 0)
+    win = normalize_window(window, p * q0.shape[0], bool(causal))
+    if win is not None and packed is not None:
+        raise NotImplementedError(
+            f"window={window} with packed documents (cu_seqlens) is not supported yet"
+        )
+    cap = check_softcap(softcap)
+    kernel, scale = resolve_kernel(
+        q0, kernel, softmax_scale, dropout=dropout_p > 0, window=win is not None, softcap=cap > 0
+    )
     run = dict(
         layout=layout,
         packed=packed,
         dropout_p=dropout_p,
+        window=win,
+        softcap=cap,
         causal=bool(causal),
         scale=scale,
         kernel=kernel,

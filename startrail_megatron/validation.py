@@ -71,6 +71,53 @@ def check_dropout(dropout_p) -> float:
     return float(dropout_p)
 
 
+def normalize_window(window, seq_len: int, causal: bool) -> tuple[int | None, int | None] | None:
+    """A sliding window ``(left, right)`` (Megatron / flash-attn: ``-1`` unbounded) as
+    ``(left, right)`` with ``None`` for sides that mask nothing at ``seq_len`` tokens (the
+    right side under the causal mask too), or ``None`` when it masks nothing at all.
+    ``ValueError`` naming ``window`` for anything but a pair of integers >= -1."""
+    if window is None:
+        return None
+    ok = isinstance(window, (tuple, list)) and len(window) == 2
+    if ok:
+        ok = all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window)
+    if not ok:
+        raise ValueError(
+            f"window={window!r} must be a pair (left, right) of integers >= -1 (-1: unbounded; "
+            "(-1, 0) is causal, (W - 1, 0) a causal window of W tokens)"
+        )
+    left, right = (None if x == -1 or x >= seq_len - 1 else x for x in window)
+    if causal:
+        right = None  # the causal mask already stops at the diagonal (right >= 0)
+    return None if left is None and right is None else (left, right)
+
+
+def check_softcap(softcap) -> float:
+    """Logit soft-capping as a float (0: off); ``ValueError`` naming ``softcap``."""
+    if softcap is None:
+        return 0.0
+    ok = isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
+    if not ok or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap={softcap!r} must be a finite number > 0, or None / 0 for none")
+    return float(softcap)
+
+
+def check_sinks(sinks, q: Tensor) -> None:
+    """``sinks`` is ``None`` or a floating ``[heads_q]`` tensor on q's device."""
+    if sinks is None:
+        return
+    hq = q.shape[2]
+    if not isinstance(sinks, Tensor):
+        raise ValueError(f"sinks must be a [heads_q] = [{hq}] tensor, got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (hq,) or not sinks.is_floating_point():
+        raise ValueError(
+            f"sinks must be a floating-point [heads_q] = [{hq}] tensor, got shape "
+            f"{tuple(sinks.shape)} {sinks.dtype}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"sinks are on {sinks.device}, q on {q.device}")
+
+
 def agree_once(
     groups: StarTrailGroups,
     q: Tensor,
@@ -78,11 +125,14 @@ def agree_once(
     causal: bool,
     packed: PackedLayout | None = None,
     dropout_p: float = 0.0,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float = 0.0,
+    sinks: bool = False,
 ) -> None:
     """Check, the first time this rank sees a call setting, that every CP rank has the same.
 
     Ranks that disagree on the local length, batch, heads, head_dim, dtype,
-    causal, dropout_p or the packed documents (or on C, placement, P through their groups)
+    causal, dropout_p, window, softcap, sinks or the packed documents (or on C, placement, P through their groups)
     would post mismatched
     transfers and hang until the group's timeout; instead every rank raises the
     same ``ValueError`` naming what differs. One tiny all-reduce, and one device
@@ -108,6 +158,10 @@ def agree_once(
         "documents": packed.num_docs if packed is not None else 0,
         "cu_seqlens": packed.fingerprint() if packed is not None else 0,
         "dropout_p (1e-9)": round(dropout_p * 1e9),
+        "window left (-1: none)": -1 if window is None or window[0] is None else window[0],
+        "window right (-1: none)": -1 if window is None or window[1] is None else window[1],
+        "softcap (1e-6)": round(softcap * 1e6),
+        "sinks": int(sinks),
     }
     key = tuple(fields.values())
     if lay.cp_size == 1 or key in groups.agreed:

@@ -45,9 +45,13 @@ class TorchKernel:
 
     name = "torch"
     supports_dropout = True
+    supports_band = True  # sliding windows: ``band=(lo, hi)``, pairs with lo <= j - i <= hi
+    supports_softcap = True
 
     @staticmethod
-    def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+    def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, band=None, softcap=0.0):
+        """Scaled scores (b, hkv, g, sq, sk), soft-capped (``cap * tanh(s / cap)``) and
+        masked; with ``softcap`` also the factor ``1 - tanh^2`` of its gradient."""
         sq, b, hq, d = q.shape
         sk, _, hkv, _ = k.shape
         g = hq // hkv
@@ -55,14 +59,31 @@ class TorchKernel:
         qg = q.to(dt).permute(1, 2, 0, 3).reshape(b, hkv, g, sq, d)  # (b, hkv, g, sq, d)
         kg = k.to(dt).permute(1, 2, 0, 3).unsqueeze(2)  # (b, hkv, 1, sk, d)
         s = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # (b, hkv, g, sq, sk)
+        cap_grad = None
+        if softcap:
+            t = torch.tanh(s / softcap)
+            s, cap_grad = softcap * t, 1 - t * t
+        mask = None
         if causal:
             mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+        if band is not None:
+            rel = torch.arange(sk, device=q.device) - torch.arange(sq, device=q.device)[:, None]
+            lo, hi = band
+            out = torch.zeros(sq, sk, dtype=torch.bool, device=q.device)
+            if lo is not None:
+                out |= rel < lo
+            if hi is not None:
+                out |= rel > hi
+            mask = out if mask is None else mask | out
+        if mask is not None:
             s = s.masked_fill(mask, -math.inf)
-        return s
+        return s, cap_grad
 
-    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None):
+    def forward(
+        self, q, k, v, *, causal, scale, dropout: Dropout | None = None, band=None, softcap=0.0
+    ):
         sq, b, hq, d = q.shape
-        s = self._scores(q, k, causal, scale)
+        s, _ = self._scores(q, k, causal, scale, band, softcap)
         lse = torch.logsumexp(s, dim=-1)  # (b, hkv, g, sq)
         p = torch.exp(s - _finite_lse(lse).unsqueeze(-1))
         if dropout is not None:  # the statistics stay those before dropout
@@ -72,11 +93,14 @@ class TorchKernel:
         out = out.reshape(b, hq, sq, d).permute(2, 0, 1, 3).to(q.dtype)
         return out, lse.reshape(b, hq, sq)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None):
+    def backward(
+        self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None,
+        band=None, softcap=0.0,
+    ):  # fmt: skip
         sq, b, hq, d = q.shape
         sk, _, hkv, _ = k.shape
         g = hq // hkv
-        s = self._scores(q, k, causal, scale)
+        s, cap_grad = self._scores(q, k, causal, scale, band, softcap)
         dt = s.dtype
         lse_g = _finite_lse(lse.to(dt)).reshape(b, hkv, g, sq, 1)
         p = torch.exp(s - lse_g)  # (b, hkv, g, sq, sk)
@@ -95,6 +119,8 @@ class TorchKernel:
             dv = torch.matmul((p * keep).transpose(-1, -2), do).sum(2)
             dp = dp * keep
         ds = p * (dp - delta) * scale
+        if cap_grad is not None:  # d/ds of cap * tanh(s / cap)
+            ds = ds * cap_grad
         dq = torch.matmul(ds, kg)  # (b, hkv, g, sq, d)
         dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2)  # (b, hkv, sk, d)
         dq = dq.reshape(b, hq, sq, d).permute(2, 0, 1, 3)

@@ -93,6 +93,8 @@ class BackendSpec:
         min_capability: lowest CUDA compute capability.
         min_cudnn: lowest cuDNN version (``torch.backends.cudnn.version()``).
         dropout: it runs attention dropout (``contract.Dropout``).
+        window: it runs banded calls (``band=``: sliding windows).
+        softcap: it runs logit soft-capping (``softcap=``).
     """
 
     name: str
@@ -104,6 +106,8 @@ class BackendSpec:
     min_capability: tuple[int, int] | None = None
     min_cudnn: int | None = None
     dropout: bool = True
+    window: bool = False
+    softcap: bool = False
 
 
 _ALL_FLOAT = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
@@ -111,7 +115,9 @@ _ALL_FLOAT = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloa
 BACKENDS: dict[str, BackendSpec] = {
     s.name: s
     for s in (
-        BackendSpec("torch", frozenset({"cpu", "cuda", "meta"}), _ALL_FLOAT),
+        BackendSpec(
+            "torch", frozenset({"cpu", "cuda", "meta"}), _ALL_FLOAT, window=True, softcap=True
+        ),
         # the CPU flash op has no RNG state to rebuild a mask from
         BackendSpec("sdpa", frozenset({"cpu", "cuda"}), _ALL_FLOAT, dropout=False),
         BackendSpec("flash_attn", frozenset({"cuda"}), _HALF, "flash_attn", 256, 8, (8, 0)),
@@ -159,6 +165,7 @@ class KernelQuery:
         capability: CUDA compute capability (``None`` off CUDA).
         cudnn_version: ``torch.backends.cudnn.version()`` (``None``: no cuDNN).
         dropout: the call has attention dropout.
+        window, softcap: the call has a sliding window / logit soft-capping.
     """
 
     device_type: str = "cpu"
@@ -167,6 +174,8 @@ class KernelQuery:
     capability: tuple[int, int] | None = None
     cudnn_version: int | None = None
     dropout: bool = False
+    window: bool = False
+    softcap: bool = False
 
     @classmethod
     def of(
@@ -175,6 +184,8 @@ class KernelQuery:
         dtype: torch.dtype | None,
         head_dim: int | None,
         dropout: bool = False,
+        window: bool = False,
+        softcap: bool = False,
     ) -> KernelQuery:
         """Read capability and cuDNN version of ``device`` from the running torch."""
         dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -183,7 +194,7 @@ class KernelQuery:
             cap = tuple(torch.cuda.get_device_capability(dev))
             if torch.backends.cudnn.is_available():
                 cudnn = torch.backends.cudnn.version()
-        return cls(dev.type, dtype, head_dim, cap, cudnn, dropout)  # type: ignore[arg-type]
+        return cls(dev.type, dtype, head_dim, cap, cudnn, dropout, window, softcap)  # type: ignore[arg-type]
 
 
 @functools.cache
@@ -217,12 +228,14 @@ def unsupported_reason(
         query.cudnn_version is None or query.cudnn_version < spec.min_cudnn
     ):
         return f"needs cuDNN >= {spec.min_cudnn}, got {query.cudnn_version}"
-    if query.dropout and not spec.dropout:
-        return (
-            "does not run attention dropout (kernels that do: "
-            + ", ".join(n for n, sp in BACKENDS.items() if sp.dropout)
-            + ")"
-        )
+    for feature, what in (
+        ("dropout", "attention dropout"),
+        ("window", "sliding windows"),
+        ("softcap", "logit soft-capping"),
+    ):
+        if getattr(query, feature) and not getattr(spec, feature):
+            able = ", ".join(n for n, sp in BACKENDS.items() if getattr(sp, feature))
+            return f"does not run {what} (kernels that do: {able})"
     if name == "te":
         why = _te_limits(query)
         if why is not None:
@@ -293,13 +306,15 @@ def build_kernel(
     query: KernelQuery | None = None,
     installed: Callable[[str], bool] = _installed,
     dropout: bool = False,
+    window: bool = False,
+    softcap: bool = False,
 ) -> Any:
     """A kernel object for ``name`` (see ``choose_kernel``), imported lazily.
 
     With ``"auto"`` a backend whose import fails (a broken install) is skipped.
     ``query`` replaces what ``device``/``dtype``/``head_dim`` would give.
     """
-    q = query or KernelQuery.of(device, dtype, head_dim, dropout)
+    q = query or KernelQuery.of(device, dtype, head_dim, dropout, window, softcap)
     candidates = choose_kernel(name, q, installed, env)
     errors = []
     for cand in candidates:
@@ -340,6 +355,8 @@ def get_kernel(
     device: torch.device | str | None = None,
     head_dim: int | None = None,
     dropout: bool = False,
+    window: bool = False,
+    softcap: bool = False,
 ) -> AttentionKernel:
     """A kernel by name, or the fastest one that runs these inputs.
 
@@ -351,16 +368,25 @@ def get_kernel(
         dtype, device, head_dim: the inputs' (device defaults to CPU); ``"auto"``
             picks by them (float64 always gets the exact ``"torch"`` kernel),
             an explicit name raises ``NotImplementedError`` if it cannot run them.
-        dropout: the kernel must run attention dropout.
+        dropout, window, softcap: the kernel must run attention dropout, sliding windows,
+            logit soft-capping.
 
     Raises:
         ValueError: an unknown name (naming the setting and the allowed values).
     """
-    return build_kernel(name, dtype, device=device, head_dim=head_dim, dropout=dropout)
+    return build_kernel(
+        name, dtype, device=device, head_dim=head_dim, dropout=dropout, window=window,
+        softcap=softcap,
+    )  # fmt: skip
 
 
 def resolve_kernel(
-    q: Tensor, kernel: str | AttentionKernel, softmax_scale: float | None, dropout: bool = False
+    q: Tensor,
+    kernel: str | AttentionKernel,
+    softmax_scale: float | None,
+    dropout: bool = False,
+    window: bool = False,
+    softcap: bool = False,
 ) -> tuple[AttentionKernel, float]:
     """The kernel object and softmax scale an attention call on ``q`` uses.
 
@@ -374,11 +400,20 @@ def resolve_kernel(
             raise ValueError(f"softmax_scale={softmax_scale!r} must be a finite number > 0 or None")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if isinstance(kernel, str):
-        kernel = get_kernel(kernel, q.dtype, device=q.device, head_dim=q.shape[-1], dropout=dropout)
-    elif dropout and not getattr(kernel, "supports_dropout", False):
-        raise NotImplementedError(
-            f"kernel {getattr(kernel, 'name', type(kernel).__name__)!r} does not run attention "
-            "dropout; dropout_p > 0 needs one of "
-            + ", ".join(n for n, sp in BACKENDS.items() if sp.dropout)
-        )
+        kernel = get_kernel(
+            kernel, q.dtype, device=q.device, head_dim=q.shape[-1], dropout=dropout,
+            window=window, softcap=softcap,
+        )  # fmt: skip
+        return kernel, scale
+    name = getattr(kernel, "name", type(kernel).__name__)
+    for needed, attr, what, setting in (
+        (dropout, "supports_dropout", "dropout", "dropout_p > 0"),
+        (window, "supports_band", "window", "window"),
+        (softcap, "supports_softcap", "softcap", "softcap"),
+    ):
+        if needed and not getattr(kernel, attr, False):
+            able = ", ".join(n for n, sp in BACKENDS.items() if getattr(sp, what))
+            raise NotImplementedError(
+                f"kernel {name!r} does not run {setting}; it needs one of: {able}"
+            )
     return kernel, scale

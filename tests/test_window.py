@@ -1,0 +1,312 @@
+"""Sliding windows, logit soft-capping and attention sinks under StarTrail (issue 13, core).
+
+Pure: the windowed block plan computes every (query, key) pair the window (and the causal
+mask) allows exactly once and no other, each call trimmed so every row and key has a pair
+(exhaustive over layouts, windows shorter than a chunk, spanning chunk and team boundaries,
+as long as the sequence). Numerics: out, dq, dk, dv (and the sinks' gradient) against a
+float64 attention with the window, cap and sinks applied to the whole sequence, one process
+(P = 4 - 16, both placements, causal and full) and gloo ranks, at 1e-10; a window that masks
+nothing is bitwise the code without one. Bad settings are refused by name before any
+transfer, on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from common import groups_for
+from harness import run_ranks
+
+import startrail_megatron as st
+from startrail_megatron.block_plan import (
+    _buffer_chunks,
+    band_pairs,
+    startrail_step_rows,
+    startrail_step_window_rows,
+)
+from startrail_megatron.one_process import one_process_attention
+from startrail_megatron.validation import normalize_window
+
+HQ, HKV, D = 4, 2, 8
+
+
+# ---- the plan ------------------------------------------------------------------------------
+def _coverage(p, c, placement, causal, s_local, window):
+    lay = st.StarTrailLayout(p, c, placement)
+    ch = s_local // 2
+
+    def pos(team):
+        return [x * ch + i for x in _buffer_chunks(lay, team, causal) for i in range(ch)]
+
+    seen: dict = {}
+    for r in range(p):
+        team = lay.coord(r)[0]
+        for step in range(lay.ring_size):
+            qp, kp = pos(team), pos(lay.kv_team_at_step(r, step))
+            for ql, qh, kl, kh, lo, hi in startrail_step_window_rows(
+                lay, r, step, causal, s_local, window
+            ):
+                rows, cols = set(), set()
+                for i in range(qh - ql):
+                    for j in range(kh - kl):
+                        if (lo is not None and j - i < lo) or (hi is not None and j - i > hi):
+                            continue
+                        rows.add(i)
+                        cols.add(j)
+                        key = (qp[ql + i], kp[kl + j])
+                        seen[key] = seen.get(key, 0) + 1
+                # trimmed: every row and every key of a call has a pair in the band
+                assert rows == set(range(qh - ql)) and cols == set(range(kh - kl))
+                assert band_pairs(qh - ql, kh - kl, lo, hi) == sum(
+                    1 for i in range(qh - ql) for j in range(kh - kl)
+                    if (lo is None or j - i >= lo) and (hi is None or j - i <= hi)
+                )  # fmt: skip
+    n = p * s_local
+    left, right = window
+    want = {
+        (i, j)
+        for i in range(n)
+        for j in range(n)
+        if (not causal or j <= i)
+        and (left is None or j >= i - left)
+        and (right is None or j <= i + right)
+    }
+    return seen, want
+
+
+@pytest.mark.parametrize("p, c", [(4, 1), (4, 2), (8, 2), (9, 3), (16, 4)])
+@pytest.mark.parametrize("placement", ["team", "ring"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_plan_computes_every_pair_in_the_window_once(p, c, placement, causal):
+    s_local = 6  # chunks of 3 tokens
+    n = p * s_local
+    windows = [(0, 0), (1, 0), (2, 0), (4, None), (3, 3), (5, 1), (7, 0), (n // 2, None)]
+    windows += [(None, 2), (n - 2, 0)]  # right only; all but one pair
+    for window in windows:
+        if causal:
+            window = (window[0], None)
+        seen, want = _coverage(p, c, placement, causal, s_local, window)
+        assert set(seen) == want, window
+        assert set(seen.values()) == {1}, window
+
+
+def test_narrow_windows_skip_work():
+    """W = S/16 and S/4: the calls cover the window's pairs in rectangles of at most about
+    twice their pairs (a kernel that skips tiles outside the band computes less still),
+    far less than the causal plan's calls."""
+    p, c, s_local = 8, 2, 64
+    n = p * s_local
+    lay = st.StarTrailLayout(p, c)
+    full = sum(
+        (b - a) * (d - cc)
+        for r in range(p)
+        for step in range(lay.ring_size)
+        for a, b, cc, d, _ in startrail_step_rows(lay, r, step, True, s_local)
+    )
+    for w, bound in ((n // 16, 0.35), (n // 4, 0.6)):
+        calls = [
+            call
+            for r in range(p)
+            for step in range(lay.ring_size)
+            for call in startrail_step_window_rows(lay, r, step, True, s_local, (w - 1, None))
+        ]
+        area = sum((b - a) * (d - cc) for a, b, cc, d, _, _ in calls)
+        pairs = sum(band_pairs(b - a, d - cc, lo, hi) for a, b, cc, d, lo, hi in calls)
+        assert pairs == sum(min(i + 1, w) for i in range(n))  # exactly the window's pairs
+        assert area <= 2.2 * pairs and area < bound * full, (w, area, pairs, full)
+
+
+def test_normalize_window():
+    assert normalize_window(None, 64, True) is None
+    assert normalize_window((-1, 0), 64, True) is None  # plain causal
+    assert normalize_window((-1, -1), 64, False) is None
+    assert normalize_window((63, 0), 64, True) is None  # as long as the sequence
+    assert normalize_window((63, 63), 64, False) is None
+    assert normalize_window((15, 0), 64, True) == (15, None)
+    assert normalize_window([3, 5], 64, False) == (3, 5)
+    assert normalize_window((-1, 2), 64, False) == (None, 2)
+    for bad in ((-2, 0), (1.5, 0), (1,), "16", (True, 0), (0, None)):
+        with pytest.raises(ValueError, match="window="):
+            normalize_window(bad, 64, True)
+
+
+# ---- numerics against float64 --------------------------------------------------------------
+def reference(q, k, v, do, causal, window, softcap=0.0, sinks=None):
+    """float64 attention over the whole sequence with the window, cap and sinks."""
+    leaves = [x.detach().double().clone().requires_grad_() for x in (q, k, v)]
+    sink = None if sinks is None else sinks.detach().double().clone().requires_grad_()
+    qq, kk, vv = (x.permute(1, 2, 0, 3) for x in leaves)
+    g = qq.shape[1] // kk.shape[1]
+    kk, vv = kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1)
+    s = qq @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    n = s.shape[-1]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    ok = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        ok &= j <= i
+    left, right = window
+    if left != -1:
+        ok &= j >= i - left
+    if right != -1:
+        ok &= j <= i + right
+    s = s.masked_fill(~ok, float("-inf"))
+    if sink is not None:
+        col = sink.view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+        prob = torch.softmax(torch.cat((s, col), -1), -1)[..., :n]
+    else:
+        prob = torch.softmax(s, -1)
+    out = (prob @ vv).permute(2, 0, 1, 3)
+    out.backward(do.double())
+    grads = [x.grad for x in leaves] + ([sink.grad] if sink is not None else [])
+    return [out.detach(), *grads]
+
+
+def _close(got, want, tol=1e-10):
+    """Relative to the reference's largest entry; absolute where that is 0 (a window of one
+    token gives exactly zero dq, dk)."""
+    scale = want.abs().max().clamp_min(1.0)
+    return ((got - want).abs().max() / scale).item() <= tol
+
+
+def _inputs(n, b=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, b, h, D, generator=g, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ)]
+
+
+WINDOWS = [(0, 0), (2, 0), (3, 1), (5, 5), (11, 0), (-1, 3), (20, -1)]
+
+
+@pytest.mark.parametrize("p, c, placement", [(4, 2, "team"), (8, 2, "ring"), (9, 3, "team"),
+                                             (16, 4, "team"), (4, 1, "ring")])  # fmt: skip
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_process_window_and_softcap_match_fp64(p, c, placement, causal):
+    n = p * 8  # chunks of 4 tokens: the windows are shorter than, and span, chunks and teams
+    for w, window in enumerate(WINDOWS):
+        cap = 2.0 if w % 2 else None
+        q, k, v, do = _inputs(n, seed=w)
+        leaves = [[st.testing.shard(x, r, p, True).requires_grad_() for r in range(p)]
+                  for x in (q, k, v)]  # fmt: skip
+        outs = one_process_attention(
+            *leaves, c, placement=placement, causal=causal, kernel="torch", window=window,
+            softcap=cap,
+        )  # fmt: skip
+        torch.autograd.backward(outs, [st.testing.shard(do, r, p, True) for r in range(p)])
+        want = reference(q, k, v, do, causal, window, cap or 0.0)
+        got = [outs, *([x.grad for x in xs] for xs in leaves)]
+        for i, what in enumerate(("out", "dq", "dk", "dv")):
+            full = st.testing.unshard([t.detach() for t in got[i]], True)
+            assert _close(full, want[i]), (window, cap, what)
+
+
+def _window_case(rank, world, c, causal, window, cap, with_sinks):
+    n = world * 8
+    q, k, v, do = _inputs(n)
+    sinks = torch.linspace(-1.0, 1.5, HQ, dtype=torch.float64) if with_sinks else None
+    leaves = [st.testing.shard(x, rank, world, True).requires_grad_() for x in (q, k, v)]
+    sk = sinks.clone().requires_grad_() if with_sinks else None
+    out = st.startrail_attention(
+        *leaves, groups_for(c), causal=causal, window=window, softcap=cap, sinks=sk,
+        kernel="torch",
+    )  # fmt: skip
+    out.backward(st.testing.shard(do, rank, world, True))
+    return [out.detach(), *(x.grad for x in leaves)], (sk.grad if with_sinks else None)
+
+
+@pytest.mark.parametrize(
+    "p, c, causal, window, cap, sinks",
+    [
+        (4, 2, True, (5, 0), None, True),  # GPT-OSS: causal window and sinks
+        (8, 2, True, (-1, 0), 3.0, False),  # Gemma 2 global layers: soft-capping only
+        (8, 2, True, (9, 0), 3.0, True),  # window spanning a team (chunks of 4 tokens)
+        (4, 1, False, (3, 3), None, True),  # bidirectional window (DiT-style local)
+        (9, 3, True, (2, 0), 2.0, False),
+    ],
+)
+def test_startrail_window_softcap_sinks_match_fp64_on_ranks(p, c, causal, window, cap, sinks):
+    results = run_ranks(p, _window_case, c, causal, window, cap, sinks)
+    q, k, v, do = _inputs(p * 8)
+    sk = torch.linspace(-1.0, 1.5, HQ, dtype=torch.float64) if sinks else None
+    want = reference(q, k, v, do, causal, window, cap or 0.0, sk)
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        full = st.testing.unshard([r[0][i] for r in results], True)
+        assert _close(full, want[i]), what
+    if sinks:  # each rank holds its rows' part; the parts sum to the gradient
+        total = sum(r[1] for r in results)
+        assert _close(total, want[4]), (total, want[4])
+        assert want[4].abs().max() > 1e-3  # the check can fail
+        plain = reference(q, k, v, do, causal, window, cap or 0.0)[0]
+        assert (plain - want[0]).abs().max() > 1e-3  # the sinks changed the output
+
+
+def _no_window_is_bitwise(rank, world):
+    q, k, v, do = _inputs(world * 8)
+    outs = []
+    for kw in ({}, {"window": (-1, 0)}, {"window": (world * 8 - 1, 0)}, {"softcap": 0.0}):
+        leaves = [st.testing.shard(x, rank, world, True).requires_grad_() for x in (q, k, v)]
+        out = st.startrail_attention(*leaves, groups_for(2), kernel="torch", **kw)
+        out.backward(st.testing.shard(do, rank, world, True))
+        outs.append([out.detach(), *(x.grad for x in leaves)])
+    return outs
+
+
+def test_a_window_that_masks_nothing_is_bitwise_plain_causal():
+    for outs in run_ranks(4, _no_window_is_bitwise):
+        for other in outs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+
+
+def _refusals(rank, world):
+    x = torch.randn(8, 1, HQ, D)
+    kv = torch.randn(8, 1, HKV, D)
+    groups = groups_for(2)
+    ledger = st.CommLedger()
+    cases = {
+        "window": {"window": (-3, 0)},
+        "window_type": {"window": (2.5, 0)},
+        "softcap_nan": {"softcap": float("nan")},
+        "softcap_neg": {"softcap": -1.0},
+        "sinks_shape": {"sinks": torch.zeros(HQ + 1)},
+        "sinks_dtype": {"sinks": torch.zeros(HQ, dtype=torch.long)},
+        "sinks_type": {"sinks": [0.0] * HQ},
+    }
+    msgs = {}
+    for name, kw in cases.items():
+        try:
+            st.startrail_attention(x, kv, kv, groups, ledger=ledger, **kw)
+            msgs[name] = None
+        except ValueError as e:
+            msgs[name] = str(e)
+    for name, kw in {
+        "sdpa": {"kernel": "sdpa", "window": (3, 0)},
+        "sdpa_cap": {"kernel": "sdpa", "softcap": 5.0},
+        "packed": {"window": (3, 0), "cu_seqlens": [0, 16, 32]},
+    }.items():
+        try:
+            st.startrail_attention(x, kv, kv, groups, ledger=ledger, **kw)
+            msgs[name] = None
+        except NotImplementedError as e:
+            msgs[name] = str(e)
+    try:  # ranks that disagree on the window: all raise, none hang
+        st.startrail_attention(x, kv, kv, groups, ledger=ledger, window=(3 + rank % 2, 0))
+        msgs["ranks"] = None
+    except ValueError as e:
+        msgs["ranks"] = str(e)
+    return msgs, len(ledger.events)
+
+
+def test_bad_window_softcap_sinks_are_refused_before_any_transfer():
+    for msgs, sent in run_ranks(4, _refusals):
+        assert "window=(-3, 0) must be a pair (left, right) of integers >= -1" in msgs["window"]
+        assert "window=(2.5, 0)" in msgs["window_type"]
+        assert "softcap=nan must be a finite number > 0" in msgs["softcap_nan"]
+        assert "softcap=-1.0" in msgs["softcap_neg"]
+        assert "sinks must be a floating-point [heads_q] = [4] tensor" in msgs["sinks_shape"]
+        assert "torch.int64" in msgs["sinks_dtype"]
+        assert "sinks must be a [heads_q] = [4] tensor, got list" in msgs["sinks_type"]
+        assert "'sdpa' cannot run these inputs: does not run sliding windows" in msgs["sdpa"]
+        assert "does not run logit soft-capping" in msgs["sdpa_cap"]
+        assert "with packed documents (cu_seqlens) is not supported yet" in msgs["packed"]
+        assert msgs["ranks"] is not None and "disagree on window left" in msgs["ranks"]
+        assert sent == 0
