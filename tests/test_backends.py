@@ -153,15 +153,32 @@ def test_lse_forms():
 # ---- flash-attn stand-ins, one per upstream signature --------------------------------------
 
 
-def _ref_fwd(q, k, v, causal, scale, dropout_p=0.0):
+def _flash_mask(sq, sk, causal, window, softcap) -> dict:
+    """flash-attn's mask as the reference kernel's arguments: the window (and the causal
+    mask) aligned to the bottom-right corner, -1 unbounded; soft-capping."""
+    left, right = window
+    assert isinstance(left, int) and isinstance(right, int) and left >= -1 and right >= -1
+    kw = {"softcap": softcap} if softcap else {}
+    if (left, right) == (-1, -1):
+        return {"causal": causal, **kw}
+    off = sk - sq
+    lo = None if left == -1 else off - left
+    hi = None if right == -1 else off + right
+    if causal:
+        hi = off if hi is None else min(hi, off)
+    return {"causal": False, "band": (lo, hi), **kw}
+
+
+def _ref_fwd(q, k, v, causal, scale, dropout_p=0.0, window=(-1, -1), softcap=0.0):
     """Real attention for [b, s, h, d] inputs, checked like flash-attn's mha_fwd; with
     dropout drawn, as flash-attn from its device's generator, from the default generator:
     -> (out, lse, rng_state), the rng_state the generator's state (flash: seed, offset)."""
     for x in (q, k, v):
         assert x.stride(-1) == 1, "flash-attn needs a unit last stride"
     drop = kn.Dropout(dropout_p) if dropout_p else None
+    mask = _flash_mask(q.shape[1], k.shape[1], causal, window, softcap)
     out, lse = TorchKernel().forward(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=causal, scale=scale,
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale, **mask,
         **({"dropout": drop} if drop else {}),
     )  # fmt: skip
     rng = drop.state if drop else torch.zeros(2, dtype=torch.int64)
@@ -172,13 +189,15 @@ def _ref_fwd(q, k, v, causal, scale, dropout_p=0.0):
     )
 
 
-def _ref_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, dropout_p=0.0, rng_state=None):
+def _ref_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, dropout_p=0.0, rng_state=None,
+             window=(-1, -1), softcap=0.0):  # fmt: skip
     for x in (dout, q, k, v, out, dq, dk, dv):
         assert x.stride(-1) == 1
     assert lse.is_contiguous() and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     kw = {"dropout": kn.Dropout(dropout_p, state=rng_state)} if dropout_p else {}
+    kw.update(_flash_mask(q.shape[1], k.shape[1], causal, window, softcap))
     g = TorchKernel().backward(
-        *(x.transpose(0, 1) for x in (dout, q, k, v, out)), lse, causal=causal, scale=scale, **kw
+        *(x.transpose(0, 1) for x in (dout, q, k, v, out)), lse, scale=scale, **kw
     )
     for buf, val in zip((dq, dk, dv), g):
         buf.copy_(val.transpose(0, 1))
@@ -232,17 +251,15 @@ def _ref_varlen_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, causal, sca
 def _v25():
     def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size,
                             alibi_slopes, return_softmax):  # fmt: skip
-        assert tuple(window_size) == (-1, -1)
         assert alibi_slopes is None and return_softmax is False
-        out, lse, rng = _ref_fwd(q, k, v, causal, softmax_scale, dropout_p)
+        out, lse, rng = _ref_fwd(q, k, v, causal, softmax_scale, dropout_p, window_size)
         return out, q, k, v, out, lse, None, rng
 
     def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
                              softmax_scale, causal, window_size, alibi_slopes, deterministic,
                              rng_state=None):  # fmt: skip
-        assert tuple(window_size) == (-1, -1)
         d = _ref_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, softmax_scale,
-                     dropout_p, rng_state)  # fmt: skip
+                     dropout_p, rng_state, window_size)  # fmt: skip
         return dq, dk, dv, d
 
     # 2.5.7 - 2.5.9: block_table required; softmax_lse [n_seqs, h, max_seqlen_q]
@@ -278,16 +295,14 @@ def _v25():
 def _v26():
     def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                             alibi_slopes, return_softmax):  # fmt: skip
-        assert softcap == 0.0 and tuple(window_size) == (-1, -1)
-        out, lse, rng = _ref_fwd(q, k, v, causal, softmax_scale, dropout_p)
+        out, lse, rng = _ref_fwd(q, k, v, causal, softmax_scale, dropout_p, window_size, softcap)
         return out, q, k, v, out, lse, None, rng
 
     def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
                              softmax_scale, causal, window_size, softcap, alibi_slopes,
                              deterministic, rng_state=None):  # fmt: skip
-        assert softcap == 0.0
         d = _ref_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, softmax_scale,
-                     dropout_p, rng_state)  # fmt: skip
+                     dropout_p, rng_state, window_size, softcap)  # fmt: skip
         return dq, dk, dv, d
 
     def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -323,8 +338,8 @@ def _fwd27(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
            softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
            softcap: float, alibi_slopes: torch.Tensor | None, return_softmax: bool,
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    assert (window_size_left, window_size_right) == (-1, -1) and softcap == 0.0
-    out, lse, rng = _ref_fwd(q, k, v, causal, softmax_scale, dropout_p)
+    window = (window_size_left, window_size_right)
+    out, lse, rng = _ref_fwd(q, k, v, causal, softmax_scale, dropout_p, window, softcap)
     return out, lse, torch.empty(0, dtype=q.dtype), rng
 
 
@@ -335,7 +350,8 @@ def _bwd27(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
            softcap: float, alibi_slopes: torch.Tensor | None, deterministic: bool,
            rng_state: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     return _ref_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, softmax_scale,
-                    dropout_p, rng_state)  # fmt: skip
+                    dropout_p, rng_state, (window_size_left, window_size_right),
+                    softcap)  # fmt: skip
 
 
 def _vfwd27(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

@@ -310,3 +310,48 @@ def test_bad_window_softcap_sinks_are_refused_before_any_transfer():
         assert "with packed documents (cu_seqlens) is not supported yet" in msgs["packed"]
         assert msgs["ranks"] is not None and "disagree on window left" in msgs["ranks"]
         assert sent == 0
+
+
+# ---- flash-attn: the band as window_size, soft-capping ---------------------------------------
+@pytest.mark.parametrize("version", ["2.6", "2.7-plain", "2.8-custom-op", "2.5"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_and_softcap_on_flash_attn_stand_ins(version, causal):
+    """StarTrail's band calls through flash-attn's bottom-right-aligned ``window_size`` (and
+    ``softcap`` from 2.6), stand-ins with each release's signature: exact to flash's fp32
+    lse; 2.5 (no softcap) refuses soft-capping by name before anything runs."""
+    from test_backends import FLASH_VERSIONS
+
+    from startrail_megatron import kernels as kn
+
+    p, c = 8, 2
+    n = p * 8
+    ker = kn.FlashAttnKernel(FLASH_VERSIONS[version]())
+    cap = None if version == "2.5" else 2.0
+    for window in [(0, 0), (3, 1), (11, 0), (-1, 5)]:
+        q, k, v, do = _inputs(n, seed=1)
+        leaves = [[st.testing.shard(x, r, p, True).requires_grad_() for r in range(p)]
+                  for x in (q, k, v)]  # fmt: skip
+        outs = one_process_attention(
+            *leaves, c, causal=causal, kernel=ker, window=window, softcap=cap
+        )
+        torch.autograd.backward(outs, [st.testing.shard(do, r, p, True) for r in range(p)])
+        want = reference(q, k, v, do, causal, window, cap or 0.0)
+        got = [outs, *([x.grad for x in xs] for xs in leaves)]
+        for i in range(4):
+            full = st.testing.unshard([t.detach() for t in got[i]], True)
+            assert _close(full, want[i], 1e-6), (version, window, i)
+    if version == "2.5":
+        x = [st.testing.shard(t, 0, p, True) for t in _inputs(n)[:3]]
+        with pytest.raises(NotImplementedError, match="'flash_attn' does not run softcap"):
+            one_process_attention(*([t] * p for t in x), c, kernel=ker, softcap=2.0)
+
+
+def test_flash_window_sizes_from_bands():
+    from startrail_megatron.kernels.flash_attn import _window
+
+    assert _window(4, 4, (None, 0)) == (-1, 0)  # causal
+    assert _window(4, 4, (-3, 0)) == (3, 0)  # a causal window of 4
+    assert _window(4, 10, (None, 6)) == (-1, 0)  # bottom-right: offset 6
+    assert _window(3, 5, (-1, 4)) == (3, 2)
+    with pytest.raises(ValueError, match="not a flash-attn window"):
+        _window(4, 10, (None, 2))  # keys no query sees: trimmed away by the plan

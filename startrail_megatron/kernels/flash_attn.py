@@ -41,16 +41,18 @@ from .signatures import _param_names
 __all__ = ["FlashAttnAPI", "FlashAttnKernel", "detect_flash_attn_api"]
 
 
-def _fixed_kwargs(causal: bool, scale: float, dropout_p: float = 0.0) -> dict[str, Any]:
-    """flash-attn arguments shared by forward and backward: no window, softcap, alibi."""
+def _fixed_kwargs(
+    causal: bool, scale: float, dropout_p: float = 0.0, window=(-1, -1), softcap: float = 0.0
+) -> dict[str, Any]:
+    """flash-attn arguments shared by forward and backward (no alibi)."""
     return {
         "dropout_p": dropout_p,
         "softmax_scale": scale,
         "causal": causal,
-        "window_size": (-1, -1),
-        "window_size_left": -1,
-        "window_size_right": -1,
-        "softcap": 0.0,
+        "window_size": tuple(window),
+        "window_size_left": window[0],
+        "window_size_right": window[1],
+        "softcap": softcap,
         "alibi_slopes": None,
         "block_table": None,  # varlen only: no paged KV cache
         "leftpad_k": None,
@@ -136,19 +138,28 @@ class FlashAttnAPI:
         """Where ``rng_state`` sits in the forward's outputs (3 from 2.7, else 7)."""
         return 3 if self.split_window else 7
 
-    def forward_kwargs(self, q, k, v, *, causal: bool, scale: float, varlen=None, dropout_p=0.0):
+    def forward_kwargs(
+        self, q, k, v, *, causal: bool, scale: float, varlen=None, dropout_p=0.0,
+        window=(-1, -1), softcap=0.0,
+    ):  # fmt: skip
         """Keyword arguments of ``_flash_attn_forward`` for [b, s, h, d] inputs, or of
         ``_flash_attn_varlen_forward`` for THD inputs when ``varlen`` is
         ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``."""
-        values = {"q": q, "k": k, "v": v, **_fixed_kwargs(causal, scale, dropout_p)}
+        values = {
+            "q": q,
+            "k": k,
+            "v": v,
+            **_fixed_kwargs(causal, scale, dropout_p, window, softcap),
+        }
         values["return_softmax"] = False
         values.update(_varlen_values(varlen))
         which = "_flash_attn_varlen_forward" if varlen else "_flash_attn_forward"
         return self._kwargs(self.fwd_params, self.fwd_required, values, which)
 
     def backward_kwargs(
-        self, dout, q, k, v, out, lse, dq, dk, dv, *, causal, scale, varlen=None, dropout=None
-    ):
+        self, dout, q, k, v, out, lse, dq, dk, dv, *, causal, scale, varlen=None, dropout=None,
+        window=(-1, -1), softcap=0.0,
+    ):  # fmt: skip
         """Keyword arguments of ``_flash_attn_backward`` (or ``_flash_attn_varlen_backward``
         with ``varlen`` as in ``forward_kwargs``); it fills dq, dk, dv."""
         values = {
@@ -161,13 +172,28 @@ class FlashAttnAPI:
             "dq": dq,
             "dk": dk,
             "dv": dv,
-            **_fixed_kwargs(causal, scale, 0.0 if dropout is None else dropout.p),
+            **_fixed_kwargs(causal, scale, 0.0 if dropout is None else dropout.p, window, softcap),
             "deterministic": False,
             "rng_state": None if dropout is None else dropout.state,
             **_varlen_values(varlen),
         }
         which = "_flash_attn_varlen_backward" if varlen else "_flash_attn_backward"
         return self._kwargs(self.bwd_params, self.bwd_required, values, which)
+
+
+def _window(sq: int, sk: int, band) -> tuple[int, int]:
+    """flash-attn's ``window_size`` for the band ``lo <= j - i <= hi`` of an sq x sk call.
+
+    flash-attn aligns its window to the bottom-right corner: query i sees keys
+    ``i + sk - sq - left .. i + sk - sq + right`` (-1: unbounded). ``block_plan`` trims
+    band calls so every row and key has a pair, which makes both sizes >= 0.
+    """
+    lo, hi = band
+    left = -1 if lo is None else (sk - sq) - lo
+    right = -1 if hi is None else hi - (sk - sq)
+    if left < -1 or right < -1 or (lo is not None and left < 0) or (hi is not None and right < 0):
+        raise ValueError(f"band {band} of a {sq} x {sk} call is not a flash-attn window")
+    return left, right
 
 
 def _p(dropout) -> dict[str, Any]:
@@ -238,6 +264,7 @@ class FlashAttnKernel:
 
     name = "flash_attn"
     supports_dropout = True  # its own Philox dropout; rng_state kept per call
+    supports_band = True  # sliding windows through window_size (``_window``)
 
     def __init__(self, interface: ModuleType | Any | None = None):
         if interface is None:
@@ -248,6 +275,8 @@ class FlashAttnKernel:
         self._fwd = interface._flash_attn_forward
         self._bwd = interface._flash_attn_backward
         self.api = detect_flash_attn_api(self._fwd, self._bwd, version)
+        # soft-capping arrived in 2.6 (``softcap``, forward and backward)
+        self.supports_softcap = "softcap" in self.api.fwd_params
         self._vfwd = getattr(interface, "_flash_attn_varlen_forward", None)
         self._vbwd = getattr(interface, "_flash_attn_varlen_backward", None)
         self.varlen_api = None
@@ -264,10 +293,25 @@ class FlashAttnKernel:
         reads (else packed documents run one dense call per document and block)."""
         return self.varlen_api is not None
 
-    def forward(self, q, k, v, *, causal, scale, dropout=None):
+    def _extras(self, sq: int, sk: int, band, softcap) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if band is not None:
+            out["window"] = _window(sq, sk, band)
+        if softcap:
+            if not self.supports_softcap:
+                raise NotImplementedError(
+                    f"flash-attn {self.api.version} has no softcap (2.6+ does)"
+                )
+            out["softcap"] = float(softcap)
+        return out
+
+    def forward(self, q, k, v, *, causal, scale, dropout=None, band=None, softcap=0.0):
         sq, b, hq, _ = q.shape
         qb, kb, vb = (x.transpose(0, 1) for x in (q, k, v))  # [b, s, h, d] views
-        kw = self.api.forward_kwargs(qb, kb, vb, causal=causal, scale=scale, **_p(dropout))
+        kw = self.api.forward_kwargs(
+            qb, kb, vb, causal=causal, scale=scale, **_p(dropout),
+            **self._extras(sq, k.shape[0], band, softcap),
+        )  # fmt: skip
         res = self._fwd(**kw)
         out, lse = res[0], res[self.api.lse_index]
         _keep_rng(dropout, res, self.api)
@@ -277,7 +321,9 @@ class FlashAttnKernel:
             )
         return out.transpose(0, 1), lse_to_bhs(lse, b, hq, sq)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None):
+    def backward(
+        self, dout, q, k, v, out, lse, *, causal, scale, dropout=None, band=None, softcap=0.0
+    ):
         qb, kb, vb = (x.transpose(0, 1) for x in (q, k, v))
         dob, ob = dout.to(q.dtype).transpose(0, 1), out.to(q.dtype).transpose(0, 1)
         dq = torch.empty(qb.shape, dtype=q.dtype, device=q.device)  # [b, sq, hq, d]
@@ -285,7 +331,7 @@ class FlashAttnKernel:
         dv = torch.empty(vb.shape, dtype=v.dtype, device=v.device)
         kw = self.api.backward_kwargs(
             dob, qb, kb, vb, ob, lse.float().contiguous(), dq, dk, dv, causal=causal, scale=scale,
-            dropout=dropout,
+            dropout=dropout, **self._extras(q.shape[0], k.shape[0], band, softcap),
         )  # fmt: skip
         self._bwd(**kw)
         return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)

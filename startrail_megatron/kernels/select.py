@@ -120,7 +120,17 @@ BACKENDS: dict[str, BackendSpec] = {
         ),
         # the CPU flash op has no RNG state to rebuild a mask from
         BackendSpec("sdpa", frozenset({"cpu", "cuda"}), _ALL_FLOAT, dropout=False),
-        BackendSpec("flash_attn", frozenset({"cuda"}), _HALF, "flash_attn", 256, 8, (8, 0)),
+        BackendSpec(
+            "flash_attn",
+            frozenset({"cuda"}),
+            _HALF,
+            "flash_attn",
+            256,
+            8,
+            (8, 0),
+            window=True,
+            softcap=True,
+        ),  # fmt: skip (softcap: 2.6+, checked when the kernel is built)
         BackendSpec("sdpa_flash", frozenset({"cuda"}), _HALF, None, 256, 8, (8, 0)),
         BackendSpec("sdpa_cudnn", frozenset({"cuda"}), _HALF, None, 128, 8, (8, 0), 90000),
         BackendSpec(
@@ -404,7 +414,7 @@ def resolve_kernel(
             kernel, q.dtype, device=q.device, head_dim=q.shape[-1], dropout=dropout,
             window=window, softcap=softcap,
         )  # fmt: skip
-        return kernel, scale
+    # the instance decides too (flash-attn 2.5 has no softcap), before any transfer
     name = getattr(kernel, "name", type(kernel).__name__)
     for needed, attr, what, setting in (
         (dropout, "supports_dropout", "dropout", "dropout_p > 0"),
