@@ -11,8 +11,10 @@ RoPE's CP slicing and the loss need no change.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 
+import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
@@ -79,6 +81,36 @@ def _packed_boundaries(psp) -> tuple[list[int], list[int]]:
 _SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
 
 
+def _is_window_layer(window, skip_freq, layer_number: int) -> bool:
+    """megatron-core's ``is_layer_window_attention`` (0.16): whether layer ``layer_number``
+    (1-based) has the sliding window: all layers, or per ``window_attn_skip_freq`` (an int
+    N: every N-th layer full attention; a list: 1 for a windowed layer)."""
+    if not window:
+        return False
+    if skip_freq is None:
+        return True
+    if isinstance(skip_freq, int):
+        return layer_number % skip_freq != 0
+    if isinstance(skip_freq, (list, tuple)):
+        return bool(skip_freq[layer_number - 1])
+    raise ValueError(f"window_attn_skip_freq={skip_freq!r}: an int or a list of 0/1 per layer")
+
+
+def _tp_group(pg_collection, model_comm_pgs):
+    for pgs in (pg_collection, model_comm_pgs):
+        if pgs is not None and getattr(pgs, "tp", None) is not None:
+            return pgs.tp
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+
+
+def _group_size(group) -> int:
+    if group is None:
+        return 1
+    return group.size() if hasattr(group, "size") else torch.distributed.get_world_size(group)
+
+
 def _dropout_rng(dropout_p: float, config):
     """Where ``DotProductAttention`` draws its attention dropout: inside the RNG tracker's
     ``fork`` (the model-parallel stream) unless sequence parallelism is on."""
@@ -94,8 +126,8 @@ class StarTrailCoreAttention(MegatronModule):
 
     Accepts the constructor arguments of megatron-core 0.13-0.16
     (``pg_collection`` or ``model_comm_pgs``). Raises ``NotImplementedError``
-    at build time for what it does not support yet: masks other than causal / no mask, cross attention, sliding windows,
-    non-vanilla softmax, ``qk_clip`` / ``log_max_attention_logit`` (no
+    at build time for what it does not support yet: masks other than causal / no mask,
+    cross attention, ``qk_clip`` / ``log_max_attention_logit`` (no
     ``current_max_attn_logits``), ``hybrid_context_parallel``; and at call time
     for bias and for packed sequences other than self-attention in ``thd``
     format. Packed sequences (``PackedSeqParams``, ``qkv_format="thd"``): q, k, v
@@ -104,7 +136,11 @@ class StarTrailCoreAttention(MegatronModule):
     output is ``[t, np*hn]``. Attention dropout (``attention_dropout``, in training mode
     only) runs inside every kernel call (``startrail_attention(dropout_p=)``), drawn
     inside Megatron's RNG tracker ``fork`` unless sequence parallelism is on, exactly where
-    ``DotProductAttention`` draws its dropout.
+    ``DotProductAttention`` draws its dropout. Sliding windows: ``config.window_size`` on
+    the layers ``window_attn_skip_freq`` selects (Megatron's ``is_layer_window_attention``)
+    reach ``startrail_attention(window=)``. ``softmax_type`` ``"off-by-one"`` (a zero sink
+    logit per head) and ``"learnable"`` (the ``softmax_offset`` parameter, initialised and
+    checkpointed as ``DotProductAttention`` does) are attention sinks (``sinks=``).
     """
 
     def __init__(
@@ -129,12 +165,28 @@ class StarTrailCoreAttention(MegatronModule):
             )
         if attention_type != "self":
             raise NotImplementedError("StarTrail attention supports self-attention only")
-        if getattr(config, "window_size", None) is not None:
-            raise NotImplementedError("StarTrail attention does not support sliding windows yet")
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        window = getattr(config, "window_size", None)
+        freq = getattr(config, "window_attn_skip_freq", None)
+        self.window = tuple(window) if _is_window_layer(window, freq, layer_number) else None
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type not in ("vanilla", "off-by-one", "learnable"):
             raise NotImplementedError(
-                f"StarTrail attention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
+                f"StarTrail attention supports softmax_type vanilla, off-by-one or learnable, "
+                f"got {softmax_type!r}"
             )
+        self.softmax_type = softmax_type
+        self.tp_group = _tp_group(pg_collection, model_comm_pgs)
+        heads = config.num_attention_heads // _group_size(self.tp_group)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self.softmax_offset = None
+        if softmax_type == "off-by-one":  # a fixed sink logit of 0 per head
+            self.register_buffer("_zero_sinks", torch.zeros(heads, device=device), persistent=False)
+        elif softmax_type == "learnable":  # as DotProductAttention: same name and init
+            self.softmax_offset = torch.nn.Parameter(
+                torch.empty(heads, device=device, dtype=config.params_dtype)
+            )
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
         for name, why in REFUSED_FLAGS.items():  # the flags argument validation refuses
             if getattr(config, name, False):
                 raise NotImplementedError(
@@ -150,6 +202,27 @@ class StarTrailCoreAttention(MegatronModule):
         self.softmax_scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
         self.cp_group = cp_group_from(pg_collection, model_comm_pgs)
         get_startrail_state(self.cp_group)  # fail at build time when the groups are missing
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The learnable sink logits (``softmax_offset``, split over TP ranks along the
+        heads), as ``DotProductAttention`` checkpoints them; nothing otherwise."""
+        if self.softmax_offset is None:
+            return {}
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        params = inspect.signature(make_sharded_tensors_for_checkpoint).parameters
+        kw = {}
+        if "tp_group" in params:
+            kw["tp_group"] = self.tp_group
+        if "dp_cp_group" in params:
+            kw["dp_cp_group"] = (metadata or {}).get("dp_cp_group")
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {"softmax_offset": 0},
+            sharded_offsets,
+            **kw,
+        )
 
     @property
     def state(self):
@@ -185,6 +258,11 @@ class StarTrailCoreAttention(MegatronModule):
         state.local_lengths.add(query.shape[0])
         state.calls_by_length[query.shape[0]] += 1
         dropout_p = self.attention_dropout_p if self.training else 0.0
+        sinks = None
+        if self.softmax_type == "learnable":
+            sinks = self.softmax_offset
+        elif self.softmax_type == "off-by-one":
+            sinks = self._zero_sinks
         with _dropout_rng(dropout_p, self.config):
             out = startrail_attention(
                 query,
@@ -198,6 +276,8 @@ class StarTrailCoreAttention(MegatronModule):
                 cu_seqlens=cu,
                 cu_seqlens_padded=cu_padded,
                 dropout_p=dropout_p,
+                window=self.window,
+                sinks=None if sinks is None else sinks.to(query.device),
             )
         if dropout_p:
             state.dropout_calls += 1

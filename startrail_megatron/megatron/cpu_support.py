@@ -90,6 +90,14 @@ def _cpu_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+def _cpu_sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+    """megatron-core's ``get_sliding_window_causal_mask`` (True = masked) on the CPU."""
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+    ml = torch.tril(mu, diagonal=skv - sq + window_size[1])
+    return ~ml
+
+
 def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     from ..zigzag import zigzag_shard
 
@@ -165,6 +173,8 @@ def _apply_patches() -> None:
     _patch(torch.cuda, "synchronize", lambda device=None: None)  # checkpoint writer; no device
     for mod in (tutils, fused_softmax):
         _patch(mod, "get_default_causal_mask", _cpu_causal_mask)
+        if hasattr(mod, "get_sliding_window_causal_mask"):
+            _patch(mod, "get_sliding_window_causal_mask", _cpu_sliding_window_causal_mask)
     for mod in (rope_utils, rotary):
         _patch(mod, "get_pos_emb_on_this_cp_rank", _cpu_pos_emb_on_this_cp_rank)
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", _CpuRNGTracker())

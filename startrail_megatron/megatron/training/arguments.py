@@ -44,6 +44,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument(
+        "--window-size",
+        type=_window_size,
+        default=None,
+        help="sliding window (left,right) as Megatron-LM takes it, e.g. 255,0 (-1: unbounded)",
+    )
+    g.add_argument(
+        "--window-attn-skip-freq",
+        type=_layer_pattern,
+        default=None,
+        help="N: every N-th layer full attention; or a list expression of 1 (window) / 0 per "
+        "layer, e.g. '([1]*3+[0])*2' (Megatron-LM's)",
+    )
+    g.add_argument(
+        "--softmax-type",
+        choices=["vanilla", "off-by-one", "learnable"],
+        default="vanilla",
+        help="attention sinks: off-by-one (a zero logit) or learnable (one per head)",
+    )
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--bf16", action="store_true")
@@ -177,3 +196,48 @@ def validate_args(args: argparse.Namespace) -> None:
             f"--global-batch-size {args.global_batch_size} must be a multiple of "
             f"--micro-batch-size x data-parallel size = {per_step}"
         )
+
+
+def _window_size(x: str) -> tuple[int, int]:
+    """Megatron-LM's ``--window-size`` (``tuple_type``): "255,0" or "(255,0)"."""
+    try:
+        out = tuple(int(i) for i in x.strip("()").split(","))
+    except ValueError:
+        out = ()
+    if len(out) != 2 or min(out) < -1:
+        raise argparse.ArgumentTypeError(
+            f"{x!r}: give left,right as integers >= -1 (-1: unbounded), e.g. 255,0"
+        )
+    return out
+
+
+def _layer_pattern(x: str):
+    """Megatron-LM's ``--window-attn-skip-freq`` (``moe_freq_type``): an int, or a list
+    expression of 0/1 such as "([1]*3+[0])*2" (only lists, ints, + and * are allowed)."""
+    x = x.strip()
+    if "[" not in x:
+        try:
+            return int(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{x!r}: an integer or a list expression") from None
+    import ast
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.List):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = ev(node.left), ev(node.right)
+            return a + b if isinstance(node.op, ast.Add) else a * b
+        raise ValueError(ast.dump(node))
+
+    try:
+        out = ev(ast.parse(x, mode="eval"))
+    except (SyntaxError, ValueError):
+        out = None
+    if not isinstance(out, list) or any(v not in (0, 1) for v in out):
+        raise argparse.ArgumentTypeError(f"{x!r}: a list expression of 0 and 1, one per layer")
+    return out
