@@ -647,9 +647,10 @@ def _hf_call(monkeypatch, **kwargs):
     calls = []
 
     def fake(
-        q, k, v, groups, causal, softmax_scale, ledger, cu_seqlens, cu_seqlens_padded, dropout_p
-    ):
-        calls.append({"causal": causal, "softmax_scale": softmax_scale})
+        q, k, v, groups, causal, softmax_scale, ledger, cu_seqlens, cu_seqlens_padded, dropout_p,
+        **extra,
+    ):  # fmt: skip
+        calls.append({"causal": causal, "softmax_scale": softmax_scale, **extra})
         if dropout_p:
             calls[-1]["dropout_p"] = dropout_p
         return q
@@ -675,10 +676,6 @@ def _hf_call(monkeypatch, **kwargs):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"sliding_window": 31}, r"sliding_window=31"),  # Mistral, Qwen2, Gemma2
-        ({"softcap": 50.0}, r"softcap=50\.0"),  # Gemma2
-        ({"s_aux": torch.zeros(4)}, r"s_aux"),  # GPT-OSS sinks
-        ({"sinks": torch.zeros(4)}, r"sinks"),
         ({"position_bias": torch.zeros(1)}, r"position_bias"),
         ({"cu_seq_lens_q": torch.tensor([0, 5, 32])}, r"cu_seq_lens_q.*packed sequences"),
     ],
@@ -686,6 +683,13 @@ def _hf_call(monkeypatch, **kwargs):
 def test_hf_attention_refuses_unsupported_arguments(monkeypatch, kwargs, match):
     with pytest.raises(NotImplementedError, match=match):
         _hf_call(monkeypatch, **kwargs)
+
+
+def test_hf_attention_refuses_bad_windows_and_double_sinks(monkeypatch):
+    with pytest.raises(ValueError, match="sliding_window=0 must be an integer >= 1"):
+        _hf_call(monkeypatch, sliding_window=0)
+    with pytest.raises(ValueError, match="give attention sinks once"):
+        _hf_call(monkeypatch, s_aux=torch.zeros(4), sinks=torch.zeros(4))
 
 
 def test_hf_attention_accepts_unset_arguments(monkeypatch):
@@ -696,8 +700,12 @@ def test_hf_attention_accepts_unset_arguments(monkeypatch):
     assert _hf_call(monkeypatch, dropout=0.1) == [
         {"causal": True, "softmax_scale": None, "dropout_p": 0.1}
     ]
-    # a window covering the whole global sequence masks nothing (transformers' FA skips it too)
-    assert _hf_call(monkeypatch, sliding_window=32) == [{"causal": True, "softmax_scale": None}]
+    # sliding windows, soft-capping and sinks go to StarTrail (a window of the last W keys)
+    sinks = torch.zeros(4)
+    got = _hf_call(monkeypatch, sliding_window=31, softcap=50.0, s_aux=sinks)
+    assert got == [
+        {"causal": True, "softmax_scale": None, "window": (30, 0), "softcap": 50.0, "sinks": sinks}
+    ]
 
 
 # ---- attention dropout (issue 14) ----------------------------------------------------------

@@ -9,9 +9,10 @@
    ``([b, s, hq, d], weights)``; we transpose to and from our
    ``[s, b, h, d]``. transformers builds no mask for an implementation it does
    not know, so none is materialised: causality comes from StarTrail.
-   ``softcap``, attention sinks (``s_aux``/``sinks``), ``position_bias`` and a
-   ``sliding_window`` shorter than the global sequence are refused
-   (``NotImplementedError``); ``scaling`` is the softmax scale; ``dropout`` (the
+   ``sliding_window`` (causal models: Mistral, Qwen2, Gemma 2/3, GPT-OSS; a window of
+   the last W keys), ``softcap`` (Gemma 2) and attention sinks (``s_aux``/``sinks``,
+   GPT-OSS) go to StarTrail's ``window``/``softcap``/``sinks``; ``position_bias`` is
+   refused (``NotImplementedError``); ``scaling`` is the softmax scale; ``dropout`` (the
    config's ``attention_dropout`` in training, 0 in evaluation, as transformers
    passes it) is StarTrail's attention dropout, drawn from the default generator as
    transformers' eager attention draws its own.
@@ -96,6 +97,7 @@ def startrail_hf_attention(
     groups = handle.mpu.startrail
     _check_unsupported(query.shape[2] * groups.cp_size, kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    extra = _window_and_sinks(bool(causal), kwargs)
     handle.local_lengths.add(query.shape[2])
     packed = handle.packed
     out = startrail_attention(
@@ -109,6 +111,7 @@ def startrail_hf_attention(
         cu_seqlens=packed.cu_seqlens if packed is not None else None,
         cu_seqlens_padded=packed.cu_seqlens_padded if packed is not None else None,
         dropout_p=float(dropout or 0.0),
+        **extra,
     )  # [s, b, hq, d]
     if dropout:
         handle.dropout_calls += 1
@@ -118,9 +121,6 @@ def startrail_hf_attention(
 # Arguments transformers' attention functions take beyond plain (causal) softmax attention;
 # models pass them unset as None (e.g. Mistral's sliding_window when the config has none).
 _UNSUPPORTED = {
-    "softcap": "logit soft-capping (Gemma2)",
-    "s_aux": "attention sinks (GPT-OSS)",
-    "sinks": "attention sinks",
     "position_bias": "an additive position bias",
     # flash-attn varlen metadata of packed batches (DataCollatorWithFlattening)
     "cu_seq_lens_q": "packed sequences (varlen cu_seqlens)",
@@ -128,16 +128,33 @@ _UNSUPPORTED = {
 }
 
 
+def _window_and_sinks(causal: bool, kwargs: dict) -> dict:
+    """transformers' ``sliding_window`` (W: the last W keys including the query's own, as
+    ``masking_utils.sliding_window_causal_mask_function`` builds it: ``(W - 1, 0)``),
+    ``softcap`` (Gemma 2) and ``s_aux`` / ``sinks`` (GPT-OSS) as ``startrail_attention``
+    arguments."""
+    out: dict = {}
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"sliding_window={window!r} must be an integer >= 1 or None")
+        if not causal:  # transformers' bidirectional windows differ by path (W or W - 1)
+            raise NotImplementedError(
+                f"sliding_window={window} on a non-causal model is not supported by StarTrail"
+            )
+        out["window"] = (window - 1, 0)
+    if kwargs.get("softcap") is not None:
+        out["softcap"] = float(kwargs["softcap"])
+    sinks = [kwargs.get(n) for n in ("s_aux", "sinks") if kwargs.get(n) is not None]
+    if len(sinks) > 1:
+        raise ValueError("give attention sinks once (s_aux or sinks)")
+    if sinks:
+        out["sinks"] = sinks[0]
+    return out
+
+
 def _check_unsupported(seq_len: int, kwargs: dict) -> None:
     """Refuse what StarTrail would otherwise silently compute as plain attention."""
-    window = kwargs.get("sliding_window")
-    # A window covering the global sequence masks nothing (transformers' flash path skips it).
-    if window is not None and window < seq_len:
-        raise NotImplementedError(
-            f"sliding_window={window} (Mistral, Qwen2, Gemma2 ...) is not supported by StarTrail "
-            f"at global sequence length {seq_len}: only a window >= the sequence length (or "
-            "config.sliding_window=None / use_sliding_window=False) gives the same attention"
-        )
     for name, what in _UNSUPPORTED.items():
         value = kwargs.get(name)
         if value is not None:
