@@ -44,6 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from .block_plan import (
     VarlenCall,
+    normalize_window,
     packed_team_order,
     startrail_step_rows,
     startrail_step_varlen,
@@ -66,7 +67,6 @@ from .validation import (
     check_dropout,
     check_sinks,
     check_softcap,
-    normalize_window,
     packed_layout,
     validate_inputs,
 )
@@ -208,7 +208,7 @@ class RankContext:
     ``dropout_p``: attention dropout; the forward keeps one ``Dropout`` record per
     kernel call (its RNG state), which the backward hands the same call again.
     ``window``: a normalized sliding window ``(left, right)`` (``None`` sides unbounded;
-    ``validation.normalize_window``), ``softcap``: logit soft-capping (0: off).
+    ``block_plan.normalize_window``), ``softcap``: logit soft-capping (0: off).
     """
 
     def __init__(

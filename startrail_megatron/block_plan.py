@@ -264,6 +264,27 @@ def _band_call(qa, nq, ka, nk, lo, hi) -> WindowCall | None:
     )
 
 
+def normalize_window(window, seq_len: int, causal: bool) -> tuple[int | None, int | None] | None:
+    """A sliding window ``(left, right)`` (Megatron / flash-attn: ``-1`` unbounded) as
+    ``(left, right)`` with ``None`` for sides that mask nothing at ``seq_len`` tokens (the
+    right side under the causal mask too), or ``None`` when it masks nothing at all.
+    ``ValueError`` naming ``window`` for anything but a pair of integers >= -1."""
+    if window is None:
+        return None
+    ok = isinstance(window, (tuple, list)) and len(window) == 2
+    if ok:
+        ok = all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window)
+    if not ok:
+        raise ValueError(
+            f"window={window!r} must be a pair (left, right) of integers >= -1 (-1: unbounded; "
+            "(-1, 0) is causal, (W - 1, 0) a causal window of W tokens)"
+        )
+    left, right = (None if x == -1 or x >= seq_len - 1 else x for x in window)
+    if causal:
+        right = None  # the causal mask already stops at the diagonal (right >= 0)
+    return None if left is None and right is None else (left, right)
+
+
 @lru_cache(maxsize=512)
 def startrail_step_window_rows(
     layout: StarTrailLayout,

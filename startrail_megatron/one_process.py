@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .attention import RankContext, startrail_rank_backward, startrail_rank_forward
+from .block_plan import normalize_window
 from .comm import CommLedger
 from .comm.in_process import Baton, InProcessP2P, InProcessTeam, InProcessWorld
 from .groups import StarTrailGroups
@@ -38,7 +39,6 @@ from .layout import Placement, StarTrailLayout
 from .validation import (
     check_dropout,
     check_softcap,
-    normalize_window,
     packed_layout,
     validate_inputs,
 )

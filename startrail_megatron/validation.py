@@ -71,27 +71,6 @@ def check_dropout(dropout_p) -> float:
     return float(dropout_p)
 
 
-def normalize_window(window, seq_len: int, causal: bool) -> tuple[int | None, int | None] | None:
-    """A sliding window ``(left, right)`` (Megatron / flash-attn: ``-1`` unbounded) as
-    ``(left, right)`` with ``None`` for sides that mask nothing at ``seq_len`` tokens (the
-    right side under the causal mask too), or ``None`` when it masks nothing at all.
-    ``ValueError`` naming ``window`` for anything but a pair of integers >= -1."""
-    if window is None:
-        return None
-    ok = isinstance(window, (tuple, list)) and len(window) == 2
-    if ok:
-        ok = all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window)
-    if not ok:
-        raise ValueError(
-            f"window={window!r} must be a pair (left, right) of integers >= -1 (-1: unbounded; "
-            "(-1, 0) is causal, (W - 1, 0) a causal window of W tokens)"
-        )
-    left, right = (None if x == -1 or x >= seq_len - 1 else x for x in window)
-    if causal:
-        right = None  # the causal mask already stops at the diagonal (right >= 0)
-    return None if left is None and right is None else (left, right)
-
-
 def check_softcap(softcap) -> float:
     """Logit soft-capping as a float (0: off); ``ValueError`` naming ``softcap``."""
     if softcap is None:

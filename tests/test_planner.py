@@ -728,3 +728,41 @@ def test_packed_balance_script():
     for r in rows:
         assert 1.0 <= float(r[3]) < 1.1  # max/mean kernel work: balanced
         assert int(r[6]) < int(r[5])  # grouped varlen calls: fewer than per document
+
+
+def test_cost_model_counts_the_window_pairs():
+    """AttnShape(window=): StarTrail's compute is the band pairs of the windowed calls (the
+    window's pairs exactly), its bytes unchanged; a window that masks nothing changes
+    nothing; the script prints the table of docs/performance.md section 9."""
+    import subprocess
+    import sys
+
+    from startrail_megatron.planner.compute import startrail_work
+
+    p, s_local = 8, 512
+    n = p * s_local
+    lay = st.StarTrailLayout(p, 1)
+    for w in (n // 16, n // 4):
+        work = startrail_work(lay, True, s_local, None, False, (w - 1, None))
+        pairs = sum(x[0][0] + x[0][1] for row in work for x in row)
+        assert pairs == sum(min(i + 1, w) for i in range(n))
+    h100 = CLUSTER_PRESETS["h100-ib"]
+    dense = AttnShape(p, s_local, 1, 32, 8, 128)
+    for c in (1, 2):
+        full = predict(Strategy("startrail", c), h100, dense)
+        win = predict(Strategy("startrail", c), h100, AttnShape(p, s_local, 1, 32, 8, 128,
+                                                                window=(n // 16 - 1, 0)))  # fmt: skip
+        same = predict(Strategy("startrail", c), h100, AttnShape(p, s_local, 1, 32, 8, 128,
+                                                                 window=(-1, 0)))  # fmt: skip
+        assert win.attn_s < full.attn_s and win.p2p_bytes == full.p2p_bytes
+        assert same == full
+    out = subprocess.run(
+        [sys.executable, "scripts/window_cost.py", "--seq", "4096", "--cp-size", "4"],
+        capture_output=True, text=True, timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [ln.split() for ln in out.stdout.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["4096"] * 2 + ["1024"] * 2 + ["256"] * 2
+    for r in rows[2:]:
+        assert float(r[4]) < 1.0  # fewer pairs than full causal

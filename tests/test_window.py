@@ -21,11 +21,11 @@ import startrail_megatron as st
 from startrail_megatron.block_plan import (
     _buffer_chunks,
     band_pairs,
+    normalize_window,
     startrail_step_rows,
     startrail_step_window_rows,
 )
 from startrail_megatron.one_process import one_process_attention
-from startrail_megatron.validation import normalize_window
 
 HQ, HKV, D = 4, 2, 8
 

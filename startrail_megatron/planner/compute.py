@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..block_plan import allgather_calls, startrail_step_rows, startrail_step_varlen
+from ..block_plan import (
+    allgather_calls,
+    band_pairs,
+    startrail_step_rows,
+    startrail_step_varlen,
+    startrail_step_window_rows,
+)
 from ..layout import StarTrailLayout
 from ..packing import PackedLayout
 from .cluster import ClusterSpec
@@ -30,16 +36,35 @@ __all__ = [
 ]
 
 
-CallShape = tuple[int, int, bool]
-"""One kernel call in tokens: (q rows, kv rows, causal)."""
+CallShape = tuple
+"""One kernel call in tokens: (q rows, kv rows, causal), or (q rows, kv rows, False,
+pairs) for a windowed call whose band holds ``pairs`` of its q x kv pairs."""
 
 
 @lru_cache(maxsize=256)
 def startrail_call_shapes(
-    lay: StarTrailLayout, causal: bool, s_local: int, packed: PackedLayout | None = None
+    lay: StarTrailLayout,
+    causal: bool,
+    s_local: int,
+    packed: PackedLayout | None = None,
+    window: tuple[int | None, int | None] | None = None,
 ) -> tuple[tuple[tuple[CallShape, ...], ...], ...]:
     """[step][rank] -> the calls the attention makes (``block_plan.startrail_step_rows``,
-    dense or per packed document), in tokens."""
+    dense or per packed document; under a normalized ``window`` the banded calls of
+    ``startrail_step_window_rows`` with their pairs), in tokens."""
+    if window is not None:
+        return tuple(
+            tuple(
+                tuple(
+                    (b - a, d - c, False, band_pairs(b - a, d - c, lo, hi))
+                    for a, b, c, d, lo, hi in startrail_step_window_rows(
+                        lay, r, step, causal, s_local, window
+                    )
+                )
+                for r in range(lay.cp_size)
+            )
+            for step in range(lay.ring_size)
+        )
     return tuple(
         tuple(
             tuple(
@@ -61,11 +86,12 @@ def allgather_call_shapes(rank: int, shape: AttnShape) -> tuple[CallShape, ...]:
 
 
 def call_work(shapes: tuple[CallShape, ...]) -> tuple:
-    """((full pairs, causal pairs, causal rows) per (batch, head), calls, ``shapes``)."""
-    full = sum(nq * nk for nq, nk, cz in shapes if not cz)
-    diag = sum(nq * (nq + 1) // 2 for nq, nk, cz in shapes if cz)
-    rows = sum(nq for nq, nk, cz in shapes if cz)
-    return (full, diag, rows), len(shapes), shapes
+    """((full pairs, causal pairs, causal rows) per (batch, head), calls, ``shapes``); a
+    windowed call counts the pairs in its band (a kernel skips the tiles outside it)."""
+    full = sum(sh[3] if len(sh) > 3 else sh[0] * sh[1] for sh in shapes if not sh[2])
+    diag = sum(sh[0] * (sh[0] + 1) // 2 for sh in shapes if sh[2])
+    rows = sum(sh[0] for sh in shapes if sh[2])
+    return (full, diag, rows), len(shapes), tuple(sh[:3] for sh in shapes)
 
 
 @lru_cache(maxsize=256)
@@ -75,11 +101,13 @@ def startrail_work(
     s_local: int,
     packed: PackedLayout | None = None,
     varlen: bool = False,
+    window: tuple[int | None, int | None] | None = None,
 ) -> tuple:
     """[step][rank] -> ``call_work`` of that rank's calls at that step. ``varlen``: packed
     documents on a variable-length kernel, whose calls are the grouped ones
-    (``block_plan.startrail_step_varlen``: the same pairs in fewer calls)."""
-    steps = startrail_call_shapes(lay, causal, s_local, packed)
+    (``block_plan.startrail_step_varlen``: the same pairs in fewer calls); ``window``: a
+    normalized sliding window (``AttnShape.band``)."""
+    steps = startrail_call_shapes(lay, causal, s_local, packed, window)
     out = []
     for step, row in enumerate(steps):
         works = []

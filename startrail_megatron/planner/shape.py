@@ -30,6 +30,11 @@ class AttnShape:
     """Packed documents (``packing.pack_lengths``): StarTrail's compute counts the
     per-document calls it makes; its bytes are those of the padded ``s_local``. The peers
     are charged as dense sequences (they take no document boundaries)."""
+    window: tuple[int, int] | None = None
+    """A sliding window ``(left, right)`` (``startrail_attention(window=)``): StarTrail's
+    compute counts the windowed calls (``block_plan.startrail_step_window_rows``) at the
+    pairs inside their band; its bytes are unchanged (K,V travel whole). The all-gather and
+    Ulysses peers are charged without the window."""
     varlen: bool = False
     """With ``packed``: the kernel takes all documents of one block-plan call at once
     (flash-attn's varlen functions, TE's THD format), so a step costs one call's overhead
@@ -47,6 +52,8 @@ class AttnShape:
                 f"packed is laid out for cp_size {self.packed.cp_size}, s_local "
                 f"{self.packed.s_local}; this shape has {self.cp_size}, {self.s_local}"
             )
+        if self.window is not None and self.packed is not None:
+            raise ValueError("window with packed documents is not supported")
         if self.varlen and self.packed is None:
             raise ValueError("varlen=True describes packed documents: give packed= as well")
         if self.causal and self.s_local % 2:
@@ -65,6 +72,13 @@ class AttnShape:
         return cls(
             cp_size, seq_len // cp_size, batch, model.heads, model.kv_heads, model.head_dim, **kw
         )
+
+    @property
+    def band(self) -> tuple[int | None, int | None] | None:
+        """The window normalized for this sequence (``None``: it masks nothing)."""
+        from ..block_plan import normalize_window
+
+        return normalize_window(self.window, self.seq_len, self.causal)
 
     @property
     def seq_len(self) -> int:

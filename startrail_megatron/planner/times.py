@@ -82,7 +82,7 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     team_kv = lay.team_size * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
     kv_msg = team_kv * shape.elem_bytes
     dkv_msg = team_kv * shape.acc_bytes
-    work = startrail_work(lay, shape.causal, shape.s_local, shape.packed, shape.varlen)
+    work = startrail_work(lay, shape.causal, shape.s_local, shape.packed, shape.varlen, shape.band)
     g = lay.ring_size
 
     def init_step() -> float:

@@ -1,0 +1,108 @@
+"""What StarTrail computes and sends under a sliding window, against full causal and ring.
+
+    python scripts/window_cost.py [--seq 65536] [--cp-size 16] [--heads 32] [--kv-heads 8]
+
+Pure arithmetic (no kernels run). For W = S/16, S/4 and S (a causal window of W tokens:
+``window=(W - 1, 0)``) and every team size C, from the calls the attention makes
+(``block_plan.startrail_step_window_rows``): the (query, key) pairs inside the window that
+each rank computes (what a kernel that skips tiles outside the band, flash-attn's window,
+computes), the rectangles of those calls (what the CPU reference kernel computes), the
+calls, the sub-ring steps no rank has work in, and the P2P bytes per rank of one forward
+and backward (``accounting``: K,V still travel whole under a window). Beside them: the same
+for full causal attention, and what contiguous shards with a halo exchange of the W - 1
+keys before each rank's shard would send instead. The table in docs/performance.md
+("Sliding windows") is this script's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from startrail_megatron.accounting import LocalShape, startrail_comm_bytes
+from startrail_megatron.block_plan import (
+    band_pairs,
+    startrail_step_rows,
+    startrail_step_window_rows,
+)
+from startrail_megatron.layout import StarTrailLayout, valid_team_sizes
+
+
+def work(lay: StarTrailLayout, s_local: int, window):
+    """[rank] -> (pairs, rectangle area, calls); and the steps with no call on any rank."""
+    per_rank, idle_steps = [], 0
+    busy = [False] * lay.ring_size
+    for r in range(lay.cp_size):
+        pairs = area = calls = 0
+        for step in range(lay.ring_size):
+            if window is None:
+                rows = startrail_step_rows(lay, r, step, True, s_local)
+                for a, b, c, d, cz in rows:
+                    n = b - a
+                    pairs += n * (n + 1) // 2 if cz else n * (d - c)
+                    area += n * (d - c)
+            else:
+                rows = startrail_step_window_rows(lay, r, step, True, s_local, window)
+                for a, b, c, d, lo, hi in rows:
+                    pairs += band_pairs(b - a, d - c, lo, hi)
+                    area += (b - a) * (d - c)
+            calls += len(rows)
+            busy[step] = busy[step] or bool(rows)
+        per_rank.append((pairs, area, calls))
+    idle_steps = sum(not x for x in busy)
+    return per_rank, idle_steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=65536)
+    p.add_argument("--cp-size", type=int, default=16)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    args = p.parse_args(argv)
+    P, S = args.cp_size, args.seq
+    s_local = S // P
+    shape = LocalShape(s_local, 1, args.heads, args.kv_heads, args.head_dim, 2, 4)
+    kv_token = 2 * args.kv_heads * args.head_dim  # K and V elements per token
+    print(
+        f"S = {S} tokens, P = {P} (s_local {s_local}, chunks of {s_local // 2}); bf16, "
+        f"{args.heads} q / {args.kv_heads} kv heads of {args.head_dim}; per rank, one "
+        "forward + backward; pairs per (batch, head)"
+    )
+    hdr = (
+        f"{'W':>6} {'C':>2} {'pairs/rank max':>15} {'max/mean':>8} {'vs causal':>9} "
+        f"{'rect/rank max':>14} "
+        f"{'calls':>6} {'idle steps':>10} {'P2P MiB':>8} {'vs ring':>8} {'halo MiB':>9}"
+    )
+    print(hdr)
+    causal_pairs = {}
+    for w in (S, S // 4, S // 16):
+        window = None if w >= S else (w - 1, None)
+        for c in valid_team_sizes(P):
+            lay = StarTrailLayout(P, c)
+            per_rank, idle = work(lay, s_local, window)
+            if window is None:
+                causal_pairs[c] = max(x[0] for x in per_rank)
+            byts = [startrail_comm_bytes(lay, r, shape) for r in range(P)]
+            p2p = max(b["fwd_p2p"] + b["bwd_p2p"] for b in byts)
+            ring = max(
+                b["fwd_p2p"] + b["bwd_p2p"]
+                for b in (startrail_comm_bytes(StarTrailLayout(P, 1), r, shape) for r in range(P))
+            )
+            # contiguous shards: each rank receives the W - 1 keys before its shard (K,V in
+            # bf16), and sends their dK, dV (fp32) back; none at W = S (ring's bytes then)
+            halo_tokens = min(w - 1, S - s_local) if window is not None else None
+            halo = halo_tokens * kv_token * (2 + 4) / 2**20 if halo_tokens is not None else None
+            pairs = max(x[0] for x in per_rank)
+            mean = sum(x[0] for x in per_rank) / P
+            vs = pairs / causal_pairs[c] if c in causal_pairs else float("nan")
+            print(
+                f"{w:>6} {c:>2} {pairs:>15.4g} {pairs / mean:>8.3f} {vs:>9.3f} "
+                f"{max(x[1] for x in per_rank):>14.4g} "
+                f"{max(x[2] for x in per_rank):>6} {idle:>10} {p2p / 2**20:>8.1f} "
+                f"{p2p / ring:>8.3f} {f'{halo:.1f}' if halo is not None else '-':>9}"
+            )
+
+
+if __name__ == "__main__":
+    main()
