@@ -46,6 +46,7 @@ from .block_plan import (
     VarlenCall,
     normalize_window,
     packed_team_order,
+    startrail_step_packed_window_rows,
     startrail_step_rows,
     startrail_step_varlen,
     startrail_step_window_rows,
@@ -156,7 +157,13 @@ def _drop_kw(drop: Dropout | None) -> dict:
     return {} if drop is None else {"dropout": drop}
 
 
-def _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale, drop=None) -> None:
+def _cap_kw(softcap: float) -> dict:
+    return {"softcap": softcap} if softcap else {}
+
+
+def _varlen_forward(
+    kernel, call, q_team, kv_cur, acc_out, acc_lse, scale, drop=None, softcap=0.0
+) -> None:
     """One ``VarlenCall`` of the forward: gather its rows, one kernel call, fold the
     result into the running (acc_out, acc_lse) of those rows."""
     b = q_team.shape[1]
@@ -166,6 +173,7 @@ def _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale, drop=
         _to_thd(kv_cur[:, 0], ix.kv_rows),
         _to_thd(kv_cur[:, 1], ix.kv_rows),
         ix.cu_q, ix.cu_k, ix.max_q, ix.max_k, causal=ix.causal, scale=scale, **_drop_kw(drop),
+        **_cap_kw(softcap),
     )  # fmt: skip
     hq = q_team.shape[2]
     part_out = acc_out.index_select(0, ix.q_rows)
@@ -176,8 +184,9 @@ def _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale, drop=
 
 
 def _varlen_backward(
-    kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, dq, dkv, scale, drop=None
-):
+    kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, dq, dkv, scale, drop=None,
+    softcap=0.0,
+):  # fmt: skip
     """One ``VarlenCall`` of the backward: gradients added into dq and dkv's rows."""
     b, hq = q_team.shape[1], q_team.shape[2]
     ix = _varlen_index(call, b, q_team.device)
@@ -190,6 +199,7 @@ def _varlen_backward(
         _to_thd(out_eff, ix.q_rows),
         lse,
         ix.cu_q, ix.cu_k, ix.max_q, ix.max_k, causal=ix.causal, scale=scale, **_drop_kw(drop),
+        **_cap_kw(softcap),
     )  # fmt: skip
     acc = dq.dtype
     dq.index_add_(0, ix.q_rows, _from_thd(g_q, b).to(acc))
@@ -269,15 +279,20 @@ class RankContext:
         ``startrail_step_window_rows`` (calls on globally contiguous runs, each with its
         ``band``)."""
         lay, r = self.layout, self.rank
-        if self.packed is not None and has_varlen(kernel):
-            return startrail_step_varlen(lay, r, step, self.causal, self.packed), ()
         cap = {"softcap": self.softcap} if self.softcap else {}
         if self.window is not None:
-            rows = startrail_step_window_rows(lay, r, step, self.causal, s_local, self.window)
+            if self.packed is not None:
+                rows = startrail_step_packed_window_rows(
+                    lay, r, step, self.causal, self.packed, self.window
+                )
+            else:
+                rows = startrail_step_window_rows(lay, r, step, self.causal, s_local, self.window)
             return (), [
                 (slice(a, b), slice(c, d), False, {"band": (lo, hi), **cap})
                 for a, b, c, d, lo, hi in rows
             ]
+        if self.packed is not None and has_varlen(kernel):
+            return startrail_step_varlen(lay, r, step, self.causal, self.packed), ()
         rows = startrail_step_rows(lay, r, step, self.causal, s_local, self.packed)
         return (), [(slice(a, b), slice(c, d), cz, cap) for a, b, c, d, cz in rows]
 
@@ -349,7 +364,7 @@ def startrail_rank_forward(
         varlen, rows = cx.step_calls(step, s, kernel)
         for i, call in enumerate(varlen):
             drop = cx.dropout(step, i)
-            _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale, drop)
+            _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale, drop, cx.softcap)
         for i, (qs, ks, causal, kw) in enumerate(rows):
             o, lse = kernel.forward(
                 q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], causal=causal, scale=scale,
@@ -436,7 +451,7 @@ def startrail_rank_backward(
         for i, call in enumerate(varlen):
             _varlen_backward(
                 kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, dq, dkv, scale,
-                cx.dropout(step, i),
+                cx.dropout(step, i), cx.softcap,
             )  # fmt: skip
         for i, (qs, ks, causal, kw) in enumerate(rows):
             g_q, g_k, g_v = kernel.backward(
@@ -580,10 +595,6 @@ def startrail_attention(
     packed = packed_layout(groups.cp_size, q.shape[0], cu_seqlens, cu_seqlens_padded)
     dropout_p = check_dropout(dropout_p)
     win = normalize_window(window, groups.cp_size * q.shape[0], bool(causal))
-    if win is not None and packed is not None:
-        raise NotImplementedError(
-            f"window={window} with packed documents (cu_seqlens) is not supported yet"
-        )
     cap = check_softcap(softcap)
     check_sinks(sinks, q)
     kern, scale = resolve_kernel(

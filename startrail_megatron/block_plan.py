@@ -324,6 +324,47 @@ def startrail_step_window_rows(
     return tuple(out)
 
 
+# Packed layouts change with every batch: a small cache, as for ``_packed_rows``.
+@lru_cache(maxsize=512)
+def startrail_step_packed_window_rows(
+    layout: StarTrailLayout,
+    rank: int,
+    step: int,
+    causal: bool,
+    packed: PackedLayout,
+    window: tuple[int | None, int | None],
+) -> tuple[WindowCall, ...]:
+    """``startrail_step_window_rows`` per packed document: for each document, each (query
+    chunk, key chunk) pair of the two teams' buffers (per document the team's chunks in
+    ascending order, ``packed_team_order``) with the band its offset inside the document
+    gives, clipped to the real tokens (padding ends each document) and trimmed; the
+    window counts positions inside the document."""
+    left, right = window
+    team = layout.coord(rank)[0]
+    q_chunks = layout.team_chunks(team)
+    kv_chunks = layout.team_chunks(layout.kv_team_at_step(rank, step))
+    cc = layout.team_size
+    out: list[WindowCall] = []
+    for d in range(packed.num_docs):
+        c, n = packed.chunk_len(d), packed.lengths[d]
+        base = cc * packed.local_offsets[d]  # the same in every team's buffer
+        for qi, qc in enumerate(q_chunks):
+            nq = min(max(n - qc * c, 0), c)
+            for ki, kc in enumerate(kv_chunks):
+                nk = min(max(n - kc * c, 0), c)
+                if nq == 0 or nk == 0:
+                    continue
+                off = (kc - qc) * c
+                lo = None if left is None else -left - off
+                hi = None if right is None else right - off
+                if causal:
+                    hi = -off if hi is None else min(hi, -off)
+                call = _band_call(base + qi * c, nq, base + ki * c, nk, lo, hi)
+                if call is not None:
+                    out.append(call)
+    return tuple(out)
+
+
 def band_pairs(nq: int, nk: int, lo: int | None, hi: int | None) -> int:
     """(query, key) pairs of an nq x nk call inside the band ``lo <= j - i <= hi``."""
     total = 0

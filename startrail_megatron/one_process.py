@@ -213,10 +213,6 @@ def one_process_attention(
     packed = packed_layout(p, q0.shape[0], cu_seqlens, cu_seqlens_padded)
     dropout_p = check_dropout(dropout_p)
     win = normalize_window(window, p * q0.shape[0], bool(causal))
-    if win is not None and packed is not None:
-        raise NotImplementedError(
-            f"window={window} with packed documents (cu_seqlens) is not supported yet"
-        )
     cap = check_softcap(softcap)
     kernel, scale = resolve_kernel(
         q0, kernel, softmax_scale, dropout=dropout_p > 0, window=win is not None, softcap=cap > 0

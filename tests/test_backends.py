@@ -204,7 +204,7 @@ def _ref_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, dropout_p=0.0, 
     return torch.zeros_like(lse)  # softmax_d
 
 
-def _ref_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _ref_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, softcap=0.0):
     """Real attention per sequence of THD inputs, checked like flash-attn's mha_varlen_fwd:
     -> out [t, h, d], lse [h, t] (float32; float64 for float64 inputs)."""
     for x in (q, k, v):
@@ -221,15 +221,16 @@ def _ref_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
             assert lens_q[i] == lens_k[i]
         qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
         o, lse = TorchKernel().forward(
-            q[qs].unsqueeze(1), k[ks].unsqueeze(1), v[ks].unsqueeze(1), causal=causal, scale=scale
-        )
+            q[qs].unsqueeze(1), k[ks].unsqueeze(1), v[ks].unsqueeze(1), causal=causal, scale=scale,
+            **({"softcap": softcap} if softcap else {}),
+        )  # fmt: skip
         outs.append(o[:, 0])
         lses.append(lse[0])
     lse = torch.cat(lses, dim=1)
     return torch.cat(outs), lse.float() if q.dtype != torch.float64 else lse
 
 
-def _ref_varlen_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, causal, scale):
+def _ref_varlen_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, causal, scale, softcap=0.0):
     """Fills dq, dk, dv (THD, written in place as flash-attn does) from lse [h, t]."""
     for x in (dout, q, k, v, out, dq, dk, dv):
         assert x.dim() == 3 and x.stride(-1) == 1
@@ -242,6 +243,7 @@ def _ref_varlen_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, causal, sca
             lse[:, qs].unsqueeze(0),
             causal=causal,
             scale=scale,
+            **({"softcap": softcap} if softcap else {}),
         )
         for buf, sl, val in zip((dq, dk, dv), (qs, ks, ks), g):
             buf[sl] = val[:, 0]
@@ -310,19 +312,19 @@ def _v26():
                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                    return_softmax=False, block_table=None, leftpad_k=None,
                                    seqused_k=None):  # fmt: skip
-        assert softcap == 0.0 and tuple(window_size) == (-1, -1) and block_table is None
+        assert tuple(window_size) == (-1, -1) and block_table is None
         assert leftpad_k is None and seqused_k is None and return_softmax is False
         out, lse = _ref_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                   max_seqlen_k, causal, softmax_scale)  # fmt: skip
+                                   max_seqlen_k, causal, softmax_scale, softcap)  # fmt: skip
         return out, q, k, v, out, lse, None, torch.zeros(2, dtype=torch.int64)
 
     def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                     softmax_scale, causal, window_size, softcap, alibi_slopes,
                                     deterministic, rng_state=None):  # fmt: skip
-        assert softcap == 0.0 and dropout_p == 0.0
+        assert dropout_p == 0.0
         d = _ref_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
-                            cu_seqlens_k, causal, softmax_scale)  # fmt: skip
+                            cu_seqlens_k, causal, softmax_scale, softcap)  # fmt: skip
         return dq, dk, dv, d
 
     return types.SimpleNamespace(
@@ -362,10 +364,10 @@ def _vfwd27(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: tor
             block_table: torch.Tensor | None = None, leftpad_k: torch.Tensor | None = None,
             seqused_k: torch.Tensor | None = None, zero_tensors: bool = False,
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    assert (window_size_left, window_size_right) == (-1, -1) and softcap == 0.0
+    assert (window_size_left, window_size_right) == (-1, -1)
     assert block_table is None and leftpad_k is None and seqused_k is None and not zero_tensors
     out, lse = _ref_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               causal, softmax_scale)  # fmt: skip
+                               causal, softmax_scale, softcap)  # fmt: skip
     return out, lse, torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
 
 
@@ -378,7 +380,7 @@ def _vbwd27(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             rng_state: torch.Tensor | None = None,
             zero_tensors: bool = False) -> torch.Tensor:  # fmt: skip
     return _ref_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
-                           cu_seqlens_k, causal, softmax_scale)  # fmt: skip
+                           cu_seqlens_k, causal, softmax_scale, softcap)  # fmt: skip
 
 
 def _v27_plain():  # flash-attn 2.7+ under torch < 2.4: plain functions

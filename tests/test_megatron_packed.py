@@ -168,6 +168,18 @@ def test_entry_point_trains_packed_documents_alike_at_every_cp_size():
             assert sent > 0 and all(n % 2 == 0 for n in lengths)  # StarTrail's packed layout
 
 
+def test_entry_point_trains_packed_documents_with_a_window():
+    """--window-size over packed documents (the window counts positions inside each
+    document): CP = 4, C = 2 trains like CP = 1, and unlike packed training without it."""
+    win = ["--window-size", "7,0"]
+    ref = run_ranks(1, _train_packed, TRAIN + PACKED_FLAGS + win + _st(1, 1))[0][0]
+    plain = run_ranks(1, _train_packed, TRAIN + PACKED_FLAGS + _st(1, 1))[0][0]
+    assert max(abs(a - b) / b for a, b in zip(plain, ref)) > 20 * TOL
+    for losses, _, _, _ in run_ranks(4, _train_packed, TRAIN + PACKED_FLAGS + win + _st(4, 2)):
+        for a, b in zip(losses, ref):
+            assert abs(a - b) <= TOL * abs(b), (losses, ref)
+
+
 def test_reset_attention_mask_is_refused_without_startrail(capsys):
     with pytest.raises(SystemExit):
         T.parse_args(TRAIN + ["--reset-attention-mask"])

@@ -22,10 +22,12 @@ from startrail_megatron.block_plan import (
     _buffer_chunks,
     band_pairs,
     normalize_window,
+    startrail_step_packed_window_rows,
     startrail_step_rows,
     startrail_step_window_rows,
 )
 from startrail_megatron.one_process import one_process_attention
+from startrail_megatron.packing import pack_lengths
 
 HQ, HKV, D = 4, 2, 8
 
@@ -281,7 +283,6 @@ def _refusals(rank, world):
     for name, kw in {
         "sdpa": {"kernel": "sdpa", "window": (3, 0)},
         "sdpa_cap": {"kernel": "sdpa", "softcap": 5.0},
-        "packed": {"window": (3, 0), "cu_seqlens": [0, 16, 32]},
     }.items():
         try:
             st.startrail_attention(x, kv, kv, groups, ledger=ledger, **kw)
@@ -307,7 +308,6 @@ def test_bad_window_softcap_sinks_are_refused_before_any_transfer():
         assert "sinks must be a [heads_q] = [4] tensor, got list" in msgs["sinks_type"]
         assert "'sdpa' cannot run these inputs: does not run sliding windows" in msgs["sdpa"]
         assert "does not run logit soft-capping" in msgs["sdpa_cap"]
-        assert "with packed documents (cu_seqlens) is not supported yet" in msgs["packed"]
         assert msgs["ranks"] is not None and "disagree on window left" in msgs["ranks"]
         assert sent == 0
 
@@ -355,3 +355,137 @@ def test_flash_window_sizes_from_bands():
     assert _window(3, 5, (-1, 4)) == (3, 2)
     with pytest.raises(ValueError, match="not a flash-attn window"):
         _window(4, 10, (None, 2))  # keys no query sees: trimmed away by the plan
+
+
+# ---- packed documents ------------------------------------------------------------------------
+def _packed_coverage(p, c, placement, causal, lengths, window):
+    lay = st.StarTrailLayout(p, c, placement)
+    packed = pack_lengths(lengths, p)
+
+    def pos(team):  # (document, position) of each team-buffer row; None for padding
+        rows = []
+        for d in range(packed.num_docs):
+            cd, n = packed.chunk_len(d), packed.lengths[d]
+            for j in lay.team_chunks(team):
+                rows += [(d, j * cd + i) if j * cd + i < n else None for i in range(cd)]
+        return rows
+
+    seen: dict = {}
+    for r in range(p):
+        team = lay.coord(r)[0]
+        for step in range(lay.ring_size):
+            qp, kp = pos(team), pos(lay.kv_team_at_step(r, step))
+            for ql, qh, kl, kh, lo, hi in startrail_step_packed_window_rows(
+                lay, r, step, causal, packed, window
+            ):
+                for i in range(qh - ql):
+                    for j in range(kh - kl):
+                        if (lo is None or j - i >= lo) and (hi is None or j - i <= hi):
+                            a, b = qp[ql + i], kp[kl + j]
+                            assert a is not None and b is not None and a[0] == b[0]
+                            seen[a, b] = seen.get((a, b), 0) + 1
+    left, right = window
+    want = {
+        ((d, i), (d, j))
+        for d, n in enumerate(lengths)
+        for i in range(n)
+        for j in range(n)
+        if (not causal or j <= i)
+        and (left is None or j >= i - left)
+        and (right is None or j <= i + right)
+    }
+    return seen, want
+
+
+@pytest.mark.parametrize("p, c", [(4, 1), (4, 2), (8, 2), (9, 3)])
+@pytest.mark.parametrize("placement", ["team", "ring"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_window_plan_covers_each_document_once(p, c, placement, causal):
+    for lengths in ([17, 0, 31, 1, 11], [40], [3, 3, 3]):
+        for window in ((0, None), (2, None), (5, 1), (12, 3), (None, 2)):
+            if causal:
+                window = (window[0], None)
+            if window == (None, None):
+                continue
+            seen, want = _packed_coverage(p, c, placement, causal, lengths, window)
+            assert set(seen) == want and set(seen.values()) <= {1}, (lengths, window)
+
+
+def _per_document(lengths, causal, q, k, v, do, window, cap, sinks=None):
+    parts = [[] for _ in range(5)]
+    at = 0
+    for n in lengths:
+        if n:
+            sl = slice(at, at + n)
+            for i, x in enumerate(reference(q[sl], k[sl], v[sl], do[sl], causal, window, cap,
+                                            sinks)):  # fmt: skip
+                parts[i].append(x)
+        at += n
+    out = [torch.cat(x) for x in parts[:4]]
+    return out + ([sum(parts[4])] if sinks is not None else [])
+
+
+@pytest.mark.parametrize("p, c, placement", [(4, 2, "team"), (8, 2, "ring"), (16, 4, "team")])
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_window_and_softcap_match_fp64_per_document(p, c, placement, causal):
+    lengths = [17, 0, 31, 1, 11, 64, 7]
+    packed = pack_lengths(lengths, p)
+    for window, cap in (((3, 0), 2.0), ((12, 0), None), ((5, 2), 3.0)):
+        q, k, v, do = _inputs(sum(lengths), seed=2)
+        leaves = [[st.shard_packed(x, packed, r).requires_grad_() for r in range(p)]
+                  for x in (q, k, v)]  # fmt: skip
+        outs = one_process_attention(
+            *leaves, c, placement=placement, causal=causal, kernel="torch", window=window,
+            softcap=cap, cu_seqlens=packed.cu_seqlens, cu_seqlens_padded=packed.cu_seqlens_padded,
+        )  # fmt: skip
+        torch.autograd.backward(outs, [st.shard_packed(do, packed, r) for r in range(p)])
+        want = _per_document(lengths, causal, q, k, v, do, window, cap or 0.0)
+        got = [outs, *([x.grad for x in xs] for xs in leaves)]
+        for i in range(4):
+            full = st.unshard_packed([t.detach() for t in got[i]], packed)
+            assert _close(full, want[i]), (window, cap, i)
+
+
+def _packed_case(rank, world, kernel, window, cap):
+    from test_backends import FLASH_VERSIONS
+
+    from startrail_megatron import kernels as kn
+
+    lengths = [17, 0, 31, 1, 11, 64, 7]
+    packed = pack_lengths(lengths, world)
+    q, k, v, do = _inputs(sum(lengths), seed=4)
+    sinks = torch.linspace(-1.0, 1.5, HQ, dtype=torch.float64).requires_grad_()
+    leaves = [st.shard_packed(x, packed, rank).requires_grad_() for x in (q, k, v)]
+    ker = "torch" if kernel == "torch" else kn.FlashAttnKernel(FLASH_VERSIONS[kernel]())
+    out = st.startrail_attention(
+        *leaves, groups_for(2), window=window, softcap=cap, sinks=sinks, kernel=ker,
+        cu_seqlens=packed.cu_seqlens, cu_seqlens_padded=packed.cu_seqlens_padded,
+    )  # fmt: skip
+    out.backward(st.shard_packed(do, packed, rank))
+    pad = torch.ones(packed.s_local, dtype=torch.bool)
+    for _, dst, n in packed.local_rows(rank):
+        pad[dst : dst + n] = False
+    zero_pad = all((x[pad] == 0).all() for x in (out, *(y.grad for y in leaves)))
+    return [out.detach(), *(x.grad for x in leaves)], sinks.grad, zero_pad
+
+
+@pytest.mark.parametrize(
+    "kernel, window, cap",
+    [("torch", (6, 0), 2.0), ("2.8-custom-op", None, 2.0), ("2.6", (4, 0), None)],
+)
+def test_packed_window_softcap_sinks_on_ranks(kernel, window, cap):
+    """gloo P = 4, C = 2: packed documents with a window, soft-capping and sinks (the
+    varlen path for flash-attn's soft-capping without a window), padding rows zero."""
+    p = 4
+    lengths = [17, 0, 31, 1, 11, 64, 7]
+    packed = pack_lengths(lengths, p)
+    results = run_ranks(p, _packed_case, kernel, window, cap)
+    q, k, v, do = _inputs(sum(lengths), seed=4)
+    sinks = torch.linspace(-1.0, 1.5, HQ, dtype=torch.float64)
+    want = _per_document(lengths, True, q, k, v, do, window or (-1, 0), cap or 0.0, sinks)
+    tol = 1e-10 if kernel == "torch" else 1e-6
+    for i in range(4):
+        full = st.unshard_packed([r[0][i] for r in results], packed)
+        assert _close(full, want[i], tol), i
+    assert _close(sum(r[1] for r in results), want[4], tol)
+    assert all(r[2] for r in results)  # padding: zero output and gradients

@@ -336,11 +336,20 @@ class FlashAttnKernel:
         self._bwd(**kw)
         return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
 
-    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, dropout=None):
+    def _varlen_cap(self, softcap) -> dict[str, Any]:
+        if not softcap:
+            return {}
+        if "softcap" not in self.varlen_api.fwd_params:
+            raise NotImplementedError(f"flash-attn {self.api.version} has no softcap (2.6+ does)")
+        return {"softcap": float(softcap)}
+
+    def forward_varlen(
+        self, q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, dropout=None, softcap=0.0
+    ):
         api = self.varlen_api
         kw = api.forward_kwargs(
             q, k, v, causal=causal, scale=scale, varlen=(cu_q, cu_k, int(max_q), int(max_k)),
-            **_p(dropout),
+            **_p(dropout), **self._varlen_cap(softcap),
         )  # fmt: skip
         res = self._vfwd(**kw)
         out, lse = res[0], res[api.lse_index]
@@ -363,8 +372,9 @@ class FlashAttnKernel:
         )
 
     def backward_varlen(
-        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal, scale, dropout=None
-    ):
+        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal, scale, dropout=None,
+        softcap=0.0,
+    ):  # fmt: skip
         api = self.varlen_api
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
         lse = lse.to(acc_dtype(q.dtype)).contiguous()  # fp32 for fp16/bf16 inputs
@@ -374,6 +384,7 @@ class FlashAttnKernel:
             dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse,
             dq, dk, dv, causal=causal, scale=scale,
             varlen=(cu_q, cu_k, int(max_q), int(max_k)), dropout=dropout,
+            **self._varlen_cap(softcap),
         )  # fmt: skip
         self._vbwd(**kw)
         return dq, dk, dv

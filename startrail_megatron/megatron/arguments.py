@@ -126,11 +126,6 @@ def validate_startrail_args(
     if drop is not None and not 0.0 <= drop < 1.0:
         raise ValueError(f"--attention-dropout {drop}: StarTrail needs 0 <= it < 1")
     window = getattr(args, "window_size", None)
-    if window is not None and packed:
-        raise ValueError(
-            f"--window-size {window} with --reset-attention-mask (packed documents): StarTrail "
-            "does not run sliding windows over packed documents yet"
-        )
     if window is not None and (len(tuple(window)) != 2 or min(window) < -1):
         raise ValueError(f"--window-size {window}: give left,right as integers >= -1")
     for flag in ("reset_attention_mask", "reset_position_ids"):

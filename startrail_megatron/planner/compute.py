@@ -16,6 +16,7 @@ from functools import lru_cache
 from ..block_plan import (
     allgather_calls,
     band_pairs,
+    startrail_step_packed_window_rows,
     startrail_step_rows,
     startrail_step_varlen,
     startrail_step_window_rows,
@@ -53,13 +54,17 @@ def startrail_call_shapes(
     dense or per packed document; under a normalized ``window`` the banded calls of
     ``startrail_step_window_rows`` with their pairs), in tokens."""
     if window is not None:
+
+        def rows(r, step):
+            if packed is not None:
+                return startrail_step_packed_window_rows(lay, r, step, causal, packed, window)
+            return startrail_step_window_rows(lay, r, step, causal, s_local, window)
+
         return tuple(
             tuple(
                 tuple(
                     (b - a, d - c, False, band_pairs(b - a, d - c, lo, hi))
-                    for a, b, c, d, lo, hi in startrail_step_window_rows(
-                        lay, r, step, causal, s_local, window
-                    )
+                    for a, b, c, d, lo, hi in rows(r, step)
                 )
                 for r in range(lay.cp_size)
             )

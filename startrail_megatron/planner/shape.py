@@ -32,8 +32,8 @@ class AttnShape:
     are charged as dense sequences (they take no document boundaries)."""
     window: tuple[int, int] | None = None
     """A sliding window ``(left, right)`` (``startrail_attention(window=)``): StarTrail's
-    compute counts the windowed calls (``block_plan.startrail_step_window_rows``) at the
-    pairs inside their band; its bytes are unchanged (K,V travel whole). The all-gather and
+    compute counts the windowed calls (``block_plan.startrail_step_window_rows``, per
+    document with ``packed``) at the pairs inside their band; its bytes are unchanged (K,V travel whole). The all-gather and
     Ulysses peers are charged without the window."""
     varlen: bool = False
     """With ``packed``: the kernel takes all documents of one block-plan call at once
@@ -52,8 +52,6 @@ class AttnShape:
                 f"packed is laid out for cp_size {self.packed.cp_size}, s_local "
                 f"{self.packed.s_local}; this shape has {self.cp_size}, {self.s_local}"
             )
-        if self.window is not None and self.packed is not None:
-            raise ValueError("window with packed documents is not supported")
         if self.varlen and self.packed is None:
             raise ValueError("varlen=True describes packed documents: give packed= as well")
         if self.causal and self.s_local % 2:
