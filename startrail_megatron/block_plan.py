@@ -238,6 +238,17 @@ def _chunk_runs(chunks: list[int], lo: int, hi: int, c: int) -> list[tuple[int, 
     return [(idx * c, idx * c + c, chunks[idx] * c) for idx in range(lo // c, hi // c)]
 
 
+def _offset_band(off: int, window, causal: bool) -> tuple[int | None, int | None]:
+    """The band on local ``j - i`` of a call whose first key sits ``off`` positions after
+    its first query: the window ``(left, right)``, and the causal mask's ``j <= i``."""
+    left, right = window
+    lo = None if left is None else -left - off
+    hi = None if right is None else right - off
+    if causal:
+        hi = -off if hi is None else min(hi, -off)
+    return lo, hi
+
+
 def _band_call(qa, nq, ka, nk, lo, hi) -> WindowCall | None:
     """The call on rows [qa, qa+nq) x [ka, ka+nk) with band (lo, hi), trimmed to the rows
     that see at least one key and the keys that at least one row sees (so every row of
@@ -304,7 +315,6 @@ def startrail_step_window_rows(
     skips. (More, smaller calls than without a window; merging neighbouring chunk pairs
     for wide windows is not done.)
     """
-    left, right = window
     c = s_local // 2
     team = layout.coord(rank)[0]
     q_chunks = _buffer_chunks(layout, team, causal)
@@ -313,11 +323,7 @@ def startrail_step_window_rows(
     for q_lo, q_hi, kv_lo, kv_hi, _ in _dense_rows(layout, rank, step, causal, s_local):
         for qa, qb, qg in _chunk_runs(q_chunks, q_lo, q_hi, c):
             for ka, kb, kg in _chunk_runs(kv_chunks, kv_lo, kv_hi, c):
-                off = kg - qg  # global j - i = local j - i + off
-                lo = None if left is None else -left - off
-                hi = None if right is None else right - off
-                if causal:
-                    hi = -off if hi is None else min(hi, -off)
+                lo, hi = _offset_band(kg - qg, window, causal)
                 call = _band_call(qa, qb - qa, ka, kb - ka, lo, hi)
                 if call is not None:
                     out.append(call)
@@ -339,7 +345,6 @@ def startrail_step_packed_window_rows(
     ascending order, ``packed_team_order``) with the band its offset inside the document
     gives, clipped to the real tokens (padding ends each document) and trimmed; the
     window counts positions inside the document."""
-    left, right = window
     team = layout.coord(rank)[0]
     q_chunks = layout.team_chunks(team)
     kv_chunks = layout.team_chunks(layout.kv_team_at_step(rank, step))
@@ -354,11 +359,7 @@ def startrail_step_packed_window_rows(
                 nk = min(max(n - kc * c, 0), c)
                 if nq == 0 or nk == 0:
                     continue
-                off = (kc - qc) * c
-                lo = None if left is None else -left - off
-                hi = None if right is None else right - off
-                if causal:
-                    hi = -off if hi is None else min(hi, -off)
+                lo, hi = _offset_band((kc - qc) * c, window, causal)
                 call = _band_call(base + qi * c, nq, base + ki * c, nk, lo, hi)
                 if call is not None:
                     out.append(call)

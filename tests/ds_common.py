@@ -47,10 +47,10 @@ def global_batches(global_batch: int, steps: int = STEPS, seq: int = SEQ):
     return out
 
 
-def reference_run(global_batch: int):
+def reference_run(global_batch: int, model=None):
     """Single process, no sequence parallelism, no DeepSpeed: SGD with gradient clipping
-    (as DeepSpeed), losses and final parameters."""
-    model = tiny_llama()
+    (as DeepSpeed), losses and final parameters (of ``model``, default the tiny Llama)."""
+    model = tiny_llama() if model is None else model
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for ids, labels in global_batches(global_batch):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ds_common import CLIP, LR, SEQ, VOCAB, global_batches
+from ds_common import LR, SEQ, VOCAB, global_batches, reference_run
 from ds_common import ds_config as make_cfg
 from harness import run_ranks
 from test_deepspeed import _ds_env, _full_params, _rel, _st, _teardown
@@ -74,17 +74,7 @@ def build(name: str, plain: bool = False):
 
 
 def reference(name: str, plain: bool = False):
-    model = build(name, plain)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for ids, labels in global_batches(1):
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return reference_run(1, build(name, plain))
 
 
 def _run(rank, world, name, c):

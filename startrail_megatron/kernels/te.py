@@ -468,8 +468,12 @@ class TEKernel:
             causal=causal,
             scale=scale,
         )
-        res = self._bwd(**kw)
-        grads = tuple(res[:3])  # [dq, dk, dv, dbias, (d_softmax_offset)]
+        res = self._bwd(**kw)  # [dq, dk, dv, dbias, (d_softmax_offset)]
+        return self._grads(res, q, k, v)
+
+    def _grads(self, res, q, k, v) -> tuple:
+        """dq, dk, dv of ``fused_attn_bwd``'s outputs, checked against the inputs' shapes."""
+        grads = tuple(res[:3])
         for g, x in zip(grads, (q, k, v)):
             if tuple(g.shape) != tuple(x.shape):
                 raise RuntimeError(
@@ -546,11 +550,4 @@ class TEKernel:
             doc, qc, kc, vc, oc, aux, cu_q, cu_k, self._backend, dtype, dqkv_dtype,
             causal=causal, scale=scale, thd=(int(max_q), int(max_k)),
         )  # fmt: skip
-        grads = tuple(self._bwd(**kw)[:3])
-        for g, x in zip(grads, (q, k, v)):
-            if tuple(g.shape) != tuple(x.shape):
-                raise RuntimeError(
-                    f"Transformer Engine {self.api.version}: THD gradient {tuple(g.shape)} for "
-                    f"an input of shape {tuple(x.shape)}"
-                )
-        return grads
+        return self._grads(self._bwd(**kw), q, k, v)
