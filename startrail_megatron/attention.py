@@ -68,6 +68,7 @@ from .validation import (
     check_dropout,
     check_sinks,
     check_softcap,
+    check_window_layout,
     packed_layout,
     validate_inputs,
 )
@@ -595,6 +596,7 @@ def startrail_attention(
     packed = packed_layout(groups.cp_size, q.shape[0], cu_seqlens, cu_seqlens_padded)
     dropout_p = check_dropout(dropout_p)
     win = normalize_window(window, groups.cp_size * q.shape[0], bool(causal))
+    check_window_layout(win and window, q.shape[0])
     cap = check_softcap(softcap)
     check_sinks(sinks, q)
     kern, scale = resolve_kernel(

@@ -39,6 +39,7 @@ from .layout import Placement, StarTrailLayout
 from .validation import (
     check_dropout,
     check_softcap,
+    check_window_layout,
     packed_layout,
     validate_inputs,
 )
@@ -213,6 +214,7 @@ def one_process_attention(
     packed = packed_layout(p, q0.shape[0], cu_seqlens, cu_seqlens_padded)
     dropout_p = check_dropout(dropout_p)
     win = normalize_window(window, p * q0.shape[0], bool(causal))
+    check_window_layout(win and window, q0.shape[0])
     cap = check_softcap(softcap)
     kernel, scale = resolve_kernel(
         q0, kernel, softmax_scale, dropout=dropout_p > 0, window=win is not None, softcap=cap > 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 
 import torch
 from torch import Tensor
@@ -69,6 +70,16 @@ def check_dropout(dropout_p) -> float:
     if not ok or not math.isfinite(dropout_p) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p={dropout_p!r} must be a number with 0 <= dropout_p < 1")
     return float(dropout_p)
+
+
+def check_window_layout(window, s_local: int) -> None:
+    """A window needs the zigzag layout (global positions of the local rows), causal or not:
+    an even ``s_local`` (``ValueError`` naming it)."""
+    if window is not None and s_local % 2:
+        raise ValueError(
+            f"window={window} needs the zigzag layout (zigzag_shard: CP rank r holds chunks r "
+            f"and 2P-1-r), so an even s_local; got s_local = {s_local}"
+        )
 
 
 def check_softcap(softcap) -> float:
@@ -139,7 +150,7 @@ def agree_once(
         "dropout_p (1e-9)": round(dropout_p * 1e9),
         "window left (-1: none)": -1 if window is None or window[0] is None else window[0],
         "window right (-1: none)": -1 if window is None or window[1] is None else window[1],
-        "softcap (1e-6)": round(softcap * 1e6),
+        "softcap (float64 bits)": struct.unpack("<q", struct.pack("<d", softcap))[0],
         "sinks": int(sinks),
     }
     key = tuple(fields.values())

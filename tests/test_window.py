@@ -489,3 +489,42 @@ def test_packed_window_softcap_sinks_on_ranks(kernel, window, cap):
         assert _close(full, want[i], tol), i
     assert _close(sum(r[1] for r in results), want[4], tol)
     assert all(r[2] for r in results)  # padding: zero output and gradients
+
+
+def test_window_needs_an_even_local_length():
+    x = [torch.randn(5, 1, HQ, D) for _ in range(2)]
+    kv = [torch.randn(5, 1, HKV, D) for _ in range(2)]
+    with pytest.raises(ValueError, match="needs the zigzag layout .* got s_local = 5"):
+        one_process_attention(x, kv, kv, 1, causal=False, kernel="torch", window=(1, 1))
+
+
+def test_softcap_with_dropout_never_reaches_flash_attn(monkeypatch):
+    """flash-attn refuses soft-capping with dropout ("Softcapping does not support
+    dropout"): by name before any transfer when asked for, and "auto" takes the reference
+    kernel instead; flash-attn 2.5 (no softcap) likewise."""
+    from test_backends import FLASH_VERSIONS
+
+    from startrail_megatron.kernels import select
+
+    q = torch.zeros(4, 1, 2, 16, dtype=torch.bfloat16)
+    flash = kn_flash(FLASH_VERSIONS["2.6"]())
+    with pytest.raises(NotImplementedError, match="softcap together with dropout_p > 0"):
+        select.resolve_kernel(q, flash, None, dropout=True, softcap=True)
+    assert select.resolve_kernel(q, flash, None, softcap=True)[0] is flash
+    old = kn_flash(FLASH_VERSIONS["2.5"]())
+    real = select.get_kernel
+    for instance, kw in ((flash, dict(dropout=True, softcap=True)), (old, dict(softcap=True))):
+
+        def fake(name, *a, _i=instance, **k):
+            return _i if name == "auto" else real(name, *a, **k)
+
+        monkeypatch.setattr(select, "get_kernel", fake)
+        assert select.resolve_kernel(q, "auto", None, **kw)[0].name == "torch"
+        with pytest.raises(NotImplementedError, match="'flash_attn' does not run"):
+            select.resolve_kernel(q, instance, None, **kw)
+
+
+def kn_flash(ns):
+    from startrail_megatron import kernels as kn
+
+    return kn.FlashAttnKernel(ns)

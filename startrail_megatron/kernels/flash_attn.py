@@ -265,6 +265,7 @@ class FlashAttnKernel:
     name = "flash_attn"
     supports_dropout = True  # its own Philox dropout; rng_state kept per call
     supports_band = True  # sliding windows through window_size (``_window``)
+    softcap_with_dropout = False  # flash-attn: "Softcapping does not support dropout for now"
 
     def __init__(self, interface: ModuleType | Any | None = None):
         if interface is None:

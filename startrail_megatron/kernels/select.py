@@ -390,6 +390,24 @@ def get_kernel(
     )  # fmt: skip
 
 
+def _instance_refuses(kernel, *, dropout: bool, window: bool, softcap: bool) -> str | None:
+    """Why this kernel object cannot run the call's features, or ``None``: its
+    ``supports_*`` flags (flash-attn 2.5 has no softcap), and flash-attn's refusal of
+    soft-capping with dropout (``Softcapping does not support dropout``)."""
+    name = getattr(kernel, "name", type(kernel).__name__)
+    for needed, attr, what, setting in (
+        (dropout, "supports_dropout", "dropout", "dropout_p > 0"),
+        (window, "supports_band", "window", "window"),
+        (softcap, "supports_softcap", "softcap", "softcap"),
+    ):
+        if needed and not getattr(kernel, attr, False):
+            able = ", ".join(n for n, sp in BACKENDS.items() if getattr(sp, what))
+            return f"kernel {name!r} does not run {setting}; it needs one of: {able}"
+    if dropout and softcap and not getattr(kernel, "softcap_with_dropout", True):
+        return f"kernel {name!r} does not run softcap together with dropout_p > 0; use 'torch'"
+    return None
+
+
 def resolve_kernel(
     q: Tensor,
     kernel: str | AttentionKernel,
@@ -409,21 +427,17 @@ def resolve_kernel(
         if bad or not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale={softmax_scale!r} must be a finite number > 0 or None")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    features = dict(dropout=dropout, window=window, softcap=softcap)
     if isinstance(kernel, str):
+        requested = kernel
         kernel = get_kernel(
-            kernel, q.dtype, device=q.device, head_dim=q.shape[-1], dropout=dropout,
-            window=window, softcap=softcap,
+            kernel, q.dtype, device=q.device, head_dim=q.shape[-1], **features
         )  # fmt: skip
+        why = _instance_refuses(kernel, **features)
+        if why is not None and _resolve_name(requested, os.environ)[0] == "auto":
+            kernel = get_kernel("torch", q.dtype, device=q.device, head_dim=q.shape[-1])
     # the instance decides too (flash-attn 2.5 has no softcap), before any transfer
-    name = getattr(kernel, "name", type(kernel).__name__)
-    for needed, attr, what, setting in (
-        (dropout, "supports_dropout", "dropout", "dropout_p > 0"),
-        (window, "supports_band", "window", "window"),
-        (softcap, "supports_softcap", "softcap", "softcap"),
-    ):
-        if needed and not getattr(kernel, attr, False):
-            able = ", ".join(n for n, sp in BACKENDS.items() if getattr(sp, what))
-            raise NotImplementedError(
-                f"kernel {name!r} does not run {setting}; it needs one of: {able}"
-            )
+    why = _instance_refuses(kernel, **features)
+    if why is not None:
+        raise NotImplementedError(why)
     return kernel, scale
