@@ -8,6 +8,9 @@ Run by ``scripts/gpu_check.sh`` (``python -m startrail_megatron.gpu_check``):
     of out, dq, dk, dv <= 2.5e-2 (bf16 MHA), 3.5e-2 (bf16 GQA), 5e-3 (fp16).
     ``CHECK_BACKENDS`` includes ``"te"`` (Transformer Engine), checked where TE
     is installed; a backend that cannot run is reported with the reason.
+    Then, per backend, the attention variants (``check_features``): packed documents
+    (the varlen / THD path on flash-attn and TE), a causal window with soft-capping,
+    learned sinks, and dropout's reproducibility.
 (b) timing: StarTrail's per-rank compute (kernel calls, merges, reorders; no
     communication) for P ranks and each team size C, against one call of the
     same backend over the whole sequence. Efficiency = t_whole / (P * t_rank),
@@ -158,6 +161,117 @@ def check_backend(
     tol = tolerance(dtype, hq != hkv)
     ok = all(math.isfinite(e) and e <= tol for e in errors.values())
     return {"errors": errors, "tolerance": tol, "passed": ok}
+
+
+FEATURES = ("packed", "window+softcap", "sinks", "dropout")
+"""What ``check_features`` runs per backend, beside the dense checks of ``check_backend``."""
+
+
+def check_features(
+    kernel_name: str,
+    p: int,
+    c: int,
+    hq: int,
+    hkv: int,
+    s_local: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[dict[str, Any]]:
+    """The attention variants on one backend, one-process StarTrail, causal:
+
+    ``packed``: documents of uneven lengths (flash-attn and TE take the varlen/THD path)
+    against float64 per document; ``window+softcap``: a causal window shorter than a rank's
+    tokens and soft-capped logits (backends that run them); ``sinks``: learned sink logits,
+    their gradient too; ``dropout``: p = 0.1 twice with the same seed is bitwise the same,
+    and differs from p = 0 (masks cannot be compared with float64 on fused kernels).
+    """
+    from .kernels import build_kernel as _build
+    from .packing import pack_lengths
+    from .zigzag import shard_packed, unshard_packed
+
+    kernel = _build(kernel_name, dtype, device=device, head_dim=head_dim)
+    rows: list[dict[str, Any]] = []
+    tol = tolerance(dtype, hq != hkv)
+    n = p * s_local
+
+    def row(feature: str, **kw) -> dict[str, Any]:
+        r = dict(backend=kernel_name, dtype=str(dtype).removeprefix("torch."), feature=feature,
+                 P=p, C=c, heads_q=hq, heads_kv=hkv, tokens_per_rank=s_local, **kw)  # fmt: skip
+        rows.append(r)
+        return r
+
+    def errs(got, want, names=("out", "dq", "dk", "dv")):
+        e = {k: rel_err(g, w) for k, g, w in zip(names, got, want)}
+        return e, all(math.isfinite(x) and x <= tol for x in e.values())
+
+    def run_dense(q, k, v, do, **kw):
+        leaves = [[zigzag_shard(x, r, p).clone().requires_grad_() for r in range(p)]
+                  for x in (q, k, v)]  # fmt: skip
+        outs = one_process_attention(*leaves, c, kernel=kernel, **kw)
+        torch.autograd.backward(outs, [zigzag_shard(do, r, p) for r in range(p)])
+        got = [outs, *([x.grad for x in xs] for xs in leaves)]
+        return [unshard([t.detach() for t in g], True) for g in got]
+
+    def attempt(feature: str, fn) -> None:
+        try:
+            fn()
+        except Exception as e:  # a backend that crashes fails its check
+            row(feature, passed=False, error=f"{type(e).__name__}: {e}")
+
+    def packed() -> None:
+        lengths = [n // 2 + 3, 1, n // 4 - 7, 0, n // 8 + 5]
+        lay = pack_lengths(lengths, p)
+        q, k, v, do = make_inputs(1, sum(lengths), 1, hq, hkv, head_dim, dtype=dtype,
+                                  device=device)  # fmt: skip
+        docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
+        want = reference_attention(q, k, v, do, True, doc_ids=docs)
+        leaves = [[shard_packed(x, lay, r).clone().requires_grad_() for r in range(p)]
+                  for x in (q, k, v)]  # fmt: skip
+        outs = one_process_attention(*leaves, c, kernel=kernel, cu_seqlens=lay.cu_seqlens,
+                                     cu_seqlens_padded=lay.cu_seqlens_padded)  # fmt: skip
+        torch.autograd.backward(outs, [shard_packed(do, lay, r) for r in range(p)])
+        got = [outs, *([x.grad for x in xs] for xs in leaves)]
+        e, ok = errs([unshard_packed([t.detach() for t in g], lay) for g in got], want)
+        row("packed", errors=e, tolerance=tol, passed=ok)
+
+    def window_softcap() -> None:
+        if not getattr(kernel, "supports_band", False):
+            row("window+softcap", skipped=f"kernel {kernel_name!r} runs no windows", passed=True)
+            return
+        cap = 30.0 if getattr(kernel, "supports_softcap", False) else None
+        window = (s_local // 2 + 3, 0)
+        q, k, v, do = make_inputs(2, n, 1, hq, hkv, head_dim, dtype=dtype, device=device)
+        want = reference_attention(q, k, v, do, True, window=window, softcap=cap)
+        e, ok = errs(run_dense(q, k, v, do, window=window, softcap=cap), want)
+        row("window+softcap", window=list(window), softcap=cap, errors=e, tolerance=tol,
+            passed=ok)  # fmt: skip
+
+    def sinks() -> None:
+        q, k, v, do = make_inputs(3, n, 1, hq, hkv, head_dim, dtype=dtype, device=device)
+        sk = torch.linspace(-1.0, 2.0, hq, device=device).requires_grad_()
+        want = reference_attention(q, k, v, do, True, sinks=sk)
+        got = run_dense(q, k, v, do, sinks=sk)
+        e, ok = errs(got + [sk.grad], list(want), ("out", "dq", "dk", "dv", "dsinks"))
+        row("sinks", errors=e, tolerance=tol, passed=ok)
+
+    def dropout() -> None:
+        if not getattr(kernel, "supports_dropout", False):
+            row("dropout", skipped=f"kernel {kernel_name!r} runs no dropout", passed=True)
+            return
+        q, k, v, do = make_inputs(4, n, 1, hq, hkv, head_dim, dtype=dtype, device=device)
+        runs = []
+        for pdrop in (0.1, 0.1, 0.0):
+            torch.manual_seed(7)
+            runs.append(run_dense(q, k, v, do, dropout_p=pdrop))
+        same = all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+        differs = rel_err(runs[0][0], runs[2][0]) > 1e-3
+        row("dropout", reproducible=same, differs_from_p0=differs, passed=same and differs)
+
+    for name, fn in (("packed", packed), ("window+softcap", window_softcap),
+                     ("sinks", sinks), ("dropout", dropout)):  # fmt: skip
+        attempt(name, fn)
+    return rows
 
 
 def _clock(device: torch.device):
@@ -357,6 +471,21 @@ def run(
                     rep.checks.append(row)
                     _print_check(row)
                 del ref
+        # the attention variants (packed, window + softcap, sinks, dropout) per backend
+        p, c, _ = sizes.check_layouts[0]
+        hq, hkv = sizes.check_heads[-1]
+        for name in names:
+            try:
+                rows = check_features(
+                    name, p, c, hq, hkv, sizes.check_s_local, sizes.check_head_dim, dtype, device
+                )
+            except Exception as e:
+                rows = [dict(backend=name, dtype=str(dtype).removeprefix("torch."),
+                             feature="all", P=p, C=c, heads_q=hq, heads_kv=hkv, passed=False,
+                             error=f"{type(e).__name__}: {e}")]  # fmt: skip
+            for r in rows:
+                rep.checks.append(r)
+                _print_check(r)
     if timing:
         dtype = sizes.dtypes[0]
         for name in TIMED_BACKENDS:
@@ -384,9 +513,14 @@ def run(
 def _print_check(row: dict[str, Any]) -> None:
     errs = row.get("errors")
     what = " ".join(f"{k}={v:.2e}" for k, v in errs.items()) if errs else row.get("error", "?")
+    if "skipped" in row:
+        what = f"skipped: {row['skipped']}"
+    elif "reproducible" in row:
+        what = f"reproducible={row['reproducible']} differs_from_p0={row['differs_from_p0']}"
+    kind = row.get("feature") or ("causal" if row.get("causal") else "full")
     print(
         f"{'PASS' if row['passed'] else 'FAIL'} {row['backend']:>14} {row['dtype']:>8} "
-        f"P={row['P']} C={row['C']} {'causal' if row['causal'] else 'full':>6} "
+        f"P={row['P']} C={row['C']} {kind:>14} "
         f"{row['heads_q']}q/{row['heads_kv']}kv  {what}  (tol {row.get('tolerance', '-')})",
         flush=True,
     )

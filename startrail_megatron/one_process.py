@@ -38,6 +38,7 @@ from .kernels import AttentionKernel, resolve_kernel
 from .layout import Placement, StarTrailLayout
 from .validation import (
     check_dropout,
+    check_sinks,
     check_softcap,
     check_window_layout,
     packed_layout,
@@ -91,7 +92,7 @@ class _OneProcess(torch.autograd.Function):
     """One autograd node for all ranks: forward and backward each run every rank."""
 
     @staticmethod
-    def forward(ctx, run: dict, *tensors):
+    def forward(ctx, run: dict, sinks, *tensors):
         p = run["layout"].cp_size
         qs, ks, vs = tensors[:p], tensors[p : 2 * p], tensors[2 * p :]
         world = InProcessWorld(run["layout"])
@@ -111,7 +112,7 @@ class _OneProcess(torch.autograd.Function):
                     run["window"], run["softcap"],
                 )  # fmt: skip
                 out, saved = startrail_rank_forward(
-                    qs[r], ks[r], vs[r], cx, run["scale"], run["kernel"]
+                    qs[r], ks[r], vs[r], cx, run["scale"], run["kernel"], sinks
                 )
                 return out, saved, cx
 
@@ -123,7 +124,7 @@ class _OneProcess(torch.autograd.Function):
             cxs[r] = cx
             flat += [out, *saved]
         ctx.save_for_backward(*flat)
-        ctx.run, ctx.cxs, ctx.world = run, cxs, world
+        ctx.run, ctx.cxs, ctx.world, ctx.sinks = run, cxs, world, sinks
         return tuple(res[0] for res in results)
 
     @staticmethod
@@ -147,12 +148,19 @@ class _OneProcess(torch.autograd.Function):
                     cxs[r],
                     run["scale"],
                     run["kernel"],
+                    ctx.sinks,
                 )
 
             return fn
 
         grads = world.baton.run([rank_fn(r) for r in range(p)])
-        return (None, *(g[0] for g in grads), *(g[1] for g in grads), *(g[2] for g in grads))
+        d_sinks = None
+        if ctx.sinks is not None:  # every rank's part: the whole gradient
+            d_sinks = sum(cx.sinks_grad for cx in cxs).to(ctx.sinks.dtype)
+        return (
+            None, d_sinks, *(g[0] for g in grads), *(g[1] for g in grads),
+            *(g[2] for g in grads),
+        )  # fmt: skip
 
 
 def one_process_attention(
@@ -172,6 +180,7 @@ def one_process_attention(
     dropout_p: float = 0.0,
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> list[Tensor]:
     """StarTrail over ``P = len(q_shards)`` CP ranks, all run in this process.
 
@@ -181,8 +190,9 @@ def one_process_attention(
             one device; differentiable.
         team_size: C, with C*C dividing P.
         placement, causal, softmax_scale, kernel, cu_seqlens, cu_seqlens_padded,
-            dropout_p, window, softcap: as ``startrail_attention`` (the ranks draw their
-            dropout masks in turn from the one default generator; no ``sinks`` here).
+            dropout_p, window, softcap, sinks: as ``startrail_attention`` (the ranks draw
+            their dropout masks in turn from the one default generator; the sinks receive
+            the whole gradient, every rank's part summed).
         ledgers: one ``CommLedger`` (or ``None``) per rank; each records what
             that rank would send, exactly as in a multi-rank run.
         timer: a ``RankTimer`` that accumulates each rank's compute time.
@@ -216,6 +226,7 @@ def one_process_attention(
     win = normalize_window(window, p * q0.shape[0], bool(causal))
     check_window_layout(win and window, q0.shape[0])
     cap = check_softcap(softcap)
+    check_sinks(sinks, q0)
     kernel, scale = resolve_kernel(
         q0, kernel, softmax_scale, dropout=dropout_p > 0, window=win is not None, softcap=cap > 0
     )
@@ -231,4 +242,4 @@ def one_process_attention(
         ledgers=list(ledgers),
         timer=timer,
     )
-    return list(_OneProcess.apply(run, *q_shards, *k_shards, *v_shards))
+    return list(_OneProcess.apply(run, sinks, *q_shards, *k_shards, *v_shards))

@@ -44,13 +44,27 @@ def make_inputs(
 
 
 def reference_attention(
-    q: Tensor, k: Tensor, v: Tensor, dout: Tensor, causal: bool, scale: float | None = None
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Dense float64 attention over the full sequence: out, dq, dk, dv (float64, q's device).
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dout: Tensor,
+    causal: bool,
+    scale: float | None = None,
+    *,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    doc_ids: Tensor | None = None,
+) -> tuple[Tensor, ...]:
+    """Dense float64 attention over the full sequence: out, dq, dk, dv (float64, q's device),
+    and with ``sinks`` their gradient too.
 
     q ``[n, b, hq, d]``, k, v ``[nk, b, hkv, d]`` (GQA/MQA: hq a multiple of
     hkv), dout like q; ``causal`` masks key j > query i; ``scale`` defaults to
-    ``d ** -0.5``.
+    ``d ** -0.5``. Optional, for self-attention (n == nk): ``window=(left, right)`` keeps
+    keys ``i - left .. i + right`` (-1 unbounded), ``softcap`` caps the scaled logits,
+    ``sinks`` ``[hq]`` join each row's softmax denominator, ``doc_ids`` ``[n]`` keeps
+    attention inside each document (packed sequences).
     """
     n, b, hq, d = q.shape
     nk, hkv = k.shape[0], k.shape[2]
@@ -59,7 +73,19 @@ def reference_attention(
     f64 = dict(dtype=torch.float64, device=q.device)
     out, dq = torch.empty(n, b, hq, d, **f64), torch.empty(n, b, hq, d, **f64)
     dk, dv = torch.empty(nk, b, hkv, d, **f64), torch.empty(nk, b, hkv, d, **f64)
-    mask = torch.ones(n, nk, dtype=torch.bool, device=q.device).triu(1) if causal else None
+    d_sinks = torch.zeros(hq, **f64)
+    keep = torch.ones(n, nk, dtype=torch.bool, device=q.device)
+    i, j = torch.arange(n, device=q.device)[:, None], torch.arange(nk, device=q.device)[None]
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        left, right = window
+        if left != -1:
+            keep &= j >= i - left
+        if right != -1:
+            keep &= j <= i + right
+    if doc_ids is not None:
+        keep &= doc_ids.to(q.device)[:, None] == doc_ids.to(q.device)[None, :]
     with torch.enable_grad():
         for h in range(hkv):
             hs, ks = slice(h * g, (h + 1) * g), slice(h, h + 1)
@@ -67,12 +93,24 @@ def reference_attention(
             kh = k[:, :, ks].detach().double().requires_grad_()  # [n, b, 1, d]
             vh = v[:, :, ks].detach().double().requires_grad_()
             s = torch.einsum("qbhd,kbzd->bhqk", qh, kh) * scale  # (b, g, n, nk)
-            if mask is not None:
-                s = s.masked_fill(mask, -math.inf)
-            o = torch.einsum("bhqk,kbzd->qbhd", s.softmax(-1), vh)  # [n, b, g, d]
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            s = s.masked_fill(~keep, -math.inf)
+            if sinks is not None:
+                sh = sinks[hs].detach().double().requires_grad_()
+                col = sh.view(1, g, 1, 1).expand(b, g, n, 1)
+                prob = torch.cat((s, col), -1).softmax(-1)[..., :nk]
+            else:
+                prob = s.softmax(-1)
+            prob = prob.nan_to_num(0.0)  # rows that see no key (padding)
+            o = torch.einsum("bhqk,kbzd->qbhd", prob, vh)  # [n, b, g, d]
             o.backward(dout[:, :, hs].double())
             out[:, :, hs], dq[:, :, hs] = o.detach(), qh.grad
             dk[:, :, ks], dv[:, :, ks] = kh.grad, vh.grad
+            if sinks is not None:
+                d_sinks[hs] = sh.grad
+    if sinks is not None:
+        return out, dq, dk, dv, d_sinks
     return out, dq, dk, dv
 
 

@@ -32,11 +32,24 @@ def test_script_cpu_mode(tmp_path):
     assert "transformer_engine" in rep["environment"]
     sizes = gpu_check.CPU_SIZES
     n_inputs = len(sizes.dtypes) * len(sizes.check_layouts) * len(sizes.check_heads)
-    assert len(rep["checks"]) == 2 * n_inputs  # "sdpa" and "torch" run on a CPU
+    dense = [c for c in rep["checks"] if "feature" not in c]
+    variants = [c for c in rep["checks"] if "feature" in c]
+    assert len(dense) == 2 * n_inputs  # "sdpa" and "torch" run on a CPU
     assert {c["backend"] for c in rep["checks"]} == {"sdpa", "torch"}
-    for c in rep["checks"]:
+    for c in dense:
         assert max(c["errors"].values()) <= c["tolerance"]
         assert c["tolerance"] in (2.5e-2, 3.5e-2, 5e-3)
+    # the variants per backend and dtype; "sdpa" runs no window and no dropout
+    assert len(variants) == 2 * len(sizes.dtypes) * len(gpu_check.FEATURES)
+    ran = {(c["backend"], c["feature"]) for c in variants if "skipped" not in c}
+    assert ran == {(b, f) for b in ("sdpa", "torch") for f in gpu_check.FEATURES} - {
+        ("sdpa", "window+softcap"),
+        ("sdpa", "dropout"),
+    }
+    for c in variants:
+        assert c["passed"], c
+        if "errors" in c:
+            assert max(c["errors"].values()) <= c["tolerance"]
     for name in ("flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "te"):
         assert rep["skipped_backends"][f"{name}/bfloat16"] == "runs on ['cuda'], not 'cpu'"
     (timing,) = rep["timing"]
@@ -45,7 +58,7 @@ def test_script_cpu_mode(tmp_path):
     for s in timing["startrail"]:
         assert len(s["rank_fwd_s"]) == sizes.time_p
         assert 0 < s["efficiency_max"] <= s["efficiency_mean"]
-    assert "PASS: 16/16 checks passed" in res.stdout
+    assert "PASS: 32/32 checks passed" in res.stdout
 
 
 class _WrongMask(SdpaKernel):
