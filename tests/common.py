@@ -48,13 +48,14 @@ def assert_startrail_ledger(events, layout, rank: int, shape) -> None:
     assert all(e.peer != rank for e in led.events if e.kind == "p2p"), "no self-sends"
 
 
-def value_errors(cases: dict) -> dict:
-    """Run each no-argument callable; its ValueError message, or None if it raised none."""
+def value_errors(cases: dict, error: type[Exception] = ValueError) -> dict:
+    """Run each no-argument callable; its ``error`` message (a ValueError by default), or
+    None if it raised none."""
     msgs = {}
     for name, fn in cases.items():
         try:
             fn()
             msgs[name] = None
-        except ValueError as e:
+        except error as e:
             msgs[name] = str(e)
     return msgs

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import groups_for, rel_err
+from common import groups_for, rel_err, value_errors
 from harness import run_ranks
 from test_backends import FLASH_VERSIONS
 
@@ -297,29 +297,21 @@ def _refusals(rank, world):
     x = torch.randn(8, 1, 2, D, dtype=torch.float32)
     groups = groups_for(2)
     ledger = st.CommLedger()
-    msgs = {}
-    for name, kw in {
-        "negative": {"dropout_p": -0.1},
-        "one": {"dropout_p": 1.0},
-        "nan": {"dropout_p": float("nan")},
-        "bool": {"dropout_p": True},
-    }.items():
-        try:
-            st.startrail_attention(x, x, x, groups, ledger=ledger, **kw)
-            msgs[name] = None
-        except ValueError as e:
-            msgs[name] = str(e)
-    try:
-        st.startrail_attention(x, x, x, groups, ledger=ledger, kernel="sdpa", dropout_p=0.1)
-        msgs["sdpa"] = None
-    except NotImplementedError as e:
-        msgs["sdpa"] = str(e)
-    # ranks that disagree on dropout_p: all raise, none hang
-    try:
-        st.startrail_attention(x, x, x, groups, ledger=ledger, dropout_p=0.1 * (rank % 2))
-        msgs["ranks"] = None
-    except ValueError as e:
-        msgs["ranks"] = str(e)
+
+    def call(**kw):
+        return lambda: st.startrail_attention(x, x, x, groups, ledger=ledger, **kw)
+
+    msgs = value_errors(
+        {
+            "negative": call(dropout_p=-0.1),
+            "one": call(dropout_p=1.0),
+            "nan": call(dropout_p=float("nan")),
+            "bool": call(dropout_p=True),
+            # ranks that disagree on dropout_p: all raise, none hang
+            "ranks": call(dropout_p=0.1 * (rank % 2)),
+        }
+    )
+    msgs.update(value_errors({"sdpa": call(kernel="sdpa", dropout_p=0.1)}, NotImplementedError))
     return msgs, len(ledger.events)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import groups_for
+from common import groups_for, value_errors
 from harness import run_ranks
 
 import startrail_megatron as st
@@ -264,36 +264,32 @@ def _refusals(rank, world):
     kv = torch.randn(8, 1, HKV, D)
     groups = groups_for(2)
     ledger = st.CommLedger()
-    cases = {
-        "window": {"window": (-3, 0)},
-        "window_type": {"window": (2.5, 0)},
-        "softcap_nan": {"softcap": float("nan")},
-        "softcap_neg": {"softcap": -1.0},
-        "sinks_shape": {"sinks": torch.zeros(HQ + 1)},
-        "sinks_dtype": {"sinks": torch.zeros(HQ, dtype=torch.long)},
-        "sinks_type": {"sinks": [0.0] * HQ},
-    }
-    msgs = {}
-    for name, kw in cases.items():
-        try:
-            st.startrail_attention(x, kv, kv, groups, ledger=ledger, **kw)
-            msgs[name] = None
-        except ValueError as e:
-            msgs[name] = str(e)
-    for name, kw in {
-        "sdpa": {"kernel": "sdpa", "window": (3, 0)},
-        "sdpa_cap": {"kernel": "sdpa", "softcap": 5.0},
-    }.items():
-        try:
-            st.startrail_attention(x, kv, kv, groups, ledger=ledger, **kw)
-            msgs[name] = None
-        except NotImplementedError as e:
-            msgs[name] = str(e)
-    try:  # ranks that disagree on the window: all raise, none hang
-        st.startrail_attention(x, kv, kv, groups, ledger=ledger, window=(3 + rank % 2, 0))
-        msgs["ranks"] = None
-    except ValueError as e:
-        msgs["ranks"] = str(e)
+
+    def call(**kw):
+        return lambda: st.startrail_attention(x, kv, kv, groups, ledger=ledger, **kw)
+
+    msgs = value_errors(
+        {
+            "window": call(window=(-3, 0)),
+            "window_type": call(window=(2.5, 0)),
+            "softcap_nan": call(softcap=float("nan")),
+            "softcap_neg": call(softcap=-1.0),
+            "sinks_shape": call(sinks=torch.zeros(HQ + 1)),
+            "sinks_dtype": call(sinks=torch.zeros(HQ, dtype=torch.long)),
+            "sinks_type": call(sinks=[0.0] * HQ),
+            # ranks that disagree on the window: all raise, none hang
+            "ranks": call(window=(3 + rank % 2, 0)),
+        }
+    )
+    msgs.update(
+        value_errors(
+            {
+                "sdpa": call(kernel="sdpa", window=(3, 0)),
+                "sdpa_cap": call(kernel="sdpa", softcap=5.0),
+            },
+            NotImplementedError,
+        )
+    )
     return msgs, len(ledger.events)
 
 
