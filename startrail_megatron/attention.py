@@ -44,7 +44,6 @@ from torch.autograd.function import once_differentiable
 
 from .block_plan import (
     VarlenCall,
-    normalize_window,
     packed_team_order,
     startrail_step_packed_window_rows,
     startrail_step_rows,
@@ -64,11 +63,10 @@ from .kernels import (
 from .layout import StarTrailLayout
 from .packing import PackedLayout
 from .validation import (
+    NO_OPTIONS,
+    AttnOptions,
     agree_once,
-    check_dropout,
-    check_sinks,
-    check_softcap,
-    check_window_layout,
+    check_options,
     packed_layout,
     validate_inputs,
 )
@@ -216,10 +214,10 @@ class RankContext:
     over ``groups`` (``TeamComm``, ``P2PComm``). ``one_process.py`` passes the
     in-process transport instead; the algorithm below is the same either way.
     ``packed``: the documents of a packed sequence (``packing.py``), or ``None``.
-    ``dropout_p``: attention dropout; the forward keeps one ``Dropout`` record per
-    kernel call (its RNG state), which the backward hands the same call again.
-    ``window``: a normalized sliding window ``(left, right)`` (``None`` sides unbounded;
-    ``block_plan.normalize_window``), ``softcap``: logit soft-capping (0: off).
+    ``options``: the call's checked ``AttnOptions``: attention dropout (the forward keeps
+    one ``Dropout`` record per kernel call, its RNG state, which the backward hands the
+    same call again), a normalized sliding window ``(left, right)`` (``None`` sides
+    unbounded), logit soft-capping (0: off).
     """
 
     def __init__(
@@ -229,13 +227,11 @@ class RankContext:
         ledger: CommLedger | None,
         comms: tuple[TeamCollectives, PeerExchange] | None = None,
         packed: PackedLayout | None = None,
-        dropout_p: float = 0.0,
-        window: tuple[int | None, int | None] | None = None,
-        softcap: float = 0.0,
+        options: AttnOptions = NO_OPTIONS,
     ):
         lay = groups.layout
-        self.window, self.softcap = window, softcap
-        self.dropout_p = dropout_p
+        self.window, self.softcap = options.window, options.softcap
+        self.dropout_p = options.dropout_p
         self.dropouts: dict[tuple[int, int], Dropout] = {}
         self.layout, self.causal, self.ledger = lay, causal, ledger
         self.rank = groups.cp_rank
@@ -494,14 +490,10 @@ def startrail_rank_backward(
 
 class _StarTrailAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, groups, causal, scale, kernel, ledger, packed, opts):
+    def forward(ctx, q, k, v, sinks, groups, causal, scale, kernel, ledger, packed, options):
         if ledger is not None:
             ledger.phase = "fwd"
-        dropout_p, window, softcap = opts
-        cx = RankContext(
-            groups, causal, ledger, packed=packed, dropout_p=dropout_p, window=window,
-            softcap=softcap,
-        )  # fmt: skip
+        cx = RankContext(groups, causal, ledger, packed=packed, options=options)
         out, saved = startrail_rank_forward(q, k, v, cx, scale, kernel, sinks)
         ctx.save_for_backward(out, *saved, sinks)
         ctx.cx, ctx.scale, ctx.kernel, ctx.ledger = cx, scale, kernel, ledger
@@ -594,16 +586,9 @@ def startrail_attention(
         )
     validate_inputs(q, k, v, groups.cp_size, causal)
     packed = packed_layout(groups.cp_size, q.shape[0], cu_seqlens, cu_seqlens_padded)
-    dropout_p = check_dropout(dropout_p)
-    win = normalize_window(window, groups.cp_size * q.shape[0], bool(causal))
-    check_window_layout(win and window, q.shape[0])
-    cap = check_softcap(softcap)
-    check_sinks(sinks, q)
-    kern, scale = resolve_kernel(
-        q, kernel, softmax_scale, dropout=dropout_p > 0, window=win is not None, softcap=cap > 0
-    )
-    agree_once(groups, q, k, bool(causal), packed, dropout_p, win, cap, sinks is not None)
-    opts = (dropout_p, win, cap)
+    opts = check_options(q, groups.cp_size, causal, dropout_p, window, softcap, sinks)
+    kern, scale = resolve_kernel(q, kernel, softmax_scale, **opts.kernel_needs)
+    agree_once(groups, q, k, bool(causal), packed, opts, sinks is not None)
     return _StarTrailAttention.apply(
         q, k, v, sinks, groups, bool(causal), scale, kern, ledger, packed, opts
     )

@@ -30,20 +30,12 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .attention import RankContext, startrail_rank_backward, startrail_rank_forward
-from .block_plan import normalize_window
 from .comm import CommLedger
 from .comm.in_process import Baton, InProcessP2P, InProcessTeam, InProcessWorld
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, resolve_kernel
 from .layout import Placement, StarTrailLayout
-from .validation import (
-    check_dropout,
-    check_sinks,
-    check_softcap,
-    check_window_layout,
-    packed_layout,
-    validate_inputs,
-)
+from .validation import check_options, packed_layout, validate_inputs
 
 __all__ = ["RankTimer", "one_process_attention"]
 
@@ -107,10 +99,7 @@ class _OneProcess(torch.autograd.Function):
                 if led is not None:
                     led.phase = "fwd"
                 comms = (InProcessTeam(world, r, led), InProcessP2P(world, r, led))
-                cx = RankContext(
-                    groups, run["causal"], led, comms, run["packed"], run["dropout_p"],
-                    run["window"], run["softcap"],
-                )  # fmt: skip
+                cx = RankContext(groups, run["causal"], led, comms, run["packed"], run["options"])
                 out, saved = startrail_rank_forward(
                     qs[r], ks[r], vs[r], cx, run["scale"], run["kernel"], sinks
                 )
@@ -222,20 +211,12 @@ def one_process_attention(
         raise ValueError(f"ledgers needs one entry per rank ({p}), got {len(ledgers)}")
     q0 = q_shards[0]
     packed = packed_layout(p, q0.shape[0], cu_seqlens, cu_seqlens_padded)
-    dropout_p = check_dropout(dropout_p)
-    win = normalize_window(window, p * q0.shape[0], bool(causal))
-    check_window_layout(win and window, q0.shape[0])
-    cap = check_softcap(softcap)
-    check_sinks(sinks, q0)
-    kernel, scale = resolve_kernel(
-        q0, kernel, softmax_scale, dropout=dropout_p > 0, window=win is not None, softcap=cap > 0
-    )
+    options = check_options(q0, p, causal, dropout_p, window, softcap, sinks)
+    kernel, scale = resolve_kernel(q0, kernel, softmax_scale, **options.kernel_needs)
     run = dict(
         layout=layout,
         packed=packed,
-        dropout_p=dropout_p,
-        window=win,
-        softcap=cap,
+        options=options,
         causal=bool(causal),
         scale=scale,
         kernel=kernel,

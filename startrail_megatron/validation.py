@@ -12,16 +12,18 @@ from __future__ import annotations
 import math
 import numbers
 import struct
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .block_plan import normalize_window
 from .comm import check_agreement
 from .groups import StarTrailGroups
 from .layout import PLACEMENTS
 from .packing import PackedLayout
 
-__all__ = ["agree_once", "packed_layout", "validate_inputs"]
+__all__ = ["AttnOptions", "agree_once", "check_options", "packed_layout", "validate_inputs"]
 
 
 def validate_inputs(q: Tensor, k: Tensor, v: Tensor, cp_size: int, causal: bool) -> None:
@@ -72,6 +74,40 @@ def check_dropout(dropout_p) -> float:
     return float(dropout_p)
 
 
+@dataclass(frozen=True)
+class AttnOptions:
+    """A call's attention variants, checked (``check_options``): dropout probability, the
+    normalized window (``block_plan.normalize_window``), logit soft-capping (0: off)."""
+
+    dropout_p: float = 0.0
+    window: tuple[int | None, int | None] | None = None
+    softcap: float = 0.0
+
+    @property
+    def kernel_needs(self) -> dict[str, bool]:
+        """What the kernel must run (``kernels.resolve_kernel``'s keywords)."""
+        return {
+            "dropout": self.dropout_p > 0,
+            "window": self.window is not None,
+            "softcap": self.softcap > 0,
+        }
+
+
+NO_OPTIONS = AttnOptions()
+"""Plain attention: no dropout, window or soft-capping."""
+
+
+def check_options(q: Tensor, cp_size: int, causal: bool, dropout_p, window, softcap, sinks):
+    """The checked ``AttnOptions`` of a call on this rank's ``q`` (``ValueError`` naming the
+    argument); ``sinks`` are checked too (they travel as a tensor, not as an option)."""
+    dropout_p = check_dropout(dropout_p)
+    win = normalize_window(window, cp_size * q.shape[0], bool(causal))
+    check_window_layout(win and window, q.shape[0])
+    cap = check_softcap(softcap)
+    check_sinks(sinks, q)
+    return AttnOptions(dropout_p, win, cap)
+
+
 def check_window_layout(window, s_local: int) -> None:
     """A window needs the zigzag layout (global positions of the local rows), causal or not:
     an even ``s_local`` (``ValueError`` naming it)."""
@@ -114,9 +150,7 @@ def agree_once(
     k: Tensor,
     causal: bool,
     packed: PackedLayout | None = None,
-    dropout_p: float = 0.0,
-    window: tuple[int | None, int | None] | None = None,
-    softcap: float = 0.0,
+    options: AttnOptions = NO_OPTIONS,
     sinks: bool = False,
 ) -> None:
     """Check, the first time this rank sees a call setting, that every CP rank has the same.
@@ -133,7 +167,7 @@ def agree_once(
     the warm-up iterations before a capture make the check).
     """
     (s, b, hq, d), hkv = q.shape, k.shape[2]
-    lay = groups.layout
+    lay, window = groups.layout, options.window
     fields = {
         "s_local": s,
         "batch": b,
@@ -147,10 +181,10 @@ def agree_once(
         "placement": PLACEMENTS.index(lay.placement),
         "documents": packed.num_docs if packed is not None else 0,
         "cu_seqlens": packed.fingerprint() if packed is not None else 0,
-        "dropout_p (1e-9)": round(dropout_p * 1e9),
+        "dropout_p (1e-9)": round(options.dropout_p * 1e9),
         "window left (-1: none)": -1 if window is None or window[0] is None else window[0],
         "window right (-1: none)": -1 if window is None or window[1] is None else window[1],
-        "softcap (float64 bits)": struct.unpack("<q", struct.pack("<d", softcap))[0],
+        "softcap (float64 bits)": struct.unpack("<q", struct.pack("<d", options.softcap))[0],
         "sinks": int(sinks),
     }
     key = tuple(fields.values())
