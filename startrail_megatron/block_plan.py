@@ -231,13 +231,6 @@ def _buffer_chunks(layout: StarTrailLayout, team: int, causal: bool) -> list[int
     return [x for r in layout.team_ranks(team) for x in (r, 2 * p - 1 - r)]
 
 
-def _chunk_runs(chunks: list[int], lo: int, hi: int, c: int) -> list[tuple[int, int, int]]:
-    """Buffer rows [lo, hi) (chunk-aligned) -> (row_lo, row_hi, global position of row_lo)
-    per chunk: each is contiguous in the global sequence, and a band trimmed chunk by chunk
-    wastes at most about one chunk-sized triangle per pair of chunks."""
-    return [(idx * c, idx * c + c, chunks[idx] * c) for idx in range(lo // c, hi // c)]
-
-
 def _offset_band(off: int, window, causal: bool) -> tuple[int | None, int | None]:
     """The band on local ``j - i`` of a call whose first key sits ``off`` positions after
     its first query: the window ``(left, right)``, and the causal mask's ``j <= i``."""
@@ -275,6 +268,26 @@ def _band_call(qa, nq, ka, nk, lo, hi) -> WindowCall | None:
     )
 
 
+def _chunk_pair_calls(q_chunks, kv_chunks, c: int, base: int, n: int, window, causal: bool):
+    """The band calls of one sequence (a dense one, or one packed document) in two team
+    buffers that hold its chunks ``q_chunks`` / ``kv_chunks`` (zigzag ids, in buffer
+    order) of ``c`` tokens from row ``base`` on: per (query chunk, key chunk) pair, the
+    band of their offset, clipped to the ``n`` real tokens (padding ends the sequence) and
+    trimmed (``_band_call``); pairs with nothing in the window give no call."""
+    out: list[WindowCall] = []
+    for qi, qc in enumerate(q_chunks):
+        nq = min(max(n - qc * c, 0), c)
+        for ki, kc in enumerate(kv_chunks):
+            nk = min(max(n - kc * c, 0), c)
+            if nq == 0 or nk == 0:
+                continue
+            lo, hi = _offset_band((kc - qc) * c, window, causal)
+            call = _band_call(base + qi * c, nq, base + ki * c, nk, lo, hi)
+            if call is not None:
+                out.append(call)
+    return out
+
+
 def normalize_window(window, seq_len: int, causal: bool) -> tuple[int | None, int | None] | None:
     """A sliding window ``(left, right)`` (Megatron / flash-attn: ``-1`` unbounded) as
     ``(left, right)`` with ``None`` for sides that mask nothing at ``seq_len`` tokens (the
@@ -309,25 +322,18 @@ def startrail_step_window_rows(
 
     ``window = (left, right)`` in global positions: key j is visible to query i iff
     ``i - left <= j <= i + right`` (``None``: unbounded), and ``j <= i`` too under the
-    causal mask. Each row call is split into its (query chunk, key chunk) pairs, each gets
-    the band its global offset gives and is trimmed to the rows and keys inside it
-    (``_band_call``); pairs with nothing in the window are not made: the work the window
-    skips. (More, smaller calls than without a window; merging neighbouring chunk pairs
-    for wide windows is not done.)
+    causal mask. Each (query chunk, key chunk) pair of the two team buffers gets the band
+    its global offset gives and is trimmed to the rows and keys inside it
+    (``_chunk_pair_calls``); pairs with nothing in the window (those the causal mask hides
+    too) are not made: the work the window skips. (More, smaller calls than without a
+    window; merging neighbouring chunk pairs for wide windows is not done.)
     """
     c = s_local // 2
     team = layout.coord(rank)[0]
     q_chunks = _buffer_chunks(layout, team, causal)
     kv_chunks = _buffer_chunks(layout, layout.kv_team_at_step(rank, step), causal)
-    out: list[WindowCall] = []
-    for q_lo, q_hi, kv_lo, kv_hi, _ in _dense_rows(layout, rank, step, causal, s_local):
-        for qa, qb, qg in _chunk_runs(q_chunks, q_lo, q_hi, c):
-            for ka, kb, kg in _chunk_runs(kv_chunks, kv_lo, kv_hi, c):
-                lo, hi = _offset_band(kg - qg, window, causal)
-                call = _band_call(qa, qb - qa, ka, kb - ka, lo, hi)
-                if call is not None:
-                    out.append(call)
-    return tuple(out)
+    n = layout.cp_size * s_local  # no padding
+    return tuple(_chunk_pair_calls(q_chunks, kv_chunks, c, 0, n, window, causal))
 
 
 # Packed layouts change with every batch: a small cache, as for ``_packed_rows``.
@@ -348,21 +354,12 @@ def startrail_step_packed_window_rows(
     team = layout.coord(rank)[0]
     q_chunks = layout.team_chunks(team)
     kv_chunks = layout.team_chunks(layout.kv_team_at_step(rank, step))
-    cc = layout.team_size
     out: list[WindowCall] = []
     for d in range(packed.num_docs):
-        c, n = packed.chunk_len(d), packed.lengths[d]
-        base = cc * packed.local_offsets[d]  # the same in every team's buffer
-        for qi, qc in enumerate(q_chunks):
-            nq = min(max(n - qc * c, 0), c)
-            for ki, kc in enumerate(kv_chunks):
-                nk = min(max(n - kc * c, 0), c)
-                if nq == 0 or nk == 0:
-                    continue
-                lo, hi = _offset_band((kc - qc) * c, window, causal)
-                call = _band_call(base + qi * c, nq, base + ki * c, nk, lo, hi)
-                if call is not None:
-                    out.append(call)
+        base = layout.team_size * packed.local_offsets[d]  # the same in every team's buffer
+        out += _chunk_pair_calls(
+            q_chunks, kv_chunks, packed.chunk_len(d), base, packed.lengths[d], window, causal
+        )
     return tuple(out)
 
 
