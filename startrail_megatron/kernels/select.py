@@ -244,8 +244,7 @@ def unsupported_reason(
         ("softcap", "logit soft-capping"),
     ):
         if getattr(query, feature) and not getattr(spec, feature):
-            able = ", ".join(n for n, sp in BACKENDS.items() if getattr(sp, feature))
-            return f"does not run {what} (kernels that do: {able})"
+            return f"does not run {what} (kernels that do: {_kernels_with(feature)})"
     if name == "te":
         why = _te_limits(query)
         if why is not None:
@@ -390,6 +389,11 @@ def get_kernel(
     )  # fmt: skip
 
 
+def _kernels_with(feature: str) -> str:
+    """The names of the kernels whose ``BackendSpec`` runs ``feature``."""
+    return ", ".join(n for n, sp in BACKENDS.items() if getattr(sp, feature))
+
+
 def _instance_refuses(kernel, *, dropout: bool, window: bool, softcap: bool) -> str | None:
     """Why this kernel object cannot run the call's features, or ``None``: its
     ``supports_*`` flags (flash-attn 2.5 has no softcap), and flash-attn's refusal of
@@ -401,8 +405,7 @@ def _instance_refuses(kernel, *, dropout: bool, window: bool, softcap: bool) -> 
         (softcap, "supports_softcap", "softcap", "softcap"),
     ):
         if needed and not getattr(kernel, attr, False):
-            able = ", ".join(n for n, sp in BACKENDS.items() if getattr(sp, what))
-            return f"kernel {name!r} does not run {setting}; it needs one of: {able}"
+            return f"kernel {name!r} does not run {setting}; it needs one of: {_kernels_with(what)}"
     if dropout and softcap and not getattr(kernel, "softcap_with_dropout", True):
         return f"kernel {name!r} does not run softcap together with dropout_p > 0; use 'torch'"
     return None
