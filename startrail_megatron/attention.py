@@ -66,6 +66,7 @@ from .validation import (
     NO_OPTIONS,
     AttnOptions,
     agree_once,
+    check_joint_kv,
     check_options,
     packed_layout,
     validate_inputs,
@@ -149,6 +150,76 @@ def _to_thd(x: Tensor, rows: Tensor) -> Tensor:
 def _from_thd(x: Tensor, b: int) -> Tensor:
     """THD ``[b * t, h, d]`` (batch-major) -> ``[t, b, h, d]`` (a view)."""
     return x.view(b, -1, *x.shape[1:]).transpose(0, 1)
+
+
+def _real_rows_of(
+    packed: PackedLayout | None, cp_rank: int, s: int, device: torch.device
+) -> Tensor | None:
+    """CP rank ``cp_rank``'s local rows that are real tokens (not padding of packed
+    documents), or ``None`` when all ``s`` are."""
+    if packed is None:
+        return None
+    runs = packed.local_rows(cp_rank)
+    if sum(n for _, _, n in runs) == s:
+        return None
+    return _index_tensor([dst + i for _, dst, n in runs for i in range(n)], torch.long, device)
+
+
+def _real_rows(cx: RankContext, s: int, device: torch.device) -> Tensor | None:
+    return _real_rows_of(cx.packed, cx.rank, s, device)
+
+
+def _member_rows(cx: RankContext, x: Tensor, s: int) -> Tensor:
+    """This member's own ``s`` rows (member order) of team-order rows ``x`` (dim 0)."""
+    return cx.from_team_order(x)[cx.member * s : (cx.member + 1) * s]
+
+
+def _joint_forward(cx, q, joint, acc_out, acc_lse, scale, kernel) -> None:
+    """Fold the joint keys (replicated on every CP rank) into this member's own rows of the
+    team accumulators: each query row of the team sees them once, from its own rank."""
+    s = q.shape[0]
+    real = _real_rows(cx, s, q.device)
+    rows = torch.arange(s, device=q.device) if real is None else real
+    if rows.numel() == 0:
+        return
+    qr = q if real is None else q.index_select(0, real)
+    o, lse = kernel.forward(
+        qr, joint[0], joint[1], causal=False, scale=scale, **_cap_kw(cx.softcap)
+    )
+    n = acc_out.shape[0]
+    team_pos = cx.from_team_order(torch.arange(n, device=q.device))[cx.member * s + rows]
+    sub_o, sub_l = acc_out.index_select(0, team_pos), acc_lse.index_select(2, team_pos)
+    merge_partial(sub_o, sub_l, o, lse)
+    acc_out.index_copy_(0, team_pos, sub_o)
+    acc_lse.index_copy_(2, team_pos, sub_l)
+
+
+def _joint_backward(cx, dout, out, q_team, lse_team, joint, g_q, scale, kernel) -> None:
+    """The joint keys' part of this rank's rows: dq added to ``g_q`` (local rows, acc dtype),
+    the joint keys' gradient from these rows left in ``cx.joint_grad`` (the ranks' parts sum
+    to the whole, as for any replicated input)."""
+    s = dout.shape[0]
+    jk, jv = joint
+    acc = g_q.dtype
+    cx.joint_grad = (
+        torch.zeros(jk.shape, dtype=acc, device=jk.device),
+        torch.zeros(jv.shape, dtype=acc, device=jv.device),
+    )
+    real = _real_rows(cx, s, dout.device)
+    if real is not None and real.numel() == 0:
+        return
+    q_loc = _member_rows(cx, q_team, s)
+    lse_loc = _member_rows(cx, lse_team.permute(2, 0, 1), s)  # [s, b, hq]
+    pick = (lambda x: x) if real is None else (lambda x: x.index_select(0, real))
+    gq, gk, gv = kernel.backward(
+        pick(dout), pick(q_loc), jk, jv, pick(out), pick(lse_loc).permute(1, 2, 0).contiguous(),
+        causal=False, scale=scale, **_cap_kw(cx.softcap),
+    )  # fmt: skip
+    if real is None:
+        g_q += gq.to(acc)
+    else:
+        g_q.index_add_(0, real, gq.to(acc))
+    cx.joint_grad = (gk.to(acc), gv.to(acc))
 
 
 def _drop_kw(drop: Dropout | None) -> dict:
@@ -327,12 +398,15 @@ def startrail_rank_forward(
     scale: float,
     kernel: AttentionKernel,
     sinks: Tensor | None = None,
+    joint: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """One rank's forward: (out ``[s, b, hq, d]`` in q's dtype, what the backward needs).
 
     The saved tuple is (q_team, kv_team, lse_team): the team's queries and K,V in
     chunk order and the rows' merged log-sum-exp. ``sinks`` (one logit per query head)
-    enter once, in the final combine: ``lse = logaddexp(lse, sink)``.
+    enter once, in the final combine: ``lse = logaddexp(lse, sink)``. ``joint``: keys and
+    values ``[t, b, hkv, d]`` the same on every CP rank (MMDiT text tokens), which every
+    (real) query sees once: each rank adds them to its own rows before the team combine.
     """
     lay, C = cx.layout, cx.layout.team_size
     s, b, hq, d = q.shape
@@ -370,6 +444,8 @@ def startrail_rank_forward(
             merge_partial(acc_out[qs], acc_lse[..., qs], o, lse)
         if pending is not None:
             kv_cur = pending.wait()
+    if joint is not None:
+        _joint_forward(cx, q, joint, acc_out, acc_lse, scale, kernel)
     # 4. team combine: global lse from every member's partial lse, rescale, reduce-scatter.
     if C > 1:
         lse_all = cx.team_comm.all_gather(acc_lse.unsqueeze(0), "lse")  # [C, b, hq, n]
@@ -413,13 +489,15 @@ def startrail_rank_backward(
     scale: float,
     kernel: AttentionKernel,
     sinks: Tensor | None = None,
+    joint: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One rank's backward: dq, dk, dv of its local rows, in dout's dtype.
 
     ``out`` is this rank's forward output and ``saved`` what
     ``startrail_rank_forward`` returned with it, on the same ``cx``. With ``sinks``,
     their gradient from this rank's rows is left in ``cx.sinks_grad`` (the ranks' parts
-    sum to the whole, as for any replicated parameter).
+    sum to the whole, as for any replicated parameter); with ``joint`` keys, theirs in
+    ``cx.joint_grad`` alike.
     """
     q_team, kv_team, lse_team = saved
     lay, C = cx.layout, cx.layout.team_size
@@ -430,8 +508,7 @@ def startrail_rank_backward(
     # Team rows' dout and D = rowsum(dout * out), gathered in chunk order.
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [s, b, hq]
     if sinks is not None:  # d sink_h = -sum over this rank's rows of p_sink * D
-        lse_rows = cx.from_team_order(lse_team.permute(2, 0, 1))  # member order [n, b, hq]
-        lse_mine = lse_rows[cx.member * s : (cx.member + 1) * s]
+        lse_mine = _member_rows(cx, lse_team.permute(2, 0, 1), s)  # [s, b, hq]
         p_sink = torch.exp(sinks.to(acc).view(1, 1, hq) - lse_mine)
         cx.sinks_grad = -(p_sink * delta).sum((0, 1))
     do_team = cx.to_team_order(cx.team_comm.all_gather(dout, "dout"))
@@ -484,33 +561,43 @@ def startrail_rank_backward(
     nq = s * b * hq * d
     g_q = flat[:nq].view(s, b, hq, d)
     g_kv = flat[nq:].view(s, 2, b, hkv, d)
+    if joint is not None:
+        _joint_backward(cx, dout, out, q_team, lse_team, joint, g_q, scale, kernel)
     dt = dout.dtype
     return g_q.to(dt), g_kv[:, 0].to(dt), g_kv[:, 1].to(dt)
 
 
 class _StarTrailAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, groups, causal, scale, kernel, ledger, packed, options):
+    def forward(
+        ctx, q, k, v, sinks, joint_k, joint_v, groups, causal, scale, kernel, ledger, packed,
+        options,
+    ):  # fmt: skip
         if ledger is not None:
             ledger.phase = "fwd"
         cx = RankContext(groups, causal, ledger, packed=packed, options=options)
-        out, saved = startrail_rank_forward(q, k, v, cx, scale, kernel, sinks)
-        ctx.save_for_backward(out, *saved, sinks)
+        joint = None if joint_k is None else (joint_k, joint_v)
+        out, saved = startrail_rank_forward(q, k, v, cx, scale, kernel, sinks, joint)
+        ctx.save_for_backward(out, *saved, sinks, joint_k, joint_v)
         ctx.cx, ctx.scale, ctx.kernel, ctx.ledger = cx, scale, kernel, ledger
         return out
 
     @staticmethod
     @once_differentiable  # no double backward: an error, not silently wrong gradients
     def backward(ctx, dout):
-        out, q_team, kv_team, lse_team, sinks = ctx.saved_tensors
+        out, q_team, kv_team, lse_team, sinks, joint_k, joint_v = ctx.saved_tensors
         if ctx.ledger is not None:
             ctx.ledger.phase = "bwd"
+        joint = None if joint_k is None else (joint_k, joint_v)
         dq, dk, dv = startrail_rank_backward(
             dout.contiguous(), out, (q_team, kv_team, lse_team), ctx.cx, ctx.scale, ctx.kernel,
-            sinks,
+            sinks, joint,
         )  # fmt: skip
         d_sinks = None if sinks is None else ctx.cx.sinks_grad.to(sinks.dtype)
-        return dq, dk, dv, d_sinks, None, None, None, None, None, None, None
+        d_jk = d_jv = None
+        if joint is not None:
+            d_jk, d_jv = (g.to(joint_k.dtype) for g in ctx.cx.joint_grad)
+        return (dq, dk, dv, d_sinks, d_jk, d_jv) + (None,) * 7
 
 
 def startrail_attention(
@@ -529,6 +616,7 @@ def startrail_attention(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    joint_kv: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Exact attention over the whole CP-sharded sequence, StarTrail schedule.
 
@@ -576,6 +664,13 @@ def startrail_attention(
         sinks: ``[heads_q]`` learned attention-sink logits (GPT-OSS), the same on every
             CP rank; they join each row's softmax denominator once, in the final
             combine, and receive their gradient (this rank's rows' part).
+        joint_kv: ``(k_joint, v_joint)``, each ``[t, b, heads_kv, head_dim]``: keys the same
+            on every CP rank that every query also sees (the text tokens of MMDiT joint
+            attention; ``joint.joint_attention`` adds their own queries). Each rank adds them
+            to its own rows, so they count once per query; their gradient from this rank's
+            rows flows back (the ranks' parts sum to the whole: sum them over the CP group
+            with the other replicated gradients). Full attention only (``causal=False``),
+            no dropout or window; no extra communication.
 
     Returns:
         out ``[s_local, b, heads_q, head_dim]`` in q's dtype.
@@ -587,8 +682,12 @@ def startrail_attention(
     validate_inputs(q, k, v, groups.cp_size, causal)
     packed = packed_layout(groups.cp_size, q.shape[0], cu_seqlens, cu_seqlens_padded)
     opts = check_options(q, groups.cp_size, causal, dropout_p, window, softcap, sinks)
+    jk, jv = check_joint_kv(joint_kv, k, causal, opts)
     kern, scale = resolve_kernel(q, kernel, softmax_scale, **opts.kernel_needs)
-    agree_once(groups, q, k, bool(causal), packed, opts, sinks is not None)
+    agree_once(
+        groups, q, k, bool(causal), packed, opts, sinks is not None,
+        joint_tokens=0 if jk is None else jk.shape[0],
+    )  # fmt: skip
     return _StarTrailAttention.apply(
-        q, k, v, sinks, groups, bool(causal), scale, kern, ledger, packed, opts
+        q, k, v, sinks, jk, jv, groups, bool(causal), scale, kern, ledger, packed, opts
     )

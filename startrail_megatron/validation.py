@@ -23,7 +23,14 @@ from .groups import StarTrailGroups
 from .layout import PLACEMENTS
 from .packing import PackedLayout
 
-__all__ = ["AttnOptions", "agree_once", "check_options", "packed_layout", "validate_inputs"]
+__all__ = [
+    "AttnOptions",
+    "agree_once",
+    "check_joint_kv",
+    "check_options",
+    "packed_layout",
+    "validate_inputs",
+]
 
 
 def validate_inputs(q: Tensor, k: Tensor, v: Tensor, cp_size: int, causal: bool) -> None:
@@ -108,6 +115,41 @@ def check_options(q: Tensor, cp_size: int, causal: bool, dropout_p, window, soft
     return AttnOptions(dropout_p, win, cap)
 
 
+def check_joint_kv(joint_kv, k: Tensor, causal: bool, options: AttnOptions):
+    """``joint_kv``: ``None`` or ``(k_joint, v_joint)`` shaped ``[t, batch, heads_kv,
+    head_dim]`` like ``k`` but for ``t >= 1`` tokens, in k's dtype and device; full
+    attention without dropout or window (``ValueError`` naming what is wrong)."""
+    if joint_kv is None:
+        return None, None
+    if not isinstance(joint_kv, (tuple, list)) or len(joint_kv) != 2:
+        raise ValueError("joint_kv must be a pair (k_joint, v_joint) of tensors, or None")
+    _, b, hkv, d = k.shape
+    for name, t in zip(("k_joint", "v_joint"), joint_kv):
+        if not isinstance(t, Tensor) or t.dim() != 4 or tuple(t.shape[1:]) != (b, hkv, d):
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(
+                f"joint_kv: {name} must be [t, batch, heads_kv, head_dim] = [t, {b}, {hkv}, {d}], "
+                f"got {got}"
+            )
+        if t.dtype != k.dtype or t.device != k.device:
+            raise ValueError(
+                f"joint_kv: {name} is {t.dtype} on {t.device}; k is {k.dtype} on {k.device}"
+            )
+    if joint_kv[0].shape != joint_kv[1].shape or joint_kv[0].shape[0] < 1:
+        raise ValueError(
+            f"joint_kv: k_joint {tuple(joint_kv[0].shape)} and v_joint "
+            f"{tuple(joint_kv[1].shape)} must have the same shape, with at least one token"
+        )
+    if causal:
+        raise ValueError("joint_kv needs causal=False (joint attention is full attention)")
+    if options.dropout_p or options.window is not None:
+        raise ValueError(
+            f"joint_kv takes no dropout_p ({options.dropout_p}) or window ({options.window}); "
+            "allowed: dropout_p=0 and window=None"
+        )
+    return joint_kv[0], joint_kv[1]
+
+
 def check_window_layout(window, s_local: int) -> None:
     """A window needs the zigzag layout (global positions of the local rows), causal or not:
     an even ``s_local`` (``ValueError`` naming it)."""
@@ -152,11 +194,13 @@ def agree_once(
     packed: PackedLayout | None = None,
     options: AttnOptions = NO_OPTIONS,
     sinks: bool = False,
+    *,
+    joint_tokens: int = 0,
 ) -> None:
     """Check, the first time this rank sees a call setting, that every CP rank has the same.
 
     Ranks that disagree on the local length, batch, heads, head_dim, dtype,
-    causal, dropout_p, window, softcap, sinks or the packed documents (or on C, placement, P through their groups)
+    causal, dropout_p, window, softcap, sinks, joint tokens or the packed documents (or on C, placement, P through their groups)
     would post mismatched
     transfers and hang until the group's timeout; instead every rank raises the
     same ``ValueError`` naming what differs. One tiny all-reduce, and one device
@@ -186,6 +230,7 @@ def agree_once(
         "window right (-1: none)": -1 if window is None or window[1] is None else window[1],
         "softcap (float64 bits)": struct.unpack("<q", struct.pack("<d", options.softcap))[0],
         "sinks": int(sinks),
+        "joint tokens": joint_tokens,
     }
     key = tuple(fields.values())
     if lay.cp_size == 1 or key in groups.agreed:
