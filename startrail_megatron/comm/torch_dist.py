@@ -25,6 +25,7 @@ __all__ = [
     "P2PComm",
     "P2PHandle",
     "TeamComm",
+    "all_reduce_sum",
     "all_to_all_bytes",
     "check_agreement",
     "tap_all_to_all",
@@ -56,7 +57,10 @@ def _failed(
 
 
 def check_agreement(
-    group: dist.ProcessGroup | None, fields: dict[str, int], device: torch.device
+    group: dist.ProcessGroup | None,
+    fields: dict[str, int],
+    device: torch.device,
+    hint: str = "every CP rank must call with the same shapes, dtype, causal and StarTrail groups",
 ) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless all ranks pass equal ``fields``.
 
@@ -76,9 +80,18 @@ def check_agreement(
     if bad:
         raise ValueError(
             f"the ranks of the CP group (global ranks {_group_ranks(group)}) disagree on "
-            f"{', '.join(bad)}: every CP rank must call with the same shapes, dtype, causal "
-            "and StarTrail groups"
+            f"{', '.join(bad)}: {hint}"
         )
+
+
+def all_reduce_sum(x: Tensor, group: dist.ProcessGroup | None, what: str) -> Tensor:
+    """Sum ``x`` in place over ``group`` (``None``: the world) and return it; errors name
+    the group and the peers. For gradients of replicated parameters (``dit/train.py``)."""
+    try:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    except RuntimeError as e:
+        raise _failed(f"all-reduce of {what!r}", group, "", e) from e
+    return x
 
 
 class TeamComm:
