@@ -7,8 +7,9 @@ with the arguments untouched. Otherwise, before DeepSpeed sees anything:
 1. validate the section (``ValueError`` naming ``startrail.<key>``) and the
    ZeRO settings it interacts with;
 2. set the CUDA device to the local rank (``set_local_device``), create the
-   groups (``StarTrailMPU``) and prepare the model
-   (``prepare_hf_model``);
+   groups (``StarTrailMPU``) and prepare the model (``prepare_hf_model``,
+   ``prepare_megatron_gpt``, or ``dit.parallelize_dit`` for a ``dit.DiT``, whose
+   loss is ``dit.diffusion_loss(..., scale=engine.startrail_handle.grad_scale)``);
 3. call DeepSpeed with ``mpu=`` those groups and the config minus the section
    (plus ``zero_hpz_partition_size = C`` for ``zero_mapping: "hpz_team"``).
 
@@ -188,16 +189,18 @@ def initialize(
             "data_parallel_size"
         )
     _zero_settings(cfg, st)
+    from ..dit.model import DiT
     from .megatron_gpt import is_megatron_gpt
 
     megatron_model = is_megatron_gpt(model)
-    if not megatron_model:
+    dit_model = isinstance(model, DiT)
+    if not (megatron_model or dit_model):
         from transformers import PreTrainedModel
 
         if not isinstance(model, PreTrainedModel):
             raise NotImplementedError(
-                f"startrail in DeepSpeed prepares transformers causal LMs and megatron-core "
-                f"GPTModels; got {type(model).__name__}"
+                f"startrail in DeepSpeed prepares transformers causal LMs, megatron-core "
+                f"GPTModels and startrail_megatron.dit.DiT; got {type(model).__name__}"
             )
 
     import deepspeed.comm as ds_dist
@@ -217,6 +220,11 @@ def initialize(
 
         st_mpu = megatron_mpu(st)  # Megatron's CP group and its StarTrail groups
         handle = prepare_megatron_gpt(model, st_mpu)
+    elif dit_model:
+        from ..dit.parallel import parallelize_dit
+
+        st_mpu = StarTrailMPU.create(st)
+        handle = parallelize_dit(model, st_mpu.startrail)  # loss: dit.diffusion_loss
     else:
         st_mpu = StarTrailMPU.create(st)
         from .hf import prepare_hf_model

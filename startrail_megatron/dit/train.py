@@ -45,6 +45,7 @@ class TrainArgs:
     micro_batch_size: int = 2
     lr: float = 1e-3
     weight_decay: float = 0.0
+    optimizer: str = "adamw"
     seed: int = 0
     team_size: int = 1
     placement: str = "team"
@@ -59,6 +60,8 @@ class TrainArgs:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not supported; allowed: {list(_DTYPES)}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"--optimizer {self.optimizer!r}; allowed: ['adamw', 'sgd']")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"--placement {self.placement!r}; allowed: {list(PLACEMENTS)}")
         for name in ("steps", "micro_batch_size", "team_size", "log_interval"):
@@ -154,6 +157,8 @@ def build_model(args: TrainArgs) -> DiT:
 
 
 def _optimizer(model, args: TrainArgs):
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
 
@@ -190,6 +195,7 @@ class TrainResult:
     model: torch.nn.Module
     handle: DiTHandle
     tokens_per_s: float = 0.0
+    engine: object = None  # the DeepSpeed engine, if any
 
 
 def _groups(args: TrainArgs) -> tuple[StarTrailGroups, int, int]:
@@ -215,24 +221,35 @@ def run_training(
     batches: ReplicaBatches | None = None,
     log=print,
 ) -> TrainResult:
-    """Train on the initialized process group; every rank calls it."""
-    if groups is None:
-        groups, replica, replicas = _groups(args)
-    else:
-        replicas = dist.get_world_size() // groups.cp_size
-        replica = dist.get_rank() // groups.cp_size
+    """Train on the initialized process group; every rank calls it. With
+    ``deepspeed_config`` the groups are the ``"startrail"`` section's (DeepSpeed's mpu);
+    else ``groups`` or new ones over ``cp_size`` ranks per replica."""
     dtype = _DTYPES[args.dtype]
     device = _device()
-    if batches is None:
-        batches = ReplicaBatches(args.model, args.seed, replica, args.micro_batch_size, dtype)
     model = build_model(args).to(device)
     if args.deepspeed_config is not None:
+        if groups is not None:
+            raise ValueError("run_training: with deepspeed_config the groups come from DeepSpeed")
         engine, handle = _deepspeed_engine(model, args)
         step_model, scale = engine, handle.grad_scale
+        mpu = engine.startrail_mpu
+        replica, replicas = mpu.data_parallel_rank, mpu.data_parallel_size
+        if args.cp_size not in (None, mpu.startrail.cp_size):
+            raise ValueError(
+                f"--cp-size {args.cp_size} differs from the DeepSpeed config's "
+                f"startrail.sequence_parallel_size {mpu.startrail.cp_size}: give one of them"
+            )
     else:
+        if groups is None:
+            groups, replica, replicas = _groups(args)
+        else:
+            replicas = dist.get_world_size() // groups.cp_size
+            replica = dist.get_rank() // groups.cp_size
         handle = parallelize_dit(model, groups, kernel=args.kernel)
         engine, step_model, scale = None, model, 1.0
         opt = _optimizer(model, args)
+    if batches is None:
+        batches = ReplicaBatches(args.model, args.seed, replica, args.micro_batch_size, dtype)
     groups = handle.groups
     tokens, p = handle.tokens, groups.cp_size
     losses, t0, log_rows = [], time.perf_counter(), []
@@ -272,9 +289,8 @@ def run_training(
         with open(args.json_log, "w") as f:
             json.dump({"args": _jsonable(args), "log": log_rows, "losses": losses}, f, indent=1)
     el = time.perf_counter() - t0
-    return TrainResult(
-        losses, model, handle, args.steps * args.micro_batch_size * tokens.num_tokens / el
-    )
+    tps = args.steps * args.micro_batch_size * tokens.num_tokens / el
+    return TrainResult(losses, model, handle, tps, engine)
 
 
 def _jsonable(args: TrainArgs) -> dict:
@@ -324,6 +340,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--image-size", default="16", help="H or H,W (latent pixels)")
     ap.add_argument("--frames", type=int, default=1, help="> 1: video latents")
@@ -355,7 +372,7 @@ def args_from_cli(argv=None) -> tuple[TrainArgs, argparse.Namespace]:
     )  # fmt: skip
     args = TrainArgs(
         model=model, steps=ns.steps, micro_batch_size=ns.micro_batch_size, lr=ns.lr,
-        weight_decay=ns.weight_decay, seed=ns.seed, team_size=ns.team_size,
+        weight_decay=ns.weight_decay, optimizer=ns.optimizer, seed=ns.seed, team_size=ns.team_size,
         placement=ns.placement, cp_size=ns.cp_size, dtype=ns.dtype, kernel=ns.kernel,
         deepspeed_config=ns.deepspeed_config, log_interval=ns.log_interval, json_log=ns.json_log,
     )  # fmt: skip
