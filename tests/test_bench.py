@@ -55,6 +55,21 @@ def test_bench_tiny_all_strategies(tmp_path):
     json.dumps(report)  # serializable as written by main()
 
 
+def test_bench_dit_workload_full_attention():
+    """The DiT row: DiT-1B's head_dim 64, full attention, every peer side by side, exact."""
+    argv = ["--workload", "dit", "--seq-len", "32", "--warmup", "0", "--repeats", "1"]
+    args = bench.resolve_workload(bench.build_parser().parse_args(argv))
+    assert (args.heads, args.kv_heads, args.head_dim, args.full) == (8, 8, 64, True)
+    args.cuda = False
+    report = run_ranks(4, _bench_rank, args)[0]
+    assert report["config"]["workload"] == "dit" and report["config"]["causal"] is False
+    names = [r["strategy"] for r in report["results"]]
+    assert names == ["ring", "startrail-C2-team", "allgather", "ulysses"]
+    for r in report["results"]:
+        assert r["max_rel_error"] <= 1e-5, r
+    assert "dit workload" in bench.format_table(report) and "full" in bench.format_table(report)
+
+
 def test_bench_argument_errors(capsys):
     for argv, msg in (
         (["--seq-len", "30"], "divisible by 2*nproc = 8"),

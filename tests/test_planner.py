@@ -766,3 +766,20 @@ def test_cost_model_counts_the_window_pairs():
     assert [r[0] for r in rows] == ["4096"] * 2 + ["1024"] * 2 + ["256"] * 2
     for r in rows[2:]:
         assert float(r[4]) < 1.0  # fewer pairs than full causal
+
+
+def test_dit_1b_preset_is_full_attention_and_plans_the_papers_dit_setting():
+    """DiT-1B (24 layers, hidden 1536, 24 heads, adaLN-Zero: ~1.0e9 parameters), full
+    attention, on the paper's DiT cluster (32 A100s, 8 per node, 100 Gb/s Ethernet)."""
+    m = MODEL_PRESETS["dit-1b"]
+    assert (m.layers, m.hidden, m.heads, m.causal, m.adaln_zero) == (24, 1536, 24, False, True)
+    assert 0.95e9 < m.params < 1.1e9
+    shape = AttnShape.for_model(m, 128 * 1024, 32)
+    assert shape.causal is False
+    cluster = CLUSTER_PRESETS["a100-eth"].with_(num_nodes=4)
+    pl = plan(cluster, m, 128 * 1024, 32)
+    rows = {r.strategy: r for r in pl.rows}
+    assert {"ring", "startrail-C2-team", "startrail-C4-team", "allgather"} <= set(rows)
+    ring = rows["ring"].p2p_bytes  # StarTrail's P2P: about 1/C of ring's
+    assert 0.45 * ring < rows["startrail-C2-team"].p2p_bytes < 0.55 * ring
+    assert 0.2 * ring < rows["startrail-C4-team"].p2p_bytes < 0.3 * ring

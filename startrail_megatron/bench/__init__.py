@@ -11,18 +11,20 @@ What is measured and how: ``cli.py``'s docstring (the ``--help`` text).
   report.py  the table and the PNG chart
 """
 
-from .cli import build_parser, main, run
+from .cli import WORKLOADS, build_parser, main, resolve_workload, run
 from .memory import PeakMemory
 from .micro import cache_bytes_per_core
 from .report import format_table, write_png
 from .runner import run_rank
 
 __all__ = [
+    "WORKLOADS",
     "PeakMemory",
     "build_parser",
     "cache_bytes_per_core",
     "format_table",
     "main",
+    "resolve_workload",
     "run",
     "run_rank",
     "write_png",

@@ -41,7 +41,13 @@ from .memory import PeakMemory
 from .report import format_table, write_png
 from .runner import DTYPES, run_rank
 
-__all__ = ["build_parser", "main", "run"]
+__all__ = ["WORKLOADS", "build_parser", "main", "resolve_workload", "run"]
+
+WORKLOADS: dict[str, dict] = {
+    "gpt": {"heads": 8, "kv_heads": None, "head_dim": 64, "full": False},
+    "dit": {"heads": 8, "kv_heads": None, "head_dim": 64, "full": True},
+}
+"""Default attention shapes per workload (``kv_heads`` None: as many as ``heads``)."""
 
 
 def _bench_rank(rank: int, world: int, args, out_file: str) -> None:
@@ -62,9 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seq-len", type=int, default=4096, help="global sequence length")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="gpt",
+        help="gpt: causal, 8 heads of 64; dit: DiT-1B's attention (full, head_dim 64) with "
+        "its 24 heads reduced to 8 for CPU ranks; --heads/--kv-heads/--head-dim/--full override",
+    )
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=None)
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--full", action="store_true", help="no causal mask (default: causal, zigzag)")
     p.add_argument("--warmup", type=int, default=2)
@@ -85,6 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resolve_workload(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the shape arguments not given from ``--workload``'s defaults (in place)."""
+    wl = WORKLOADS[args.workload]
+    for name in ("heads", "head_dim"):
+        if getattr(args, name) is None:
+            setattr(args, name, wl[name])
+    if args.kv_heads is None:
+        args.kv_heads = args.heads
+    args.full = args.full or wl["full"]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: run the benchmark, print and write the outputs; exit status 0."""
     run(argv)
@@ -94,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(argv: list[str] | None = None) -> dict:
     """Run the benchmark and return the report (rank 0's; ``{}`` on other torchrun ranks)."""
     p = build_parser()
-    args = p.parse_args(argv)
+    args = resolve_workload(p.parse_args(argv))
     under_torchrun = "RANK" in os.environ
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
     args.cuda = under_torchrun and torch.cuda.is_available()

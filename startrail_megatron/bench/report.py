@@ -8,6 +8,7 @@ __all__ = ["format_table", "write_png"]
 def format_table(report: dict) -> str:
     c = report["config"]
     lines = [
+        f"{c.get('workload', 'gpt')} workload, "
         f"P={c['nproc']} ranks ({report['environment']['backend']}, "
         f"{report['environment']['device']}), seq {c['seq_len']}, batch {c['batch']}, "
         f"{c['heads']} q / {c['kv_heads']} kv heads, head_dim {c['head_dim']}, {c['dtype']}, "

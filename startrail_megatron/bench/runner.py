@@ -216,6 +216,7 @@ def _calibrate(
 def _config(args, world: int, causal: bool) -> dict:
     return {
         "nproc": world,
+        "workload": getattr(args, "workload", "gpt"),
         "seq_len": args.seq_len,
         "batch": args.batch,
         "heads": args.heads,

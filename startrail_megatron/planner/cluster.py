@@ -197,7 +197,11 @@ class ModelSpec:
     gated_mlp: bool = False
     """SwiGLU-style MLP (three matrices) instead of two."""
     vocab: int = 50304
-    """Vocabulary size (embedding parameters)."""
+    """Vocabulary size (embedding parameters); a DiT's output projection size."""
+    causal: bool = True
+    """Causal attention (GPT); ``False``: full attention (DiT: no zigzag balance needed)."""
+    adaln_zero: bool = False
+    """DiT's adaLN-Zero modulation: 6 H^2 more parameters per layer."""
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
@@ -217,7 +221,7 @@ class ModelSpec:
     def params_per_layer(self) -> int:
         h, kv = self.hidden, self.kv_heads * self.head_dim
         mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden
-        return h * (h + 2 * kv) + h * h + mlp
+        return h * (h + 2 * kv) + h * h + mlp + (6 * h * h if self.adaln_zero else 0)
 
     @property
     def params(self) -> int:
@@ -250,5 +254,19 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ffn_hidden=14336,
         gated_mlp=True,
         vocab=128256,
+    ),
+    # DiT-1B of the paper's diffusion runs (sec. 5: 24 layers, hidden 1536, 24 heads),
+    # full attention over image / video tokens; adaLN-Zero blocks, MLP ratio 4; the
+    # "vocab" is the per-token output projection (patch 2 x 2, 8 latent channels).
+    "dit-1b": ModelSpec(
+        "dit-1b",
+        layers=24,
+        hidden=1536,
+        heads=24,
+        kv_heads=24,
+        ffn_hidden=6144,
+        vocab=32,
+        causal=False,
+        adaln_zero=True,
     ),
 }

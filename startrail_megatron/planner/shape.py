@@ -67,6 +67,7 @@ class AttnShape:
             raise ValueError(
                 f"seq_len={seq_len} must be divisible by 2*cp_size = {2 * cp_size} (zigzag)"
             )
+        kw.setdefault("causal", model.causal)
         return cls(
             cp_size, seq_len // cp_size, batch, model.heads, model.kv_heads, model.head_dim, **kw
         )
