@@ -14,10 +14,11 @@ The core imports neither Megatron nor DeepSpeed; their adapters live in
 their own subpackages.
 """
 
-from . import peers
+from . import joint, peers
 from .attention import startrail_attention
 from .comm import CommEvent, CommLedger
 from .groups import StarTrailGroups
+from .joint import joint_attention
 from .kernels import get_kernel, merge_partial
 from .layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
 from .packing import PackedLayout, pack_lengths
@@ -35,6 +36,8 @@ __all__ = [
     "StarTrailLayout",
     "allgather_attention",
     "get_kernel",
+    "joint",
+    "joint_attention",
     "merge_partial",
     "pack_lengths",
     "peers",
