@@ -227,3 +227,19 @@ def test_train_args_refuse_bad_settings_by_name():
     assert "--placement" in errs["placement"]
     assert "--steps" in errs["steps"]
     assert "patch_size" in errs["patch"] and "num_heads" in errs["heads"]
+
+
+def test_cli_spawns_ranks_and_trains(tmp_path):
+    """``python -m startrail_megatron.dit.train --nproc 2``: uneven MMDiT tokens, a JSON log."""
+    import json
+
+    from startrail_megatron.dit import train
+
+    log = tmp_path / "log.json"
+    train.main(
+        ["--nproc", "2", "--steps", "3", "--image-size", "6", "--text-tokens", "2",
+         "--hidden-size", "16", "--log-interval", "1", "--json-log", str(log)]
+    )  # fmt: skip
+    out = json.loads(log.read_text())
+    assert len(out["losses"]) == 3 and all(x > 0 for x in out["losses"])
+    assert out["args"]["model"]["text_tokens"] == 2 and len(out["log"]) == 3

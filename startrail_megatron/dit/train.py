@@ -391,12 +391,23 @@ def _rank_main(rank: int, world: int, args: TrainArgs) -> None:
         )
 
 
+def _spawned_rank_main(rank: int, world: int, args: TrainArgs) -> None:
+    """A ``--nproc`` rank: what a launcher would set (DeepSpeed reads it), then train."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    _rank_main(rank, world, args)
+
+
 def main(argv=None) -> None:
     args, ns = args_from_cli(argv)
     if ns.nproc is not None:
         from ..spawn import spawn_local_ranks
 
-        spawn_local_ranks(_rank_main, ns.nproc, args, timeout=timedelta(seconds=ns.timeout_s))
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # CPU ranks, also for DeepSpeed
+        spawn_local_ranks(
+            _spawned_rank_main, ns.nproc, args, timeout=timedelta(seconds=ns.timeout_s)
+        )
         return
     if not dist.is_initialized():  # torchrun / deepspeed launcher
         backend = "nccl" if torch.cuda.is_available() else "gloo"
