@@ -9,6 +9,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["startrail_megatron", "startrail_megatron.*"]),
     install_requires=["torch>=2.4"],
+    package_data={"startrail_megatron.megatron.training": ["megatron_lm_flags.txt"]},
     extras_require={
         "megatron": ["megatron-core>=0.13,<0.17", "einops"],
         "deepspeed": ["deepspeed>=0.16", "pydantic>=2", "transformers>=5.0"],
@@ -20,6 +21,7 @@ setup(
         "console_scripts": [
             "startrail-bench=startrail_megatron.bench:main",
             "startrail-plan=startrail_megatron.planner.cli:main",
+            "startrail-preprocess-data=startrail_megatron.megatron.preprocess_data:main",
         ]
     },
 )

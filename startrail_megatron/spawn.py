@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from collections.abc import Callable
 from datetime import timedelta
@@ -25,17 +26,29 @@ def _entry(rank, world, init_file, timeout, threads, fn, args) -> None:
 
 
 def spawn_local_ranks(
-    fn: Callable, nprocs: int, *args, timeout: timedelta, threads: int = 1
+    fn: Callable,
+    nprocs: int,
+    *args,
+    timeout: timedelta,
+    threads: int = 1,
+    ranks_handle_sigint: bool = False,
 ) -> None:
     """Run the module-level ``fn(rank, nprocs, *args)`` on ``nprocs`` spawned processes.
 
     Each joins a gloo process group (file:// rendezvous in a temporary folder, so
-    no port is needed) with ``timeout`` and destroys it afterwards.
+    no port is needed) with ``timeout`` and destroys it afterwards. With
+    ``ranks_handle_sigint`` the parent ignores Ctrl-C while it waits (the terminal sends
+    SIGINT to the ranks too, and they stop cleanly themselves).
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.start_processes(
-            _entry,
-            args=(nprocs, os.path.join(tmp, "rdv"), timeout, threads, fn, args),
-            nprocs=nprocs,
-            start_method="spawn",
-        )
+    prev = signal.signal(signal.SIGINT, signal.SIG_IGN) if ranks_handle_sigint else None
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.multiprocessing.start_processes(
+                _entry,
+                args=(nprocs, os.path.join(tmp, "rdv"), timeout, threads, fn, args),
+                nprocs=nprocs,
+                start_method="spawn",
+            )
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGINT, prev)

@@ -59,7 +59,7 @@ def _model(argv):
     return GPTModel(
         config=T.transformer_config(args),
         transformer_layer_spec=T.layer_spec(args),
-        vocab_size=args.vocab_size,
+        vocab_size=args.padded_vocab_size,
         max_sequence_length=args.seq_length,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
             args.nproc,
             args,
             timeout=timedelta(minutes=args.distributed_timeout_minutes),
+            ranks_handle_sigint=True,
         )
         return
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")

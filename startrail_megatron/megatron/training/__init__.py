@@ -26,7 +26,7 @@ One concern per module, imported in this order:
 from .arguments import build_parser, parse_args, validate_args
 from .autotune import autotune_team_size
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data import build_dataset, eod_id, global_batches
+from .data import build_dataset, build_datasets, eod_id, global_batches
 from .initialize import initialize, teardown
 from .loop import train
 from .model import build_model, build_optimizer, layer_spec, transformer_config
@@ -35,6 +35,7 @@ from .step import clip_grad_norm, forward_backward, optimizer_step, pack_micro_b
 __all__ = [
     "autotune_team_size",
     "build_dataset",
+    "build_datasets",
     "build_model",
     "build_optimizer",
     "build_parser",

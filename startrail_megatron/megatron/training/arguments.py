@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .. import versions
 from ..arguments import add_startrail_args, validate_startrail_args
+from . import flags
 
 __all__ = ["build_parser", "parse_args", "validate_args"]
 
@@ -39,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--position-embedding-type", choices=["rope", "learned_absolute"], default="rope"
     )
     g.add_argument(
-        "--vocab-size", type=int, default=128, help="NullTokenizer vocabulary (mock data)"
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="NullTokenizer: ids 0..V-1, plus the end-of-document id V (mock data: 127)",
     )
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--swiglu", action="store_true")
@@ -65,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument(
+        "--init-method-std", type=float, default=0.02, help="std of the weights' normal init"
+    )
     g.add_argument("--bf16", action="store_true")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -96,10 +103,71 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("learning-rate and weight-decay schedule (megatron-core's scheduler)")
+    g.add_argument(
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+        default="linear",
+    )
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="of --lr-decay-iters")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument(
+        "--lr-wsd-decay-style",
+        choices=["exponential", "linear", "cosine", "minus_sqrt"],
+        default="exponential",
+    )
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument(
+        "--weight-decay-incr-style", choices=["constant", "linear", "cosine"], default="constant"
+    )
+    g = p.add_argument_group("data and tokenizer (megatron-core's GPT dataset)")
     g.add_argument(
         "--mock-data",
         action="store_true",
-        help="megatron-core's MockGPTDataset (the only data source here)",
+        help="megatron-core's MockGPTDataset (the default without --data-path)",
+    )
+    g.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help="prefixes of .bin/.idx files (startrail-preprocess-data), optionally weighted: "
+        "'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...'",
+    )
+    g.add_argument(
+        "--split", type=str, default=None, help="train,valid,test proportions (e.g. 949,50,1)"
+    )
+    g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument(
+        "--tokenizer-type",
+        type=str,
+        default=None,
+        help="NullTokenizer (ids as text, --vocab-size) or HuggingFaceTokenizer (--tokenizer-model DIR)",
+    )
+    g.add_argument("--tokenizer-model", type=str, default=None, help="a local tokenizer directory")
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the embedding table to a multiple of this (x TP size)",
+    )
+    g = p.add_argument_group("evaluation, exit and logging")
+    g.add_argument("--eval-interval", type=int, default=None, help="evaluate every N iterations")
+    g.add_argument("--eval-iters", type=int, default=100, help="validation batches per evaluation")
+    g.add_argument("--exit-interval", type=int, default=None, help="stop after iteration N")
+    g.add_argument(
+        "--exit-duration-in-mins", type=float, default=None, help="stop after this wall time"
+    )
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument(
+        "--megatron-lm-flags",
+        action=_FlagTable,
+        nargs=0,
+        help="print which Megatron-LM flags are honoured, ignored or refused, and exit",
     )
     g.add_argument(
         "--reset-position-ids",
@@ -131,7 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="timed iterations per candidate for --startrail-team-size auto (after 1 warm-up)",
     )
     add_startrail_args(p)
+    flags.add_megatron_lm_flags(p)
     return p
+
+
+class _FlagTable(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(flags.table(parser))
+        parser.exit()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -145,7 +220,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def validate_args(args: argparse.Namespace) -> None:
+def validate_args(args: argparse.Namespace, warn=None) -> None:
+    flags.check_megatron_lm_flags(args, warn)
+    _validate_data_and_schedule(args)
     if args.num_query_groups is None:
         args.num_query_groups = args.num_attention_heads
     elif not args.group_query_attention:
@@ -241,3 +318,82 @@ def _layer_pattern(x: str):
     if not isinstance(out, list) or any(v not in (0, 1) for v in out):
         raise argparse.ArgumentTypeError(f"{x!r}: a list expression of 0 and 1, one per layer")
     return out
+
+
+def _validate_data_and_schedule(args: argparse.Namespace) -> None:
+    """Megatron-LM's checks and defaults for the data, tokenizer, schedule and evaluation."""
+    if args.data_path is not None and args.mock_data:
+        raise ValueError("--data-path and --mock-data: give one of them")
+    if args.data_path is not None and not args.data_path:
+        raise ValueError("--data-path needs at least one prefix")
+    if args.data_path is None:
+        args.mock_data = True
+    tok = args.tokenizer_type
+    if tok is None:
+        tok = args.tokenizer_type = "NullTokenizer" if args.mock_data else None
+    if tok is None:
+        raise ValueError(
+            "--data-path needs --tokenizer-type (NullTokenizer or HuggingFaceTokenizer), the "
+            "one the data was preprocessed with"
+        )
+    if tok not in ("NullTokenizer", "HuggingFaceTokenizer"):
+        raise ValueError(
+            f"--tokenizer-type {tok} is refused here: allowed NullTokenizer, "
+            "HuggingFaceTokenizer (a local directory in --tokenizer-model)"
+        )
+    if tok == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR")
+    if tok == "NullTokenizer":
+        if args.vocab_size is None:
+            if not args.mock_data:
+                raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+            args.vocab_size = 127  # 128 ids with the end-of-document token
+    elif args.vocab_size is not None:
+        raise ValueError("--vocab-size is for NullTokenizer; the HF tokenizer has its own")
+    if args.split is None:  # Megatron-LM's legacy default; mock data: all for training
+        args.split = "969, 30, 1" if not args.mock_data else "1, 0, 0"
+    from .tokenizer import build_tokenizer
+
+    tok = build_tokenizer(args)  # sets padded_vocab_size; a bad --tokenizer-model fails here
+    args.eod_id = tok.eod
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        raise ValueError("--lr-warmup-fraction and --lr-warmup-iters: give one of them")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    warm = (
+        args.lr_warmup_fraction * args.lr_decay_iters
+        if args.lr_warmup_fraction is not None
+        else args.lr_warmup_iters
+    )
+    if args.lr_decay_iters < 1 or warm >= args.lr_decay_iters:
+        raise ValueError(
+            f"--lr-decay-iters {args.lr_decay_iters} must be >= 1 and exceed the warm-up "
+            f"({warm:g} iterations: --lr-warmup-iters / --lr-warmup-fraction)"
+        )
+    if not 0 <= args.min_lr <= args.lr or args.lr_warmup_init > args.lr:
+        raise ValueError(
+            f"--min-lr {args.min_lr} and --lr-warmup-init {args.lr_warmup_init} must be in "
+            f"[0, --lr {args.lr}]"
+        )
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
+        raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+    for name in ("start_weight_decay", "end_weight_decay"):
+        if getattr(args, name) is None:
+            setattr(args, name, args.weight_decay)
+    if args.weight_decay_incr_style == "constant" and args.start_weight_decay != args.end_weight_decay:
+        raise ValueError(
+            "--start-weight-decay and --end-weight-decay differ: give --weight-decay-incr-style "
+            "linear or cosine"
+        )
+    if args.eval_interval is not None and args.eval_interval < 1:
+        raise ValueError(f"--eval-interval {args.eval_interval} must be >= 1")
+    if args.eval_iters < 0:
+        raise ValueError(f"--eval-iters {args.eval_iters} must be >= 0")
+    if args.tensorboard_dir is not None:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "--tensorboard-dir needs the tensorboard package (pip install tensorboard); "
+                "or write the curves with --log-json FILE"
+            ) from None

@@ -1,4 +1,11 @@
-"""Data: megatron-core's ``MockGPTDataset`` and the global batches of each iteration."""
+"""Data: megatron-core's GPT datasets (``--data-path`` with ``--split``, or ``--mock-data``)
+and the global batches of each iteration.
+
+Sizes as Megatron-LM asks them of its builder: train ``train_iters x global batch``,
+validation ``eval_iters x (train_iters // eval_interval + 1) x global batch``. Every DP
+rank reads its contiguous share of each global batch; the P ranks of a CP group read the
+same and shard it in the step (zigzag, or per document with ``--reset-attention-mask``).
+"""
 
 from __future__ import annotations
 
@@ -6,56 +13,90 @@ import argparse
 
 import torch
 
-__all__ = ["build_dataset", "eod_id", "global_batches"]
+__all__ = ["build_dataset", "build_datasets", "eod_id", "global_batches"]
 
 
 def eod_id(args: argparse.Namespace) -> int:
-    """The end-of-document token of the mock data's NullTokenizer: its last id."""
-    return args.vocab_size - 1
+    """The end-of-document token of the tokenizer in use."""
+    return args.eod_id
+
+
+def _num_samples(args: argparse.Namespace) -> list[int]:
+    gbs = args.global_batch_size
+    train = (args.train_iters + 1) * gbs
+    evals = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
+    valid = args.eval_iters * evals * gbs
+    # None: not asked for (megatron-core then builds no samples for that split; 0 would
+    # loop forever in GPTDataset._get_num_epochs on a split without tokens)
+    return [train, valid or None, None]
 
 
 def build_dataset(args: argparse.Namespace, num_samples: int):
+    """The training split alone, with ``num_samples`` samples (tests, autotuning)."""
+    return _build(args, [num_samples, None, None])[0]
+
+
+def build_datasets(args: argparse.Namespace):
+    """(train, valid or None): megatron-core's ``GPTDataset`` over ``--data-path`` (blend of
+    weighted prefixes, ``--split``, index cache in ``--data-cache-path``), or its
+    ``MockGPTDataset``, sized as Megatron-LM sizes them."""
+    sizes = _num_samples(args)
+    train, valid = _build(args, sizes)
+    return train, (valid if sizes[1] is not None else None)
+
+
+def _build(args: argparse.Namespace, sizes: list[int]):
     import logging
 
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
-    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    from .tokenizer import build_tokenizer
 
     logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)  # "Unable to save indexes"
-    tok = NullTokenizer(eod_id(args))  # its eod is the last id
+    tok = build_tokenizer(args)
     cfg = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=None,
-        split="1,0,0",
+        blend=None if args.mock_data else get_blend_from_list(args.data_path),
+        split=args.split,
+        path_to_cache=args.data_cache_path,
         tokenizer=tok,
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=False,  # documents go to the attention as PackedSeqParams
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False,
     )
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        MockGPTDataset, [num_samples, None, None], lambda: True, cfg
-    ).build()
-    return train
+    kind = MockGPTDataset if args.mock_data else GPTDataset
+    train, valid, _ = BlendedMegatronDatasetBuilder(kind, sizes, lambda: True, cfg).build()
+    if train is None:
+        raise ValueError(f"--split {args.split!r} leaves no training data")
+    if sizes[1] is not None and valid is None:
+        raise ValueError(
+            f"--eval-interval / --eval-iters ask for validation, but --split {args.split!r} "
+            "leaves no validation data"
+        )
+    return train, valid
 
 
-def global_batches(args: argparse.Namespace, dataset):
-    """Yield, per iteration, this DP rank's micro-batches of the global batch (full sequence)."""
+def global_batches(args: argparse.Namespace, dataset, start: int = 0):
+    """Yield, per iteration from ``start``, this DP rank's micro-batches of the global
+    batch (full sequence)."""
     from megatron.core import parallel_state
 
     dp_rank = parallel_state.get_data_parallel_rank()
     gbs, mbs = args.global_batch_size, args.micro_batch_size
     per_dp = gbs // args.data_parallel_size
-    it = 0
+    it = start
     while True:
         base = it * gbs + dp_rank * per_dp
-        samples = [dataset[base + i] for i in range(per_dp)]
+        samples = [dataset[(base + i) % len(dataset)] for i in range(per_dp)]
         micro = []
         for m in range(0, per_dp, mbs):
             chunk = samples[m : m + mbs]
-            micro.append({k: torch.stack([s[k] for s in chunk]) for k in chunk[0]})
+            micro.append({k: torch.stack([torch.as_tensor(s[k]) for s in chunk]) for k in chunk[0]})
         yield micro
         it += 1

@@ -1,13 +1,20 @@
 """The training loop: ``train(args)`` on an initialized process group, with its log.
 
-Each iteration logs the loss, tokens/s and, with StarTrail, the bytes it moved
-(P2P and team collectives, from the ledger) against ring attention's.
+As Megatron-LM's: the learning-rate schedule stepped after every update, evaluation on the
+validation split every ``--eval-interval`` iterations (``--eval-iters`` global batches,
+their per-token mean losses averaged), a checkpoint every ``--save-interval`` and at the
+end, ``--exit-interval`` / ``--exit-duration-in-mins``, curves to ``--tensorboard-dir``
+and/or ``--log-json``. Each logged iteration shows the loss, the learning rate, tokens/s,
+the time left and, with StarTrail, the bytes it moved (P2P and team collectives, from the
+ledger) against ring attention's. Ctrl-C (SIGINT) stops at the end of the iteration in
+progress on every rank, saves with ``--save`` and returns the log.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import time
 
 import torch
@@ -18,9 +25,10 @@ from ...layout import StarTrailLayout
 from ..registry import get_startrail_state
 from .autotune import autotune_team_size
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data import build_dataset, global_batches
+from .data import build_datasets, global_batches
 from .initialize import initialize, teardown
 from .model import build_model, build_optimizer
+from .schedule import build_scheduler
 from .step import forward_backward, optimizer_step, rank_device
 
 __all__ = ["train"]
@@ -73,6 +81,8 @@ def train(args: argparse.Namespace) -> list[dict]:
     """Run the training loop on an initialized process group; returns the log."""
     initialize(args)
     rank = dist.get_rank()
+    stop = _StopFlag()
+    writer = None
     try:
         model = build_model(args)
         optimizer = build_optimizer(args, model)
@@ -81,45 +91,149 @@ def train(args: argparse.Namespace) -> list[dict]:
         start = 0
         if args.load:
             start = load_checkpoint(args.load, model, optimizer, args.ckpt_step)
-        dataset = build_dataset(args, (args.train_iters + 1) * args.global_batch_size)
-        batches = global_batches(args, dataset)
-        for _ in range(start):
-            next(batches)
-        log = []
+        scheduler = build_scheduler(args, optimizer)
+        scheduler.step(start * args.global_batch_size)  # resumed: the same schedule
+        train_ds, valid_ds = build_datasets(args)
+        batches = global_batches(args, train_ds, start)
+        valid = global_batches(args, valid_ds) if valid_ds is not None else None
+        writer = _writer(args, rank)
+        log: list[dict] = []
+        t_start = time.perf_counter()
         for it in range(start + 1, args.train_iters + 1):
             t0 = time.perf_counter()
+            lr = optimizer.param_groups[0]["lr"]
             loss = forward_backward(args, model, next(batches))
-            optimizer_step(model, optimizer, args.clip_grad)
+            grad_norm = optimizer_step(model, optimizer, args.clip_grad)
+            scheduler.step(args.global_batch_size)
             dt = time.perf_counter() - t0
             entry = {
                 "iteration": it,
                 "loss": loss,
+                "lr": lr,
                 "seconds": dt,
                 "tokens_per_s": args.global_batch_size * args.seq_length / dt,
             }
+            if grad_norm is not None:
+                entry["grad_norm"] = grad_norm
             if args.context_parallel_impl == "startrail":
                 entry["startrail"] = _startrail_bytes(args)
+            if valid is not None and it % args.eval_interval == 0:
+                entry["val_loss"] = evaluate(args, model, valid)
+                if args.context_parallel_impl == "startrail":
+                    _startrail_bytes(args)  # the evaluation's transfers are not the step's
+            elapsed = time.perf_counter() - t_start
+            entry["seconds_left"] = elapsed / (it - start) * (args.train_iters - it)
             log.append(entry)
-            if rank == 0 and (it % args.log_interval == 0 or it == args.train_iters):
+            if writer is not None:
+                _write_curves(writer, entry)
+            if rank == 0 and (
+                it % args.log_interval == 0 or it == args.train_iters or "val_loss" in entry
+            ):
                 _print_iteration(args, entry)
+            saved = False
             if args.save and args.save_interval and it % args.save_interval == 0:
                 save_checkpoint(args.save, model, it, optimizer)
-        if args.save and (not args.save_interval or args.train_iters % args.save_interval):
-            save_checkpoint(args.save, model, args.train_iters, optimizer)
+                saved = True
+            why = _why_stop(args, it, elapsed, stop)
+            if why:
+                if rank == 0:
+                    print(f" stopping after iteration {it}: {why}", flush=True)
+                if args.save and not saved:
+                    save_checkpoint(args.save, model, it, optimizer)
+                break
+        else:
+            if args.save and (not args.save_interval or args.train_iters % args.save_interval):
+                save_checkpoint(args.save, model, args.train_iters, optimizer)
         if rank == 0 and args.log_json:
             with open(args.log_json, "w") as f:
                 json.dump(log, f, indent=1)
         return log
     finally:
+        stop.restore()
+        if writer is not None:
+            writer.close()
         teardown()
+
+
+def evaluate(args: argparse.Namespace, model, valid) -> float:
+    """The validation loss: the mean over ``--eval-iters`` global batches of each batch's
+    per-token mean loss (Megatron-LM's), without dropout or gradients."""
+    model.eval()
+    try:
+        losses = [
+            forward_backward(args, model, next(valid), backward=False)
+            for _ in range(args.eval_iters)
+        ]
+    finally:
+        model.train()
+    return sum(losses) / len(losses)
+
+
+class _StopFlag:
+    """Ctrl-C sets a flag (the first time; a second Ctrl-C interrupts at once); the ranks
+    agree on it at the end of each iteration."""
+
+    def __init__(self):
+        self.set = False
+        self._prev = None
+        try:
+            self._prev = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread: no handler
+            self._prev = None
+
+    def _handler(self, signum, frame):
+        if self.set:
+            raise KeyboardInterrupt
+        self.set = True
+
+    def restore(self) -> None:
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)
+
+
+def _why_stop(args, it: int, elapsed_s: float, stop: _StopFlag) -> str | None:
+    """Why every rank stops after iteration ``it`` (one all-reduce: any rank's Ctrl-C or
+    clock), or None."""
+    if args.exit_interval and it % args.exit_interval == 0:
+        return f"--exit-interval {args.exit_interval}"
+    flags = torch.tensor(
+        [float(stop.set), elapsed_s / 60.0], dtype=torch.float64, device=rank_device()
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if flags[0].item():
+        return "interrupted (Ctrl-C)" + (", saving" if args.save else "")
+    if args.exit_duration_in_mins is not None and flags[1].item() > args.exit_duration_in_mins:
+        return f"--exit-duration-in-mins {args.exit_duration_in_mins}"
+    return None
+
+
+def _writer(args, rank: int):
+    """TensorBoard on the last rank, as Megatron-LM (``--tensorboard-dir``)."""
+    if args.tensorboard_dir is None or rank != dist.get_world_size() - 1:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=args.tensorboard_dir)
+
+
+def _write_curves(writer, e: dict) -> None:
+    it = e["iteration"]
+    writer.add_scalar("lm loss", e["loss"], it)
+    writer.add_scalar("learning-rate", e["lr"], it)
+    writer.add_scalar("tokens-per-second", e["tokens_per_s"], it)
+    if "val_loss" in e:
+        writer.add_scalar("lm loss validation", e["val_loss"], it)
 
 
 def _print_iteration(args, e: dict) -> None:
     width = len(str(args.train_iters))
     line = (
         f" iteration {e['iteration']:>{width}}/{args.train_iters} | lm loss {e['loss']:.6f} | "
-        f"{e['seconds'] * 1000:7.1f} ms | {e['tokens_per_s']:8.0f} tokens/s"
+        f"lr {e['lr']:.3e} | {e['seconds'] * 1000:7.1f} ms | {e['tokens_per_s']:8.0f} tokens/s"
+        f" | {_hms(e['seconds_left'])} left"
     )
+    if "val_loss" in e:
+        line += f" | validation loss {e['val_loss']:.6f}"
     st = e.get("startrail")
     if st:
         saved = 1 - st["p2p"] / st["ring_p2p"] if st["ring_p2p"] else 0.0
@@ -128,3 +242,8 @@ def _print_iteration(args, e: dict) -> None:
             f"({saved:.0%} less), collectives {st['collective'] / 1e6:.2f} MB (CP group)"
         )
     print(line, flush=True)
+
+
+def _hms(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"

@@ -43,6 +43,7 @@ def transformer_config(args: argparse.Namespace):
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
+        init_method_std=args.init_method_std,
     )
 
 
@@ -79,7 +80,7 @@ def build_model(args: argparse.Namespace):
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(args),
-        vocab_size=args.vocab_size,
+        vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

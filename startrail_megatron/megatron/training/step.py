@@ -57,8 +57,9 @@ def pack_micro_batch(batch: dict, eod: int) -> tuple[dict, object]:
     return local, psp
 
 
-def forward_backward(args: argparse.Namespace, model, micro_batches) -> float:
-    """Loss of the global batch (per-token mean); gradients left in ``main_grad``."""
+def forward_backward(args: argparse.Namespace, model, micro_batches, backward: bool = True) -> float:
+    """Loss of the global batch (per-token mean); gradients left in ``main_grad`` (with
+    ``backward=False``: the loss alone, no graph; the evaluation)."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
@@ -81,17 +82,20 @@ def forward_backward(args: argparse.Namespace, model, micro_batches) -> float:
             batch, psp = pack_micro_batch(batch, eod_id(args))
         else:
             batch, psp = get_batch_on_this_cp_rank(batch), None
-        losses = model(
-            batch["tokens"],
-            batch["position_ids"],
-            None,
-            labels=batch["labels"],
-            packed_seq_params=psp,
-        )
-        local = (losses.float() * batch["loss_mask"]).sum()
-        (local * n_dp_cp / total).backward()
+        with torch.set_grad_enabled(backward):
+            losses = model(
+                batch["tokens"],
+                batch["position_ids"],
+                None,
+                labels=batch["labels"],
+                packed_seq_params=psp,
+            )
+            local = (losses.float() * batch["loss_mask"]).sum()
+        if backward:
+            (local * n_dp_cp / total).backward()
         loss_sum += local.detach().double()
-    model.finish_grad_sync()
+    if backward:
+        model.finish_grad_sync()
     dist.all_reduce(loss_sum, group=dp_cp)
     return loss_sum.item() / total
 
