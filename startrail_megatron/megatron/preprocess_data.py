@@ -32,9 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="a JSON-lines file")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--output-prefix", required=True)
-    p.add_argument(
-        "--tokenizer-type", required=True, help="NullTokenizer or HuggingFaceTokenizer"
-    )
+    p.add_argument("--tokenizer-type", required=True, help="NullTokenizer or HuggingFaceTokenizer")
     p.add_argument("--tokenizer-model", default=None, help="a local tokenizer directory")
     p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's")
     p.add_argument("--append-eod", action="store_true")
@@ -96,9 +94,7 @@ def preprocess(args: argparse.Namespace, log=print) -> dict[str, str]:
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     dtype = DType.optimal_dtype(tok.vocab_size)
     prefixes = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
-    builders = {
-        k: IndexedDatasetBuilder(get_bin_path(p), dtype=dtype) for k, p in prefixes.items()
-    }
+    builders = {k: IndexedDatasetBuilder(get_bin_path(p), dtype=dtype) for k, p in prefixes.items()}
     t0, docs, tokens = time.perf_counter(), 0, 0
     with open(args.input, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -119,7 +115,9 @@ def preprocess(args: argparse.Namespace, log=print) -> dict[str, str]:
                 tokens += len(ids)
             docs += 1
             if docs % args.log_interval == 0:
-                log(f"processed {docs} documents, {tokens} tokens ({time.perf_counter() - t0:.1f} s)")
+                log(
+                    f"processed {docs} documents, {tokens} tokens ({time.perf_counter() - t0:.1f} s)"
+                )
     for k, b in builders.items():
         b.finalize(get_idx_path(prefixes[k]))
     log(f"wrote {docs} documents, {tokens} tokens: {', '.join(prefixes.values())}")

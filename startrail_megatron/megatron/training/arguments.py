@@ -380,7 +380,10 @@ def _validate_data_and_schedule(args: argparse.Namespace) -> None:
     for name in ("start_weight_decay", "end_weight_decay"):
         if getattr(args, name) is None:
             setattr(args, name, args.weight_decay)
-    if args.weight_decay_incr_style == "constant" and args.start_weight_decay != args.end_weight_decay:
+    if (
+        args.weight_decay_incr_style == "constant"
+        and args.start_weight_decay != args.end_weight_decay
+    ):
         raise ValueError(
             "--start-weight-decay and --end-weight-decay differ: give --weight-decay-incr-style "
             "linear or cosine"

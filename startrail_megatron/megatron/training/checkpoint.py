@@ -49,11 +49,20 @@ def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
 def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = None) -> int:
     """Load the checkpoint of ``iteration`` (default: the latest); the optimizer state too
     when it was saved with the same tensor-parallel size (any CP implementation, CP or DP
-    size). Returns its iteration."""
+    size). Returns its iteration; 0 when ``path`` holds no checkpoint yet and no
+    ``iteration`` is asked for (Megatron-LM's ``--save DIR --load DIR`` on a first run)."""
     from megatron.core import dist_checkpointing
 
     if iteration is None:
-        with open(os.path.join(path, "latest_checkpointed_iteration.txt")) as f:
+        tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+        if not os.path.exists(tracker):
+            if dist.get_rank() == 0:
+                print(
+                    f"note: --load {path} holds no checkpoint yet; starting from scratch",
+                    flush=True,
+                )
+            return 0
+        with open(tracker) as f:
             iteration = int(f.read().strip())
     ckpt = os.path.join(path, f"iter_{iteration:07d}")
     if not os.path.isdir(ckpt):

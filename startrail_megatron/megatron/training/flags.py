@@ -133,18 +133,18 @@ def add_megatron_lm_flags(parser: argparse.ArgumentParser) -> None:
             kw["nargs"] = "*"
         elif kind != "1":
             kw["nargs"] = int(kind)
-        parser.add_argument(name, dest=f"_mlm_{name[2:].replace('-', '_')}", **kw)
+        parser.add_argument(name, dest=f"_mlm_{name[2:]}", **kw)  # the name, verbatim
 
 
 def check_megatron_lm_flags(args: argparse.Namespace, warn=None) -> list[str]:
     """Warn about each ignored flag given (returned); ``ValueError`` naming the first
     refused one given, with the reason."""
-    given = [
-        "--" + k[len("_mlm_") :].replace("_", "-") for k in vars(args) if k.startswith("_mlm_")
-    ]
+    given = ["--" + k[len("_mlm_") :] for k in vars(args) if k.startswith("_mlm_")]
     for name in sorted(given):
         if name not in IGNORED:
-            raise ValueError(f"Megatron-LM's {name} is refused here: {REFUSED.get(name, _UPSTREAM)}")
+            raise ValueError(
+                f"Megatron-LM's {name} is refused here: {REFUSED.get(name, _UPSTREAM)}"
+            )
     ignored = sorted(given)
     for name in ignored:
         msg = f"Megatron-LM's {name} is accepted and ignored here: {IGNORED[name]}"

@@ -57,7 +57,9 @@ def pack_micro_batch(batch: dict, eod: int) -> tuple[dict, object]:
     return local, psp
 
 
-def forward_backward(args: argparse.Namespace, model, micro_batches, backward: bool = True) -> float:
+def forward_backward(
+    args: argparse.Namespace, model, micro_batches, backward: bool = True
+) -> float:
     """Loss of the global batch (per-token mean); gradients left in ``main_grad`` (with
     ``backward=False``: the loss alone, no graph; the evaluation)."""
     from megatron.core import parallel_state
