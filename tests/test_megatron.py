@@ -41,6 +41,10 @@ BASE = [
     "--mock-data",
     "--lr",
     "1e-3",
+    # Megatron-LM pads the vocabulary to a multiple of this x TP: 64 keeps 128 at TP = 2,
+    # so TP = 2 runs compare with TP = 1 on the same model
+    "--make-vocab-size-divisible-by",
+    "64",
 ]
 GQA = ["--group-query-attention", "--num-query-groups", "2"]
 
