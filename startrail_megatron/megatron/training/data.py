@@ -71,6 +71,10 @@ def _build(args: argparse.Namespace, sizes: list[int]):
         create_attention_mask=False,
     )
     kind = MockGPTDataset if args.mock_data else GPTDataset
+    if not args.mock_data:
+        if cfg.blend[1] is not None:  # megatron-core needs a size for every split of a blend
+            sizes = [0 if n is None else n for n in sizes]
+        _check_splits(cfg, sizes)
     train, valid, _ = BlendedMegatronDatasetBuilder(kind, sizes, lambda: True, cfg).build()
     if train is None:
         raise ValueError(f"--split {args.split!r} leaves no training data")
@@ -80,6 +84,25 @@ def _build(args: argparse.Namespace, sizes: list[int]):
             "leaves no validation data"
         )
     return train, valid
+
+
+def _check_splits(cfg, sizes: list) -> None:
+    """Refuse a split part that is asked for but holds no document of a prefix: megatron-core's
+    ``GPTDataset`` would loop forever looking for its tokens."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    names = ("training", "validation", "test")
+    for prefix in cfg.blend[0]:
+        n = len(IndexedDataset(prefix))
+        for i, part in enumerate(cfg.split_matrix):
+            if part is None or sizes[i] is None:
+                continue
+            docs = int(round(part[1] * n)) - int(round(part[0] * n))
+            if docs <= 0:
+                raise ValueError(
+                    f"--split {cfg.split!r} leaves the {names[i]} part of {prefix} empty "
+                    f"({n} documents): give that part 0 (e.g. 90,10,0) or use more data"
+                )
 
 
 def global_batches(args: argparse.Namespace, dataset, start: int = 0):
