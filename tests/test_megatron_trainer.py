@@ -338,3 +338,14 @@ def test_init_method_std_and_exit_duration():
             "--train-iters", "10", "--exit-duration-in-mins", "0", "--log-interval", "100"]  # fmt: skip
     log = run_ranks(1, _train, argv)[0]
     assert [e["iteration"] for e in log] == [1]  # past the duration after the first one
+
+
+def test_bf16_trains_on_cpu_ranks_close_to_cp1():
+    """--bf16 on CPU ranks: CP = 2 with StarTrail within bf16's tolerance of CP = 1."""
+    argv = [*MODEL, "--seq-length", "32", "--micro-batch-size", "2", "--mock-data", "--bf16",
+            "--train-iters", "4", "--log-interval", "100"]  # fmt: skip
+    ref = run_ranks(1, _train, argv)[0]
+    got = run_ranks(2, _train, argv + _cp(2, 1))[0]
+    for a, b in zip(got, ref):
+        assert abs(a["loss"] - b["loss"]) <= 2e-2 * b["loss"], (got, ref)
+    assert got[0]["startrail"]["p2p"] > 0
