@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .attention import _real_rows_of, startrail_attention
-from .comm import CommLedger, TeamComm
+from .comm import CommLedger, TeamComm, check_agreement
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, acc_dtype, resolve_kernel
 from .packing import PackedLayout
@@ -145,12 +145,28 @@ def replicated_query_attention(
         q_txt, k_txt, v_txt, k, v, groups, softmax_scale, kernel, cu_seqlens, cu_seqlens_padded,
         softcap,
     )  # fmt: skip
+    _agree(groups, q_txt, k)
     return _ReplicatedQueries.apply(
         q_txt, k_txt, v_txt, k, v, groups, scale, kern, ledger, packed, cap
     )
 
 
-def _setup(q_txt, k_txt, v_txt, k, v, groups, softmax_scale, kernel, cu, cu_padded, softcap):
+def _agree(groups: StarTrailGroups, q_txt: Tensor, k: Tensor) -> None:
+    """Every CP rank calls with the same shapes (once per setting; else the all-gathers
+    would not match): ``ValueError`` naming what differs."""
+    t, b, hq, d = q_txt.shape
+    fields = {"text tokens": t, "batch": b, "heads_q": hq, "heads_kv": k.shape[2],
+              "head_dim": d, "s_local": k.shape[0]}  # fmt: skip
+    key = ("replicated queries", *fields.values())
+    if groups.cp_size == 1 or key in groups.agreed:
+        return
+    check_agreement(groups.cp_group, fields, q_txt.device)
+    groups.agreed.add(key)
+
+
+def _setup(
+    q_txt, k_txt, v_txt, k, v, groups, softmax_scale, kernel, cu, cu_padded, softcap, q=None
+):
     if not isinstance(groups, StarTrailGroups):
         raise ValueError(
             f"groups must be a StarTrailGroups (StarTrailGroups.create), got {type(groups).__name__}"
@@ -161,6 +177,11 @@ def _setup(q_txt, k_txt, v_txt, k, v, groups, softmax_scale, kernel, cu, cu_padd
                 f"{name} must be a floating-point [tokens, batch, heads, head_dim] tensor"
             )
     t, b, hq, d = q_txt.shape
+    if q is not None and tuple(q.shape[1:]) != (b, hq, d):
+        raise ValueError(
+            f"q {tuple(q.shape)} and q_txt {tuple(q_txt.shape)} must share [batch, heads_q, "
+            "head_dim]"
+        )
     if k_txt.shape != v_txt.shape or k_txt.shape[0] != t or k.shape != v.shape:
         raise ValueError(
             f"q_txt {tuple(q_txt.shape)}, k_txt {tuple(k_txt.shape)}, v_txt {tuple(v_txt.shape)}: "
@@ -209,7 +230,7 @@ def joint_attention(
     """
     packed, cap, kern, scale = _setup(
         q_txt, k_txt, v_txt, k, v, groups, softmax_scale, kernel, cu_seqlens, cu_seqlens_padded,
-        softcap,
+        softcap, q,
     )  # fmt: skip
     out = startrail_attention(
         q, k, v, groups, causal=False, softmax_scale=scale, kernel=kern, ledger=ledger,

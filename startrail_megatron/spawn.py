@@ -25,6 +25,10 @@ def _entry(rank, world, init_file, timeout, threads, fn, args) -> None:
         dist.destroy_process_group()
 
 
+def _ignore(signum, frame) -> None:
+    pass
+
+
 def spawn_local_ranks(
     fn: Callable,
     nprocs: int,
@@ -40,7 +44,9 @@ def spawn_local_ranks(
     ``ranks_handle_sigint`` the parent ignores Ctrl-C while it waits (the terminal sends
     SIGINT to the ranks too, and they stop cleanly themselves).
     """
-    prev = signal.signal(signal.SIGINT, signal.SIG_IGN) if ranks_handle_sigint else None
+    # a Python handler, not SIG_IGN: the spawned ranks (a new interpreter) start with the
+    # default one, so Ctrl-C reaches them also before they install their own
+    prev = signal.signal(signal.SIGINT, _ignore) if ranks_handle_sigint else None
     try:
         with tempfile.TemporaryDirectory() as tmp:
             torch.multiprocessing.start_processes(

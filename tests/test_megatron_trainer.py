@@ -5,7 +5,7 @@ core_r0.16.0) scaled down parses and trains on data preprocessed from text; ever
 Megatron-LM flag is honoured, ignored with a warning, or refused by name; preprocessing
 round-trips; the data path gives CP = 1's losses and validation losses at CP = 4 with
 StarTrail (C = 1, 2); the learning rate follows Megatron-LM's formula; the validation loss
-is the mean over the validation batches; --exit-interval and Ctrl-C stop cleanly and save.
+is the token-weighted mean over the validation batches (Megatron-LM's); --exit-interval and Ctrl-C stop cleanly and save.
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ def test_the_examples_other_flags_are_refused_by_name(capsys):
         "--tokenizer-type GPT2BPETokenizer": "allowed NullTokenizer",
         "--tensorboard-dir tb": "tensorboard",  # not installed here: the JSON log instead
         "--num-experts 8": "launch",
+        "--dataloader-type cyclic": "only single",
     }
     for flag, why in cases.items():
         with pytest.raises(SystemExit):
@@ -134,6 +135,8 @@ def test_every_megatron_lm_flag_is_honoured_ignored_or_refused_by_name():
             counts["honoured"] += 1
             continue
         values = [] if kind == "flag" else ["1"] * (int(kind) if kind.isdigit() else 1)
+        if name == "--dataloader-type":
+            values = ["single"]  # the one value that runs here; cyclic is refused below
         args = parser.parse_args([*MODEL, name, *values])  # never "unrecognized arguments"
         if name in flags.IGNORED:
             seen = []
@@ -199,8 +202,8 @@ def test_data_path_matches_cp1_with_startrail(corpus, c):
 
 
 def _eval_case(rank, world, argv, by_hand):
-    """The trainer's evaluation (``by_hand`` False) or the validation batches' per-token
-    mean losses averaged by hand at CP = 1, with the same initial model."""
+    """The trainer's evaluation (``by_hand`` False) or, by hand at CP = 1 with the same
+    initial model, the validation batches' summed token losses over their token count."""
     args = T.parse_args(argv)
     T.initialize(args)
     try:
@@ -212,20 +215,21 @@ def _eval_case(rank, world, argv, by_hand):
 
             return evaluate(args, model, valid)
         model.eval()
-        means = []
+        sums, counts = [], []
         with torch.no_grad():
             for _ in range(args.eval_iters):
                 (mb,) = next(valid)
                 losses = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
-                means.append(float((losses * mb["loss_mask"]).sum() / mb["loss_mask"].sum()))
-        return sum(means) / len(means), means
+                sums.append(float((losses * mb["loss_mask"]).sum()))
+                counts.append(float(mb["loss_mask"].sum()))
+        return sum(sums) / sum(counts), sums  # Megatron-LM's: total loss / total tokens
     finally:
         T.teardown()
 
 
-def test_validation_loss_is_the_mean_over_validation_batches(corpus):
+def test_validation_loss_is_the_token_mean_over_validation_batches(corpus):
     argv = [*MODEL, "--seq-length", "64", "--micro-batch-size", "2", "--train-iters", "4",
-            *_data(corpus), "--eval-interval", "2", "--eval-iters", "3"]  # fmt: skip
+            *_data(corpus), "--eval-interval", "2", "--eval-iters", "3", "--eod-mask-loss"]  # fmt: skip
     want, means = run_ranks(1, _eval_case, argv, True)[0]
     assert len(set(means)) == 3  # three different batches
     got = run_ranks(4, _eval_case, argv + _cp(4, 2), False)[0]
@@ -349,3 +353,27 @@ def test_bf16_trains_on_cpu_ranks_close_to_cp1():
     for a, b in zip(got, ref):
         assert abs(a["loss"] - b["loss"]) <= 2e-2 * b["loss"], (got, ref)
     assert got[0]["startrail"]["p2p"] > 0
+
+
+def test_megatron_lm_derivations_and_checks(capsys):
+    """Megatron-LM's derived settings and refusals: --group-query-attention alone is MQA,
+    --swiglu sizes the MLP at 2/3 x 4h (multiple of 64), weight decay skips biases and norms."""
+    args = T.parse_args([*MODEL, "--mock-data", "--group-query-attention"])
+    assert args.num_query_groups == 1
+    args = T.parse_args(["--num-layers", "2", "--hidden-size", "96", "--num-attention-heads",
+                         "4", "--mock-data", "--swiglu"])  # fmt: skip
+    assert args.ffn_hidden_size == int(4 * 96 * 2 / 3 / 64) * 64 == 256
+    for bad, msg in (
+        (["--seq-length", "64", "--max-position-embeddings", "32"], "--max-position-embeddings"),
+        (["--log-interval", "0"], "--log-interval"),
+        (["--micro-batch-size", "0"], "--micro-batch-size"),
+    ):
+        with pytest.raises(SystemExit):
+            T.parse_args([*MODEL, "--mock-data", *bad])
+        assert msg in capsys.readouterr().err
+    from startrail_megatron.megatron.training.model import param_groups
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    decay, no_decay = param_groups(net, 0.1)
+    assert [p.shape for p in decay["params"]] == [(4, 4)] and len(no_decay["params"]) == 3
+    assert (decay["wd_mult"], no_decay["wd_mult"], no_decay["weight_decay"]) == (1.0, 0.0, 0.0)

@@ -329,6 +329,6 @@ def diffusion_loss(pred: Tensor, target: Tensor, tokens: TokenSharding, scale: f
     is the replica's MSE; ``scale`` undoes what the gradient reduction divides by (P for a
     mean over the CP group, as DDP over sequence x data ranks takes; 1 for DeepSpeed's
     ZeRO 0-2, which sums over the sequence ranks)."""
-    real = tokens.real(pred.device).to(pred.dtype).view(1, -1, 1)
-    err = ((pred - target) ** 2 * real).sum()
+    real = tokens.real(pred.device).view(1, -1, 1)
+    err = ((pred.float() - target.float()) ** 2 * real).sum()  # fp32 also for bf16 outputs
     return err * (scale / (pred.shape[0] * tokens.num_tokens * pred.shape[2]))

@@ -231,6 +231,7 @@ def run_training(
         if groups is not None:
             raise ValueError("run_training: with deepspeed_config the groups come from DeepSpeed")
         engine, handle = _deepspeed_engine(model, args)
+        handle.sdpa.kernel = args.kernel  # the section gives P, C and placement; --kernel is ours
         step_model, scale = engine, handle.grad_scale
         mpu = engine.startrail_mpu
         replica, replicas = mpu.data_parallel_rank, mpu.data_parallel_size
@@ -289,7 +290,7 @@ def run_training(
         with open(args.json_log, "w") as f:
             json.dump({"args": _jsonable(args), "log": log_rows, "losses": losses}, f, indent=1)
     el = time.perf_counter() - t0
-    tps = args.steps * args.micro_batch_size * tokens.num_tokens / el
+    tps = args.steps * args.micro_batch_size * replicas * tokens.num_tokens / el
     return TrainResult(losses, model, handle, tps, engine)
 
 

@@ -181,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
         "StarTrail's packed documents (needs --context-parallel-impl startrail)",
     )
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
+    g.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="the loss is always the mean over the global batch's unmasked tokens here "
+        "(this flag's meaning in Megatron-LM)",
+    )
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
@@ -223,8 +229,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def validate_args(args: argparse.Namespace, warn=None) -> None:
     flags.check_megatron_lm_flags(args, warn)
     _validate_data_and_schedule(args)
-    if args.num_query_groups is None:
-        args.num_query_groups = args.num_attention_heads
+    for name in ("micro_batch_size", "log_interval", "train_iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.num_query_groups is None:  # Megatron-LM: --group-query-attention alone is MQA
+        args.num_query_groups = 1 if args.group_query_attention else args.num_attention_heads
     elif not args.group_query_attention:
         raise ValueError("--num-query-groups needs --group-query-attention")
     if args.num_attention_heads % args.num_query_groups:
@@ -236,6 +245,13 @@ def validate_args(args: argparse.Namespace, warn=None) -> None:
         raise ValueError("--pipeline-model-parallel-size: only 1 is supported by this entry point")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    if args.max_position_embeddings < args.seq_length:
+        raise ValueError(
+            f"--max-position-embeddings {args.max_position_embeddings} must be >= --seq-length "
+            f"{args.seq_length}"
+        )
+    if args.swiglu and args.ffn_hidden_size is None:  # Megatron-LM's SwiGLU size
+        args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
     if args.ckpt_step is not None and not args.load:
         raise ValueError("--ckpt-step needs --load")
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size

@@ -1,7 +1,8 @@
 """Data: megatron-core's GPT datasets (``--data-path`` with ``--split``, or ``--mock-data``)
 and the global batches of each iteration.
 
-Sizes as Megatron-LM asks them of its builder: train ``train_iters x global batch``,
+Sizes as Megatron-LM asks them of its builder (they enter the index cache and the epoch
+count, so the same seed gives Megatron-LM's samples): train ``train_iters x global batch``,
 validation ``eval_iters x (train_iters // eval_interval + 1) x global batch``. Every DP
 rank reads its contiguous share of each global batch; the P ranks of a CP group read the
 same and shard it in the step (zigzag, or per document with ``--reset-attention-mask``).
@@ -23,7 +24,7 @@ def eod_id(args: argparse.Namespace) -> int:
 
 def _num_samples(args: argparse.Namespace) -> list[int]:
     gbs = args.global_batch_size
-    train = (args.train_iters + 1) * gbs
+    train = args.train_iters * gbs
     evals = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
     valid = args.eval_iters * evals * gbs
     # None: not asked for (megatron-core then builds no samples for that split; 0 would

@@ -22,7 +22,14 @@ import argparse
 import os
 import sys
 
-__all__ = ["IGNORED", "REFUSED", "add_megatron_lm_flags", "check_megatron_lm_flags", "table"]
+__all__ = [
+    "DEFAULTS_DIFFER",
+    "IGNORED",
+    "REFUSED",
+    "add_megatron_lm_flags",
+    "check_megatron_lm_flags",
+    "table",
+]
 
 _UPSTREAM = (
     "not implemented by this entry point; run upstream Megatron-LM's pretrain_gpt.py through "
@@ -59,9 +66,8 @@ IGNORED: dict[str, str] = {
     "--distribute-saved-activations": "activations are kept (same result)",
     "--no-create-attention-mask-in-dataloader": "no mask is built: StarTrail reads documents",
     "--num-workers": "batches are read in the training process",
-    "--dataloader-type": "a sequential sampler over the training split",
+    "--dataloader-type": "single is what runs here (cyclic and external are refused)",
     "--no-mmap-bin-files": "megatron-core maps the .bin files",
-    "--calculate-per-token-loss": "the loss is the per-token mean over the global batch already",
     # logging extras
     "--log-throughput": "tokens/s is always logged",
     "--log-timers-to-tensorboard": "no timers",
@@ -107,6 +113,21 @@ REFUSED: dict[str, str] = {
 }
 
 
+DEFAULTS_DIFFER: dict[str, str] = {
+    "--num-layers, --hidden-size, --num-attention-heads, --seq-length, --micro-batch-size, "
+    "--train-iters, --lr": "small demo values here; Megatron-LM requires them",
+    "--attention-dropout, --hidden-dropout": "0.0 here; 0.1 in Megatron-LM",
+    "--position-embedding-type": "rope here; learned_absolute in Megatron-LM",
+    "--log-interval": "1 here; 100 in Megatron-LM",
+    "--bf16": "on CPU ranks the bf16 weights are updated directly (no fp32 master copy; "
+    "megatron-core's optimizer on GPUs keeps one, as Megatron-LM)",
+    "--calculate-per-token-loss": "always on here: the loss is the mean over the global "
+    "batch's unmasked tokens; Megatron-LM's default (flag off) averages each micro-batch's "
+    "mean, which differs when loss masks are uneven (--eod-mask-loss)",
+}
+"""Honoured flags whose default (or only mode) is not Megatron-LM's: say so, never hide it."""
+
+
 def _megatron_lm_flags() -> dict[str, str]:
     """Megatron-LM's flags and their arity (``megatron_lm_flags.txt``)."""
     path = os.path.join(os.path.dirname(__file__), "megatron_lm_flags.txt")
@@ -141,6 +162,11 @@ def check_megatron_lm_flags(args: argparse.Namespace, warn=None) -> list[str]:
     refused one given, with the reason."""
     given = ["--" + k[len("_mlm_") :] for k in vars(args) if k.startswith("_mlm_")]
     for name in sorted(given):
+        if name == "--dataloader-type" and getattr(args, "_mlm_dataloader-type") != "single":
+            raise ValueError(
+                f"Megatron-LM's --dataloader-type {getattr(args, '_mlm_dataloader-type')} is "
+                "refused here: only single (a sequential sampler) is implemented"
+            )
         if name not in IGNORED:
             raise ValueError(
                 f"Megatron-LM's {name} is refused here: {REFUSED.get(name, _UPSTREAM)}"
@@ -166,6 +192,8 @@ def table(parser: argparse.ArgumentParser) -> str:
     extra = [s for s in ours if s not in mlm and s != "--help"]
     lines = [f"Honoured with Megatron-LM's meaning and default ({len(honoured)}):"]
     lines += [f"  {s}" for s in honoured]
+    lines += ["  whose default or only mode differs from Megatron-LM's:"]
+    lines += [f"    {k}: {v}" for k, v in DEFAULTS_DIFFER.items()]
     lines += [f"Added by this entry point ({len(extra)}):"] + [f"  {s}" for s in extra]
     lines += [f"Accepted and ignored, with a warning ({len(IGNORED)}):"]
     lines += [f"  {k}: {v}" for k, v in sorted(IGNORED.items())]

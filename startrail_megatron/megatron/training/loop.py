@@ -95,7 +95,10 @@ def train(args: argparse.Namespace) -> list[dict]:
         scheduler.step(start * args.global_batch_size)  # resumed: the same schedule
         train_ds, valid_ds = build_datasets(args)
         batches = global_batches(args, train_ds, start)
-        valid = global_batches(args, valid_ds) if valid_ds is not None else None
+        valid = None
+        if valid_ds is not None:  # resumed: the validation batches continue where they were
+            done = start // args.eval_interval * args.eval_iters
+            valid = global_batches(args, valid_ds, done)
         writer = _writer(args, rank)
         log: list[dict] = []
         t_start = time.perf_counter()
@@ -117,7 +120,7 @@ def train(args: argparse.Namespace) -> list[dict]:
                 entry["grad_norm"] = grad_norm
             if args.context_parallel_impl == "startrail":
                 entry["startrail"] = _startrail_bytes(args)
-            if valid is not None and it % args.eval_interval == 0:
+            if valid is not None and (it % args.eval_interval == 0 or it == args.train_iters):
                 entry["val_loss"] = evaluate(args, model, valid)
                 if args.context_parallel_impl == "startrail":
                     _startrail_bytes(args)  # the evaluation's transfers are not the step's
@@ -156,17 +159,17 @@ def train(args: argparse.Namespace) -> list[dict]:
 
 
 def evaluate(args: argparse.Namespace, model, valid) -> float:
-    """The validation loss: the mean over ``--eval-iters`` global batches of each batch's
-    per-token mean loss (Megatron-LM's), without dropout or gradients."""
+    """The validation loss over ``--eval-iters`` global batches, weighted by their tokens
+    (Megatron-LM's: total loss / total unmasked tokens), without dropout or gradients."""
     model.eval()
     try:
-        losses = [
-            forward_backward(args, model, next(valid), backward=False)
+        parts = [
+            forward_backward(args, model, next(valid), backward=False, return_tokens=True)
             for _ in range(args.eval_iters)
         ]
     finally:
         model.train()
-    return sum(losses) / len(losses)
+    return sum(m * n for m, n in parts) / sum(n for _, n in parts)
 
 
 class _StopFlag:

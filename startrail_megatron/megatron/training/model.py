@@ -109,17 +109,23 @@ def build_optimizer(args: argparse.Namespace, model):
             clip_grad=args.clip_grad,
         )
         return get_megatron_optimizer(cfg, [model])
+    groups = param_groups(model, args.weight_decay)
     if args.optimizer == "sgd":
-        return torch.optim.SGD(
-            model.parameters(),
-            lr=args.lr,
-            momentum=args.sgd_momentum,
-            weight_decay=args.weight_decay,
-        )
+        return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
     return torch.optim.AdamW(
-        model.parameters(),
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_eps,
+        groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps
     )
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """megatron-core's two groups: weight decay on the matrices, none on biases and 1-D
+    parameters (norms); ``wd_mult`` is what the LR/WD scheduler multiplies by."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
+    ]

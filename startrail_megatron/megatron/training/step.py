@@ -58,10 +58,11 @@ def pack_micro_batch(batch: dict, eod: int) -> tuple[dict, object]:
 
 
 def forward_backward(
-    args: argparse.Namespace, model, micro_batches, backward: bool = True
-) -> float:
-    """Loss of the global batch (per-token mean); gradients left in ``main_grad`` (with
-    ``backward=False``: the loss alone, no graph; the evaluation)."""
+    args: argparse.Namespace, model, micro_batches, backward: bool = True, return_tokens=False
+):
+    """Loss of the global batch (per-token mean over its unmasked tokens: Megatron-LM's
+    ``--calculate-per-token-loss``); gradients left in ``main_grad``. ``backward=False``:
+    the loss alone, no graph (the evaluation); ``return_tokens``: (loss, token count)."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
@@ -76,7 +77,7 @@ def forward_backward(
         device=dev,
     )
     dist.all_reduce(total_tokens, group=parallel_state.get_data_parallel_group())
-    total = total_tokens.item()
+    total = max(total_tokens.item(), 1.0)  # a batch whose every token is masked: loss 0
     loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
     for mb in micro_batches:
         batch = {k: mb[k].to(dev) for k in ("tokens", "labels", "loss_mask", "position_ids")}
@@ -99,6 +100,8 @@ def forward_backward(
     if backward:
         model.finish_grad_sync()
     dist.all_reduce(loss_sum, group=dp_cp)
+    if return_tokens:
+        return loss_sum.item() / total, total
     return loss_sum.item() / total
 
 
