@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -398,6 +399,14 @@ def _spawned_rank_main(rank: int, world: int, args: TrainArgs) -> None:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
     )
     _rank_main(rank, world, args)
+    # End the rank here, after every rank is done: a gloo (or DeepSpeed) rank's normal
+    # interpreter exit aborts now and then ("terminate called without an active exception",
+    # ../shared/reference/CPU_NOTES.md), failing a run that succeeded.
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv=None) -> None:
