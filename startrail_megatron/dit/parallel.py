@@ -329,6 +329,7 @@ def diffusion_loss(pred: Tensor, target: Tensor, tokens: TokenSharding, scale: f
     is the replica's MSE; ``scale`` undoes what the gradient reduction divides by (P for a
     mean over the CP group, as DDP over sequence x data ranks takes; 1 for DeepSpeed's
     ZeRO 0-2, which sums over the sequence ranks)."""
+    acc = torch.promote_types(pred.dtype, torch.float32)  # bf16 outputs summed in fp32
     real = tokens.real(pred.device).view(1, -1, 1)
-    err = ((pred.float() - target.float()) ** 2 * real).sum()  # fp32 also for bf16 outputs
+    err = ((pred.to(acc) - target.to(acc)) ** 2 * real).sum()
     return err * (scale / (pred.shape[0] * tokens.num_tokens * pred.shape[2]))
