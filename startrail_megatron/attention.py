@@ -152,21 +152,20 @@ def _from_thd(x: Tensor, b: int) -> Tensor:
     return x.view(b, -1, *x.shape[1:]).transpose(0, 1)
 
 
-def _real_rows_of(
-    packed: PackedLayout | None, cp_rank: int, s: int, device: torch.device
-) -> Tensor | None:
-    """CP rank ``cp_rank``'s local rows that are real tokens (not padding of packed
-    documents), or ``None`` when all ``s`` are."""
+@lru_cache(maxsize=8)  # as _team_rows_index: built once per layout, not in every layer's call
+def _real_rows_of(packed: PackedLayout | None, cp_rank: int, device: torch.device) -> Tensor | None:
+    """CP rank ``cp_rank``'s local rows that are real tokens (``PackedLayout.real_rows``)
+    as an index tensor on ``device``, or ``None`` when all are (or nothing is packed)."""
     if packed is None:
         return None
-    runs = packed.local_rows(cp_rank)
-    if sum(n for _, _, n in runs) == s:
+    rows = packed.real_rows(cp_rank)
+    if len(rows) == packed.s_local:
         return None
-    return _index_tensor([dst + i for _, dst, n in runs for i in range(n)], torch.long, device)
+    return _index_tensor(list(rows), torch.long, device)
 
 
-def _real_rows(cx: RankContext, s: int, device: torch.device) -> Tensor | None:
-    return _real_rows_of(cx.packed, cx.rank, s, device)
+def _real_rows(cx: RankContext, device: torch.device) -> Tensor | None:
+    return _real_rows_of(cx.packed, cx.rank, device)
 
 
 def _member_rows(cx: RankContext, x: Tensor, s: int) -> Tensor:
@@ -178,7 +177,7 @@ def _joint_forward(cx, q, joint, acc_out, acc_lse, scale, kernel) -> None:
     """Fold the joint keys (replicated on every CP rank) into this member's own rows of the
     team accumulators: each query row of the team sees them once, from its own rank."""
     s = q.shape[0]
-    real = _real_rows(cx, s, q.device)
+    real = _real_rows(cx, q.device)
     rows = torch.arange(s, device=q.device) if real is None else real
     if rows.numel() == 0:
         return
@@ -205,7 +204,7 @@ def _joint_backward(cx, dout, out, q_team, lse_team, joint, g_q, scale, kernel) 
         torch.zeros(jk.shape, dtype=acc, device=jk.device),
         torch.zeros(jv.shape, dtype=acc, device=jv.device),
     )
-    real = _real_rows(cx, s, dout.device)
+    real = _real_rows(cx, dout.device)
     if real is not None and real.numel() == 0:
         return
     q_loc = _member_rows(cx, q_team, s)

@@ -65,7 +65,7 @@ class _ReplicatedQueries(torch.autograd.Function):
         rank, p = groups.cp_rank, groups.cp_size
         t, b, hq, d = q_txt.shape
         acc = acc_dtype(q_txt.dtype)
-        real = _real_rows_of(packed, rank, k.shape[0], k.device)
+        real = _real_rows_of(packed, rank, k.device)
         kk, vv = _keys(k_txt, v_txt, k, v, real, rank == 0)
         cap = {"softcap": softcap} if softcap else {}
         if kk.shape[0]:

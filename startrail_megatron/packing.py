@@ -165,6 +165,10 @@ class PackedLayout:
                     out.append((start + j * c, local + half * c, real))
         return out
 
+    def real_rows(self, cp_rank: int) -> tuple[int, ...]:
+        """``cp_rank``'s local rows that hold real tokens (not padding), ascending."""
+        return tuple(dst + i for _, dst, n in self.local_rows(cp_rank) for i in range(n))
+
     def fingerprint(self) -> int:
         """A 31-bit digest of both boundary lists (ranks compare it before any transfer)."""
         h = 0

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..attention import startrail_attention
 from ..comm import CommLedger, TeamComm, check_agreement
 from ..groups import StarTrailGroups
 from ..joint import joint_attention
@@ -114,8 +115,7 @@ class TokenSharding:
         """``[s_local]`` bool: which local rows are real tokens (not padding)."""
         lay = self._current()
         mask = torch.zeros(lay.s_local, dtype=torch.bool)
-        for _, dst, n in lay.local_rows(self.groups.cp_rank):
-            mask[dst : dst + n] = True
+        mask[list(lay.real_rows(self.groups.cp_rank))] = True
         return mask.to(device)
 
     def gather(self, x: Tensor, dim: int = 1, ledger: CommLedger | None = None) -> Tensor:
@@ -187,8 +187,6 @@ class StarTrailSDPA:
         )  # fmt: skip
         self.calls += 1
         if t == 0:
-            from ..attention import startrail_attention
-
             out = startrail_attention(q, k, v, self.groups, causal=False, dropout_p=dropout_p, **kw)
         else:
             if dropout_p:

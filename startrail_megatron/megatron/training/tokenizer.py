@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from collections import OrderedDict
+from functools import lru_cache
 
 __all__ = ["HFTokenizer", "build_tokenizer", "padded_vocab_size"]
 
@@ -57,19 +58,25 @@ class HFTokenizer:
 
 
 def build_tokenizer(args: argparse.Namespace):
-    """The tokenizer of ``--tokenizer-type``; sets ``args.padded_vocab_size``."""
-    if args.tokenizer_type == "NullTokenizer":
-        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
-
-        tok = NullTokenizer(args.vocab_size)
-        tok.tokenize = tok.text_to_ids  # the dataset-side names of megatron-core's tokenizers
-        tok.detokenize = tok.ids_to_text
-    else:
-        tok = HFTokenizer(args.tokenizer_model)
+    """The tokenizer of ``--tokenizer-type``; sets ``args.padded_vocab_size``. Loaded once
+    per process and setting (argument validation and the datasets both ask for it)."""
+    tok = _load(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     args.padded_vocab_size = padded_vocab_size(
         tok.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
     return tok
+
+
+@lru_cache(maxsize=4)
+def _load(kind: str, model: str | None, vocab_size: int | None):
+    if kind == "NullTokenizer":
+        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+        tok = NullTokenizer(vocab_size)
+        tok.tokenize = tok.text_to_ids  # the dataset-side names of megatron-core's tokenizers
+        tok.detokenize = tok.ids_to_text
+        return tok
+    return HFTokenizer(model)
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
