@@ -109,9 +109,10 @@ def startrail_comm_bytes(layout: StarTrailLayout, rank: int, shape: LocalShape) 
 
 def startrail_comm_calls(team_size: int, sends: Mapping[str, int]) -> dict[str, int]:
     """Calls one rank makes: its P2P messages ``sends`` (as for ``startrail_comm_bytes``);
-    with teams (C > 1) three collectives each way (forward q,k,v / lse / out; backward
-    dout / delta / dq,dk,dv)."""
-    n_coll = 3 if team_size > 1 else 0
+    with teams (C > 1) four collectives each way (forward k,v / q / lse / out; backward
+    dout / delta / dq / dk,dv: the pairs started together so that they overlap,
+    ``attention.py``'s Note [overlap])."""
+    n_coll = 4 if team_size > 1 else 0
     return _keys(sends["kv"], sends["kv"] + sends["dkv"], n_coll, n_coll)
 
 

@@ -13,13 +13,13 @@ tensor; ``kv`` = K and V together, 2*u_kv; G = P/C^2; C = 1 has no
 collectives and is exactly zigzag ring attention):
 
 Forward
-  collective  all-gather q, k, v   (C-1)(u_q + 2 u_kv)   input dtype
+  collective  all-gather k, v; q   (C-1)(2 u_kv + u_q)       input dtype
               all-gather lse       (C-1) C*s*b*hq        fp32 (fp64 for fp64)
               reduce-scatter out   (C-1) u_q             fp32 (fp64 for fp64)
   P2P         [initial != self] * C*2u_kv + (G-1) * C*2u_kv   input dtype
 Backward (KV travels again; its dK/dV travel with it and return home)
   collective  all-gather dout (C-1) u_q, delta (C-1) s*b*hq (fp32)
-              reduce-scatter dq, dk, dv  (C-1)(u_q + 2 u_kv)  fp32
+              reduce-scatter dq; dk, dv  (C-1)(u_q + 2 u_kv)  fp32
   P2P         kv   as in the forward                          input dtype
               dkv  ((G-1) + [return != self]) * C*2u_kv       fp32
 
@@ -30,6 +30,30 @@ choice): every fused kernel (flash-attn, TE, SDPA) computes the backward from
 and with GQA the KV side is the smaller one. Per rank at P = 8, fp32, in units
 of one local K+V: C = 1 sends 7 forward and 7 + 8 backward; C = 2 sends at
 most 2*(1+1) = 4 forward and 4 + 2*(1+1) = 8 backward.
+
+Note [overlap]
+~~~~~~~~~~~~~~
+Every transfer starts asynchronously and is waited on only where its result is
+needed (``comm/``: ``*_start`` and ``exchange`` return handles; a wait never
+synchronizes the device). What runs while each transfer is in flight:
+
+  forward   K,V all-gather    q's all-gather (started right after it)
+            q all-gather      the initial KV placement (started as soon as K,V is in)
+            initial placement the joint keys' part of this rank's rows (MMDiT)
+            sub-ring KV s+1   step s's kernel calls (double-buffered)
+            lse all-gather, out reduce-scatter: nothing left to compute (exposed)
+  backward  dout, delta       the initial placement, the sinks' gradient
+            initial placement the out stand-in (``_delta_out``)
+            sub-ring KV s+1   step s's kernel calls
+            dK/dV of step s   step s+1's kernel calls (one step behind the KV)
+            dK/dV return      dq's reduce-scatter, the joint keys' part
+            dk,dv reduce-scatter  nothing left (exposed)
+
+The planner charges exactly this (``planner/times.py``); nothing overlaps the
+QKV projection, since q, k, v reach the attention after it. With
+``comm.CommOptions(overlap=False)`` every transfer is waited on as it starts,
+the same code and bytes with nothing hidden: the benchmark's baseline.
+``tests/test_overlap.py`` records the order of starts, waits and kernel calls.
 """
 
 from __future__ import annotations
@@ -50,7 +74,15 @@ from .block_plan import (
     startrail_step_varlen,
     startrail_step_window_rows,
 )
-from .comm import CommLedger, P2PComm, PeerExchange, TeamCollectives, TeamComm
+from .comm import (
+    DEFAULT_COMM,
+    CommLedger,
+    CommOptions,
+    P2PComm,
+    PeerExchange,
+    TeamCollectives,
+    TeamComm,
+)
 from .groups import StarTrailGroups
 from .kernels import (
     AttentionKernel,
@@ -66,6 +98,7 @@ from .validation import (
     NO_OPTIONS,
     AttnOptions,
     agree_once,
+    check_comm_options,
     check_joint_kv,
     check_options,
     packed_layout,
@@ -193,20 +226,20 @@ def _joint_forward(cx, q, joint, acc_out, acc_lse, scale, kernel) -> None:
     acc_lse.index_copy_(2, team_pos, sub_l)
 
 
-def _joint_backward(cx, dout, out, q_team, lse_team, joint, g_q, scale, kernel) -> None:
-    """The joint keys' part of this rank's rows: dq added to ``g_q`` (local rows, acc dtype),
-    the joint keys' gradient from these rows left in ``cx.joint_grad`` (the ranks' parts sum
-    to the whole, as for any replicated input)."""
+def _joint_backward(cx, dout, out, q_team, lse_team, joint, scale, kernel, acc) -> Tensor:
+    """The joint keys' part of this rank's rows: returns their dq (local rows, ``acc``)
+    and leaves the joint keys' gradient from these rows in ``cx.joint_grad`` (the ranks'
+    parts sum to the whole, as for any replicated input)."""
     s = dout.shape[0]
     jk, jv = joint
-    acc = g_q.dtype
+    g_q = torch.zeros(dout.shape, dtype=acc, device=dout.device)
     cx.joint_grad = (
         torch.zeros(jk.shape, dtype=acc, device=jk.device),
         torch.zeros(jv.shape, dtype=acc, device=jv.device),
     )
     real = _real_rows(cx, dout.device)
     if real is not None and real.numel() == 0:
-        return
+        return g_q
     q_loc = _member_rows(cx, q_team, s)
     lse_loc = _member_rows(cx, lse_team.permute(2, 0, 1), s)  # [s, b, hq]
     pick = (lambda x: x) if real is None else (lambda x: x.index_select(0, real))
@@ -219,6 +252,7 @@ def _joint_backward(cx, dout, out, q_team, lse_team, joint, g_q, scale, kernel) 
     else:
         g_q.index_add_(0, real, gq.to(acc))
     cx.joint_grad = (gk.to(acc), gv.to(acc))
+    return g_q
 
 
 def _drop_kw(drop: Dropout | None) -> dict:
@@ -287,7 +321,8 @@ class RankContext:
     ``options``: the call's checked ``AttnOptions``: attention dropout (the forward keeps
     one ``Dropout`` record per kernel call, its RNG state, which the backward hands the
     same call again), a normalized sliding window ``(left, right)`` (``None`` sides
-    unbounded), logit soft-capping (0: off).
+    unbounded), logit soft-capping (0: off). ``comm_options``: the default transport's
+    ``CommOptions`` (the benchmark's injected delay and no-overlap mode).
     """
 
     def __init__(
@@ -298,6 +333,7 @@ class RankContext:
         comms: tuple[TeamCollectives, PeerExchange] | None = None,
         packed: PackedLayout | None = None,
         options: AttnOptions = NO_OPTIONS,
+        comm_options: CommOptions = DEFAULT_COMM,
     ):
         lay = groups.layout
         self.window, self.softcap = options.window, options.softcap
@@ -308,8 +344,8 @@ class RankContext:
         self.team, self.member = lay.coord(self.rank)
         if comms is None:
             comms = (
-                TeamComm(groups.team_group, lay.team_size, ledger),
-                P2PComm(groups.cp_group, self.rank, ledger),
+                TeamComm(groups.team_group, lay.team_size, ledger, comm_options),
+                P2PComm(groups.cp_group, self.rank, ledger, comm_options),
             )
         self.team_comm, self.p2p = comms
         self.subring = groups.subring_group
@@ -409,26 +445,26 @@ def startrail_rank_forward(
     """
     lay, C = cx.layout, cx.layout.team_size
     s, b, hq, d = q.shape
-    hkv = k.shape[2]
-    # 1. team all-gather of q, k, v as one flat message per rank.
-    kv_local = torch.stack((k, v), dim=1)  # [s, 2, b, hkv, d]
     n = C * s
-    if C == 1:  # no team: the rank's own q and K,V (chunk order is the identity)
-        q_team, kv_team = q.contiguous(), kv_local
-    else:
-        flat = torch.cat((q.reshape(s, -1), kv_local.reshape(s, -1)), dim=1)  # [s, F]
-        flat = cx.to_team_order(cx.team_comm.all_gather(flat, "qkv"))  # team order
-        # Both halves copied out of ``flat``: a view of q would keep the whole gathered
-        # buffer (q and the K,V copy) alive for the backward.
-        q_team = flat[:, : b * hq * d].reshape(n, b, hq, d).contiguous()
-        kv_team = flat[:, b * hq * d :].contiguous().view(n, 2, b, hkv, d)
-        del flat
-    # 2. initial KV placement.
-    kv_cur = cx.initial_placement(kv_team).wait()
-    # 3. G sub-ring steps; the next KV is in flight while this one computes.
     acc = acc_dtype(q.dtype)
+    # 1-2. Team all-gathers and the initial KV placement, overlapped (Note [overlap]):
+    # K,V is gathered first and sent on to its first sub-ring holder while q's gather is
+    # still in flight.
+    if C == 1:  # no team: the rank's own q and K,V (chunk order is the identity)
+        q_team, kv_team = q.contiguous(), torch.stack((k, v), dim=1)  # [s, 2, b, hkv, d]
+        place = cx.initial_placement(kv_team)
+    else:
+        kv_h = cx.team_comm.all_gather_start(torch.stack((k, v), dim=1), "kv_team")
+        q_h = cx.team_comm.all_gather_start(q, "q_team")
+        kv_team = cx.to_team_order(kv_h.wait())  # [n, 2, b, hkv, d], a new buffer
+        place = cx.initial_placement(kv_team)
+        q_team = cx.to_team_order(q_h.wait())
     acc_out = torch.zeros(n, b, hq, d, dtype=acc, device=q.device)
     acc_lse = torch.full((b, hq, n), -math.inf, dtype=acc, device=q.device)
+    if joint is not None:  # local rows only: computed while the placement is in flight
+        _joint_forward(cx, q, joint, acc_out, acc_lse, scale, kernel)
+    kv_cur = place.wait()
+    # 3. G sub-ring steps; the next KV is in flight while this one computes.
     for step in range(lay.ring_size):
         pending = cx.ring_step(kv_cur, step, "kv")
         varlen, rows = cx.step_calls(step, s, kernel)
@@ -443,8 +479,7 @@ def startrail_rank_forward(
             merge_partial(acc_out[qs], acc_lse[..., qs], o, lse)
         if pending is not None:
             kv_cur = pending.wait()
-    if joint is not None:
-        _joint_forward(cx, q, joint, acc_out, acc_lse, scale, kernel)
+    del kv_cur
     # 4. team combine: global lse from every member's partial lse, rescale, reduce-scatter.
     if C > 1:
         lse_all = cx.team_comm.all_gather(acc_lse.unsqueeze(0), "lse")  # [C, b, hq, n]
@@ -456,12 +491,11 @@ def startrail_rank_forward(
     if C > 1 or sinks is not None:
         safe = torch.where(torch.isneginf(lse_team), torch.zeros_like(lse_team), lse_team)
         acc_out.mul_(torch.exp(acc_lse - safe).permute(2, 0, 1).unsqueeze(-1))
-    if C > 1:
-        out = cx.team_comm.reduce_scatter(cx.from_team_order(acc_out), "out")
-    else:
-        out = cx.from_team_order(acc_out)
-    out = out.to(q.dtype)
-    return out, (q_team, kv_team, lse_team)
+    member_order = cx.from_team_order(acc_out)
+    del acc_out
+    out = cx.team_comm.reduce_scatter(member_order, "out") if C > 1 else member_order
+    del member_order
+    return out.to(q.dtype), (q_team, kv_team, lse_team)
 
 
 def _delta_out(dout: Tensor, delta: Tensor) -> Tensor:
@@ -504,17 +538,20 @@ def startrail_rank_backward(
     n = C * s
     hkv = kv_team.shape[3]
     acc = acc_dtype(dout.dtype)
-    # Team rows' dout and D = rowsum(dout * out), gathered in chunk order.
+    # Team rows' dout and D = rowsum(dout * out), gathered in chunk order, while K,V
+    # travels to its first holder (Note [overlap]).
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [s, b, hq]
+    do_h = cx.team_comm.all_gather_start(dout, "dout")
+    delta_h = cx.team_comm.all_gather_start(delta, "delta")
+    place = cx.initial_placement(kv_team)
     if sinks is not None:  # d sink_h = -sum over this rank's rows of p_sink * D
         lse_mine = _member_rows(cx, lse_team.permute(2, 0, 1), s)  # [s, b, hq]
         p_sink = torch.exp(sinks.to(acc).view(1, 1, hq) - lse_mine)
         cx.sinks_grad = -(p_sink * delta).sum((0, 1))
-    do_team = cx.to_team_order(cx.team_comm.all_gather(dout, "dout"))
-    delta_team = cx.to_team_order(cx.team_comm.all_gather(delta, "delta"))
-    out_eff = _delta_out(do_team, delta_team)
-    # KV travels as in the forward; its dK/dV follow one step behind.
-    kv_cur = cx.initial_placement(kv_team).wait()
+    do_team = cx.to_team_order(do_h.wait())
+    out_eff = _delta_out(do_team, cx.to_team_order(delta_h.wait()))
+    del delta
+    kv_cur = place.wait()
     dq = torch.zeros(n, b, hq, d, dtype=acc, device=dout.device)
     dkv_pending = None
     for step in range(lay.ring_size):
@@ -551,17 +588,22 @@ def startrail_rank_backward(
             dkv_pending = cx.p2p.exchange(dkv, send_to, recv_from, "dkv")
         if pending is not None:
             kv_cur = pending.wait()
-    dkv = dkv_pending.wait()  # this team's dK/dV as seen by this member's KV copy
-    # Sum over the team and keep this rank's rows: one reduce-scatter.
-    dq_m = cx.from_team_order(dq).reshape(C, -1)
-    dkv_m = cx.from_team_order(dkv).reshape(C, -1)
-    flat = cx.team_comm.reduce_scatter(torch.cat((dq_m, dkv_m), dim=1), "dqkv")
-    flat = flat.reshape(-1)
-    nq = s * b * hq * d
-    g_q = flat[:nq].view(s, b, hq, d)
-    g_kv = flat[nq:].view(s, 2, b, hkv, d)
+    del kv_cur, out_eff, do_team
+    # dq is complete: its reduce-scatter runs while the dK/dV return is in flight; the
+    # joint keys' part (local rows) is computed meanwhile.
+    dq_h = cx.team_comm.reduce_scatter_start(cx.from_team_order(dq).reshape(C, -1), "dq")
+    del dq
+    gq_joint = None
     if joint is not None:
-        _joint_backward(cx, dout, out, q_team, lse_team, joint, g_q, scale, kernel)
+        gq_joint = _joint_backward(cx, dout, out, q_team, lse_team, joint, scale, kernel, acc)
+    dkv = dkv_pending.wait()  # this team's dK/dV as seen by this member's KV copy
+    # Sum over the team and keep this rank's rows.
+    dkv_h = cx.team_comm.reduce_scatter_start(cx.from_team_order(dkv).reshape(C, -1), "dkv_team")
+    del dkv
+    g_q = dq_h.wait().view(s, b, hq, d)
+    if gq_joint is not None:
+        g_q = g_q + gq_joint
+    g_kv = dkv_h.wait().view(s, 2, b, hkv, d)
     dt = dout.dtype
     return g_q.to(dt), g_kv[:, 0].to(dt), g_kv[:, 1].to(dt)
 
@@ -570,11 +612,13 @@ class _StarTrailAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, q, k, v, sinks, joint_k, joint_v, groups, causal, scale, kernel, ledger, packed,
-        options,
+        options, comm_options,
     ):  # fmt: skip
         if ledger is not None:
             ledger.phase = "fwd"
-        cx = RankContext(groups, causal, ledger, packed=packed, options=options)
+        cx = RankContext(
+            groups, causal, ledger, packed=packed, options=options, comm_options=comm_options
+        )
         joint = None if joint_k is None else (joint_k, joint_v)
         out, saved = startrail_rank_forward(q, k, v, cx, scale, kernel, sinks, joint)
         ctx.save_for_backward(out, *saved, sinks, joint_k, joint_v)
@@ -596,7 +640,7 @@ class _StarTrailAttention(torch.autograd.Function):
         d_jk = d_jv = None
         if joint is not None:
             d_jk, d_jv = (g.to(joint_k.dtype) for g in ctx.cx.joint_grad)
-        return (dq, dk, dv, d_sinks, d_jk, d_jv) + (None,) * 7
+        return (dq, dk, dv, d_sinks, d_jk, d_jv) + (None,) * 8
 
 
 def startrail_attention(
@@ -616,6 +660,7 @@ def startrail_attention(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     joint_kv: tuple[Tensor, Tensor] | None = None,
+    comm_options: CommOptions | None = None,
 ) -> Tensor:
     """Exact attention over the whole CP-sharded sequence, StarTrail schedule.
 
@@ -670,6 +715,9 @@ def startrail_attention(
             rows flows back (the ranks' parts sum to the whole: sum them over the CP group
             with the other replicated gradients). Full attention only (``causal=False``),
             no dropout or window; no extra communication.
+        comm_options: ``comm.CommOptions`` for this call's transfers: the benchmark's
+            injected per-transfer delay and no-overlap baseline (CPU ranks); default:
+            overlapped, no delay. Each wait is timed into ``ledger`` on CPU ranks.
 
     Returns:
         out ``[s_local, b, heads_q, head_dim]`` in q's dtype.
@@ -682,11 +730,13 @@ def startrail_attention(
     packed = packed_layout(groups.cp_size, q.shape[0], cu_seqlens, cu_seqlens_padded)
     opts = check_options(q, groups.cp_size, causal, dropout_p, window, softcap, sinks)
     jk, jv = check_joint_kv(joint_kv, k, causal, opts)
+    comm_options = check_comm_options(comm_options, q)
     kern, scale = resolve_kernel(q, kernel, softmax_scale, **opts.kernel_needs)
     agree_once(
         groups, q, k, bool(causal), packed, opts, sinks is not None,
         joint_tokens=0 if jk is None else jk.shape[0],
     )  # fmt: skip
     return _StarTrailAttention.apply(
-        q, k, v, sinks, jk, jv, groups, bool(causal), scale, kern, ledger, packed, opts
-    )
+        q, k, v, sinks, jk, jv, groups, bool(causal), scale, kern, ledger, packed, opts,
+        comm_options,
+    )  # fmt: skip

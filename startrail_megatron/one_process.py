@@ -41,10 +41,15 @@ __all__ = ["RankTimer", "one_process_attention"]
 
 
 class RankTimer:
-    """Compute time of each rank, excluding its communication and waiting.
+    """Compute time of each rank, excluding its communication and waiting, and the
+    compute each transfer could hide behind.
 
     On CUDA, events recorded on the current stream bound each segment (read
-    after one synchronize in ``totals``); elsewhere ``time.perf_counter``.
+    after one synchronize in ``totals``); elsewhere ``time.perf_counter``. Every
+    transfer of the in-process transport reports which of its rank's compute
+    segments ran between its issue and its wait (``transfer``); ``overlap`` turns
+    that window into the fraction of the transfer a link of a given speed would hide
+    (one process runs the ranks in turn, so a wait's wall time means nothing here).
     """
 
     def __init__(self, world_size: int, device: torch.device | str = "cpu"):
@@ -52,6 +57,7 @@ class RankTimer:
         self.device = torch.device(device)
         self._open: dict[int, Any] = {}
         self._segments: list[list[tuple[Any, Any]]] = [[] for _ in range(world_size)]
+        self._transfers: list[tuple] = []
 
     def _mark(self) -> Any:
         if self.device.type == "cuda":
@@ -68,16 +74,56 @@ class RankTimer:
         if start is not None:
             self._segments[rank].append((start, self._mark()))
 
-    def totals(self) -> list[float]:
-        """Seconds of compute per rank since the last ``reset``."""
+    def closed(self, rank: int) -> int:
+        """Compute segments ``rank`` has closed so far."""
+        return len(self._segments[rank])
+
+    def transfer(
+        self, rank: int, phase: str, kind: str, what: str, nbytes: int, first: int, last: int
+    ) -> None:
+        """A transfer of ``rank`` was in flight during its segments ``first .. last-1``."""
+        self._transfers.append((rank, phase, kind, what, nbytes, first, last))
+
+    def _durations(self) -> list[list[float]]:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return [sum(a.elapsed_time(b) for a, b in seg) / 1e3 for seg in self._segments]
-        return [sum(b - a for a, b in seg) for seg in self._segments]
+            return [[a.elapsed_time(b) / 1e3 for a, b in seg] for seg in self._segments]
+        return [[b - a for a, b in seg] for seg in self._segments]
+
+    def totals(self) -> list[float]:
+        """Seconds of compute per rank since the last ``reset``."""
+        return [sum(d) for d in self._durations()]
+
+    def overlap(self, link_bytes_per_s: float) -> list[dict[str, dict[str, float]]]:
+        """Per rank, per ``"phase/kind/what"``: transfers, bytes, ``window_s`` (the rank's
+        compute between each issue and its wait, summed), ``transfer_s`` (the bytes at
+        ``link_bytes_per_s``) and ``hidden``, the fraction of ``transfer_s`` those windows
+        cover (each transfer hidden up to its own window)."""
+        if not link_bytes_per_s > 0:
+            raise ValueError(f"link_bytes_per_s={link_bytes_per_s!r} must be > 0")
+        dur = self._durations()
+        out: list[dict[str, dict[str, float]]] = [{} for _ in range(self.world_size)]
+        for rank, phase, kind, what, nb, first, last in self._transfers:
+            window = sum(dur[rank][first:last])
+            t = nb / link_bytes_per_s
+            row = out[rank].setdefault(
+                f"{phase}/{kind}/{what}",
+                {"count": 0, "bytes": 0, "window_s": 0.0, "transfer_s": 0.0, "hidden_s": 0.0},
+            )
+            row["count"] += 1
+            row["bytes"] += nb
+            row["window_s"] += window
+            row["transfer_s"] += t
+            row["hidden_s"] += min(window, t)
+        for per_rank in out:
+            for row in per_rank.values():
+                row["hidden"] = row["hidden_s"] / row["transfer_s"] if row["transfer_s"] else 1.0
+        return out
 
     def reset(self) -> None:
         self._open.clear()
         self._segments = [[] for _ in range(self.world_size)]
+        self._transfers = []
 
 
 class _OneProcess(torch.autograd.Function):
@@ -123,6 +169,7 @@ class _OneProcess(torch.autograd.Function):
         p = run["layout"].cp_size
         saved = ctx.saved_tensors
         world.baton = Baton(p, douts[0].device, run["timer"])
+        world.phase = "bwd"
 
         def rank_fn(r: int) -> Callable[[], Any]:
             def fn():

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .block_plan import normalize_window
-from .comm import check_agreement
+from .comm import DEFAULT_COMM, CommOptions, check_agreement
 from .groups import StarTrailGroups
 from .layout import PLACEMENTS
 from .packing import PackedLayout
@@ -113,6 +113,23 @@ def check_options(q: Tensor, cp_size: int, causal: bool, dropout_p, window, soft
     cap = check_softcap(softcap)
     check_sinks(sinks, q)
     return AttnOptions(dropout_p, win, cap)
+
+
+def check_comm_options(comm_options, q: Tensor) -> CommOptions:
+    """``comm_options`` checked (``None``: the default): a ``CommOptions``, and no injected
+    delay on CUDA tensors (a host-side sleep does not slow a transfer on its stream)."""
+    if comm_options is None:
+        return DEFAULT_COMM
+    if not isinstance(comm_options, CommOptions):
+        raise ValueError(
+            f"comm_options must be a comm.CommOptions or None, got {type(comm_options).__name__}"
+        )
+    if comm_options.delay_s and q.device.type == "cuda":
+        raise ValueError(
+            f"comm_options.delay_s={comm_options.delay_s} is for CPU ranks: on CUDA a "
+            "host-side delay does not slow the transfer on its stream; allowed on CUDA: 0"
+        )
+    return comm_options
 
 
 def check_joint_kv(joint_kv, k: Tensor, causal: bool, options: AttnOptions):

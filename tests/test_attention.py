@@ -58,7 +58,7 @@ def _check(results, p, c, placement, causal, hq, hkv, dtype):
     for r, (_, events) in enumerate(results):
         assert_startrail_ledger(events, lay, r, shape)
         led = st.CommLedger.from_events(events)
-        n_coll = 3 if c > 1 else 0  # fwd: qkv, lse, out; bwd: dout, delta, dqkv
+        n_coll = 4 if c > 1 else 0  # fwd: kv, q, lse, out; bwd: dout, delta, dq, dkv
         assert led.calls("collective", "fwd") == led.calls("collective", "bwd") == n_coll
 
 

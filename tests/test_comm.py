@@ -61,6 +61,63 @@ def test_team_collectives_both_call_shapes(shape_name):
         assert events == [("all_gather", 48), ("reduce_scatter", 16), ("all_gather", 4)]
 
 
+def _start_three(team, p2p, member: int, rank: int):
+    """Two collectives and an exchange in flight at once, waited on in reverse order."""
+    x = torch.arange(6.0).reshape(3, 2) + 10 * member
+    y = torch.arange(8.0).reshape(4, 2) * (member + 1)
+    a = team.all_gather_start(x, "a")
+    b = team.reduce_scatter_start(y, "b")
+    e = p2p.exchange(torch.tensor([rank * 1.0]), rank ^ 1, rank ^ 1, "e")
+    got = (e.wait(), b.wait(), a.wait())
+    try:
+        a.wait()
+        twice = None
+    except RuntimeError as err:
+        twice = str(err)
+    return got, (team.reduce_scatter(y, "b"), team.all_gather(x, "a")), twice
+
+
+def _in_flight(rank, world):
+    groups = st.StarTrailGroups.create(2)
+    led = st.CommLedger()
+    team = comm.TeamComm(groups.team_group, 2, led)
+    got, blocking, twice = _start_three(team, comm.P2PComm(None, rank, led), rank % 2, rank)
+    return got, blocking, twice, led.waits()
+
+
+def test_transfers_in_flight_together_both_transports():
+    from startrail_megatron.comm.in_process import (
+        Baton,
+        InProcessP2P,
+        InProcessTeam,
+        InProcessWorld,
+    )
+
+    res = run_ranks(4, _in_flight)
+    world = InProcessWorld(st.StarTrailLayout(4, 2))
+    world.baton = Baton(4, torch.device("cpu"), None)
+
+    def rank_fn(r):
+        def fn():
+            team, p2p = InProcessTeam(world, r, None), InProcessP2P(world, r, None)
+            return _start_three(team, p2p, team.member, r)[0]
+
+        return fn
+
+    one = world.baton.run([rank_fn(r) for r in range(4)])
+    for r, (got, blocking, twice, waits) in enumerate(res):
+        assert got[0].tolist() == [float(r ^ 1)]
+        torch.testing.assert_close(got[1], blocking[0])
+        torch.testing.assert_close(got[2], blocking[1])
+        assert "twice" in twice
+        for x, y in zip(got, one[r]):
+            assert torch.equal(x, y)
+        # every transfer's wait was timed on these CPU ranks: in flight + exposed
+        assert set(waits) == {"fwd/collective/a", "fwd/collective/b", "fwd/p2p/e"}
+        assert waits["fwd/collective/a"]["count"] == 2  # the async and the blocking one
+        assert 0 <= waits["fwd/p2p/e"]["hidden"] <= 1
+
+
 def _p2p(rank, world):
     """Two-rank rings (next == prev), self-exchanges and misuse checks."""
     p2p = comm.P2PComm(None, rank, st.CommLedger())

@@ -19,6 +19,12 @@ peak of live tensor bytes during one iteration, tracked at PyTorch's
 dispatch level (``MemTracker``: tensors only, no allocator slack); ``--memory rss`` uses the
 resident-set high-water growth instead (see ``PeakMemory``).
 
+Overlap (CPU ranks): each row's ``hidden`` is, per rank, the fraction of its
+transfers' time spent in flight while the rank did other work rather than blocked
+in a wait (``CommLedger.waits``). ``--comm-delay-ms D`` also times every strategy
+with each transfer slowed to take at least D ms, once overlapped and once with
+every transfer waited on as it starts (``comm.CommOptions``), in the same rounds.
+
 Outputs: a table on stdout, ``--json`` (all numbers), ``--png`` (time and
 bytes per strategy). Runs on CPU with gloo (spawns ``--nproc`` ranks), or
 under ``torchrun`` (NCCL on GPUs, one rank per GPU).
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tempfile
 from datetime import timedelta
@@ -89,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="peak-memory method (auto: cuda on GPUs, tracker on CPU)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument(
+        "--comm-delay-ms",
+        type=float,
+        default=0.0,
+        help="also time every strategy with each transfer slowed to take at least this long "
+        "(CPU ranks), overlapped and with overlap off, side by side (0: off)",
+    )
     p.add_argument("--strategies", nargs="*", help="only these names (e.g. ring startrail-C2-team)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference")
     p.add_argument("--seed", type=int, default=0)
@@ -128,6 +142,13 @@ def run(argv: list[str] | None = None) -> dict:
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if not (args.comm_delay_ms >= 0 and math.isfinite(args.comm_delay_ms)):
+        p.error(f"--comm-delay-ms {args.comm_delay_ms} must be a finite number >= 0")
+    if args.comm_delay_ms and args.cuda:
+        p.error(
+            "--comm-delay-ms is for CPU ranks: on CUDA a host-side delay does not slow a "
+            "transfer on its stream; allowed on CUDA: 0"
+        )
     if world < 1:
         p.error("--nproc must be >= 1")
     if args.seq_len % (2 * world):

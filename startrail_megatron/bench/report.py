@@ -15,7 +15,8 @@ def format_table(report: dict) -> str:
         f"{'causal' if c['causal'] else 'full'}; {c['repeats']} repeats after {c['warmup']} warm-up",
         f"{'strategy':22s}{'median ms':>10s}{'IQR ms':>8s}{'fwd P2P':>10s}{'fwd coll':>10s}"
         f"{'bwd P2P':>10s}{'bwd coll':>10s}{'calls':>7s}{'peak MiB':>9s}{'max err':>9s}"
-        f"{'min ms':>9s}{'model ms':>9s}{'mod/min':>9s}{'model med':>10s}{'mod/med':>9s}",
+        f"{'min ms':>9s}{'model ms':>9s}{'mod/min':>9s}{'model med':>10s}{'mod/med':>9s}"
+        f"{'hidden %':>11s}",
     ]
     mib = 2**20
     for r in report["results"]:
@@ -29,14 +30,54 @@ def format_table(report: dict) -> str:
             f"{calls:7d}{r['peak_memory_bytes'] / mib:9.1f}{err:>9s}"
             f"{r['min_s'] * 1e3:9.2f}{r['predicted_s'] * 1e3:9.2f}{r['predicted_over_measured']:9.2f}"
             f"{r['predicted_median_s'] * 1e3:10.2f}{r['predicted_over_median']:9.2f}"
+            f"{_hidden_range(r.get('overlap')):>11s}"
         )
     lines.append(
         "bytes: MiB sent per rank (max over ranks, from the CommLedger); calls: P2P + collective, "
         f"fwd + bwd; peak: {report['memory_method']}; model: cost model calibrated on this run's "
         "microbenchmarks: fastest repeat of each vs the fastest repeat (min), median of each vs "
-        "the median"
+        "the median; hidden: the share of each rank's transfer time spent in flight while it "
+        "computed, not blocked in a wait (min-max over ranks)"
     )
+    if c.get("comm_delay_ms"):
+        lines += _delay_table(report)
     return "\n".join(lines)
+
+
+def _hidden_range(overlap: dict | None) -> str:
+    if not overlap:
+        return "-"
+    vals = [h for h in overlap["hidden_per_rank"] if h is not None]
+    if not vals:
+        return "-"
+    return f"{100 * min(vals):.0f}-{100 * max(vals):.0f}"
+
+
+def _delay_table(report: dict) -> list[str]:
+    d = report["config"]["comm_delay_ms"]
+    lines = [
+        "",
+        f"every transfer slowed to at least {d:g} ms (median ms over the same rounds):",
+        f"{'strategy':22s}{'no delay':>10s}{'overlap':>10s}{'no overlap':>12s}{'hidden ms':>11s}"
+        f"{'hidden %':>11s}{'exposed ms':>12s}",
+    ]
+    for r in report["results"]:
+        dl = r.get("delay")
+        if dl is None:
+            continue
+        ov, no = dl["overlap_median_s"], dl["no_overlap_median_s"]
+        exp = dl["overlap"]["exposed_s_per_rank"] if dl["overlap"] else None
+        lines.append(
+            f"{r['strategy']:22s}{r['median_s'] * 1e3:10.1f}{ov * 1e3:10.1f}{no * 1e3:12.1f}"
+            f"{(no - ov) * 1e3:11.1f}{_hidden_range(dl['overlap']):>11s}"
+            f"{'-' if exp is None else f'{max(exp) * 1e3:.1f}':>12s}"
+        )
+    lines.append(
+        "overlap: transfers waited on where needed (the shipped code); no overlap: each waited "
+        "on as it starts; hidden ms: no overlap - overlap; hidden %: per rank, min-max, with the "
+        "delay; exposed ms: the most any rank blocked in waits in one run with the delay"
+    )
+    return lines
 
 
 def write_png(report: dict, path: str) -> None:

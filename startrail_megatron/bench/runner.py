@@ -9,6 +9,7 @@ all-reduces, then the interleaved timed rounds.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -18,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..comm import CommLedger
+from ..comm import CommLedger, CommOptions
 from ..planner.calibrate import fit_cluster
 from ..planner.cluster import ClusterSpec
 from ..planner.prediction import predict
@@ -105,10 +106,10 @@ def _prepare(st: Strategy, args, device: torch.device, causal: bool, local, ref,
     q0, k0, v0, do = local
     leaves = [x.clone().requires_grad_() for x in (q0, k0, v0)]
 
-    def step(ledger=None, attn=attn, leaves=leaves):
+    def step(ledger=None, comm=None, attn=attn, leaves=leaves):
         for x in leaves:
             x.grad = None
-        out = attn(*leaves, ledger)
+        out = attn(*leaves, ledger, comm)
         out.backward(do)
         return out
 
@@ -130,7 +131,26 @@ def _prepare(st: Strategy, args, device: torch.device, causal: bool, local, ref,
     summary = ledger.summary()
     led = _max_over_ranks([float(v) for v in summary.values()], device)
     del mine
-    return step, (st, err, peak, dict(zip(summary, (int(v) for v in led))))
+    hidden = _hidden_per_rank(step, None, device, world)
+    return step, (st, err, peak, dict(zip(summary, (int(v) for v in led))), hidden)
+
+
+def _hidden_per_rank(step, comm: CommOptions | None, device, world: int) -> dict | None:
+    """One run with a ledger: per rank, the fraction of its transfers' time hidden behind
+    other work and each transfer's waits (``CommLedger.waits``), gathered on every rank;
+    ``None`` on CUDA, where waits do not block the host (``comm/overlap.py``)."""
+    if device.type == "cuda":
+        return None
+    led = CommLedger()
+    step(led, comm)
+    mine = {"hidden": led.hidden(), "exposed_s": led.exposed_s(), "waits": led.waits()}
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    return {
+        "hidden_per_rank": [r["hidden"] for r in every],
+        "exposed_s_per_rank": [r["exposed_s"] for r in every],
+        "waits_per_rank": [r["waits"] for r in every],
+    }
 
 
 def _timed_rounds(steps, tasks, names: list[str], args, rank: int, device):
@@ -159,7 +179,9 @@ def _timed_rounds(steps, tasks, names: list[str], args, rank: int, device):
     return times, micro_times
 
 
-def _result(st: Strategy, err, peak, led: dict, ts: list[float], shape: AttnShape) -> dict:
+def _result(
+    st: Strategy, err, peak, led: dict, hidden: dict | None, ts: list[float], shape: AttnShape
+) -> dict:
     """One strategy's row of the report: times, bytes (ledger and model), memory, error."""
     med = statistics.median(ts)
     q1, q3 = statistics.quantiles(ts, n=4, method="inclusive")[::2] if len(ts) > 1 else (med, med)
@@ -179,6 +201,7 @@ def _result(st: Strategy, err, peak, led: dict, ts: list[float], shape: AttnShap
         },
         "peak_memory_bytes": peak,
         "max_rel_error": err,
+        "overlap": hidden,
     }
 
 
@@ -227,6 +250,7 @@ def _config(args, world: int, causal: bool) -> dict:
         "warmup": args.warmup,
         "repeats": args.repeats,
         "threads_per_rank": args.threads,
+        "comm_delay_ms": getattr(args, "comm_delay_ms", 0.0),
     }
 
 
@@ -272,6 +296,15 @@ def run_rank(rank: int, world: int, args) -> dict | None:
         )
     tasks = micro_tasks(args, rank, world, device, dtype)
     names = [st.name for st in strategies]
+    n_st = len(steps)
+    delay_s = getattr(args, "comm_delay_ms", 0.0) / 1e3
+    delayed: list[dict | None] = []
+    if delay_s:  # the same steps with the injected delay, overlapped and not
+        modes = (CommOptions(delay_s=delay_s), CommOptions(overlap=False, delay_s=delay_s))
+        for comm, label in zip(modes, (" +delay", " +delay no-overlap")):
+            steps += [functools.partial(fn, comm=comm) for fn in steps[:n_st]]
+            names += [nm + label for nm in names[:n_st]]
+        delayed = [_hidden_per_rank(fn, modes[0], device, world) for fn in steps[:n_st]]
     times, micro_times = _timed_rounds(steps, tasks, names, args, rank, device)
     dims = {
         "batch": args.batch,
@@ -283,6 +316,16 @@ def run_rank(rank: int, world: int, args) -> dict | None:
     micro = {**micro_record(tasks, micro_times), "dims": dims}
     micro_median = {**micro_record(tasks, micro_times, statistics.median), "dims": dims}
     results = [_result(*row, ts, shape) for row, ts in zip(info, times)]
+    for j, r in enumerate(results if delay_s else []):
+        ov, no = times[n_st + j], times[2 * n_st + j]
+        r["delay"] = {
+            "delay_s": delay_s,
+            "overlap_median_s": statistics.median(ov),
+            "no_overlap_median_s": statistics.median(no),
+            "overlap_times_s": ov,
+            "no_overlap_times_s": no,
+            "overlap": delayed[j],
+        }
     if rank != 0:
         return None
     cluster, cluster_median = _calibrate(

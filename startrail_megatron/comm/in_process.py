@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..layout import StarTrailLayout
 from .ledger import CommLedger, nbytes
+from .overlap import DoneHandle
 
 __all__ = [
     "Aborted",
@@ -46,7 +47,9 @@ __all__ = [
 
 
 class SegmentTimer(Protocol):
-    """What the baton tells a timer: a rank starts or stops computing."""
+    """What the baton tells a timer: a rank starts or stops computing, and (optionally,
+    ``closed`` and ``transfer``: ``one_process.RankTimer``) which of its compute
+    segments ran while a transfer was in flight."""
 
     def resume(self, rank: int) -> None: ...
 
@@ -74,6 +77,17 @@ class Baton:
     def resume_timer(self, rank: int) -> None:
         if self.timer is not None:
             self.timer.resume(rank)
+
+    def closed_segments(self, rank: int) -> int | None:
+        """How many compute segments ``rank`` has closed (call while it is paused)."""
+        closed = getattr(self.timer, "closed", None)
+        return None if closed is None else closed(rank)
+
+    def record_transfer(self, rank: int, info: tuple, first: int | None) -> None:
+        """A transfer issued after ``first`` closed segments is waited on now (paused):
+        the segments between ran while it was in flight."""
+        if first is not None:
+            self.timer.transfer(rank, *info, first, self.timer.closed(rank))
 
     def wait_until(self, rank: int, ready: Callable[[], bool]) -> None:
         """Called by rank ``rank`` (not timed): hand the baton back until ``ready()``."""
@@ -156,6 +170,7 @@ class InProcessWorld:
 
     def __init__(self, layout: StarTrailLayout):
         self.layout = layout
+        self.phase = "fwd"  # "fwd" / "bwd": what the transfers' timing records say
         self.baton: Baton | None = None
         self.mail: dict[tuple[int, int, int], Tensor] = {}
         self.slots: dict[tuple[int, int], dict[int, Tensor]] = {}
@@ -164,9 +179,15 @@ class InProcessWorld:
 
 class InProcessHandle:
     def __init__(
-        self, world: InProcessWorld, key: tuple[int, int, int] | None, value: Tensor | None
+        self,
+        world: InProcessWorld,
+        key: tuple[int, int, int] | None,
+        value: Tensor | None,
+        info: tuple = (),
+        first: int | None = None,
     ):
         self._world, self._key, self._value, self._done = world, key, value, False
+        self._info, self._first = info, first
 
     def wait(self) -> Tensor:
         if self._done:
@@ -178,6 +199,7 @@ class InProcessHandle:
         w.baton.pause_timer(key[1])
         try:
             w.baton.wait_until(key[1], lambda: key in w.mail)
+            w.baton.record_transfer(key[1], self._info, self._first)
         finally:
             w.baton.resume_timer(key[1])
         got = w.mail.pop(key)
@@ -208,13 +230,16 @@ class InProcessP2P:
             return InProcessHandle(self.world, None, send)
         n_out, n_in = self._sent.get(dst, 0), self._received.get(src, 0)
         self._sent[dst], self._received[src] = n_out + 1, n_in + 1
-        self.world.baton.pause_timer(me)
+        baton = self.world.baton
+        baton.pause_timer(me)
         self.world.mail[(me, dst, n_out)] = send.detach().clone()
-        self.world.baton.progress += 1
-        self.world.baton.resume_timer(me)
+        baton.progress += 1
+        first = baton.closed_segments(me)
+        baton.resume_timer(me)
         if self.ledger is not None:
             self.ledger.record("p2p", "send", what, nbytes(send), dst)
-        return InProcessHandle(self.world, (src, me, n_in), send)
+        info = (self.world.phase, "p2p", what, nbytes(send))
+        return InProcessHandle(self.world, (src, me, n_in), send, info, first)
 
 
 class InProcessTeam:
@@ -227,44 +252,76 @@ class InProcessTeam:
         self.team, self.member = lay.coord(cp_rank)
         self._calls = 0
 
-    def _exchange(self, x: Tensor) -> list[Tensor]:
+    def _post(self, x: Tensor, finish, what: str, sent: int):
+        """Post this member's part of the next collective; the handle's ``wait`` collects
+        the members' posts (in member order) and returns ``finish(posts)``."""
         w, key = self.world, (self.team, self._calls)
         self._calls += 1
         w.baton.pause_timer(self.rank)
-        try:
-            slot = w.slots.setdefault(key, {})
-            slot[self.member] = x.detach().clone()
-            w.baton.progress += 1
-            w.baton.wait_until(self.rank, lambda: len(slot) == self.size)
-            posts = [slot[m] for m in range(self.size)]
-            w.reads[key] = w.reads.get(key, 0) + 1
-            if w.reads[key] == self.size:
-                del w.slots[key], w.reads[key]
-        finally:
-            w.baton.resume_timer(self.rank)
-        return posts
+        slot = w.slots.setdefault(key, {})
+        slot[self.member] = x.detach().clone()
+        w.baton.progress += 1
+        first = w.baton.closed_segments(self.rank)
+        w.baton.resume_timer(self.rank)
+        info = (w.phase, "collective", what, sent)
+        return _Collective(self, key, slot, finish, info, first)
+
+    def all_gather_start(self, x: Tensor, what: str):
+        if self.size == 1:
+            return DoneHandle(x)
+        x = x.contiguous()
+        sent = (self.size - 1) * nbytes(x)
+        if self.ledger is not None:
+            self.ledger.record("collective", "all_gather", what, sent)
+        return self._post(x, lambda posts: torch.cat(posts, dim=0), what, sent)
+
+    def reduce_scatter_start(self, x: Tensor, what: str):
+        if self.size == 1:
+            return DoneHandle(x)
+        x = x.contiguous()
+        c, m = self.size, self.member
+        sent = (c - 1) * nbytes(x) // c
+        if self.ledger is not None:
+            self.ledger.record("collective", "reduce_scatter", what, sent)
+
+        def finish(posts: list[Tensor]) -> Tensor:
+            # gloo's ring reduce-scatter order (measured for C = 3, 4): start at member
+            # m-1, go down, add member m's own part last. Any order is exact for C <= 2.
+            order = [(m - 1 - i) % c for i in range(c)]
+            out = posts[order[0]].chunk(c, dim=0)[m].clone()
+            for j in order[1:]:
+                out += posts[j].chunk(c, dim=0)[m]
+            return out
+
+        return self._post(x, finish, what, sent)
 
     def all_gather(self, x: Tensor, what: str) -> Tensor:
-        if self.size == 1:
-            return x
-        x = x.contiguous()
-        out = torch.cat(self._exchange(x), dim=0)
-        if self.ledger is not None:
-            self.ledger.record("collective", "all_gather", what, (self.size - 1) * nbytes(x))
-        return out
+        return self.all_gather_start(x, what).wait()
 
     def reduce_scatter(self, x: Tensor, what: str) -> Tensor:
-        if self.size == 1:
-            return x
-        x = x.contiguous()
-        posts = self._exchange(x)
-        c, m = self.size, self.member
-        # gloo's ring reduce-scatter order (measured for C = 3, 4): start at member
-        # m-1, go down, add member m's own part last. Any order is exact for C <= 2.
-        order = [(m - 1 - i) % c for i in range(c)]
-        out = posts[order[0]].chunk(c, dim=0)[m].clone()
-        for j in order[1:]:
-            out += posts[j].chunk(c, dim=0)[m]
-        if self.ledger is not None:
-            self.ledger.record("collective", "reduce_scatter", what, (self.size - 1) * nbytes(out))
-        return out
+        return self.reduce_scatter_start(x, what).wait()
+
+
+class _Collective:
+    """An in-process collective in flight: this member has posted its part."""
+
+    def __init__(self, team: InProcessTeam, key, slot: dict, finish, info: tuple, first):
+        self._team, self._key, self._slot, self._finish = team, key, slot, finish
+        self._info, self._first, self._done = info, first, False
+
+    def wait(self) -> Tensor:
+        if self._done:
+            raise RuntimeError("Handle.wait() called twice")
+        self._done = True
+        t, w, key, slot = self._team, self._team.world, self._key, self._slot
+        w.baton.pause_timer(t.rank)
+        try:
+            w.baton.wait_until(t.rank, lambda: len(slot) == t.size)
+            posts = [slot[m] for m in range(t.size)]
+            w.reads[key] = w.reads.get(key, 0) + 1
+            if w.reads[key] == t.size:
+                del w.slots[key], w.reads[key]
+            w.baton.record_transfer(t.rank, self._info, self._first)
+        finally:
+            w.baton.resume_timer(t.rank)
+        return self._finish(posts)

@@ -3,7 +3,9 @@
 Pass a ``CommLedger`` to any StarTrail or peer attention and every transfer is
 recorded: exact running totals per (phase, kind, op, tensor, peer), plus the
 last ``max_events`` ``CommEvent``s (a long training run keeps a ledger open: it
-must not grow). ``nbytes`` is what *this rank sends*: the message size for a
+must not grow). Where a transport can time its waits (``overlap.py``), each wait is
+also recorded: seconds in flight before it and seconds it blocked, per (phase, kind,
+tensor), and ``hidden`` turns them into the fraction hidden. ``nbytes`` is what *this rank sends*: the message size for a
 P2P send, and the ring-algorithm volume ``(n-1)/n`` of the full buffer for an
 all-gather or reduce-scatter over ``n`` ranks, ``(n-1)/n`` of the input for an
 all-to-all. Transfers to oneself are never made. Pure Python: no torch import.
@@ -50,6 +52,7 @@ class CommLedger:
             raise ValueError(f"max_events={self.max_events} must be >= 0 or None")
         self.events = deque(maxlen=self.max_events)
         self._totals = {}
+        self._waits: dict[tuple[str, str, str], list] = {}
 
     @classmethod
     def from_events(cls, events, max_events: int | None = None) -> CommLedger:
@@ -67,6 +70,49 @@ class CommLedger:
         tot = self._totals.setdefault((ev.phase, kind, op, what, peer), [0, 0])
         tot[0] += ev.nbytes
         tot[1] += 1
+
+    def record_wait(
+        self, phase: str | None, kind: Kind, what: str, in_flight_s: float, exposed_s: float
+    ) -> None:
+        """One transfer's wait: ``in_flight_s`` from its issue to the ``wait()`` call,
+        ``exposed_s`` blocked in the wait (``overlap.TimedHandle``)."""
+        w = self._waits.setdefault((phase or self.phase, kind, what), [0, 0.0, 0.0])
+        w[0] += 1
+        w[1] += max(0.0, in_flight_s)
+        w[2] += max(0.0, exposed_s)
+
+    def waits(self) -> dict[str, dict[str, float]]:
+        """Per ``"phase/kind/what"``: waits timed, seconds in flight, seconds exposed, and
+        the fraction hidden (in flight / (in flight + exposed))."""
+        out = {}
+        for (ph, k, w), (n, fly, exp) in sorted(self._waits.items()):
+            tot = fly + exp
+            out[f"{ph}/{k}/{w}"] = {
+                "count": n,
+                "in_flight_s": fly,
+                "exposed_s": exp,
+                "hidden": fly / tot if tot > 0 else 1.0,
+            }
+        return out
+
+    def hidden(self, kind: Kind | None = None, phase: str | None = None) -> float | None:
+        """The fraction of the timed transfers' time hidden behind other work (``None``:
+        nothing timed)."""
+        fly = exp = 0.0
+        for (ph, k, _w), (_n, f, e) in self._waits.items():
+            if (kind is None or k == kind) and (phase is None or ph == phase):
+                fly, exp = fly + f, exp + e
+        if not self._waits or fly + exp == 0:
+            return None
+        return fly / (fly + exp)
+
+    def exposed_s(self, kind: Kind | None = None, phase: str | None = None) -> float:
+        """Seconds this rank blocked in waits (of the timed transfers)."""
+        return sum(
+            e
+            for (ph, k, _w), (_n, _f, e) in self._waits.items()
+            if (kind is None or k == kind) and (phase is None or ph == phase)
+        )
 
     def bytes(
         self, kind: Kind | None = None, phase: str | None = None, what: str | None = None
@@ -98,6 +144,7 @@ class CommLedger:
     def clear(self) -> None:
         self.events.clear()
         self._totals.clear()
+        self._waits.clear()
 
 
 def nbytes(t) -> int:

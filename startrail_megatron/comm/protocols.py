@@ -2,8 +2,9 @@
 
 ``attention.py`` runs one rank's forward and backward against two objects:
 
-* ``TeamCollectives`` over the C ranks of a team (the all-gather of q, k, v
-  and the reduce-scatter of the output and gradients); the all-gather-KV peer
+* ``TeamCollectives`` over the C ranks of a team (the all-gathers of q and of
+  k, v and the reduce-scatters of the output and gradients), each available
+  asynchronously (``*_start`` -> ``Handle``); the all-gather-KV peer
   uses the same interface over the whole CP group;
 * ``PeerExchange`` for the P2P steps (initial KV placement, sub-ring steps,
   the dK/dV return), each an asynchronous exchange whose ``Handle.wait()``
@@ -32,9 +33,22 @@ class Handle(Protocol):
 
 
 class TeamCollectives(Protocol):
-    """Collectives over one group of ``size`` ranks, in member order."""
+    """Collectives over one group of ``size`` ranks, in member order.
+
+    ``*_start`` returns at once: the collective runs while the caller computes, and
+    ``Handle.wait()`` gives its result. Several may be in flight; every member starts
+    them in the same order. The plain forms are ``*_start(...).wait()``.
+    """
 
     size: int
+
+    def all_gather_start(self, x: Tensor, what: str) -> Handle:
+        """``all_gather``, asynchronous."""
+        ...
+
+    def reduce_scatter_start(self, x: Tensor, what: str) -> Handle:
+        """``reduce_scatter``, asynchronous."""
+        ...
 
     def all_gather(self, x: Tensor, what: str) -> Tensor:
         """``[n, ...]`` on each member -> ``[size*n, ...]``, member order."""

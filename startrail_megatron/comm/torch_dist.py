@@ -6,8 +6,11 @@ Implements the ``TeamCollectives`` and ``PeerExchange`` protocols
 ``dist.all_gather_into_tensor``, ...) so outside tools that patch or trace
 those functions see every call. Collectives use the flat, concatenated tensor
 forms that both NCCL and gloo accept (gloo refuses a stacked all-gather output
-and PREMUL_SUM). Waiting on a handle never synchronizes the device:
-``Work.wait()`` only orders streams on NCCL. Every call is recorded in the
+and PREMUL_SUM). Collectives and exchanges start asynchronously (``async_op=True``,
+``batch_isend_irecv``) and return a handle; waiting on it never synchronizes the
+device: ``Work.wait()`` only orders streams on NCCL. ``CommOptions`` (``overlap.py``)
+adds the benchmark's injected delay and no-overlap mode, and on CPU ranks each wait is
+timed into the ledger (how much of the transfer was hidden). Every call is recorded in the
 ``CommLedger`` given (``ledger.py``). One exception to "every call goes
 through here": DeepSpeed-Ulysses (the Ulysses peer) runs DeepSpeed's own
 all-to-alls; ``tap_all_to_all`` records them in the ledger.
@@ -15,11 +18,14 @@ all-to-alls; ``tap_all_to_all`` records them in the ledger.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .ledger import CommLedger, nbytes
+from .overlap import DEFAULT_COMM, CommOptions, DoneHandle, start_transfer
 
 __all__ = [
     "P2PComm",
@@ -94,51 +100,93 @@ def all_reduce_sum(x: Tensor, group: dist.ProcessGroup | None, what: str) -> Ten
     return x
 
 
+class _Work:
+    """A collective in flight: ``wait()`` waits on its ``Work`` and returns ``out``."""
+
+    def __init__(self, work, out: Tensor, failed, keep: Tensor):
+        self._work, self._out, self._failed, self._done = work, out, failed, False
+        self._keep = keep  # the input stays alive until the wait, whatever the caller drops
+
+    def wait(self) -> Tensor:
+        if self._done:
+            raise RuntimeError("Handle.wait() called twice")
+        try:
+            self._work.wait()
+        except RuntimeError as e:
+            raise self._failed(e) from e
+        self._done, self._keep = True, None
+        return self._out
+
+
 class TeamComm:
     """All-gather / reduce-scatter over one process group of ``size`` ranks.
 
     StarTrail uses it over a team (C ranks); the all-gather-KV peer over the
-    whole CP group (P ranks).
+    whole CP group (P ranks). ``*_start`` returns at once with a handle (the
+    collective runs while the caller computes); the plain forms wait.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, size: int, ledger: CommLedger | None):
-        self.group, self.size, self.ledger = group, size, ledger
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        size: int,
+        ledger: CommLedger | None,
+        options: CommOptions = DEFAULT_COMM,
+    ):
+        self.group, self.size, self.ledger, self.options = group, size, ledger, options
+
+    def _start(self, fn, name: str, out: Tensor, x: Tensor, what: str, sent: int, **kw):
+        def failed(e: Exception) -> RuntimeError:
+            return _failed(f"{name.replace('_', '-')} of {what!r}", self.group, "", e)
+
+        try:
+            work = fn(out, x, group=self.group, async_op=True, **kw)
+        except RuntimeError as e:
+            raise failed(e) from e
+        if self.ledger is not None:
+            self.ledger.record("collective", name, what, sent)
+        host = x.device.type != "cuda"
+        return start_transfer(
+            _Work(work, out, failed, x), self.ledger, "collective", what, self.options, host
+        )
+
+    def all_gather_start(self, x: Tensor, what: str):
+        """Start gathering ``[n, ...]`` from every rank; the handle gives ``[size*n, ...]``,
+        member order."""
+        if self.size == 1:
+            return DoneHandle(x)
+        x = x.contiguous()
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        return self._start(_all_gather, "all_gather", out, x, what, (self.size - 1) * nbytes(x))
+
+    def reduce_scatter_start(self, x: Tensor, what: str):
+        """Start summing ``[size*n, ...]`` over the ranks; the handle gives this member's
+        ``n`` rows of the sum."""
+        if self.size == 1:
+            return DoneHandle(x)
+        x = x.contiguous()
+        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        sent = (self.size - 1) * nbytes(out)
+        return self._start(
+            _reduce_scatter, "reduce_scatter", out, x, what, sent, op=dist.ReduceOp.SUM
+        )
 
     def all_gather(self, x: Tensor, what: str) -> Tensor:
         """[n, ...] on each rank -> [size*n, ...], member order."""
-        if self.size == 1:
-            return x
-        x = x.contiguous()
-        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
-        try:
-            _all_gather(out, x, group=self.group)
-        except RuntimeError as e:
-            raise _failed(f"all-gather of {what!r}", self.group, "", e) from e
-        if self.ledger is not None:
-            self.ledger.record("collective", "all_gather", what, (self.size - 1) * nbytes(x))
-        return out
+        return self.all_gather_start(x, what).wait()
 
     def reduce_scatter(self, x: Tensor, what: str) -> Tensor:
         """[size*n, ...] on each rank -> the sum's n rows of this member."""
-        if self.size == 1:
-            return x
-        x = x.contiguous()
-        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
-        try:
-            _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=self.group)
-        except RuntimeError as e:
-            raise _failed(f"reduce-scatter of {what!r}", self.group, "", e) from e
-        if self.ledger is not None:
-            self.ledger.record("collective", "reduce_scatter", what, (self.size - 1) * nbytes(out))
-        return out
+        return self.reduce_scatter_start(x, what).wait()
 
 
 class P2PHandle:
     """An exchange in flight; ``wait()`` returns the received tensor."""
 
-    def __init__(self, works: list, result: Tensor, on_error=None):
+    def __init__(self, works: list, result: Tensor, on_error=None, keep: Tensor | None = None):
         self._works, self._result, self._done = works, result, False
         self._on_error = on_error  # exception -> the error to raise instead (names the peers)
+        self._keep = keep  # the sent tensor stays alive until the wait
 
     def wait(self) -> Tensor:
         if self._done:
@@ -150,15 +198,21 @@ class P2PHandle:
             if self._on_error is None:
                 raise
             raise self._on_error(e) from e
-        self._done = True
+        self._done, self._keep = True, None
         return self._result
 
 
 class P2PComm:
     """Point-to-point exchanges between CP ranks of one CP group."""
 
-    def __init__(self, cp_group: dist.ProcessGroup | None, cp_rank: int, ledger: CommLedger | None):
-        self.group, self.cp_rank, self.ledger = cp_group, cp_rank, ledger
+    def __init__(
+        self,
+        cp_group: dist.ProcessGroup | None,
+        cp_rank: int,
+        ledger: CommLedger | None,
+        options: CommOptions = DEFAULT_COMM,
+    ):
+        self.group, self.cp_rank, self.ledger, self.options = cp_group, cp_rank, ledger, options
 
     def _global(self, cp_rank: int) -> int:
         if self.group is None:
@@ -206,25 +260,37 @@ class P2PComm:
             raise failed(e) from e
         if self.ledger is not None:
             self.ledger.record("p2p", "send", what, nbytes(send), dst)
-        return P2PHandle(works, recv, failed)
+        host = send.device.type != "cuda"
+        return start_transfer(
+            P2PHandle(works, recv, failed, send), self.ledger, "p2p", what, self.options, host
+        )
 
 
 class _AllToAllTap(torch.autograd.Function):
-    """Identity that records one all-to-all of its input (forward) and of its gradient."""
+    """Identity that records one all-to-all of its input (forward) and of its gradient,
+    and sleeps ``delay_s`` beside each (a blocking transfer: the delay is all exposed)."""
 
     @staticmethod
-    def forward(ctx, x, ledger, size, what, grad_what):
-        ctx.ledger, ctx.size, ctx.grad_what = ledger, size, grad_what
-        ledger.record("collective", "all_to_all", what, all_to_all_bytes(x, size))
+    def forward(ctx, x, ledger, size, what, grad_what, delay_s):
+        ctx.ledger, ctx.size, ctx.grad_what, ctx.delay_s = ledger, size, grad_what, delay_s
+        _tap(ledger, "collective", what, all_to_all_bytes(x, size), delay_s)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.ledger.phase = "bwd"
-        ctx.ledger.record(
-            "collective", "all_to_all", ctx.grad_what, all_to_all_bytes(grad, ctx.size)
-        )
-        return grad, None, None, None, None
+        if ctx.ledger is not None:
+            ctx.ledger.phase = "bwd"
+        _tap(ctx.ledger, "collective", ctx.grad_what, all_to_all_bytes(grad, ctx.size), ctx.delay_s)
+        return grad, None, None, None, None, None
+
+
+def _tap(ledger: CommLedger | None, kind: str, what: str, nb: int, delay_s: float) -> None:
+    if delay_s:
+        time.sleep(delay_s)
+    if ledger is not None:
+        ledger.record(kind, "all_to_all", what, nb)
+        if delay_s:
+            ledger.record_wait(ledger.phase, kind, what, 0.0, delay_s)
 
 
 def all_to_all_bytes(x: Tensor, size: int) -> int:
@@ -233,7 +299,12 @@ def all_to_all_bytes(x: Tensor, size: int) -> int:
 
 
 def tap_all_to_all(
-    x: Tensor, ledger: CommLedger | None, size: int, what: str, grad_what: str
+    x: Tensor,
+    ledger: CommLedger | None,
+    size: int,
+    what: str,
+    grad_what: str,
+    delay_s: float = 0.0,
 ) -> Tensor:
     """Account an all-to-all that another library performs on ``x`` (and on its gradient).
 
@@ -241,8 +312,10 @@ def tap_all_to_all(
     placing this identity at the tensor that crosses each one records the
     transfer in ``ledger`` (``what`` in the forward, ``grad_what`` when the
     gradient crosses back in the backward). Tests compare these records with
-    the ``torch.distributed.all_to_all_single`` calls actually made.
+    the ``torch.distributed.all_to_all_single`` calls actually made. ``delay_s``
+    (``CommOptions.delay_s``, CPU ranks) sleeps beside each, as a slower link would
+    make the blocking all-to-all take that much longer.
     """
-    if ledger is None or size == 1:
+    if (ledger is None and not delay_s) or size == 1:
         return x
-    return _AllToAllTap.apply(x, ledger, size, what, grad_what)
+    return _AllToAllTap.apply(x, ledger, size, what, grad_what, delay_s)

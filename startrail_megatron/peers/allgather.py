@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..block_plan import allgather_calls
-from ..comm import CommLedger, TeamComm
+from ..comm import CommLedger, CommOptions, TeamComm
 from ..kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
-from ..validation import validate_inputs
+from ..validation import check_comm_options, validate_inputs
 from ..zigzag import inverse_order, reorder_chunks
 from .common import cp_rank_and_size, natural_order
 
@@ -26,11 +26,11 @@ __all__ = ["allgather_attention"]
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group, causal, scale, kernel, ledger):
+    def forward(ctx, q, k, v, cp_group, causal, scale, kernel, ledger, options):
         rank, p = cp_rank_and_size(cp_group)
         if ledger is not None:
             ledger.phase = "fwd"
-        comm = TeamComm(cp_group, p, ledger)
+        comm = TeamComm(cp_group, p, ledger, options)
         kv = comm.all_gather(torch.stack((k, v), dim=1), "kv")  # [P*s, 2, b, hkv, d] rank order
         if causal:
             kv = reorder_chunks(kv, natural_order(p))  # natural chunk order
@@ -43,16 +43,16 @@ class _AllGatherAttention(torch.autograd.Function):
             merge_partial(out[qs], lse[..., qs], o, l_)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = (cp_group, causal, scale, kernel, ledger, rank, p)
+        ctx.cfg = (cp_group, causal, scale, kernel, ledger, rank, p, options)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp_group, causal, scale, kernel, ledger, rank, p = ctx.cfg
+        cp_group, causal, scale, kernel, ledger, rank, p, options = ctx.cfg
         if ledger is not None:
             ledger.phase = "bwd"
-        comm = TeamComm(cp_group, p, ledger)
+        comm = TeamComm(cp_group, p, ledger, options)
         dout = dout.contiguous()
         kv = comm.all_gather(torch.stack((k, v), dim=1), "kv")  # gathered again, as TE does
         order = natural_order(p) if causal else list(range(2 * p))
@@ -79,7 +79,7 @@ class _AllGatherAttention(torch.autograd.Function):
             dkv = reorder_chunks(dkv, inverse_order(order))  # back to rank order
         dkv = comm.reduce_scatter(dkv, "dkv")  # [s, 2, b, hkv, d]
         dt = q.dtype
-        return dq.to(dt), dkv[:, 0].to(dt), dkv[:, 1].to(dt), None, None, None, None, None
+        return dq.to(dt), dkv[:, 0].to(dt), dkv[:, 1].to(dt), None, None, None, None, None, None
 
 
 def allgather_attention(
@@ -92,13 +92,16 @@ def allgather_attention(
     softmax_scale: float | None = None,
     kernel: str | AttentionKernel = "auto",
     ledger: CommLedger | None = None,
+    comm_options: CommOptions | None = None,
 ) -> Tensor:
     """Exact attention with K and V all-gathered over the CP group (Megatron's ``all_gather``).
 
     Args: as ``startrail_attention``, with the CP group (``None`` = world)
     instead of StarTrail's groups. Returns out ``[s_local, b, heads_q, head_dim]``.
+    Its collectives are blocking (as TE's): ``comm_options``' delay is always exposed.
     """
     _, p = cp_rank_and_size(cp_group)
     validate_inputs(q, k, v, p, causal)
+    options = check_comm_options(comm_options, q)
     kern, scale = resolve_kernel(q, kernel, softmax_scale)
-    return _AllGatherAttention.apply(q, k, v, cp_group, bool(causal), scale, kern, ledger)
+    return _AllGatherAttention.apply(q, k, v, cp_group, bool(causal), scale, kern, ledger, options)

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..accounting import ulysses_supported
-from ..comm import CommLedger, tap_all_to_all
+from ..comm import CommLedger, CommOptions, tap_all_to_all
 from ..kernels import AttentionKernel, resolve_kernel
-from ..validation import validate_inputs
+from ..validation import check_comm_options, validate_inputs
 from ..zigzag import inverse_order, reorder_chunks
 from .common import cp_rank_and_size, natural_order
 
@@ -84,13 +84,15 @@ def ulysses_attention(
     softmax_scale: float | None = None,
     kernel: str | AttentionKernel = "auto",
     ledger: CommLedger | None = None,
+    comm_options: CommOptions | None = None,
 ) -> Tensor:
     """DeepSpeed-Ulysses: ``DistributedAttention`` (DeepSpeed's) around our local kernel.
 
     Args: as ``allgather_attention``. ``heads_q`` and ``heads_kv`` must be
     multiples of the CP size (``ValueError`` otherwise, before any
-    communication). The all-to-alls are DeepSpeed's; ``ledger`` records them
-    through ``comm.tap_all_to_all``.
+    communication). The all-to-alls are DeepSpeed's (blocking); ``ledger`` records
+    them through ``comm.tap_all_to_all``, which also adds ``comm_options``' delay
+    beside each one (exposed: nothing overlaps them).
     """
     _, p = cp_rank_and_size(cp_group)
     validate_inputs(q, k, v, p, causal)
@@ -100,6 +102,7 @@ def ulysses_attention(
             f"Ulysses shards heads over the CP group: heads_q ({hq}) and heads_kv ({hkv}) must "
             f"be multiples of the CP size {p}"
         )
+    options = check_comm_options(comm_options, q)
     kern, scale = resolve_kernel(q, kernel, softmax_scale)
     _deepspeed_comm_ready()
     from deepspeed.sequence.layer import DistributedAttention
@@ -110,8 +113,9 @@ def ulysses_attention(
     )
     if ledger is not None:
         ledger.phase = "fwd"
+    d = options.delay_s
     qt, kt, vt = (
-        tap_all_to_all(x, ledger, p, w, "d" + w) for x, w in ((q, "q"), (k, "k"), (v, "v"))
+        tap_all_to_all(x, ledger, p, w, "d" + w, d) for x, w in ((q, "q"), (k, "k"), (v, "v"))
     )
     out = attn(qt, kt, vt, 1)  # batch_dim_idx=1: [s, b, h, d]
-    return tap_all_to_all(out, ledger, p, "out", "dout")
+    return tap_all_to_all(out, ledger, p, "out", "dout", d)

@@ -49,7 +49,8 @@ class ClusterSpec:
     gpu_memory: float
     """Memory per GPU, bytes."""
     overlap: bool = True
-    """Whether P2P overlaps compute and the team all-gather the QKV projection."""
+    """Whether transfers in flight overlap compute and each other (``times``: the
+    overlaps the code makes); False: every transfer's time adds up (gloo on shared cores)."""
     causal_tile_waste: float = 64.0
     """Masked (q, k) pairs a causal call still computes per query row (diagonal tiles;
     about half the kernel's key-block size: 64 for flash-attn's 128-key blocks)."""

@@ -7,8 +7,10 @@ backward (``times``), elementwise buffer work (``buffers``) and memory
 (``memory``); the strategies are declared in ``strategies``.
 
 A layer adds the QKV, output and MLP GEMMs forward and backward, with the
-forward rerun under activation recompute; in a layer, the team all-gather
-overlaps the QKV projection (paper, sec. 4.3) when the cluster overlaps. An
+forward rerun under activation recompute. The paper (sec. 4.3) hides the team
+all-gather behind the QKV projection; our adapters receive q, k, v after that
+projection, so no code does that and the model does not assume it (the overlaps
+it does charge are in ``times``). An
 iteration (``step_s``) adds the LM head, ZeRO-2's gradient reduce-scatter and
 weight all-gather, and the Adam step.
 """
@@ -36,7 +38,7 @@ class Prediction:
     """Attention forward + backward of one layer, nothing overlapped with the projections."""
     layer_s: float
     """One transformer layer forward + backward (the forward twice with activation
-    recompute), team all-gather overlapped with QKV."""
+    recompute); the attention's communication is not overlapped with the projections."""
     step_s: float
     """One training iteration: all layers, the LM head, the ZeRO-2 gradient
     reduce-scatter and parameter all-gather, the optimizer (``grad_sync_s`` and the rest)."""
@@ -118,7 +120,7 @@ def predict(
     heads = dict(cp_size=shape.cp_size, heads_q=shape.heads_q, heads_kv=shape.heads_kv)
     if not spec.supported(*heads.values()):
         raise ValueError(spec.requirement.format(**heads))
-    fwd, bwd, t_qkv = spec.times(strategy, cluster, shape)
+    fwd, bwd = spec.times(strategy, cluster, shape)
     buf_f, buf_b = buffer_bytes(
         strategy, shape, rs_via_allreduce=cluster.reduce_scatter_via_allreduce
     )
@@ -129,8 +131,7 @@ def predict(
     if model is not None:
         qkv_f, rest_f = _dense_flops(model, shape.s_local * shape.batch)
         t_qkvp, t_rest = qkv_f / cluster.matmul_flops, rest_f / cluster.matmul_flops
-        hidden_ag = min(t_qkv, t_qkvp) if cluster.overlap else 0.0
-        layer_fwd = fwd + t_qkvp + t_rest - hidden_ag
+        layer_fwd = fwd + t_qkvp + t_rest
         passes = 2 if recompute else 1
         layer = passes * layer_fwd + bwd + 2 * (t_qkvp + t_rest)  # dense backward = 2x forward
         mem = memory_bytes(strategy, shape, model)["total"]

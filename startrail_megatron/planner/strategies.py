@@ -86,7 +86,8 @@ class Strategy:
 Bytes = list[dict[str, int]]
 """Per rank: ``fwd_p2p``, ``bwd_p2p``, ``fwd_collective``, ``bwd_collective``."""
 AttentionFn = Callable[..., object]
-"""``fn(q, k, v, ledger) -> out``, autograd-enabled (the benchmark's step)."""
+"""``fn(q, k, v, ledger, comm=None) -> out``, autograd-enabled (the benchmark's step);
+``comm``: a ``comm.CommOptions`` (injected delay, no-overlap baseline) or ``None``."""
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,8 @@ class KindSpec:
     name: Callable[[Strategy], str]
     comm_bytes: Callable[[Strategy, AttnShape], Bytes]
     comm_calls: Callable[[Strategy, AttnShape], Bytes]
-    times: Callable[[Strategy, ClusterSpec, AttnShape], tuple[float, float, float]]
-    """(forward, backward, the part that a layer's QKV projection can hide) seconds."""
+    times: Callable[[Strategy, ClusterSpec, AttnShape], tuple[float, float]]
+    """(forward, backward) seconds of the attention, the overlaps its code makes included."""
     buffer_bytes: Callable[[Strategy, AttnShape, bool], tuple[int, int]]
     """(forward, backward) elementwise bytes; the flag: reduce-scatter via all-reduce."""
     attention_work: Callable[[Strategy, AttnShape], int]
@@ -176,8 +177,8 @@ def _startrail_attention(st: Strategy, causal: bool) -> AttentionFn:
     from ..groups import StarTrailGroups
 
     groups = StarTrailGroups.create(st.team_size, placement=st.placement)
-    return lambda q, k, v, ledger: startrail_attention(
-        q, k, v, groups, causal=causal, ledger=ledger
+    return lambda q, k, v, ledger, comm=None: startrail_attention(
+        q, k, v, groups, causal=causal, ledger=ledger, comm_options=comm
     )
 
 
@@ -189,7 +190,9 @@ def _peer_attention(name: str) -> Callable[[Strategy, bool], AttentionFn]:
         from .. import peers
 
         fn = getattr(peers, name)
-        return lambda q, k, v, ledger: fn(q, k, v, None, causal=causal, ledger=ledger)
+        return lambda q, k, v, ledger, comm=None: fn(
+            q, k, v, None, causal=causal, ledger=ledger, comm_options=comm
+        )
 
     return attention
 

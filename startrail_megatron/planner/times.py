@@ -1,19 +1,21 @@
 """Attention forward and backward time of each strategy: links, kernels and the ring pipeline.
 
-StarTrail forward = team all-gather q,k,v + initial KV placement + G ring
+Each overlap charged here is one the code makes (``attention.py``'s Note [overlap];
+the line of ``startrail_rank_forward`` / ``_backward`` is named beside each term), and
+only when ``cl.overlap``; otherwise the terms add up. StarTrail forward = K,V
+all-gather, then max(q all-gather, initial KV placement) (started together) + G ring
 steps (a pipeline with the schedule's dependencies, ``ring_pipeline``; with equal
-compute, step s: max(compute_s, send KV) with overlap, their sum without) +
-team combine (lse all-gather, out reduce-scatter). Backward = dout/delta
-all-gather + initial placement + G steps (KV and dK/dV in flight) + the dK/dV
-return + dq,dk,dv reduce-scatter. All-gather-KV and Ulysses expose their
-collectives (no overlap), as their reference implementations do by default.
+compute, step s: max(compute_s, send KV) with overlap, their sum without) + team
+combine (lse all-gather, out reduce-scatter: exposed). Backward = max(dout and delta
+all-gathers, initial placement) + G steps (KV and dK/dV in flight) + max(dq
+reduce-scatter, dK/dV return) + the dk,dv reduce-scatter (exposed). Nothing overlaps
+the layer's QKV projection (the code does not split it). All-gather-KV and Ulysses
+expose their collectives (no overlap), as their reference implementations do by
+default.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from ..accounting import startrail_comm_bytes
 from ..layout import StarTrailLayout
 from .cluster import ClusterSpec
 from .compute import allgather_call_shapes, call_work, kernel_time, startrail_work
@@ -74,19 +76,28 @@ def ring_pipeline(
 
 
 def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byts: Bytes):
-    """(fwd, bwd, team all-gather of q,k,v) seconds for StarTrail / ring."""
+    """(fwd, bwd) seconds for StarTrail / ring."""
     p = shape.cp_size
-    no_acc = replace(shape.local, acc_bytes=0)  # the q,k,v all-gather: input dtype only
-    qkv = max(startrail_comm_bytes(lay, r, no_acc)["fwd_collective"] for r in range(p))
+    c1 = lay.team_size - 1
     teams = lay.all_team_ranks()
-    team_kv = lay.team_size * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
-    kv_msg = team_kv * shape.elem_bytes
-    dkv_msg = team_kv * shape.acc_bytes
+    uq = shape.s_local * shape.batch * shape.heads_q * shape.head_dim
+    ukv = shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
+    rows = shape.s_local * shape.batch * shape.heads_q  # one lse / delta per row and head
+    e, a = shape.elem_bytes, shape.acc_bytes
+    team_kv = lay.team_size * 2 * ukv
+    kv_msg, dkv_msg = team_kv * e, team_kv * a
     work = startrail_work(lay, shape.causal, shape.s_local, shape.packed, shape.varlen, shape.band)
     g = lay.ring_size
 
-    def init_step() -> float:
-        return p2p_step(cl, [(r, lay.initial_send_peer(r), kv_msg) for r in range(p)])
+    def both(x: float, y: float) -> float:
+        """Two transfers started together: the longer with overlap, the sum without."""
+        return max(x, y) if cl.overlap else x + y
+
+    def gather(nbytes: int) -> float:
+        return collective(cl, teams, nbytes, 1)
+
+    def scatter(nbytes: int) -> float:
+        return gather(nbytes) + reduce_scatter_extra(cl, teams, nbytes)
 
     def ring_step(msg: int) -> float:
         return p2p_step(cl, [(r, lay.ring_next(r), msg) for r in range(p)])
@@ -94,31 +105,24 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     def comp(bwd: bool) -> list[list[float]]:
         return [[kernel_time(cl, shape, pr, nc, bwd, sh) for pr, nc, sh in row] for row in work]
 
+    t_init = p2p_step(cl, [(r, lay.initial_send_peer(r), kv_msg) for r in range(p)])
     prev = [lay.ring_prev(r) for r in range(p)]
-
-    # Forward
-    t_qkv = collective(cl, teams, qkv, 1)
-    fwd_coll = max(b["fwd_collective"] for b in byts)
-    t_comb = collective(cl, teams, fwd_coll - qkv, 2)
-    uq = shape.s_local * shape.batch * shape.heads_q * shape.head_dim
-    ukv = shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
-    c1 = lay.team_size - 1
-    t_comb += reduce_scatter_extra(cl, teams, c1 * uq * shape.acc_bytes)  # out
-    fwd = t_qkv + init_step() + t_comb
+    # Forward: kv_h, q_h = all_gather_start(...); place = initial_placement(kv_team) ...
+    fwd = gather(c1 * 2 * ukv * e) + both(gather(c1 * uq * e), t_init)
     fwd += ring_pipeline(cl, comp(False), prev, ring_step(kv_msg) if g > 1 else 0.0)
-    # Backward
-    bwd_coll = max(b["bwd_collective"] for b in byts)
-    bwd = collective(cl, teams, bwd_coll, 3) + init_step()
-    bwd += reduce_scatter_extra(cl, teams, c1 * (uq + 2 * ukv) * shape.acc_bytes)  # dq,dk,dv
+    fwd += gather(c1 * lay.team_size * rows * a) + scatter(c1 * uq * a)  # lse, out
+    # Backward: do_h, delta_h = all_gather_start(...); place = initial_placement(kv_team)
+    bwd = both(gather(c1 * (uq * e + rows * a)), t_init)
     x = ring_step(kv_msg + dkv_msg) if g > 1 else 0.0  # KV and dK/dV share the link
     bwd += ring_pipeline(cl, comp(True), prev, x, x)
-    ret = [(r, lay.dkv_return_peers(r)[0], dkv_msg) for r in range(p)]
-    bwd += p2p_step(cl, ret)
-    return fwd, bwd, t_qkv
+    ret = p2p_step(cl, [(r, lay.dkv_return_peers(r)[0], dkv_msg) for r in range(p)])
+    bwd += both(scatter(c1 * uq * a), ret)  # dq_h = reduce_scatter_start(dq) ... dkv wait
+    bwd += scatter(c1 * 2 * ukv * a)  # dkv_h: exposed
+    return fwd, bwd
 
 
 def allgather_times(cl: ClusterSpec, shape: AttnShape, byts: Bytes):
-    """(fwd, bwd, 0) seconds for all-gather-KV: its collectives exposed, then its calls."""
+    """(fwd, bwd) seconds for all-gather-KV: its collectives exposed, then its calls."""
     p = shape.cp_size
     b = byts[0]
     everyone = [list(range(p))]
@@ -129,11 +133,11 @@ def allgather_times(cl: ClusterSpec, shape: AttnShape, byts: Bytes):
     bwd = collective(cl, everyone, b["bwd_collective"], 2) + bwd_c
     dkv = (p - 1) * 2 * shape.s_local * shape.batch * shape.heads_kv * shape.head_dim
     bwd += reduce_scatter_extra(cl, everyone, dkv * shape.acc_bytes)
-    return fwd, bwd, 0.0
+    return fwd, bwd
 
 
 def ulysses_times(cl: ClusterSpec, shape: AttnShape, byts: Bytes):
-    """(fwd, bwd, 0) seconds for Ulysses: its all-to-alls exposed, then one call over the
+    """(fwd, bwd) seconds for Ulysses: its all-to-alls exposed, then one call over the
     whole sequence with heads/P heads."""
     p = shape.cp_size
     b = byts[0]
@@ -159,4 +163,4 @@ def ulysses_times(cl: ClusterSpec, shape: AttnShape, byts: Bytes):
     fwd += kernel_time(cl, local, pairs, calls, False, whole)
     bwd = all_to_all(cl, p, b["bwd_collective"], 4)
     bwd += kernel_time(cl, local, pairs, calls, True, whole)
-    return fwd, bwd, 0.0
+    return fwd, bwd

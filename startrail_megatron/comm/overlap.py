@@ -1,0 +1,109 @@
+"""Transfers in flight: the benchmark's knobs (injected delay, no overlap) and the record
+of how much of each transfer the rank hid behind other work.
+
+``CommOptions`` says how a transport runs its transfers; the defaults are production
+(overlap, no delay). ``TimedHandle`` wraps one transfer's handle on CPU ranks:
+
+* ``delay_s``: the transfer completes no sooner than ``delay_s`` after it was issued
+  (the wait sleeps out the rest), as if the link were that slow. Work done between
+  the issue and the wait hides it; a wait that comes at once pays it all.
+* ``overlap=False``: every transfer is waited on as it is issued, so nothing overlaps:
+  the same code and bytes, the baseline an overlapped run is measured against.
+* The record: ``in flight`` = seconds from the issue to the ``wait()`` call (the rank
+  ran other work meanwhile), ``exposed`` = seconds the ``wait()`` blocked. The hidden
+  fraction of a transfer is in_flight / (in_flight + exposed): 1 when the wait found it
+  done, 0 when it was waited on at once. It is a host-clock measure and only means
+  something where a wait blocks the host until the bytes are there: gloo's CPU tensors
+  (and the in-process transport, ``RankTimer``). On CUDA, ``Work.wait()`` only orders
+  streams and returns at once, so nothing is recorded there and ``delay_s`` is refused;
+  use a profiler's timeline.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from .ledger import CommLedger
+
+__all__ = ["DEFAULT_COMM", "CommOptions", "DoneHandle", "TimedHandle", "start_transfer"]
+
+
+@dataclass(frozen=True)
+class CommOptions:
+    """How a transport runs its transfers (``startrail_attention(comm_options=)``)."""
+
+    overlap: bool = True
+    """False: wait on every transfer as it is issued (the benchmark's no-overlap baseline)."""
+    delay_s: float = 0.0
+    """Each transfer completes no sooner than this many seconds after its issue (CPU
+    ranks only: the benchmark's injected slowness)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"comm_options.overlap={self.overlap!r} must be True or False")
+        d = self.delay_s
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d < 0:
+            raise ValueError(f"comm_options.delay_s={d!r} must be a finite number of seconds >= 0")
+
+
+DEFAULT_COMM = CommOptions()
+
+
+class DoneHandle:
+    """A transfer that moved nothing (a self-exchange, a group of one): ``wait()`` returns
+    the tensor."""
+
+    def __init__(self, value):
+        self._value, self._done = value, False
+
+    def wait(self):
+        if self._done:
+            raise RuntimeError("Handle.wait() called twice")
+        self._done = True
+        return self._value
+
+
+class TimedHandle:
+    """A transfer's handle with the injected delay and the ledger's overlap record."""
+
+    def __init__(
+        self, inner, ledger: CommLedger | None, kind: str, what: str, options: CommOptions
+    ):
+        self._inner, self._ledger, self._kind, self._what = inner, ledger, kind, what
+        self._delay = options.delay_s
+        self._phase = None if ledger is None else ledger.phase
+        self._t0 = time.perf_counter()
+
+    def wait(self):
+        t1 = time.perf_counter()
+        result = self._inner.wait()
+        if self._delay:
+            rest = self._t0 + self._delay - time.perf_counter()
+            if rest > 0:
+                time.sleep(rest)
+        t2 = time.perf_counter()
+        if self._ledger is not None:
+            self._ledger.record_wait(self._phase, self._kind, self._what, t1 - self._t0, t2 - t1)
+        return result
+
+
+def start_transfer(
+    inner, ledger: CommLedger | None, kind: str, what: str, options: CommOptions, host_waits: bool
+):
+    """The handle to give the schedule for a transfer just issued (``inner``): timed where
+    waits block the host (``host_waits``), waited on at once without ``overlap``."""
+    if not host_waits:
+        if options.delay_s:
+            raise ValueError(
+                "comm_options.delay_s is for CPU ranks: on CUDA a host-side delay does not slow "
+                "the transfer on its stream; allowed on CUDA: 0"
+            )
+        if not options.overlap:
+            return DoneHandle(inner.wait())
+        return inner
+    h = TimedHandle(inner, ledger, kind, what, options)
+    if not options.overlap:
+        return DoneHandle(h.wait())
+    return h
