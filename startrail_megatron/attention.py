@@ -409,13 +409,14 @@ class RankContext:
             rec = self.dropouts[step, call] = Dropout(self.dropout_p)
         return rec
 
-    def ring_step(self, x: Tensor, step: int, what: str):
-        """Start passing ``x`` to the next rank of the sub-ring (None at the last step)."""
+    def ring_step(self, x: Tensor, step: int, what: str, out: Tensor | None = None):
+        """Start passing ``x`` to the next rank of the sub-ring (None at the last step);
+        ``out``: a free buffer like ``x`` to receive into."""
         lay = self.layout
         if step >= lay.ring_size - 1:
             return None
         return self.p2p.exchange(
-            x, lay.ring_next(self.rank), lay.ring_prev(self.rank), what, self.subring
+            x, lay.ring_next(self.rank), lay.ring_prev(self.rank), what, self.subring, out
         )
 
     def initial_placement(self, kv: Tensor):
@@ -464,9 +465,11 @@ def startrail_rank_forward(
     if joint is not None:  # local rows only: computed while the placement is in flight
         _joint_forward(cx, q, joint, acc_out, acc_lse, scale, kernel)
     kv_cur = place.wait()
-    # 3. G sub-ring steps; the next KV is in flight while this one computes.
+    # 3. G sub-ring steps; the next KV is in flight while this one computes, received
+    # into the buffer the step before last computed on (two buffers, reused).
+    spare = None
     for step in range(lay.ring_size):
-        pending = cx.ring_step(kv_cur, step, "kv")
+        pending = cx.ring_step(kv_cur, step, "kv", spare)
         varlen, rows = cx.step_calls(step, s, kernel)
         for i, call in enumerate(varlen):
             drop = cx.dropout(step, i)
@@ -477,9 +480,12 @@ def startrail_rank_forward(
                 **kw, **_drop_kw(cx.dropout(step, i)),
             )  # fmt: skip
             merge_partial(acc_out[qs], acc_lse[..., qs], o, lse)
+            del o, lse
         if pending is not None:
+            # kv_team is kept for the backward: never a buffer to receive into
+            spare = None if kv_cur is kv_team else kv_cur
             kv_cur = pending.wait()
-    del kv_cur
+    del kv_cur, spare
     # 4. team combine: global lse from every member's partial lse, rescale, reduce-scatter.
     if C > 1:
         lse_all = cx.team_comm.all_gather(acc_lse.unsqueeze(0), "lse")  # [C, b, hq, n]
@@ -554,9 +560,13 @@ def startrail_rank_backward(
     kv_cur = place.wait()
     dq = torch.zeros(n, b, hq, d, dtype=acc, device=dout.device)
     dkv_pending = None
+    spare = dkv_free = dkv_sent = None  # buffers reused across steps
     for step in range(lay.ring_size):
-        pending = cx.ring_step(kv_cur, step, "kv")
-        dkv = torch.zeros(n, 2, b, hkv, d, dtype=acc, device=dout.device)
+        pending = cx.ring_step(kv_cur, step, "kv", spare)
+        if dkv_free is None:
+            dkv = torch.zeros(n, 2, b, hkv, d, dtype=acc, device=dout.device)
+        else:
+            dkv, dkv_free = dkv_free.zero_(), None
         varlen, rows = cx.step_calls(step, s, kernel)
         for i, call in enumerate(varlen):
             _varlen_backward(
@@ -579,16 +589,23 @@ def startrail_rank_backward(
             dq[qs] += g_q
             dkv[ks, 0] += g_k
             dkv[ks, 1] += g_v
+            del g_q, g_k, g_v  # before the next call's: one call's gradients alive at a time
+        received = None
         if dkv_pending is not None:
-            dkv += dkv_pending.wait()
+            received = dkv_pending.wait()  # the send of dkv_sent is done too
+            dkv += received
+            dkv_free = dkv_sent  # next step's accumulator
         if step < lay.ring_size - 1:
-            dkv_pending = cx.ring_step(dkv, step, "dkv")
+            dkv_pending = cx.ring_step(dkv, step, "dkv", received)
         else:
             send_to, recv_from = lay.dkv_return_peers(cx.rank)
-            dkv_pending = cx.p2p.exchange(dkv, send_to, recv_from, "dkv")
+            dkv_pending = cx.p2p.exchange(dkv, send_to, recv_from, "dkv", out=received)
+        dkv_sent = dkv
+        del dkv, received
         if pending is not None:
+            spare = None if kv_cur is kv_team else kv_cur
             kv_cur = pending.wait()
-    del kv_cur, out_eff, do_team
+    del kv_cur, out_eff, do_team, spare, dkv_free, dkv_sent
     # dq is complete: its reduce-scatter runs while the dK/dV return is in flight; the
     # joint keys' part (local rows) is computed meanwhile.
     dq_h = cx.team_comm.reduce_scatter_start(cx.from_team_order(dq).reshape(C, -1), "dq")

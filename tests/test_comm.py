@@ -136,14 +136,24 @@ def _p2p(rank, world):
         bad = None
     except ValueError as e:
         bad = str(e)
-    return got.tolist(), twice, bad, len(p2p.ledger.events)
+    buf = torch.empty(2, dtype=torch.int64)
+    into = p2p.exchange(torch.tensor([rank, 1]), peer, peer, "x", out=buf).wait()
+    try:
+        p2p.exchange(torch.tensor([rank, 1]), peer, peer, "x", out=torch.empty(3))
+        bad_out = None
+    except ValueError as e:
+        bad_out = str(e)
+    ok = into is buf and buf.tolist() == [peer, 1]
+    return got.tolist(), twice, bad, len(p2p.ledger.events), ok, bad_out
 
 
 def test_p2p_exchange():
-    for r, (got, twice, bad, n) in enumerate(run_ranks(4, _p2p)):
+    for r, (got, twice, bad, n, into, bad_out) in enumerate(run_ranks(4, _p2p)):
         assert got == [r ^ 1, 10 * (r ^ 1)]
         assert "twice" in twice and "self-send must also be a self-receive" in bad
-        assert n == 1  # the self-exchange is not a transfer
+        assert n == 2  # the self-exchange is not a transfer
+        assert into, "out= is the receive buffer"
+        assert "out= must be like the tensor sent" in bad_out
 
 
 def _skip_on_rank0(rank, world):

@@ -79,8 +79,8 @@ class _RecP2P:
     def __init__(self, inner, log):
         self.inner, self.log, self.cp_rank = inner, log, inner.cp_rank
 
-    def exchange(self, send, dst, src, what, group=None):
-        return _RecHandle(self.inner.exchange(send, dst, src, what, group), self.log, what)
+    def exchange(self, send, dst, src, what, group=None, out=None):
+        return _RecHandle(self.inner.exchange(send, dst, src, what, group, out), self.log, what)
 
 
 class _RecKernel:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..layout import StarTrailLayout
 from .ledger import CommLedger, nbytes
-from .overlap import DoneHandle
+from .overlap import DoneHandle, receive_buffer
 
 __all__ = [
     "Aborted",
@@ -188,6 +188,7 @@ class InProcessHandle:
     ):
         self._world, self._key, self._value, self._done = world, key, value, False
         self._info, self._first = info, first
+        self.out: Tensor | None = None  # the receive buffer the caller gave, if any
 
     def wait(self) -> Tensor:
         if self._done:
@@ -203,12 +204,14 @@ class InProcessHandle:
         finally:
             w.baton.resume_timer(key[1])
         got = w.mail.pop(key)
-        if got.shape != self._value.shape or got.dtype != self._value.dtype:
+        want, self._value = self._value, None
+        if got.shape != want.shape or got.dtype != want.dtype:
             raise RuntimeError(
-                f"rank {key[1]} expected {tuple(self._value.shape)} {self._value.dtype} from rank "
+                f"rank {key[1]} expected {tuple(want.shape)} {want.dtype} from rank "
                 f"{key[0]}, got {tuple(got.shape)} {got.dtype}"
             )
-        return got
+        out, self.out = self.out, None
+        return got if out is None else out.copy_(got)
 
 
 class InProcessP2P:
@@ -219,7 +222,7 @@ class InProcessP2P:
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
 
-    def exchange(self, send: Tensor, dst: int, src: int, what: str, group: Any = None):
+    def exchange(self, send: Tensor, dst: int, src: int, what: str, group: Any = None, out=None):
         me = self.cp_rank
         if (dst == me) != (src == me):
             raise ValueError(
@@ -228,6 +231,8 @@ class InProcessP2P:
             )
         if dst == me:
             return InProcessHandle(self.world, None, send)
+        if out is not None:
+            receive_buffer(send, out)  # checked as the process-group transport does
         n_out, n_in = self._sent.get(dst, 0), self._received.get(src, 0)
         self._sent[dst], self._received[src] = n_out + 1, n_in + 1
         baton = self.world.baton
@@ -239,7 +244,9 @@ class InProcessP2P:
         if self.ledger is not None:
             self.ledger.record("p2p", "send", what, nbytes(send), dst)
         info = (self.world.phase, "p2p", what, nbytes(send))
-        return InProcessHandle(self.world, (src, me, n_in), send, info, first)
+        handle = InProcessHandle(self.world, (src, me, n_in), send, info, first)
+        handle.out = out
+        return handle
 
 
 class InProcessTeam:

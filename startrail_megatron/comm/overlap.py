@@ -27,7 +27,28 @@ from dataclasses import dataclass
 
 from .ledger import CommLedger
 
-__all__ = ["DEFAULT_COMM", "CommOptions", "DoneHandle", "TimedHandle", "start_transfer"]
+__all__ = [
+    "DEFAULT_COMM",
+    "CommOptions",
+    "DoneHandle",
+    "TimedHandle",
+    "receive_buffer",
+    "start_transfer",
+]
+
+
+def receive_buffer(send, out):
+    """``out`` checked to be like ``send`` (shape, dtype, device), or a new buffer."""
+    if out is None:
+        return send.new_empty(send.shape)
+    if out.shape != send.shape or out.dtype != send.dtype or out.device != send.device:
+        raise ValueError(
+            f"exchange out= must be like the tensor sent: {tuple(send.shape)} {send.dtype} on "
+            f"{send.device}, got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if not out.is_contiguous():
+        raise ValueError("exchange out= must be contiguous")
+    return out
 
 
 @dataclass(frozen=True)
@@ -61,8 +82,8 @@ class DoneHandle:
     def wait(self):
         if self._done:
             raise RuntimeError("Handle.wait() called twice")
-        self._done = True
-        return self._value
+        value, self._value, self._done = self._value, None, True
+        return value
 
 
 class TimedHandle:
@@ -77,8 +98,11 @@ class TimedHandle:
         self._t0 = time.perf_counter()
 
     def wait(self):
+        if self._inner is None:
+            raise RuntimeError("Handle.wait() called twice")
         t1 = time.perf_counter()
         result = self._inner.wait()
+        self._inner = None
         if self._delay:
             rest = self._t0 + self._delay - time.perf_counter()
             if rest > 0:

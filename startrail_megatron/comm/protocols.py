@@ -64,11 +64,20 @@ class PeerExchange(Protocol):
 
     cp_rank: int
 
-    def exchange(self, send: Tensor, dst: int, src: int, what: str, group: Any = None) -> Handle:
+    def exchange(
+        self,
+        send: Tensor,
+        dst: int,
+        src: int,
+        what: str,
+        group: Any = None,
+        out: Tensor | None = None,
+    ) -> Handle:
         """Send ``send`` to CP rank ``dst``, receive a tensor like it from ``src``.
 
         ``group`` is a communicator holding both peers (a sub-ring), or ``None``
-        for the CP group. A self-exchange (``dst == src == cp_rank``) moves
+        for the CP group. ``out``: a buffer like ``send`` to receive into (one the
+        caller no longer needs: buffers reused across steps), else a new one. A self-exchange (``dst == src == cp_rank``) moves
         nothing; ``dst == cp_rank`` without ``src == cp_rank`` (or the reverse)
         is a ``ValueError``. Returns at once.
         """

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .ledger import CommLedger, nbytes
-from .overlap import DEFAULT_COMM, CommOptions, DoneHandle, start_transfer
+from .overlap import DEFAULT_COMM, CommOptions, DoneHandle, receive_buffer, start_transfer
 
 __all__ = [
     "P2PComm",
@@ -114,8 +114,8 @@ class _Work:
             self._work.wait()
         except RuntimeError as e:
             raise self._failed(e) from e
-        self._done, self._keep = True, None
-        return self._out
+        out, self._out, self._done, self._keep = self._out, None, True, None
+        return out
 
 
 class TeamComm:
@@ -198,8 +198,8 @@ class P2PHandle:
             if self._on_error is None:
                 raise
             raise self._on_error(e) from e
-        self._done, self._keep = True, None
-        return self._result
+        result, self._result, self._done, self._keep = self._result, None, True, None
+        return result  # not kept: the caller frees it when done
 
 
 class P2PComm:
@@ -226,7 +226,8 @@ class P2PComm:
         src: int,
         what: str,
         group: dist.ProcessGroup | None = None,
-    ) -> P2PHandle:
+        out: Tensor | None = None,
+    ):
         """Send ``send`` to CP rank ``dst`` and receive a tensor like it from ``src``.
 
         ``group`` is the communicator to use (a sub-ring group holding both
@@ -242,7 +243,7 @@ class P2PComm:
         if dst == self.cp_rank:
             return P2PHandle([], send)
         send = send.contiguous()
-        recv = torch.empty_like(send)
+        recv = receive_buffer(send, out)
         comm = group or self.group
         g_dst, g_src = self._global(dst), self._global(src)
         ops = [dist.P2POp(dist.isend, send, g_dst, comm), dist.P2POp(dist.irecv, recv, g_src, comm)]

@@ -13,6 +13,7 @@ __all__ = [
     "allgather_attention_work",
     "memory_breakdown",
     "startrail_attention_work",
+    "startrail_buffers",
     "ulysses_attention_work",
 ]
 
@@ -23,20 +24,45 @@ def _elems(shape: AttnShape) -> tuple[int, int, int]:
     return tok, tok * shape.heads_q * shape.head_dim, tok * shape.heads_kv * shape.head_dim
 
 
-def startrail_attention_work(team_size: int, shape: AttnShape) -> int:
-    """StarTrail's (and ring's) working set at its peak (the backward), bytes."""
+def startrail_buffers(team_size: int, shape: AttnShape) -> dict[str, int]:
+    """Bytes of each buffer StarTrail (ring: C = 1) holds at its peak, a kernel call of a
+    backward sub-ring step, by its name in ``attention.startrail_rank_backward``.
+
+    The caller's q, k, v, out and dout are not counted (with C = 1, ``q_team`` and
+    ``do_team`` are q and dout themselves). The paper's eqs. 8-10 count the first
+    two, the team copies of q and K,V kept from the forward (``(saved)``), with the
+    output: (3C + 1) A. The rest is the backward's working set: what double-buffering
+    both directions of the sub-ring needs (``G > 1``) and fp32 where sums accumulate
+    over calls and steps. ``kernel call`` is the largest call's gradients (at most the
+    whole team block); the kernel's own workspace comes on top (``tests/test_memory.py``
+    measures it).
+    """
+    c, g = team_size, shape.cp_size // team_size**2
     e, a = shape.elem_bytes, shape.acc_bytes
     tok, uq, ukv = _elems(shape)
-    n = team_size  # team tokens / local tokens
-    return (
-        n * (uq + 2 * ukv) * e  # team q, k, v (saved)
-        + n * tok * shape.heads_q * a  # team lse
-        + 2 * n * uq * e  # team dout and the out stand-in
-        + 2 * n * 2 * ukv * e  # KV in use + KV in flight
-        + n * uq * a  # dq accumulator
-        + 2 * n * 2 * ukv * a  # dK/dV in use + in flight
-        + n * (uq + 2 * ukv) * a  # the dq,dk,dv reduce-scatter buffer
-    )
+    team_q, team_kv, rows = c * uq, c * 2 * ukv, c * tok * shape.heads_q
+    steps = g > 1
+    return {
+        "q_team (saved)": team_q * e if c > 1 else 0,
+        "kv_team (saved)": team_kv * e,
+        "lse_team (saved)": rows * a,
+        "do_team": team_q * e if c > 1 else 0,
+        "delta, delta_team": (tok * shape.heads_q + rows) * a,
+        "out_eff": team_q * e,
+        "dq": team_q * a,
+        "kv_cur": team_kv * e,
+        "next KV in flight": team_kv * e if steps else 0,
+        "dkv": team_kv * a,
+        "dkv sent, in flight": team_kv * a if steps else 0,
+        "dkv received": team_kv * a if steps else 0,
+        "kernel call": (team_q + team_kv) * e,
+    }
+
+
+def startrail_attention_work(team_size: int, shape: AttnShape) -> int:
+    """StarTrail's (and ring's) working set at its peak (the backward), bytes: the sum of
+    ``startrail_buffers``."""
+    return sum(startrail_buffers(team_size, shape).values())
 
 
 def allgather_attention_work(shape: AttnShape) -> int:

@@ -1,0 +1,124 @@
+"""Memory of one StarTrail call (issue 16): what the forward keeps, and the peak, per layout.
+
+* Kept from the forward for the backward (the autograd node's saved tensors): exactly
+  the paper's (3C + 1) A (team q and K,V, and out; ring: q, K,V, out: 4 A) plus the
+  team rows' log-sum-exp.
+* Peak of one forward + backward on each rank, by a dispatch-level tracker of live
+  tensor storages: at most the caller's tensors + ``planner.memory.startrail_buffers``
+  (the list docs/performance.md prints) + the kernel's own workspace, measured alone
+  on the largest possible call (a whole team block); with full attention, where every
+  step is that one call, not far below it, so the list is what the code holds.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from common import groups_for, make_inputs, shard
+from harness import run_ranks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import startrail_megatron as st
+from startrail_megatron.kernels import resolve_kernel
+from startrail_megatron.planner.memory import startrail_buffers
+from startrail_megatron.planner.shape import AttnShape
+
+B, HQ, HKV, D = 1, 4, 2, 64
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of live tensor storages created inside (and of those ``hold`` adds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def hold(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        key = s.data_ptr()
+        if key in self.live or not s.nbytes():
+            return
+        self.live[key] = s.nbytes()
+        self.now += s.nbytes()
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(s, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self.hold(t)
+        return out
+
+
+def _shape(p, s_local) -> AttnShape:
+    return AttnShape(p, s_local, B, HQ, HKV, D, elem_bytes=4, acc_bytes=4, causal=True)
+
+
+def _memory_rank(rank, world, c, s_local, causal):
+    p = world
+    groups = groups_for(c)
+    q, k, v, do = make_inputs(1, s_local * p, B, HQ, HKV, D)
+    local = [shard(x, rank, p, causal).float().contiguous() for x in (q, k, v, do)]
+    leaves = [x.clone().requires_grad_() for x in local[:3]]
+    out = st.startrail_attention(*leaves, groups, causal=causal, kernel="sdpa")  # agree once
+    saved = sum(t.untyped_storage().nbytes() for t in out.grad_fn.saved_tensors if t is not None)
+    saved_q_alias = out.grad_fn.saved_tensors[1].data_ptr() == leaves[0].data_ptr()
+    out.backward(local[3])
+    del out
+    for x in leaves:
+        x.grad = None
+    # The kernel's own workspace: its largest call (a whole team block) alone.
+    n = c * s_local
+    kern, scale = resolve_kernel(leaves[0], "sdpa", None)
+    blk = [torch.randn(n, B, h, D) for h in (HQ, HKV, HKV, HQ, HQ)]
+    lse = torch.randn(B, HQ, n)
+    with LiveBytes() as one:
+        for x in [*blk, lse]:  # held before: views of them are not new memory
+            one.hold(x)
+        kern.backward(blk[3], blk[0], blk[1], blk[2], blk[4], lse, causal=causal, scale=scale)
+    kernel_ws = one.peak - sum(x.untyped_storage().nbytes() for x in [*blk, lse])
+    with LiveBytes() as mem:
+        for x in [*leaves, local[3]]:
+            mem.hold(x)
+        out = st.startrail_attention(*leaves, groups, causal=causal, kernel="sdpa")
+        out.backward(local[3])
+        del out
+    return saved, saved_q_alias, mem.peak, kernel_ws
+
+
+@pytest.mark.parametrize(
+    "p,c",
+    [(8, 1), (4, 2), (8, 2), pytest.param(16, 4, marks=pytest.mark.slow)],
+    ids=["P8-C1", "P4-C2", "P8-C2", "P16-C4"],
+)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_kept_and_peak_memory_per_layout(p, c, causal):
+    s_local = 64
+    shape = _shape(p, s_local)
+    a_q = s_local * B * HQ * D * 4  # A: one local q (or out) tensor, bytes
+    a_kv = s_local * B * HKV * D * 4
+    lse = c * s_local * B * HQ * 4
+    buffers = startrail_buffers(c, shape)
+    caller = a_q + 2 * a_kv + a_q + a_q  # q, k, v leaves, dout, out
+    res = run_ranks(p, _memory_rank, c, s_local, causal)
+    lay = st.StarTrailLayout(p, c)
+    for r, (saved, alias, peak, kernel_ws) in enumerate(res):
+        # The buffers are the largest over ranks; with one sub-ring step, a rank whose
+        # initial placement is to itself computes on kv_team itself (no kv_cur copy).
+        own = lay.ring_size == 1 and lay.initial_send_peer(r) == r
+        need = {**buffers, "kv_cur": 0} if own else buffers
+        # (3C + 1) A with GQA's K,V at their own size: team q and K,V, out; ring's q is q
+        assert saved == c * a_q + c * 2 * a_kv + a_q + lse, (r, saved)
+        assert alias == (c == 1), r
+        bound = caller + sum(need.values()) - need["kernel call"] + kernel_ws
+        assert peak <= bound, (r, peak, bound, buffers)
+        if not causal:  # one call per step on the whole team block: the bound is what runs
+            assert peak >= 0.9 * bound, (r, peak, bound)
