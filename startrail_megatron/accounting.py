@@ -12,12 +12,14 @@ Notation: u_q, u_kv are the elements of one local q (or out) and one local k
 (or v) tensor; ``elem``: input dtype bytes; ``acc``: accumulation dtype
 bytes (fp32: 4, fp64: 8); C the team size, G = P/C^2.
 
-StarTrail (ring = C 1; the formulas are explained in ``attention.py``'s docstring)
+StarTrail (ring = C 1; the formulas are explained in ``attention.py``'s docstring;
+message counts: ``StarTrailLayout.p2p_sends``)
 
-  fwd  P2P         kv sends * C 2 u_kv elem   (``StarTrailLayout.p2p_sends``)
-       collective  (C-1) ((u_q + 2 u_kv) elem + C s b h_q acc + u_q acc)
-  bwd  P2P         kv sends * C 2 u_kv elem + dkv sends * C 2 u_kv acc
-       collective  (C-1) (u_q elem + s b h_q acc + (u_q + 2 u_kv) acc)
+  fwd  P2P         kv_place * 2 u_kv elem + kv * C 2 u_kv elem
+       collective  (C-1) (u_q elem + C s b h_q acc + u_q acc)
+  bwd  P2P         kv_place * 2 u_kv elem + kv * C 2 u_kv elem
+                   + dkv * C 2 u_kv acc + dkv_home * 2 u_kv acc
+       collective  (C-1) (u_q elem + s b h_q acc + u_q acc)
 
 The peers (``peers/``)
 
@@ -95,25 +97,28 @@ def startrail_comm_bytes(layout: StarTrailLayout, rank: int, shape: LocalShape) 
     sends = layout.p2p_sends(rank, backward=True)
     tok, acc_bytes, elem_bytes = shape.tokens, shape.acc_bytes, shape.elem_bytes
     q_el, kv_el, heads_q = shape.q_elems, shape.kv_elems, shape.heads_q
-    team_kv = c * 2 * kv_el  # K and V of the whole team
+    local_kv = 2 * kv_el  # one rank's K and V
+    team_kv = c * local_kv  # K and V of the whole team
+    place = sends["kv_place"] * local_kv * elem_bytes
+    ring_kv = sends["kv"] * team_kv * elem_bytes
     return _keys(
-        sends["kv"] * team_kv * elem_bytes,
-        sends["kv"] * team_kv * elem_bytes + sends["dkv"] * team_kv * acc_bytes,
-        # all-gather q,k,v; all-gather the team rows' partial lse; reduce-scatter out
-        (c - 1)
-        * ((q_el + 2 * kv_el) * elem_bytes + c * tok * heads_q * acc_bytes + q_el * acc_bytes),
-        # all-gather dout and delta; reduce-scatter dq, dk, dv
-        (c - 1) * (q_el * elem_bytes + tok * heads_q * acc_bytes + (q_el + 2 * kv_el) * acc_bytes),
+        place + ring_kv,
+        place + ring_kv + (sends["dkv"] * team_kv + sends["dkv_home"] * local_kv) * acc_bytes,
+        # all-gather q; all-gather the team rows' partial lse; reduce-scatter out
+        (c - 1) * (q_el * elem_bytes + c * tok * heads_q * acc_bytes + q_el * acc_bytes),
+        # all-gather dout and delta; reduce-scatter dq
+        (c - 1) * (q_el * elem_bytes + tok * heads_q * acc_bytes + q_el * acc_bytes),
     )
 
 
 def startrail_comm_calls(team_size: int, sends: Mapping[str, int]) -> dict[str, int]:
     """Calls one rank makes: its P2P messages ``sends`` (as for ``startrail_comm_bytes``);
-    with teams (C > 1) four collectives each way (forward k,v / q / lse / out; backward
-    dout / delta / dq / dk,dv: the pairs started together so that they overlap,
-    ``attention.py``'s Note [overlap])."""
-    n_coll = 4 if team_size > 1 else 0
-    return _keys(sends["kv"], sends["kv"] + sends["dkv"], n_coll, n_coll)
+    with teams (C > 1) three collectives each way (forward q / lse / out; backward dout /
+    delta / dq). K and V need none: the placement sends them straight from each member
+    (``layout.py``'s Note)."""
+    n_coll = 3 if team_size > 1 else 0
+    fwd_p2p = sends["kv_place"] + sends["kv"]
+    return _keys(fwd_p2p, fwd_p2p + sends["dkv"] + sends["dkv_home"], n_coll, n_coll)
 
 
 # ---- all-gather KV ---------------------------------------------------------------

@@ -13,15 +13,27 @@ tensor; ``kv`` = K and V together, 2*u_kv; G = P/C^2; C = 1 has no
 collectives and is exactly zigzag ring attention):
 
 Forward
-  collective  all-gather k, v; q   (C-1)(2 u_kv + u_q)       input dtype
+  collective  all-gather q         (C-1) u_q             input dtype
               all-gather lse       (C-1) C*s*b*hq        fp32 (fp64 for fp64)
               reduce-scatter out   (C-1) u_q             fp32 (fp64 for fp64)
-  P2P         [initial != self] * C*2u_kv + (G-1) * C*2u_kv   input dtype
-Backward (KV travels again; its dK/dV travel with it and return home)
+  P2P         placement  2u_kv to each of the C first holders of the team's KV
+                         but itself (``layout.placement_targets``)   input dtype
+              sub-ring   (G-1) * C*2u_kv                              input dtype
+Backward (KV travels again; its dK/dV travel with it and go home)
   collective  all-gather dout (C-1) u_q, delta (C-1) s*b*hq (fp32)
-              reduce-scatter dq; dk, dv  (C-1)(u_q + 2 u_kv)  fp32
-  P2P         kv   as in the forward                          input dtype
-              dkv  ((G-1) + [return != self]) * C*2u_kv       fp32
+              reduce-scatter dq  (C-1) u_q                    fp32
+  P2P         placement and kv as in the forward              input dtype
+              dkv   (G-1) * C*2u_kv                           fp32
+              home  2u_kv to each member of the held copy's team but itself
+                    (``layout.dkv_home_targets``)             fp32
+
+K and V need no team collective: the paper all-gathers q, k, v in the team, sends the
+team's K,V on to its first holder, returns each copy's dK/dV there and reduce-scatters
+them; here each member sends its own K,V straight to the C first holders of its team's
+K,V and gets its own rows of each copy's dK/dV straight back (``layout.py``'s Note).
+The same K,V is held at every step, with (C-1) 2u_kv fewer elements sent per rank each
+way, a collective fewer to wait on each way, and only the rank's own K,V kept for the
+backward: (C + 3) A kept from the forward, not the paper's (3C + 1) A.
 
 ``StarTrailLayout.p2p_sends`` counts the P2P messages; tests assert these
 against the ledger. Why KV travels in the backward, not Q (the paper's
@@ -29,7 +41,7 @@ choice): every fused kernel (flash-attn, TE, SDPA) computes the backward from
 (dout, out) that stay local that way, the schedule and peers are the forward's,
 and with GQA the KV side is the smaller one. Per rank at P = 8, fp32, in units
 of one local K+V: C = 1 sends 7 forward and 7 + 8 backward; C = 2 sends at
-most 2*(1+1) = 4 forward and 4 + 2*(1+1) = 8 backward.
+most 2 + 2 = 4 forward and 4 + 2 + 2 = 8 backward, and no K,V collective.
 
 Note [overlap]
 ~~~~~~~~~~~~~~
@@ -37,17 +49,15 @@ Every transfer starts asynchronously and is waited on only where its result is
 needed (``comm/``: ``*_start`` and ``exchange`` return handles; a wait never
 synchronizes the device). What runs while each transfer is in flight:
 
-  forward   K,V all-gather    q's all-gather (started right after it)
-            q all-gather      the initial KV placement (started as soon as K,V is in)
-            initial placement the joint keys' part of this rank's rows (MMDiT)
+  forward   q all-gather      the initial K,V placement (both started at once)
+            both              the joint keys' part of this rank's rows (MMDiT)
             sub-ring KV s+1   step s's kernel calls (double-buffered)
             lse all-gather, out reduce-scatter: nothing left to compute (exposed)
   backward  dout, delta       the initial placement, the sinks' gradient
             initial placement the out stand-in (``_delta_out``)
             sub-ring KV s+1   step s's kernel calls
             dK/dV of step s   step s+1's kernel calls (one step behind the KV)
-            dK/dV return      dq's reduce-scatter, the joint keys' part
-            dk,dv reduce-scatter  nothing left (exposed)
+            dK/dV home        dq's reduce-scatter, the joint keys' part
 
 The planner charges exactly this (``planner/times.py``); nothing overlaps the
 QKV projection, since q, k, v reach the attention after it. With
@@ -419,11 +429,27 @@ class RankContext:
             x, lay.ring_next(self.rank), lay.ring_prev(self.rank), what, self.subring, out
         )
 
-    def initial_placement(self, kv: Tensor):
-        lay = self.layout
-        return self.p2p.exchange(
-            kv, lay.initial_send_peer(self.rank), lay.initial_recv_peer(self.rank), "kv"
-        )
+    def initial_placement(self, kv_local: Tensor):
+        """Start the initial KV placement (layout Note, step 2): this rank's K,V to the C
+        first holders of its team's KV, one piece from each member of the team whose KV
+        this rank holds first. ``wait()`` gives the pieces in member order."""
+        lay, r = self.layout, self.rank
+        sends = [(d, kv_local) for d in lay.placement_targets(r)]
+        return self.p2p.exchange_many(sends, lay.placement_sources(r), kv_local, "kv_place")
+
+    def team_kv(self, pieces: list[Tensor]) -> Tensor:
+        """The placement's member-order pieces -> the team K,V buffer in team order."""
+        if len(pieces) == 1:
+            return pieces[0]
+        return self.to_team_order(torch.cat(pieces, dim=0))
+
+    def send_dkv_home(self, dkv: Tensor):
+        """Start sending each member its rows of the held copy's dK/dV (team order in);
+        ``wait()`` gives this rank's rows of each copy of its team's dK/dV, to be summed."""
+        lay, r, c = self.layout, self.rank, self.layout.team_size
+        parts = self.from_team_order(dkv).chunk(c, dim=0) if c > 1 else (dkv,)
+        sends = list(zip(lay.dkv_home_targets(r), parts))
+        return self.p2p.exchange_many(sends, lay.dkv_home_sources(r), parts[0], "dkv_home")
 
 
 def startrail_rank_forward(
@@ -438,8 +464,9 @@ def startrail_rank_forward(
 ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """One rank's forward: (out ``[s, b, hq, d]`` in q's dtype, what the backward needs).
 
-    The saved tuple is (q_team, kv_team, lse_team): the team's queries and K,V in
-    chunk order and the rows' merged log-sum-exp. ``sinks`` (one logit per query head)
+    The saved tuple is (q_team, kv_local, lse_team): the team's queries in chunk
+    order, this rank's own K,V stacked ``[s, 2, b, hkv, d]`` (the backward places it
+    again) and the rows' merged log-sum-exp. ``sinks`` (one logit per query head)
     enter once, in the final combine: ``lse = logaddexp(lse, sink)``. ``joint``: keys and
     values ``[t, b, hkv, d]`` the same on every CP rank (MMDiT text tokens), which every
     (real) query sees once: each rank adds them to its own rows before the team combine.
@@ -448,23 +475,17 @@ def startrail_rank_forward(
     s, b, hq, d = q.shape
     n = C * s
     acc = acc_dtype(q.dtype)
-    # 1-2. Team all-gathers and the initial KV placement, overlapped (Note [overlap]):
-    # K,V is gathered first and sent on to its first sub-ring holder while q's gather is
-    # still in flight.
-    if C == 1:  # no team: the rank's own q and K,V (chunk order is the identity)
-        q_team, kv_team = q.contiguous(), torch.stack((k, v), dim=1)  # [s, 2, b, hkv, d]
-        place = cx.initial_placement(kv_team)
-    else:
-        kv_h = cx.team_comm.all_gather_start(torch.stack((k, v), dim=1), "kv_team")
-        q_h = cx.team_comm.all_gather_start(q, "q_team")
-        kv_team = cx.to_team_order(kv_h.wait())  # [n, 2, b, hkv, d], a new buffer
-        place = cx.initial_placement(kv_team)
-        q_team = cx.to_team_order(q_h.wait())
+    # 1-2. The initial KV placement (each member's K,V straight to its team's C first
+    # holders) and the team all-gather of q, in flight together (Note [overlap]).
+    kv_local = torch.stack((k, v), dim=1)  # [s, 2, b, hkv, d]: kept for the backward
+    place = cx.initial_placement(kv_local)
+    q_h = cx.team_comm.all_gather_start(q, "q_team")
     acc_out = torch.zeros(n, b, hq, d, dtype=acc, device=q.device)
     acc_lse = torch.full((b, hq, n), -math.inf, dtype=acc, device=q.device)
-    if joint is not None:  # local rows only: computed while the placement is in flight
+    if joint is not None:  # local rows only: computed while the transfers are in flight
         _joint_forward(cx, q, joint, acc_out, acc_lse, scale, kernel)
-    kv_cur = place.wait()
+    q_team = cx.to_team_order(q_h.wait()) if C > 1 else q.contiguous()
+    kv_cur = cx.team_kv(place.wait())  # [n, 2, b, hkv, d], team order
     # 3. G sub-ring steps; the next KV is in flight while this one computes, received
     # into the buffer the step before last computed on (two buffers, reused).
     spare = None
@@ -482,8 +503,8 @@ def startrail_rank_forward(
             merge_partial(acc_out[qs], acc_lse[..., qs], o, lse)
             del o, lse
         if pending is not None:
-            # kv_team is kept for the backward: never a buffer to receive into
-            spare = None if kv_cur is kv_team else kv_cur
+            # kv_local is kept for the backward: never a buffer to receive into
+            spare = None if kv_cur is kv_local else kv_cur
             kv_cur = pending.wait()
     del kv_cur, spare
     # 4. team combine: global lse from every member's partial lse, rescale, reduce-scatter.
@@ -501,7 +522,7 @@ def startrail_rank_forward(
     del acc_out
     out = cx.team_comm.reduce_scatter(member_order, "out") if C > 1 else member_order
     del member_order
-    return out.to(q.dtype), (q_team, kv_team, lse_team)
+    return out.to(q.dtype), (q_team, kv_local, lse_team)
 
 
 def _delta_out(dout: Tensor, delta: Tensor) -> Tensor:
@@ -538,18 +559,18 @@ def startrail_rank_backward(
     sum to the whole, as for any replicated parameter); with ``joint`` keys, theirs in
     ``cx.joint_grad`` alike.
     """
-    q_team, kv_team, lse_team = saved
+    q_team, kv_local, lse_team = saved
     lay, C = cx.layout, cx.layout.team_size
     s, b, hq, d = dout.shape
     n = C * s
-    hkv = kv_team.shape[3]
+    hkv = kv_local.shape[3]
     acc = acc_dtype(dout.dtype)
     # Team rows' dout and D = rowsum(dout * out), gathered in chunk order, while K,V
     # travels to its first holder (Note [overlap]).
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [s, b, hq]
     do_h = cx.team_comm.all_gather_start(dout, "dout")
     delta_h = cx.team_comm.all_gather_start(delta, "delta")
-    place = cx.initial_placement(kv_team)
+    place = cx.initial_placement(kv_local)
     if sinks is not None:  # d sink_h = -sum over this rank's rows of p_sink * D
         lse_mine = _member_rows(cx, lse_team.permute(2, 0, 1), s)  # [s, b, hq]
         p_sink = torch.exp(sinks.to(acc).view(1, 1, hq) - lse_mine)
@@ -557,7 +578,7 @@ def startrail_rank_backward(
     do_team = cx.to_team_order(do_h.wait())
     out_eff = _delta_out(do_team, cx.to_team_order(delta_h.wait()))
     del delta
-    kv_cur = place.wait()
+    kv_cur = cx.team_kv(place.wait())
     dq = torch.zeros(n, b, hq, d, dtype=acc, device=dout.device)
     dkv_pending = None
     spare = dkv_free = dkv_sent = None  # buffers reused across steps
@@ -597,30 +618,30 @@ def startrail_rank_backward(
             dkv_free = dkv_sent  # next step's accumulator
         if step < lay.ring_size - 1:
             dkv_pending = cx.ring_step(dkv, step, "dkv", received)
-        else:
-            send_to, recv_from = lay.dkv_return_peers(cx.rank)
-            dkv_pending = cx.p2p.exchange(dkv, send_to, recv_from, "dkv", out=received)
+        else:  # the held copy's dK/dV goes home: each member its own rows
+            dkv_pending = cx.send_dkv_home(dkv)
         dkv_sent = dkv
         del dkv, received
         if pending is not None:
-            spare = None if kv_cur is kv_team else kv_cur
+            spare = None if kv_cur is kv_local else kv_cur
             kv_cur = pending.wait()
     del kv_cur, out_eff, do_team, spare, dkv_free, dkv_sent
-    # dq is complete: its reduce-scatter runs while the dK/dV return is in flight; the
+    # dq is complete: its reduce-scatter runs while the dK/dV parts travel home; the
     # joint keys' part (local rows) is computed meanwhile.
     dq_h = cx.team_comm.reduce_scatter_start(cx.from_team_order(dq).reshape(C, -1), "dq")
     del dq
     gq_joint = None
     if joint is not None:
         gq_joint = _joint_backward(cx, dout, out, q_team, lse_team, joint, scale, kernel, acc)
-    dkv = dkv_pending.wait()  # this team's dK/dV as seen by this member's KV copy
-    # Sum over the team and keep this rank's rows.
-    dkv_h = cx.team_comm.reduce_scatter_start(cx.from_team_order(dkv).reshape(C, -1), "dkv_team")
-    del dkv
+    # This rank's rows of each of its team's C K,V copies' dK/dV, summed in copy order.
+    parts = dkv_pending.wait()
+    g_kv = parts[0] if C == 1 else parts[0] + parts[1]
+    for part in parts[2:]:
+        g_kv += part
+    del parts
     g_q = dq_h.wait().view(s, b, hq, d)
     if gq_joint is not None:
         g_q = g_q + gq_joint
-    g_kv = dkv_h.wait().view(s, 2, b, hkv, d)
     dt = dout.dtype
     return g_q.to(dt), g_kv[:, 0].to(dt), g_kv[:, 1].to(dt)
 
@@ -645,12 +666,12 @@ class _StarTrailAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # no double backward: an error, not silently wrong gradients
     def backward(ctx, dout):
-        out, q_team, kv_team, lse_team, sinks, joint_k, joint_v = ctx.saved_tensors
+        out, q_team, kv_local, lse_team, sinks, joint_k, joint_v = ctx.saved_tensors
         if ctx.ledger is not None:
             ctx.ledger.phase = "bwd"
         joint = None if joint_k is None else (joint_k, joint_v)
         dq, dk, dv = startrail_rank_backward(
-            dout.contiguous(), out, (q_team, kv_team, lse_team), ctx.cx, ctx.scale, ctx.kernel,
+            dout.contiguous(), out, (q_team, kv_local, lse_team), ctx.cx, ctx.scale, ctx.kernel,
             sinks, joint,
         )  # fmt: skip
         d_sinks = None if sinks is None else ctx.cx.sinks_grad.to(sinks.dtype)

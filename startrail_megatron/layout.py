@@ -20,9 +20,15 @@ Note [the StarTrail schedule]
 -----------------------------
 Forward, for rank (t, a):
 
-  1. team all-gather: every member holds q, k, v of all its team's tokens.
-  2. initial KV placement: send team KV to (a*G + t//C, t%C), receive from
-     (C*(t%G) + a, t//G).  Now member a of team t holds KV team C*(t%G) + a.
+  1. team all-gather of q: every member holds the queries of all its team's tokens.
+  2. initial KV placement: team t's KV goes to (a*G + t//C, t%C) for every a, and
+     rank (t, a) receives team (C*(t%G) + a, t//G)'s. The paper all-gathers K,V in
+     the team and each member sends the team's KV to its own receiver; here each
+     member sends its own K,V straight to the C receivers of its team's KV
+     (``placement_targets``), and a receiver takes the C pieces from the members of
+     that team (``placement_sources``): the same K,V arrives, with no K,V all-gather
+     (C-1 local K,V fewer sent per rank, and a collective fewer to wait on).
+     Now member a of team t holds KV team C*(t%G) + a.
   3. G steps on sub-ring (g, a): at step s compute against the KV held,
      while passing it to next(t) = (t+1)%G + G*g and receiving from prev(t).
      At step s, (t, a) holds KV team C*((t - s) mod G) + a.
@@ -41,8 +47,11 @@ Example P = 8, C = 2 (G = 2, T = 4, team placement), KV team held per step:
   7    (3,1) |   3    |   1
 
 The backward (``attention.py``) replays the same KV schedule; the KV copy
-carries its running dK/dV along, and after step G-1 one extra P2P returns it to
-the rank that sent it in step 2 (``dkv_return_peers``).
+carries its running dK/dV along, and after step G-1 it goes home: the paper returns
+the copy to the rank that sent it in step 2 (``dkv_return_peers``) and reduce-scatters
+dK/dV in the team; here each member's rows go straight to that member
+(``dkv_home_targets``), which sums the C copies' parts it receives
+(``dkv_home_sources``): the same sums, with no dK/dV reduce-scatter.
 """
 
 from __future__ import annotations
@@ -186,6 +195,31 @@ class StarTrailLayout:
             self.ring_prev(self.initial_send_peer(rank)),
         )
 
+    def placement_targets(self, rank: int) -> list[int]:
+        """The C ranks that first hold a copy of this rank's team's KV, in copy order
+        (copy ``a`` is the one ``initial_send_peer`` of member ``a`` gets): this rank
+        sends its own K,V to each."""
+        t, _ = self.coord(rank)
+        return [self.initial_send_peer(self.rank(t, a)) for a in range(self.team_size)]
+
+    def placement_sources(self, rank: int) -> list[int]:
+        """The members, in member order, of the team whose KV this rank first holds: it
+        receives one local K,V from each and stacks them into the team's buffer."""
+        t, _ = self.coord(self.initial_recv_peer(rank))
+        return self.team_ranks(t)
+
+    def dkv_home_targets(self, rank: int) -> list[int]:
+        """The members, in member order, of the team whose KV copy (and dK/dV) this rank
+        holds after step G-1: each gets its own rows of the copy's dK/dV."""
+        t, _ = self.coord(self.dkv_return_peers(rank)[0])
+        return self.team_ranks(t)
+
+    def dkv_home_sources(self, rank: int) -> list[int]:
+        """The C ranks holding the copies of this rank's team's KV after step G-1, in
+        copy order: each sends this rank its rows of that copy's dK/dV, summed here."""
+        t, _ = self.coord(rank)
+        return [self.dkv_return_peers(self.rank(t, a))[1] for a in range(self.team_size)]
+
     # ---- data --------------------------------------------------------------
     def team_chunks(self, team: int) -> list[int]:
         """Zigzag chunk ids (of 2P) a team holds, sorted: its buffer order."""
@@ -205,18 +239,21 @@ class StarTrailLayout:
 
     # ---- communication volume ---------------------------------------------
     def p2p_sends(self, rank: int, *, backward: bool) -> dict[str, int]:
-        """How many team-sized P2P messages this rank sends, by tensor kind.
+        """How many P2P messages this rank sends, by kind.
 
-        Forward: ``kv`` (the team's K and V together) once for the initial
-        placement unless it is a self-send, then G-1 ring steps.
-        Backward (KV travelling, dK/dV travel with it): ``kv`` as in the
-        forward, ``dkv`` G-1 ring steps plus the return P2P unless it is a
-        self-send. Multiply by the team tensor bytes to get bytes.
+        ``kv`` and ``dkv``: team-sized (the team's K and V together, or their
+        gradients), one per sub-ring step but the last (G-1 each; ``dkv`` backward
+        only). ``kv_place``: local-sized pieces of the initial placement, one per
+        ``placement_targets`` other than this rank (forward and backward);
+        ``dkv_home``: local-sized dK/dV parts sent home, one per ``dkv_home_targets``
+        other than this rank (backward). Multiply by the tensor bytes to get bytes.
         """
         g = self.ring_size
-        initial = int(self.initial_send_peer(rank) != rank)
-        sends = {"kv": initial + (g - 1)}
+        sends = {
+            "kv": g - 1,
+            "kv_place": sum(d != rank for d in self.placement_targets(rank)),
+        }
         if backward:
-            ret_to, _ = self.dkv_return_peers(rank)
-            sends["dkv"] = (g - 1) + int(ret_to != rank)
+            sends["dkv"] = g - 1
+            sends["dkv_home"] = sum(d != rank for d in self.dkv_home_targets(rank))
         return sends

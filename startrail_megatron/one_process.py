@@ -173,14 +173,14 @@ class _OneProcess(torch.autograd.Function):
 
         def rank_fn(r: int) -> Callable[[], Any]:
             def fn():
-                out, q_team, kv_team, lse_team = saved[4 * r : 4 * r + 4]
+                out, q_team, kv_local, lse_team = saved[4 * r : 4 * r + 4]
                 led = run["ledgers"][r]
                 if led is not None:
                     led.phase = "bwd"
                 return startrail_rank_backward(
                     douts[r].contiguous(),
                     out,
-                    (q_team, kv_team, lse_team),
+                    (q_team, kv_local, lse_team),
                     cxs[r],
                     run["scale"],
                     run["kernel"],

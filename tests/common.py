@@ -43,8 +43,8 @@ def assert_startrail_ledger(events, layout, rank: int, shape) -> None:
         for kind in ("p2p", "collective"):
             assert led.bytes(kind, ph) == want[f"{ph}_{kind}"], (rank, ph, kind)
     sends = layout.p2p_sends(rank, backward=True)
-    assert led.calls("p2p", "fwd") == sends["kv"]
-    assert led.calls("p2p", "bwd") == sends["kv"] + sends["dkv"]
+    assert led.calls("p2p", "fwd") == sends["kv"] + sends["kv_place"]
+    assert led.calls("p2p", "bwd") == sum(sends.values())
     assert all(e.peer != rank for e in led.events if e.kind == "p2p"), "no self-sends"
 
 

@@ -118,6 +118,41 @@ def test_transfers_in_flight_together_both_transports():
         assert 0 <= waits["fwd/p2p/e"]["hidden"] <= 1
 
 
+def _fan(p2p, rank: int):
+    """Pieces to this rank and its partner, one from each; a piece to oneself is kept."""
+    peer = rank ^ 1
+    sends = [(d, torch.tensor([10.0 * rank + d])) for d in (rank, peer)]
+    h = p2p.exchange_many(sends, [peer, rank], sends[0][1], "fan")
+    got = h.wait()
+    try:
+        p2p.exchange_many([(rank, sends[0][1])], [peer], sends[0][1], "fan")
+        bad = None
+    except ValueError as e:
+        bad = str(e)
+    return [g.tolist() for g in got], got[1] is sends[0][1], bad
+
+
+def _fan_rank(rank, world):
+    led = st.CommLedger()
+    got = _fan(comm.P2PComm(None, rank, led), rank)
+    return (*got, [(e.what, e.peer) for e in led.events])
+
+
+def test_exchange_many_both_transports():
+    from startrail_megatron.comm.in_process import Baton, InProcessP2P, InProcessWorld
+
+    res = run_ranks(4, _fan_rank)
+    world = InProcessWorld(st.StarTrailLayout(4, 2))
+    world.baton = Baton(4, torch.device("cpu"), None)
+    one = world.baton.run([lambda r=r: _fan(InProcessP2P(world, r, None), r) for r in range(4)])
+    for r, (got, kept, bad, events) in enumerate(res):
+        assert got == [[10.0 * (r ^ 1) + r], [10.0 * r + r]]
+        assert kept, "the piece to oneself is the tensor itself"
+        assert "self-send must also be a self-receive" in bad
+        assert events == [("fan", r ^ 1)]  # one transfer: the piece to oneself is none
+        assert one[r][:2] == (got, True) and one[r][2] == bad
+
+
 def _p2p(rank, world):
     """Two-rank rings (next == prev), self-exchanges and misuse checks."""
     p2p = comm.P2PComm(None, rank, st.CommLedger())

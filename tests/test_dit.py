@@ -52,7 +52,7 @@ def _train_case(rank, world, args: TrainArgs):
     params = {k: v.detach().clone() for k, v in res.model.named_parameters()}
     proof = {
         "calls": h.sdpa.calls,
-        "kv_bytes": h.sdpa.ledger.bytes(what="kv") + h.sdpa.ledger.bytes(what="kv_team"),
+        "kv_bytes": h.sdpa.ledger.bytes(what="kv") + h.sdpa.ledger.bytes(what="kv_place"),
         "joint_bytes": h.sdpa.ledger.bytes(what="joint_out"),
         "s_local": h.tokens.s_local,
         "padded": h.tokens.padded,

@@ -52,7 +52,7 @@ def _joint_case(rank, world, c, placement, n):
     )  # fmt: skip
     w = _weights(world)[rank]
     torch.autograd.backward([out, out_t], [shard_packed(do, lay, rank), dot * w])
-    ran = {w: ledger.bytes(what=w) for w in ("kv", "kv_team", "joint_out", "joint_dout")}
+    ran = {w: ledger.bytes(what=w) for w in ("kv", "kv_place", "joint_out", "joint_dout")}
     return (
         [out.detach(), *(x.grad for x in leaves)],
         [out_t.detach(), *(x.grad for x in tleaves)],
@@ -99,7 +99,7 @@ def test_joint_attention_matches_one_device(p, c, placement, n):
         ran = r[2]
         assert ran["joint_out"] == (p - 1) * T * B * HQ * (D + 1) * 8, rank
         assert ran["joint_dout"] == (p - 1) * T * B * HQ * D * 8, rank
-        assert ran["kv"] + ran["kv_team"] > 0, rank  # StarTrail's team / sub-ring transfers
+        assert ran["kv"] + ran["kv_place"] > 0, rank  # StarTrail's team / sub-ring transfers
     # the text keys changed the image rows (a joint attention that dropped them fails)
     (q, k, v, do), _ = _inputs(n)
     alone = st.testing.reference_attention(q, k, v, do, causal=False)[0]

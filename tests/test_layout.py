@@ -180,9 +180,41 @@ def test_full_mask_is_one_call():
 
 
 def test_p2p_message_counts():
-    # P = 8, C = 2: ranks (0,0) and (3,1) keep their own team's KV.
+    # P = 8, C = 2: ranks (0,0) and (3,1) are a first holder of their own team's KV, so
+    # they send their own K,V to one rank only (their partner); the others to two.
     lay = StarTrailLayout(8, 2)
-    fwd = [lay.p2p_sends(r, backward=False)["kv"] for r in range(8)]
-    assert fwd == [1, 2, 2, 2, 2, 2, 2, 1]
+    fwd = [lay.p2p_sends(r, backward=False) for r in range(8)]
+    assert [f["kv_place"] for f in fwd] == [1, 2, 2, 2, 2, 2, 2, 1]
+    assert all(f["kv"] == 1 for f in fwd)  # one sub-ring step
     ring = StarTrailLayout(8, 1)
-    assert all(ring.p2p_sends(r, backward=True) == {"kv": 7, "dkv": 8} for r in range(8))
+    want = {"kv": 7, "kv_place": 0, "dkv": 7, "dkv_home": 1}
+    assert all(ring.p2p_sends(r, backward=True) == want for r in range(8))
+
+
+@pytest.mark.parametrize(
+    "p,c,placement",
+    [(4, 2, "team"), (8, 2, "team"), (8, 2, "ring"), (16, 4, "team"), (18, 3, "ring"),
+     (32, 2, "ring"), (64, 4, "team"), (9, 1, "team")],
+)  # fmt: skip
+def test_direct_placement_and_home_are_the_papers_transfers(p, c, placement):
+    """Each member's K,V sent straight to the C first holders of its team's KV gives every
+    rank the team KV the paper's placement gives it (``initial_recv_peer``'s team), one
+    piece per member; and the dK/dV parts sent home reach each member from the C final
+    holders of its team's copies."""
+    lay = StarTrailLayout(p, c, placement)
+    pairs_out = {(r, d) for r in range(p) for d in lay.placement_targets(r)}
+    pairs_in = {(src, r) for r in range(p) for src in lay.placement_sources(r)}
+    assert pairs_out == pairs_in and len(pairs_out) == p * c
+    g = lay.ring_size
+    for r in range(p):
+        t, a = lay.coord(r)
+        assert lay.placement_sources(r) == lay.team_ranks(lay.coord(lay.initial_recv_peer(r))[0])
+        assert sorted(lay.placement_targets(r)) == sorted(
+            lay.initial_send_peer(lay.rank(t, m)) for m in range(c)
+        )
+        for copy in range(c):  # copy `copy` of team t: its first holder, G-1 steps on
+            holder = lay.initial_send_peer(lay.rank(t, copy))
+            for _ in range(g - 1):
+                holder = lay.ring_next(holder)
+            assert lay.dkv_home_sources(r)[copy] == holder
+            assert lay.dkv_home_targets(holder) == lay.team_ranks(t)

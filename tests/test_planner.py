@@ -109,18 +109,18 @@ def test_worked_example_with_exact_counts():
     # Ring: P-1 = 63 steps of the local KV, not P: 63/64 of 1.625 GiB.
     assert {b["fwd_p2p"] for b in ring} == {63 * 2 * 1024 * 6656 * 2}
     assert ring[0]["fwd_p2p"] / GIB == pytest.approx(1.625 * 63 / 64)
-    # StarTrail P2P: G = 4 messages of the team KV = 2BNH/C exactly, except on the
-    # ranks whose initial placement is a self-send (G - 1 messages).
+    # StarTrail P2P: G - 1 = 3 sub-ring messages of the team KV and the placement's C = 4
+    # local K,V pieces = 2BNH/C exactly, as the paper; 3 pieces on the ranks that are a
+    # first holder of their own team's KV (15/16 of it).
     p2p = sorted({b["fwd_p2p"] for b in star})
-    assert [x / GIB for x in p2p] == [0.40625 * 3 / 4, 0.40625]
-    # Collectives: q, k, v all-gathered in bf16 = 3/4 of the paper's 4BNH(C-1)/P;
-    # the partial outputs are reduce-scattered in fp32 and the lse gathered in fp32.
+    assert [x / GIB for x in p2p] == [0.40625 * 15 / 16, 0.40625]
+    # Collectives: q all-gathered in bf16 = 1/4 of the paper's 4BNH(C-1)/P (K and V need
+    # none: the placement sends them from each member); the partial outputs are
+    # reduce-scattered in fp32 and the lse gathered in fp32.
     u = 1024 * 6656  # local tokens x H
-    want = 3 * (3 * u * 2 + 4 * 1024 * 52 * 4 + u * 4)
+    want = 3 * (u * 2 + 4 * 1024 * 52 * 4 + u * 4)
     assert {b["fwd_collective"] for b in star} == {want}
-    assert want / GIB == pytest.approx(
-        0.15234375 * 3 / 4 + 3 * u * 4 / GIB + 12 * 1024 * 52 * 4 / GIB
-    )
+    assert want / GIB == pytest.approx(0.15234375 / 4 + 3 * u * 4 / GIB + 12 * 1024 * 52 * 4 / GIB)
 
 
 # ---- H100 preset: GPT-7B, 64K, 32 GPUs ---------------------------------------------

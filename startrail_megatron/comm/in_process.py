@@ -248,6 +248,60 @@ class InProcessP2P:
         handle.out = out
         return handle
 
+    def exchange_many(self, sends, srcs, like: Tensor, what: str):
+        me = self.cp_rank
+        srcs = list(srcs)
+        mine = [t for d, t in sends if d == me]
+        if len(mine) > 1 or (len(mine) == 1) != (srcs.count(me) == 1):
+            raise ValueError(
+                f"P2P exchange_many on CP rank {me}: sends to {[d for d, _ in sends]}, "
+                f"receives from {srcs}; a self-send must also be a self-receive, once"
+            )
+        baton = self.world.baton
+        baton.pause_timer(me)
+        for d, t in sends:
+            if d != me:
+                n_out = self._sent.get(d, 0)
+                self._sent[d] = n_out + 1
+                self.world.mail[(me, d, n_out)] = t.detach().clone()
+                if self.ledger is not None:
+                    self.ledger.record("p2p", "send", what, nbytes(t), d)
+        baton.progress += 1
+        first = baton.closed_segments(me)
+        baton.resume_timer(me)
+        handles, direct, timed = [], {}, False
+        sent_bytes = sum(nbytes(t) for d, t in sends if d != me)
+        for i, s_ in enumerate(srcs):
+            if s_ == me:
+                handles.append(None)
+                direct[i] = mine[0]
+                continue
+            n_in = self._received.get(s_, 0)
+            self._received[s_] = n_in + 1
+            # the transfer's window is recorded once, on the first receive waited on
+            info = (self.world.phase, "p2p", what, sent_bytes)
+            handles.append(
+                InProcessHandle(self.world, (s_, me, n_in), like, info, None if timed else first)
+            )
+            timed = True
+        return _Many(handles, direct)
+
+
+class _Many:
+    """Several in-process receives waited on together (``exchange_many``)."""
+
+    def __init__(self, handles: list, direct: dict[int, Tensor]):
+        self._handles, self._direct, self._done = handles, direct, False
+
+    def wait(self) -> list[Tensor]:
+        if self._done:
+            raise RuntimeError("Handle.wait() called twice")
+        self._done = True
+        got = [h.wait() if h is not None else None for h in self._handles]
+        for i, t in self._direct.items():
+            got[i] = t
+        return got
+
 
 class InProcessTeam:
     """``TeamComm``'s interface in one process: members' posts gathered in member order."""

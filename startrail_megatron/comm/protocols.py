@@ -6,9 +6,10 @@
   k, v and the reduce-scatters of the output and gradients), each available
   asynchronously (``*_start`` -> ``Handle``); the all-gather-KV peer
   uses the same interface over the whole CP group;
-* ``PeerExchange`` for the P2P steps (initial KV placement, sub-ring steps,
-  the dK/dV return), each an asynchronous exchange whose ``Handle.wait()``
-  returns the received tensor.
+* ``PeerExchange`` for the P2P steps: the sub-ring steps (``exchange``), and the
+  initial KV placement and the dK/dV sent home (``exchange_many``: one piece to or
+  from each member of a team), each asynchronous, ``Handle.wait()`` giving what
+  was received.
 
 Two transports implement them: ``torch_dist.py`` (process groups, NCCL or
 gloo) and ``in_process.py`` (every rank in one process, for the one-device
@@ -17,6 +18,7 @@ check). The algorithm is the same code for both.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -80,5 +82,20 @@ class PeerExchange(Protocol):
         caller no longer needs: buffers reused across steps), else a new one. A self-exchange (``dst == src == cp_rank``) moves
         nothing; ``dst == cp_rank`` without ``src == cp_rank`` (or the reverse)
         is a ``ValueError``. Returns at once.
+        """
+        ...
+
+    def exchange_many(
+        self,
+        sends: Sequence[tuple[int, Tensor]],
+        srcs: Sequence[int],
+        like: Tensor,
+        what: str,
+    ) -> Handle:
+        """Send each ``(dst, tensor)`` and receive one tensor like ``like`` from each of
+        ``srcs``, all at once, over the CP group; ``wait()`` gives the received tensors
+        in ``srcs`` order. A tensor sent to this rank is the one received from it (no
+        copy); sending to oneself without receiving from oneself, or the reverse, is a
+        ``ValueError``. Returns at once.
         """
         ...

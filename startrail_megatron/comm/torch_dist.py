@@ -266,6 +266,52 @@ class P2PComm:
             P2PHandle(works, recv, failed, send), self.ledger, "p2p", what, self.options, host
         )
 
+    def exchange_many(self, sends, srcs, like: Tensor, what: str):
+        """Send each ``(dst, tensor)``, receive one tensor like ``like`` from each of
+        ``srcs`` (CP ranks), in one ``batch_isend_irecv`` over the CP group; the
+        handle gives the received tensors in ``srcs`` order. A piece for this rank is
+        the one received from it (no copy, no transfer)."""
+        me = self.cp_rank
+        mine = [t for d, t in sends if d == me]
+        if len(mine) > 1 or (len(mine) == 1) != (list(srcs).count(me) == 1):
+            raise ValueError(
+                f"P2P exchange_many on CP rank {me}: sends to {[d for d, _ in sends]}, "
+                f"receives from {list(srcs)}; a self-send must also be a self-receive, once"
+            )
+        out = [None if s == me else like.new_empty(like.shape) for s in srcs]
+        if mine:
+            out[list(srcs).index(me)] = mine[0]
+        ops, sent = [], []
+        for d, t in sends:
+            if d != me:
+                t = t.contiguous()
+                sent.append(t)
+                ops.append(dist.P2POp(dist.isend, t, self._global(d), self.group))
+        for s_, buf in zip(srcs, out):
+            if s_ != me:
+                ops.append(dist.P2POp(dist.irecv, buf, self._global(s_), self.group))
+        if not ops:
+            return P2PHandle([], out)
+
+        def failed(e: Exception) -> RuntimeError:
+            peers = (
+                f", P2P {what!r} from CP rank {me} to CP ranks {[d for d, _ in sends]}, "
+                f"from CP ranks {list(srcs)}"
+            )
+            return _failed("P2P exchange", self.group, peers, e)
+
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            raise failed(e) from e
+        if self.ledger is not None:
+            for (d, _), t in zip([x for x in sends if x[0] != me], sent):
+                self.ledger.record("p2p", "send", what, nbytes(t), d)
+        host = like.device.type != "cuda"
+        return start_transfer(
+            P2PHandle(works, out, failed, sent), self.ledger, "p2p", what, self.options, host
+        )
+
 
 class _AllToAllTap(torch.autograd.Function):
     """Identity that records one all-to-all of its input (forward) and of its gradient,

@@ -83,9 +83,10 @@ def startrail_buffer_bytes(
     rows = _startrail_rows(lay, shape.causal, shape.s_local, shape.packed)
     g = lay.ring_size
     f = 4 * ukv * e  # stack k,v
-    if c > 1:  # cat q with it; reorder; the q and K,V copies out of the gathered buffer
-        f += 2 * (uq + 2 * ukv) * e + (2 * c * (uq + 2 * ukv) * e if reord else 0)
-        f += 2 * c * (uq + 2 * ukv) * e
+    place = 0  # the placement's C pieces into the team's K,V buffer, in team order
+    if c > 1:
+        place = 2 * c * 2 * ukv * e + (2 * c * 2 * ukv * e if reord else 0)
+    f += place + (2 * c * uq * e if reord else 0)  # and the gathered q's reorder
     f += c * uq * a  # output accumulator zeros
     if c > 1:
         f += 2 * c * uq * a + (2 * c * uq * a if reord else 0) + rs(c, uq)  # rescale, reorder
@@ -93,9 +94,11 @@ def startrail_buffer_bytes(
     b0 = 4 * uq * a + 2 * uq * conv  # delta = rowsum(dout * out)
     b0 += 2 * c * uq * e if reord else 0  # team dout reorder
     b0 += 3 * c * uq * a + 2 * c * uq * conv  # the out stand-in
+    b0 += place  # the placement again, from the K,V kept
     b0 += c * uq * a + g * c * 2 * ukv * a + (g - 1) * 3 * c * 2 * ukv * a  # zeros; dkv += recv
-    b0 += 2 * c * (uq + 2 * ukv) * a * (2 if reord else 1)  # reorders back; cat
-    b0 += (rs(c, uq + 2 * ukv) if c > 1 else 0) + (uq + 2 * ukv) * conv
+    b0 += 2 * c * (uq + 2 * ukv) * a if reord else 0  # dq and dK/dV back to member order
+    b0 += (rs(c, uq) if c > 1 else 0) + 3 * (c - 1) * 2 * ukv * a  # dq; the C dK/dV parts summed
+    b0 += (uq + 2 * ukv) * conv
     bwd = max(b0 + (qr * rq + 2 * kr * rkv) * (2 * a + e) for qr, kr in rows)
     return f, bwd
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .cluster import ClusterSpec
 
-__all__ = ["all_to_all", "collective", "p2p_step", "reduce_scatter_extra"]
+__all__ = ["all_to_all", "collective", "p2p_fan", "p2p_step", "reduce_scatter_extra"]
 
 
 def _inter_bw(cl: ClusterSpec, senders: int) -> float:
@@ -34,6 +34,29 @@ def p2p_step(cl: ClusterSpec, sends: list[tuple[int, int, int]]) -> float:
             t = max(t, cl.intra_latency + b / cl.intra_bw)
         else:
             t = max(t, cl.inter_latency + b / _inter_bw(cl, off[cl.node(s)]))
+    return t
+
+
+def p2p_fan(cl: ClusterSpec, sends: list[tuple[int, int, int]]) -> float:
+    """Several (src, dst, bytes) messages per rank at once (the placement's fan-out, the
+    dK/dV fan-in home): a rank's messages share its link, so it takes the sum of its
+    bytes on each kind of link; the slowest rank's time."""
+    per: dict[int, list[tuple[int, int]]] = {}
+    for s, d, b in sends:
+        if b and s != d:
+            per.setdefault(s, []).append((d, b))
+    off: dict[int, int] = {}
+    for s, msgs in per.items():
+        if any(cl.node(d) != cl.node(s) for d, _ in msgs):
+            off[cl.node(s)] = off.get(cl.node(s), 0) + 1
+    t = 0.0
+    for s, msgs in per.items():
+        intra = sum(b for d, b in msgs if cl.node(d) == cl.node(s))
+        inter = sum(b for d, b in msgs if cl.node(d) != cl.node(s))
+        if intra:
+            t = max(t, cl.intra_latency + intra / cl.intra_bw)
+        if inter:
+            t = max(t, cl.inter_latency + inter / _inter_bw(cl, off[cl.node(s)]))
     return t
 
 

@@ -29,11 +29,12 @@ def startrail_buffers(team_size: int, shape: AttnShape) -> dict[str, int]:
     backward sub-ring step, by its name in ``attention.startrail_rank_backward``.
 
     The caller's q, k, v, out and dout are not counted (with C = 1, ``q_team`` and
-    ``do_team`` are q and dout themselves). The paper's eqs. 8-10 count the first
-    two, the team copies of q and K,V kept from the forward (``(saved)``), with the
-    output: (3C + 1) A. The rest is the backward's working set: what double-buffering
-    both directions of the sub-ring needs (``G > 1``) and fp32 where sums accumulate
-    over calls and steps. ``kernel call`` is the largest call's gradients (at most the
+    ``do_team`` are q and dout themselves). What the forward keeps (``(saved)``): the
+    team's q and this rank's own K,V, with the output (C + 3) A; the paper keeps the
+    team's K,V, (3C + 1) A, but the placement here sends each member's K,V straight
+    from the member (``layout.py``'s Note). The rest is the backward's working set:
+    what double-buffering both directions of the sub-ring needs (``G > 1``) and fp32
+    where sums accumulate over calls and steps. ``kernel call`` is the largest call's gradients (at most the
     whole team block); the kernel's own workspace comes on top (``tests/test_memory.py``
     measures it).
     """
@@ -44,7 +45,7 @@ def startrail_buffers(team_size: int, shape: AttnShape) -> dict[str, int]:
     steps = g > 1
     return {
         "q_team (saved)": team_q * e if c > 1 else 0,
-        "kv_team (saved)": team_kv * e,
+        "kv_local (saved)": 2 * ukv * e,
         "lse_team (saved)": rows * a,
         "do_team": team_q * e if c > 1 else 0,
         "delta, delta_team": (tok * shape.heads_q + rows) * a,

@@ -2,14 +2,14 @@
 
 Each overlap charged here is one the code makes (``attention.py``'s Note [overlap];
 the line of ``startrail_rank_forward`` / ``_backward`` is named beside each term), and
-only when ``cl.overlap``; otherwise the terms add up. StarTrail forward = K,V
-all-gather, then max(q all-gather, initial KV placement) (started together) + G ring
-steps (a pipeline with the schedule's dependencies, ``ring_pipeline``; with equal
-compute, step s: max(compute_s, send KV) with overlap, their sum without) + team
-combine (lse all-gather, out reduce-scatter: exposed). Backward = max(dout and delta
-all-gathers, initial placement) + G steps (KV and dK/dV in flight) + max(dq
-reduce-scatter, dK/dV return) + the dk,dv reduce-scatter (exposed). Nothing overlaps
-the layer's QKV projection (the code does not split it). All-gather-KV and Ulysses
+only when ``cl.overlap``; otherwise the terms add up. StarTrail forward = max(q
+all-gather, initial KV placement: each member's K,V to the C first holders, a fan-out)
+(started together) + G ring steps (a pipeline with the schedule's dependencies,
+``ring_pipeline``; with equal compute, step s: max(compute_s, send KV) with overlap,
+their sum without) + team combine (lse all-gather, out reduce-scatter: exposed).
+Backward = max(dout and delta all-gathers, initial placement) + G steps (KV and dK/dV
+in flight) + max(dq reduce-scatter, the dK/dV parts sent home: a fan-in). Nothing
+overlaps the layer's QKV projection (the code does not split it). All-gather-KV and Ulysses
 expose their collectives (no overlap), as their reference implementations do by
 default.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..layout import StarTrailLayout
 from .cluster import ClusterSpec
 from .compute import allgather_call_shapes, call_work, kernel_time, startrail_work
-from .links import all_to_all, collective, p2p_step, reduce_scatter_extra
+from .links import all_to_all, collective, p2p_fan, p2p_step, reduce_scatter_extra
 from .shape import AttnShape
 
 __all__ = ["allgather_times", "ring_pipeline", "startrail_times", "ulysses_times"]
@@ -105,19 +105,21 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     def comp(bwd: bool) -> list[list[float]]:
         return [[kernel_time(cl, shape, pr, nc, bwd, sh) for pr, nc, sh in row] for row in work]
 
-    t_init = p2p_step(cl, [(r, lay.initial_send_peer(r), kv_msg) for r in range(p)])
+    def fan(targets, nbytes: int) -> float:
+        return p2p_fan(cl, [(r, d, nbytes) for r in range(p) for d in targets(r)])
+
+    t_init = fan(lay.placement_targets, 2 * ukv * e)
     prev = [lay.ring_prev(r) for r in range(p)]
-    # Forward: kv_h, q_h = all_gather_start(...); place = initial_placement(kv_team) ...
-    fwd = gather(c1 * 2 * ukv * e) + both(gather(c1 * uq * e), t_init)
+    # Forward: place = initial_placement(kv_local); q_h = all_gather_start(q) ...
+    fwd = both(gather(c1 * uq * e), t_init)
     fwd += ring_pipeline(cl, comp(False), prev, ring_step(kv_msg) if g > 1 else 0.0)
     fwd += gather(c1 * lay.team_size * rows * a) + scatter(c1 * uq * a)  # lse, out
-    # Backward: do_h, delta_h = all_gather_start(...); place = initial_placement(kv_team)
+    # Backward: do_h, delta_h = all_gather_start(...); place = initial_placement(kv_local)
     bwd = both(gather(c1 * (uq * e + rows * a)), t_init)
     x = ring_step(kv_msg + dkv_msg) if g > 1 else 0.0  # KV and dK/dV share the link
     bwd += ring_pipeline(cl, comp(True), prev, x, x)
-    ret = p2p_step(cl, [(r, lay.dkv_return_peers(r)[0], dkv_msg) for r in range(p)])
-    bwd += both(scatter(c1 * uq * a), ret)  # dq_h = reduce_scatter_start(dq) ... dkv wait
-    bwd += scatter(c1 * 2 * ukv * a)  # dkv_h: exposed
+    home = fan(lay.dkv_home_targets, 2 * ukv * a)
+    bwd += both(scatter(c1 * uq * a), home)  # dq_h = reduce_scatter_start(dq) ... parts
     return fwd, bwd
 
 
