@@ -432,16 +432,21 @@ class RankContext:
     def initial_placement(self, kv_local: Tensor):
         """Start the initial KV placement (layout Note, step 2): this rank's K,V to the C
         first holders of its team's KV, one piece from each member of the team whose KV
-        this rank holds first. ``wait()`` gives the pieces in member order."""
-        lay, r = self.layout, self.rank
+        this rank holds first, received into one member-order buffer (C > 1). Returns
+        (the handle, that buffer or ``None``); ``team_kv`` turns them into the team's K,V
+        in team order."""
+        lay, r, c = self.layout, self.rank, self.layout.team_size
         sends = [(d, kv_local) for d in lay.placement_targets(r)]
-        return self.p2p.exchange_many(sends, lay.placement_sources(r), kv_local, "kv_place")
+        buf = kv_local.new_empty((c * kv_local.shape[0], *kv_local.shape[1:])) if c > 1 else None
+        srcs = lay.placement_sources(r)
+        return self.p2p.exchange_many(sends, srcs, kv_local, "kv_place", out=buf), buf
 
-    def team_kv(self, pieces: list[Tensor]) -> Tensor:
-        """The placement's member-order pieces -> the team K,V buffer in team order."""
-        if len(pieces) == 1:
-            return pieces[0]
-        return self.to_team_order(torch.cat(pieces, dim=0))
+    def team_kv(self, placement) -> Tensor:
+        """Wait for the placement (``initial_placement``'s pair) -> the team's K,V buffer
+        in team order (C = 1: the one piece itself)."""
+        handle, buf = placement
+        pieces = handle.wait()
+        return pieces[0] if buf is None else self.to_team_order(buf)
 
     def send_dkv_home(self, dkv: Tensor):
         """Start sending each member its rows of the held copy's dK/dV (team order in);
@@ -485,7 +490,8 @@ def startrail_rank_forward(
     if joint is not None:  # local rows only: computed while the transfers are in flight
         _joint_forward(cx, q, joint, acc_out, acc_lse, scale, kernel)
     q_team = cx.to_team_order(q_h.wait()) if C > 1 else q.contiguous()
-    kv_cur = cx.team_kv(place.wait())  # [n, 2, b, hkv, d], team order
+    kv_cur = cx.team_kv(place)  # [n, 2, b, hkv, d], team order
+    del place  # its member-order buffer
     # 3. G sub-ring steps; the next KV is in flight while this one computes, received
     # into the buffer the step before last computed on (two buffers, reused).
     spare = None
@@ -578,7 +584,8 @@ def startrail_rank_backward(
     do_team = cx.to_team_order(do_h.wait())
     out_eff = _delta_out(do_team, cx.to_team_order(delta_h.wait()))
     del delta
-    kv_cur = cx.team_kv(place.wait())
+    kv_cur = cx.team_kv(place)
+    del place
     dq = torch.zeros(n, b, hq, d, dtype=acc, device=dout.device)
     dkv_pending = None
     spare = dkv_free = dkv_sent = None  # buffers reused across steps

@@ -129,7 +129,10 @@ def _fan(p2p, rank: int):
         bad = None
     except ValueError as e:
         bad = str(e)
-    return [g.tolist() for g in got], got[1] is sends[0][1], bad
+    buf = torch.empty(2)  # the pieces received into one buffer, in srcs order
+    views = p2p.exchange_many(sends, [peer, rank], sends[0][1], "fan", out=buf).wait()
+    into = buf.tolist() == [10.0 * peer + rank, 10.0 * rank + rank] and views[0]._base is buf
+    return [g.tolist() for g in got], got[1] is sends[0][1] and into, bad
 
 
 def _fan_rank(rank, world):
@@ -149,7 +152,7 @@ def test_exchange_many_both_transports():
         assert got == [[10.0 * (r ^ 1) + r], [10.0 * r + r]]
         assert kept, "the piece to oneself is the tensor itself"
         assert "self-send must also be a self-receive" in bad
-        assert events == [("fan", r ^ 1)]  # one transfer: the piece to oneself is none
+        assert events == [("fan", r ^ 1)] * 2  # one transfer each: the piece to oneself is none
         assert one[r][:2] == (got, True) and one[r][2] == bad
 
 

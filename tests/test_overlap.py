@@ -82,8 +82,8 @@ class _RecP2P:
     def exchange(self, send, dst, src, what, group=None, out=None):
         return _RecHandle(self.inner.exchange(send, dst, src, what, group, out), self.log, what)
 
-    def exchange_many(self, sends, srcs, like, what):
-        return _RecHandle(self.inner.exchange_many(sends, srcs, like, what), self.log, what)
+    def exchange_many(self, sends, srcs, like, what, out=None):
+        return _RecHandle(self.inner.exchange_many(sends, srcs, like, what, out), self.log, what)
 
 
 class _RecKernel:

@@ -34,6 +34,7 @@ from torch import Tensor
 from ..layout import StarTrailLayout
 from .ledger import CommLedger, nbytes
 from .overlap import DoneHandle, receive_buffer
+from .torch_dist import _many_buffers
 
 __all__ = [
     "Aborted",
@@ -248,15 +249,10 @@ class InProcessP2P:
         handle.out = out
         return handle
 
-    def exchange_many(self, sends, srcs, like: Tensor, what: str):
+    def exchange_many(self, sends, srcs, like: Tensor, what: str, out: Tensor | None = None):
         me = self.cp_rank
         srcs = list(srcs)
-        mine = [t for d, t in sends if d == me]
-        if len(mine) > 1 or (len(mine) == 1) != (srcs.count(me) == 1):
-            raise ValueError(
-                f"P2P exchange_many on CP rank {me}: sends to {[d for d, _ in sends]}, "
-                f"receives from {srcs}; a self-send must also be a self-receive, once"
-            )
+        bufs = _many_buffers(me, sends, srcs, like, out)
         baton = self.world.baton
         baton.pause_timer(me)
         for d, t in sends:
@@ -274,15 +270,15 @@ class InProcessP2P:
         for i, s_ in enumerate(srcs):
             if s_ == me:
                 handles.append(None)
-                direct[i] = mine[0]
+                direct[i] = bufs[i]
                 continue
             n_in = self._received.get(s_, 0)
             self._received[s_] = n_in + 1
             # the transfer's window is recorded once, on the first receive waited on
             info = (self.world.phase, "p2p", what, sent_bytes)
-            handles.append(
-                InProcessHandle(self.world, (s_, me, n_in), like, info, None if timed else first)
-            )
+            h = InProcessHandle(self.world, (s_, me, n_in), like, info, None if timed else first)
+            h.out = bufs[i] if out is not None else None
+            handles.append(h)
             timed = True
         return _Many(handles, direct)
 

@@ -91,11 +91,13 @@ class PeerExchange(Protocol):
         srcs: Sequence[int],
         like: Tensor,
         what: str,
+        out: Tensor | None = None,
     ) -> Handle:
         """Send each ``(dst, tensor)`` and receive one tensor like ``like`` from each of
         ``srcs``, all at once, over the CP group; ``wait()`` gives the received tensors
         in ``srcs`` order. A tensor sent to this rank is the one received from it (no
-        copy); sending to oneself without receiving from oneself, or the reverse, is a
-        ``ValueError``. Returns at once.
+        transfer); sending to oneself without receiving from oneself, or the reverse,
+        is a ``ValueError``. ``out``: one contiguous buffer holding the received pieces
+        along dim 0 in ``srcs`` order (the pieces are then views of it). Returns at once.
         """
         ...

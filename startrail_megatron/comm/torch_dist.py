@@ -266,21 +266,15 @@ class P2PComm:
             P2PHandle(works, recv, failed, send), self.ledger, "p2p", what, self.options, host
         )
 
-    def exchange_many(self, sends, srcs, like: Tensor, what: str):
+    def exchange_many(self, sends, srcs, like: Tensor, what: str, out: Tensor | None = None):
         """Send each ``(dst, tensor)``, receive one tensor like ``like`` from each of
         ``srcs`` (CP ranks), in one ``batch_isend_irecv`` over the CP group; the
         handle gives the received tensors in ``srcs`` order. A piece for this rank is
-        the one received from it (no copy, no transfer)."""
+        the one received from it (no transfer). ``out``: one buffer to receive into,
+        the pieces stacked along dim 0 in ``srcs`` order (the handle then gives views of
+        it; the piece to oneself is copied in)."""
         me = self.cp_rank
-        mine = [t for d, t in sends if d == me]
-        if len(mine) > 1 or (len(mine) == 1) != (list(srcs).count(me) == 1):
-            raise ValueError(
-                f"P2P exchange_many on CP rank {me}: sends to {[d for d, _ in sends]}, "
-                f"receives from {list(srcs)}; a self-send must also be a self-receive, once"
-            )
-        out = [None if s == me else like.new_empty(like.shape) for s in srcs]
-        if mine:
-            out[list(srcs).index(me)] = mine[0]
+        out = _many_buffers(me, sends, srcs, like, out)
         ops, sent = [], []
         for d, t in sends:
             if d != me:
@@ -311,6 +305,32 @@ class P2PComm:
         return start_transfer(
             P2PHandle(works, out, failed, sent), self.ledger, "p2p", what, self.options, host
         )
+
+
+def _many_buffers(me: int, sends, srcs, like: Tensor, out: Tensor | None) -> list:
+    """``exchange_many``'s checks and receive buffers (the piece to oneself filled in)."""
+    srcs = list(srcs)
+    mine = [t for d, t in sends if d == me]
+    if len(mine) > 1 or (len(mine) == 1) != (srcs.count(me) == 1):
+        raise ValueError(
+            f"P2P exchange_many on CP rank {me}: sends to {[d for d, _ in sends]}, "
+            f"receives from {srcs}; a self-send must also be a self-receive, once"
+        )
+    if out is None:
+        bufs = [None if s == me else like.new_empty(like.shape) for s in srcs]
+        if mine:
+            bufs[srcs.index(me)] = mine[0]
+        return bufs
+    want = (len(srcs) * like.shape[0], *like.shape[1:])
+    if tuple(out.shape) != want or out.dtype != like.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"exchange_many out= must be a contiguous {want} {like.dtype} buffer, got "
+            f"{tuple(out.shape)} {out.dtype}"
+        )
+    bufs = list(out.chunk(len(srcs), dim=0))
+    if mine:
+        bufs[srcs.index(me)].copy_(mine[0])
+    return bufs
 
 
 class _AllToAllTap(torch.autograd.Function):
