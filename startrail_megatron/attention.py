@@ -625,16 +625,17 @@ def startrail_rank_backward(
             dkv_free = dkv_sent  # next step's accumulator
         if step < lay.ring_size - 1:
             dkv_pending = cx.ring_step(dkv, step, "dkv", received)
-        else:  # the held copy's dK/dV goes home: each member its own rows
-            dkv_pending = cx.send_dkv_home(dkv)
         dkv_sent = dkv
         del dkv, received
         if pending is not None:
             spare = None if kv_cur is kv_local else kv_cur
             kv_cur = pending.wait()
-    del kv_cur, out_eff, do_team, spare, dkv_free, dkv_sent
-    # dq is complete: its reduce-scatter runs while the dK/dV parts travel home; the
-    # joint keys' part (local rows) is computed meanwhile.
+    del kv_cur, out_eff, do_team, spare, dkv_free
+    # The held copy's dK/dV goes home, each member its own rows (the buffers of the steps
+    # freed first); dq is complete: its reduce-scatter runs while the parts travel, and
+    # the joint keys' part (local rows) is computed meanwhile.
+    dkv_pending = cx.send_dkv_home(dkv_sent)
+    del dkv_sent
     dq_h = cx.team_comm.reduce_scatter_start(cx.from_team_order(dq).reshape(C, -1), "dq")
     del dq
     gq_joint = None
