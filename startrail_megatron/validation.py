@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .block_plan import normalize_window
 from .comm import DEFAULT_COMM, CommOptions, check_agreement
+from .comm.overlap import refuse_device_delay
 from .groups import StarTrailGroups
 from .layout import PLACEMENTS
 from .packing import PackedLayout
@@ -124,11 +125,8 @@ def check_comm_options(comm_options, q: Tensor) -> CommOptions:
         raise ValueError(
             f"comm_options must be a comm.CommOptions or None, got {type(comm_options).__name__}"
         )
-    if comm_options.delay_s and q.device.type == "cuda":
-        raise ValueError(
-            f"comm_options.delay_s={comm_options.delay_s} is for CPU ranks: on CUDA a "
-            "host-side delay does not slow the transfer on its stream; allowed on CUDA: 0"
-        )
+    if q.device.type == "cuda":
+        refuse_device_delay(comm_options)
     return comm_options
 
 

@@ -186,14 +186,15 @@ class InProcessHandle:
         value: Tensor | None,
         info: tuple = (),
         first: int | None = None,
+        out: Tensor | None = None,
     ):
         self._world, self._key, self._value, self._done = world, key, value, False
         self._info, self._first = info, first
-        self.out: Tensor | None = None  # the receive buffer the caller gave, if any
+        self._out = out  # the receive buffer the caller gave, if any
 
     def wait(self) -> Tensor:
         if self._done:
-            raise RuntimeError("P2PHandle.wait() called twice")
+            raise RuntimeError("Handle.wait() called twice")
         self._done = True
         if self._key is None:  # a self-exchange
             return self._value
@@ -211,7 +212,7 @@ class InProcessHandle:
                 f"rank {key[1]} expected {tuple(want.shape)} {want.dtype} from rank "
                 f"{key[0]}, got {tuple(got.shape)} {got.dtype}"
             )
-        out, self.out = self.out, None
+        out, self._out = self._out, None
         return got if out is None else out.copy_(got)
 
 
@@ -234,53 +235,49 @@ class InProcessP2P:
             return InProcessHandle(self.world, None, send)
         if out is not None:
             receive_buffer(send, out)  # checked as the process-group transport does
-        n_out, n_in = self._sent.get(dst, 0), self._received.get(src, 0)
-        self._sent[dst], self._received[src] = n_out + 1, n_in + 1
-        baton = self.world.baton
-        baton.pause_timer(me)
-        self.world.mail[(me, dst, n_out)] = send.detach().clone()
-        baton.progress += 1
-        first = baton.closed_segments(me)
-        baton.resume_timer(me)
-        if self.ledger is not None:
-            self.ledger.record("p2p", "send", what, nbytes(send), dst)
-        info = (self.world.phase, "p2p", what, nbytes(send))
-        handle = InProcessHandle(self.world, (src, me, n_in), send, info, first)
-        handle.out = out
-        return handle
+        first = self._post([(dst, send)], what)
+        return self._receive(src, send, (self.world.phase, "p2p", what, nbytes(send)), first, out)
 
     def exchange_many(self, sends, srcs, like: Tensor, what: str, out: Tensor | None = None):
         me = self.cp_rank
         srcs = list(srcs)
         bufs = _many_buffers(me, sends, srcs, like, out)
-        baton = self.world.baton
-        baton.pause_timer(me)
-        for d, t in sends:
-            if d != me:
-                n_out = self._sent.get(d, 0)
-                self._sent[d] = n_out + 1
-                self.world.mail[(me, d, n_out)] = t.detach().clone()
-                if self.ledger is not None:
-                    self.ledger.record("p2p", "send", what, nbytes(t), d)
-        baton.progress += 1
-        first = baton.closed_segments(me)
-        baton.resume_timer(me)
-        handles, direct, timed = [], {}, False
-        sent_bytes = sum(nbytes(t) for d, t in sends if d != me)
+        sent = [(d, t) for d, t in sends if d != me]
+        first = self._post(sent, what)
+        info = (self.world.phase, "p2p", what, sum(nbytes(t) for _, t in sent))
+        handles, direct = [], {}
         for i, s_ in enumerate(srcs):
             if s_ == me:
                 handles.append(None)
                 direct[i] = bufs[i]
                 continue
-            n_in = self._received.get(s_, 0)
-            self._received[s_] = n_in + 1
             # the transfer's window is recorded once, on the first receive waited on
-            info = (self.world.phase, "p2p", what, sent_bytes)
-            h = InProcessHandle(self.world, (s_, me, n_in), like, info, None if timed else first)
-            h.out = bufs[i] if out is not None else None
-            handles.append(h)
-            timed = True
+            timed = any(h is not None for h in handles)
+            into = bufs[i] if out is not None else None
+            handles.append(self._receive(s_, like, info, None if timed else first, into))
         return _Many(handles, direct)
+
+    def _post(self, sent: list[tuple[int, Tensor]], what: str) -> int | None:
+        """Post each ``(dst, tensor)`` (a clone) in the mailboxes, in the ledger too;
+        the compute segments closed so far (``Baton.closed_segments``)."""
+        me, baton = self.cp_rank, self.world.baton
+        baton.pause_timer(me)
+        for d, t in sent:
+            n_out = self._sent.get(d, 0)
+            self._sent[d] = n_out + 1
+            self.world.mail[(me, d, n_out)] = t.detach().clone()
+            if self.ledger is not None:
+                self.ledger.record("p2p", "send", what, nbytes(t), d)
+        baton.progress += 1
+        first = baton.closed_segments(me)
+        baton.resume_timer(me)
+        return first
+
+    def _receive(self, src: int, like: Tensor, info: tuple, first, out) -> InProcessHandle:
+        """The handle of the next message from ``src`` (shaped like ``like``)."""
+        n_in = self._received.get(src, 0)
+        self._received[src] = n_in + 1
+        return InProcessHandle(self.world, (src, self.cp_rank, n_in), like, info, first, out)
 
 
 class _Many:

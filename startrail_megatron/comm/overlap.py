@@ -33,6 +33,7 @@ __all__ = [
     "DoneHandle",
     "TimedHandle",
     "receive_buffer",
+    "refuse_device_delay",
     "start_transfer",
 ]
 
@@ -70,6 +71,16 @@ class CommOptions:
 
 
 DEFAULT_COMM = CommOptions()
+
+
+def refuse_device_delay(options: CommOptions) -> None:
+    """``ValueError`` for an injected delay on tensors whose waits do not block the host
+    (CUDA): a host-side sleep would not slow the transfer on its stream."""
+    if options.delay_s:
+        raise ValueError(
+            f"comm_options.delay_s={options.delay_s} is for CPU ranks: on CUDA a host-side "
+            "delay does not slow the transfer on its stream; allowed on CUDA: 0"
+        )
 
 
 class DoneHandle:
@@ -119,11 +130,7 @@ def start_transfer(
     """The handle to give the schedule for a transfer just issued (``inner``): timed where
     waits block the host (``host_waits``), waited on at once without ``overlap``."""
     if not host_waits:
-        if options.delay_s:
-            raise ValueError(
-                "comm_options.delay_s is for CPU ranks: on CUDA a host-side delay does not slow "
-                "the transfer on its stream; allowed on CUDA: 0"
-            )
+        refuse_device_delay(options)
         if not options.overlap:
             return DoneHandle(inner.wait())
         return inner

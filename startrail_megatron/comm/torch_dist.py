@@ -100,24 +100,6 @@ def all_reduce_sum(x: Tensor, group: dist.ProcessGroup | None, what: str) -> Ten
     return x
 
 
-class _Work:
-    """A collective in flight: ``wait()`` waits on its ``Work`` and returns ``out``."""
-
-    def __init__(self, work, out: Tensor, failed, keep: Tensor):
-        self._work, self._out, self._failed, self._done = work, out, failed, False
-        self._keep = keep  # the input stays alive until the wait, whatever the caller drops
-
-    def wait(self) -> Tensor:
-        if self._done:
-            raise RuntimeError("Handle.wait() called twice")
-        try:
-            self._work.wait()
-        except RuntimeError as e:
-            raise self._failed(e) from e
-        out, self._out, self._done, self._keep = self._out, None, True, None
-        return out
-
-
 class TeamComm:
     """All-gather / reduce-scatter over one process group of ``size`` ranks.
 
@@ -147,7 +129,7 @@ class TeamComm:
             self.ledger.record("collective", name, what, sent)
         host = x.device.type != "cuda"
         return start_transfer(
-            _Work(work, out, failed, x), self.ledger, "collective", what, self.options, host
+            P2PHandle([work], out, failed, x), self.ledger, "collective", what, self.options, host
         )
 
     def all_gather_start(self, x: Tensor, what: str):
@@ -181,16 +163,17 @@ class TeamComm:
 
 
 class P2PHandle:
-    """An exchange in flight; ``wait()`` returns the received tensor."""
+    """A transfer in flight (an exchange, or a collective: one ``Work``); ``wait()`` waits
+    on its works and returns ``result`` (the received tensor or tensors)."""
 
-    def __init__(self, works: list, result: Tensor, on_error=None, keep: Tensor | None = None):
+    def __init__(self, works: list, result, on_error=None, keep=None):
         self._works, self._result, self._done = works, result, False
         self._on_error = on_error  # exception -> the error to raise instead (names the peers)
-        self._keep = keep  # the sent tensor stays alive until the wait
+        self._keep = keep  # what was sent stays alive until the wait, whatever the caller drops
 
-    def wait(self) -> Tensor:
+    def wait(self):
         if self._done:
-            raise RuntimeError("P2PHandle.wait() called twice")
+            raise RuntimeError("Handle.wait() called twice")
         try:
             for w in self._works:
                 w.wait()
@@ -247,12 +230,17 @@ class P2PComm:
         comm = group or self.group
         g_dst, g_src = self._global(dst), self._global(src)
         ops = [dist.P2POp(dist.isend, send, g_dst, comm), dist.P2POp(dist.irecv, recv, g_src, comm)]
+        peers = (
+            f", P2P {what!r} from CP rank {self.cp_rank} to CP rank {dst} (global {g_dst}), "
+            f"from CP rank {src} (global {g_src})"
+        )
+        return self._start(ops, [(dst, send)], recv, comm, peers, what, send.device)
+
+    def _start(self, ops: list, sent: list, result, comm, peers: str, what: str, device):
+        """Issue ``ops`` as one ``batch_isend_irecv`` on ``comm``, record the ``sent``
+        ``(dst, tensor)`` pairs, and return the handle that gives ``result``."""
 
         def failed(e: Exception) -> RuntimeError:
-            peers = (
-                f", P2P {what!r} from CP rank {self.cp_rank} to CP rank {dst} (global {g_dst}), "
-                f"from CP rank {src} (global {g_src})"
-            )
             return _failed("P2P exchange", comm, peers, e)
 
         try:
@@ -260,11 +248,11 @@ class P2PComm:
         except RuntimeError as e:
             raise failed(e) from e
         if self.ledger is not None:
-            self.ledger.record("p2p", "send", what, nbytes(send), dst)
-        host = send.device.type != "cuda"
-        return start_transfer(
-            P2PHandle(works, recv, failed, send), self.ledger, "p2p", what, self.options, host
-        )
+            for d, t in sent:
+                self.ledger.record("p2p", "send", what, nbytes(t), d)
+        host = device.type != "cuda"
+        handle = P2PHandle(works, result, failed, [t for _, t in sent])
+        return start_transfer(handle, self.ledger, "p2p", what, self.options, host)
 
     def exchange_many(self, sends, srcs, like: Tensor, what: str, out: Tensor | None = None):
         """Send each ``(dst, tensor)``, receive one tensor like ``like`` from each of
@@ -275,36 +263,16 @@ class P2PComm:
         it; the piece to oneself is copied in)."""
         me = self.cp_rank
         out = _many_buffers(me, sends, srcs, like, out)
-        ops, sent = [], []
-        for d, t in sends:
-            if d != me:
-                t = t.contiguous()
-                sent.append(t)
-                ops.append(dist.P2POp(dist.isend, t, self._global(d), self.group))
+        sent = [(d, t.contiguous()) for d, t in sends if d != me]
+        ops = [dist.P2POp(dist.isend, t, self._global(d), self.group) for d, t in sent]
         for s_, buf in zip(srcs, out):
             if s_ != me:
                 ops.append(dist.P2POp(dist.irecv, buf, self._global(s_), self.group))
         if not ops:
             return P2PHandle([], out)
-
-        def failed(e: Exception) -> RuntimeError:
-            peers = (
-                f", P2P {what!r} from CP rank {me} to CP ranks {[d for d, _ in sends]}, "
-                f"from CP ranks {list(srcs)}"
-            )
-            return _failed("P2P exchange", self.group, peers, e)
-
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except RuntimeError as e:
-            raise failed(e) from e
-        if self.ledger is not None:
-            for (d, _), t in zip([x for x in sends if x[0] != me], sent):
-                self.ledger.record("p2p", "send", what, nbytes(t), d)
-        host = like.device.type != "cuda"
-        return start_transfer(
-            P2PHandle(works, out, failed, sent), self.ledger, "p2p", what, self.options, host
-        )
+        peers = f", P2P {what!r} from CP rank {me} to CP ranks {[d for d, _ in sends]}, "
+        peers += f"from CP ranks {list(srcs)}"
+        return self._start(ops, sent, out, self.group, peers, what, like.device)
 
 
 def _many_buffers(me: int, sends, srcs, like: Tensor, out: Tensor | None) -> list:
