@@ -13,7 +13,8 @@ Notation: u_q, u_kv are the elements of one local q (or out) and one local k
 bytes (fp32: 4, fp64: 8); C the team size, G = P/C^2.
 
 StarTrail (ring = C 1; the formulas are explained in ``attention.py``'s docstring;
-message counts: ``StarTrailLayout.p2p_sends``)
+message counts: ``StarTrailLayout.p2p_sends``; under a sliding window ``kv`` and
+``dkv`` count only the hops between the steps computed, ``startrail_active_steps``)
 
   fwd  P2P         kv_place * 2 u_kv elem + kv * C 2 u_kv elem
        collective  (C-1) (u_q elem + C s b h_q acc + u_q acc)
@@ -35,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .layout import StarTrailLayout
+from .layout import ActiveSteps, StarTrailLayout
 
 __all__ = [
     "LocalShape",
@@ -90,11 +91,14 @@ def _keys(fwd_p2p: int, bwd_p2p: int, fwd_coll: int, bwd_coll: int) -> dict[str,
 
 
 # ---- StarTrail (ring = C 1) ----------------------------------------------------
-def startrail_comm_bytes(layout: StarTrailLayout, rank: int, shape: LocalShape) -> dict[str, int]:
+def startrail_comm_bytes(
+    layout: StarTrailLayout, rank: int, shape: LocalShape, active: ActiveSteps | None = None
+) -> dict[str, int]:
     """Bytes CP rank ``rank`` of ``layout`` sends in one StarTrail attention forward and
-    backward (its P2P message counts: ``StarTrailLayout.p2p_sends``)."""
+    backward (its P2P message counts: ``StarTrailLayout.p2p_sends``). ``active``: the
+    sub-ring steps computed (``block_plan.startrail_active_steps``; ``None``: all)."""
     c = layout.team_size
-    sends = layout.p2p_sends(rank, backward=True)
+    sends = layout.p2p_sends(rank, backward=True, active=active)
     tok, acc_bytes, elem_bytes = shape.tokens, shape.acc_bytes, shape.elem_bytes
     q_el, kv_el, heads_q = shape.q_elems, shape.kv_elems, shape.heads_q
     local_kv = 2 * kv_el  # one rank's K and V

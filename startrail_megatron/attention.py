@@ -18,7 +18,8 @@ Forward
               reduce-scatter out   (C-1) u_q             fp32 (fp64 for fp64)
   P2P         placement  2u_kv to each of the C first holders of the team's KV
                          but itself (``layout.placement_targets``)   input dtype
-              sub-ring   (G-1) * C*2u_kv                              input dtype
+              sub-ring   (G-1) * C*2u_kv (under a narrow window: one per hop
+                         between the steps run, ``RankContext.steps``)  input dtype
 Backward (KV travels again; its dK/dV travel with it and go home)
   collective  all-gather dout (C-1) u_q, delta (C-1) s*b*hq (fp32)
               reduce-scatter dq  (C-1) u_q                    fp32
@@ -79,6 +80,7 @@ from torch.autograd.function import once_differentiable
 from .block_plan import (
     VarlenCall,
     packed_team_order,
+    startrail_active_steps,
     startrail_step_packed_window_rows,
     startrail_step_rows,
     startrail_step_varlen,
@@ -352,6 +354,7 @@ class RankContext:
         self.layout, self.causal, self.ledger = lay, causal, ledger
         self.rank = groups.cp_rank
         self.team, self.member = lay.coord(self.rank)
+        self.active = None  # the steps each sub-ring computes: ``steps``
         if comms is None:
             comms = (
                 TeamComm(groups.team_group, lay.team_size, ledger, comm_options),
@@ -409,6 +412,18 @@ class RankContext:
         rows = startrail_step_rows(lay, r, step, self.causal, s_local, self.packed)
         return (), [(slice(a, b), slice(c, d), cz, cap) for a, b, c, d, cz in rows]
 
+    def steps(self, s_local: int) -> tuple[int, ...]:
+        """The sub-ring steps this rank computes (``block_plan.startrail_active_steps``,
+        kept in ``self.active``): all G, but under a sliding window the steps idle on
+        every rank of its sub-ring are skipped, and the KV goes straight past them
+        (``ring_step``)."""
+        packed = self.packed
+        self.active = startrail_active_steps(
+            self.layout, self.causal, s_local if packed is None else packed.s_local,
+            self.window, packed,
+        )  # fmt: skip
+        return self.layout.computed_steps(self.rank, self.active)
+
     def dropout(self, step: int, call: int) -> Dropout | None:
         """The dropout record of kernel call ``call`` at ``step``: new in the forward, the
         same one in the backward (``None`` without dropout)."""
@@ -419,26 +434,32 @@ class RankContext:
             rec = self.dropouts[step, call] = Dropout(self.dropout_p)
         return rec
 
-    def ring_step(self, x: Tensor, step: int, what: str, out: Tensor | None = None):
-        """Start passing ``x`` to the next rank of the sub-ring (None at the last step);
-        ``out``: a free buffer like ``x`` to receive into."""
-        lay = self.layout
-        if step >= lay.ring_size - 1:
+    def ring_step(
+        self, x: Tensor, steps: tuple[int, ...], i: int, what: str, out: Tensor | None = None
+    ):
+        """Start passing ``x`` on along the sub-ring to the rank that holds it at the next
+        computed step ``steps[i + 1]`` (the next rank, or further past idle steps), and
+        receiving from the one that holds ours now; None after the last step. ``out``: a
+        free buffer like ``x`` to receive into."""
+        if i >= len(steps) - 1:
             return None
+        lay, hops = self.layout, steps[i + 1] - steps[i]
         return self.p2p.exchange(
-            x, lay.ring_next(self.rank), lay.ring_prev(self.rank), what, self.subring, out
-        )
+            x, lay.ring_shift(self.rank, hops), lay.ring_shift(self.rank, -hops), what,
+            self.subring, out,
+        )  # fmt: skip
 
     def initial_placement(self, kv_local: Tensor):
         """Start the initial KV placement (layout Note, step 2): this rank's K,V to the C
-        first holders of its team's KV, one piece from each member of the team whose KV
-        this rank holds first, received into one member-order buffer (C > 1). Returns
-        (the handle, that buffer or ``None``); ``team_kv`` turns them into the team's K,V
-        in team order."""
+        ranks holding its team's KV at their sub-rings' first computed steps, one piece
+        from each member of the team whose KV this rank holds at its first one, received
+        into one member-order buffer (C > 1). Returns (the handle, that buffer or
+        ``None``); ``team_kv`` turns them into the team's K,V in team order. After
+        ``steps``."""
         lay, r, c = self.layout, self.rank, self.layout.team_size
-        sends = [(d, kv_local) for d in lay.placement_targets(r)]
+        sends = [(d, kv_local) for d in lay.placement_targets(r, self.active)]
         buf = kv_local.new_empty((c * kv_local.shape[0], *kv_local.shape[1:])) if c > 1 else None
-        srcs = lay.placement_sources(r)
+        srcs = lay.placement_sources(r, self.active)
         return self.p2p.exchange_many(sends, srcs, kv_local, "kv_place", out=buf), buf
 
     def team_kv(self, placement) -> Tensor:
@@ -449,12 +470,14 @@ class RankContext:
         return pieces[0] if buf is None else self.to_team_order(buf)
 
     def send_dkv_home(self, dkv: Tensor):
-        """Start sending each member its rows of the held copy's dK/dV (team order in);
-        ``wait()`` gives this rank's rows of each copy of its team's dK/dV, to be summed."""
+        """Start sending each member its rows of the copy's dK/dV held after the last
+        computed step (team order in); ``wait()`` gives this rank's rows of each copy of
+        its team's dK/dV, to be summed."""
         lay, r, c = self.layout, self.rank, self.layout.team_size
         parts = self.from_team_order(dkv).chunk(c, dim=0) if c > 1 else (dkv,)
-        sends = list(zip(lay.dkv_home_targets(r), parts))
-        return self.p2p.exchange_many(sends, lay.dkv_home_sources(r), parts[0], "dkv_home")
+        sends = list(zip(lay.dkv_home_targets(r, self.active), parts))
+        srcs = lay.dkv_home_sources(r, self.active)
+        return self.p2p.exchange_many(sends, srcs, parts[0], "dkv_home")
 
 
 def startrail_rank_forward(
@@ -476,13 +499,14 @@ def startrail_rank_forward(
     values ``[t, b, hkv, d]`` the same on every CP rank (MMDiT text tokens), which every
     (real) query sees once: each rank adds them to its own rows before the team combine.
     """
-    lay, C = cx.layout, cx.layout.team_size
+    C = cx.layout.team_size
     s, b, hq, d = q.shape
     n = C * s
     acc = acc_dtype(q.dtype)
     # 1-2. The initial KV placement (each member's K,V straight to its team's C first
     # holders) and the team all-gather of q, in flight together (Note [overlap]).
     kv_local = torch.stack((k, v), dim=1)  # [s, 2, b, hkv, d]: kept for the backward
+    steps = cx.steps(s)
     place = cx.initial_placement(kv_local)
     q_h = cx.team_comm.all_gather_start(q, "q_team")
     acc_out = torch.zeros(n, b, hq, d, dtype=acc, device=q.device)
@@ -492,19 +516,20 @@ def startrail_rank_forward(
     q_team = cx.to_team_order(q_h.wait()) if C > 1 else q.contiguous()
     kv_cur = cx.team_kv(place)  # [n, 2, b, hkv, d], team order
     del place  # its member-order buffer
-    # 3. G sub-ring steps; the next KV is in flight while this one computes, received
-    # into the buffer the step before last computed on (two buffers, reused).
+    # 3. G sub-ring steps (those with work: ``cx.steps``); the next KV is in flight while
+    # this one computes, received into the buffer the step before last computed on (two
+    # buffers, reused).
     spare = None
-    for step in range(lay.ring_size):
-        pending = cx.ring_step(kv_cur, step, "kv", spare)
+    for i, step in enumerate(steps):
+        pending = cx.ring_step(kv_cur, steps, i, "kv", spare)
         varlen, rows = cx.step_calls(step, s, kernel)
-        for i, call in enumerate(varlen):
-            drop = cx.dropout(step, i)
+        for j, call in enumerate(varlen):
+            drop = cx.dropout(step, j)
             _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale, drop, cx.softcap)
-        for i, (qs, ks, causal, kw) in enumerate(rows):
+        for j, (qs, ks, causal, kw) in enumerate(rows):
             o, lse = kernel.forward(
                 q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], causal=causal, scale=scale,
-                **kw, **_drop_kw(cx.dropout(step, i)),
+                **kw, **_drop_kw(cx.dropout(step, j)),
             )  # fmt: skip
             merge_partial(acc_out[qs], acc_lse[..., qs], o, lse)
             del o, lse
@@ -566,7 +591,7 @@ def startrail_rank_backward(
     ``cx.joint_grad`` alike.
     """
     q_team, kv_local, lse_team = saved
-    lay, C = cx.layout, cx.layout.team_size
+    C = cx.layout.team_size
     s, b, hq, d = dout.shape
     n = C * s
     hkv = kv_local.shape[3]
@@ -576,6 +601,7 @@ def startrail_rank_backward(
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [s, b, hq]
     do_h = cx.team_comm.all_gather_start(dout, "dout")
     delta_h = cx.team_comm.all_gather_start(delta, "delta")
+    steps = cx.steps(s)
     place = cx.initial_placement(kv_local)
     if sinks is not None:  # d sink_h = -sum over this rank's rows of p_sink * D
         lse_mine = _member_rows(cx, lse_team.permute(2, 0, 1), s)  # [s, b, hq]
@@ -589,19 +615,19 @@ def startrail_rank_backward(
     dq = torch.zeros(n, b, hq, d, dtype=acc, device=dout.device)
     dkv_pending = None
     spare = dkv_free = dkv_sent = None  # buffers reused across steps
-    for step in range(lay.ring_size):
-        pending = cx.ring_step(kv_cur, step, "kv", spare)
+    for i, step in enumerate(steps):
+        pending = cx.ring_step(kv_cur, steps, i, "kv", spare)
         if dkv_free is None:
             dkv = torch.zeros(n, 2, b, hkv, d, dtype=acc, device=dout.device)
         else:
             dkv, dkv_free = dkv_free.zero_(), None
         varlen, rows = cx.step_calls(step, s, kernel)
-        for i, call in enumerate(varlen):
+        for j, call in enumerate(varlen):
             _varlen_backward(
                 kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, dq, dkv, scale,
-                cx.dropout(step, i), cx.softcap,
+                cx.dropout(step, j), cx.softcap,
             )  # fmt: skip
-        for i, (qs, ks, causal, kw) in enumerate(rows):
+        for j, (qs, ks, causal, kw) in enumerate(rows):
             g_q, g_k, g_v = kernel.backward(
                 do_team[qs],
                 q_team[qs],
@@ -612,7 +638,7 @@ def startrail_rank_backward(
                 causal=causal,
                 scale=scale,
                 **kw,
-                **_drop_kw(cx.dropout(step, i)),
+                **_drop_kw(cx.dropout(step, j)),
             )
             dq[qs] += g_q
             dkv[ks, 0] += g_k
@@ -623,8 +649,8 @@ def startrail_rank_backward(
             received = dkv_pending.wait()  # the send of dkv_sent is done too
             dkv += received
             dkv_free = dkv_sent  # next step's accumulator
-        if step < lay.ring_size - 1:
-            dkv_pending = cx.ring_step(dkv, step, "dkv", received)
+        if i < len(steps) - 1:
+            dkv_pending = cx.ring_step(dkv, steps, i, "dkv", received)
         dkv_sent = dkv
         del dkv, received
         if pending is not None:

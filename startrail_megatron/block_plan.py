@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .layout import StarTrailLayout
+from .layout import ActiveSteps, StarTrailLayout
 from .packing import PackedLayout
 
 
@@ -360,6 +360,46 @@ def startrail_step_packed_window_rows(
         out += _chunk_pair_calls(
             q_chunks, kv_chunks, packed.chunk_len(d), base, packed.lengths[d], window, causal
         )
+    return tuple(out)
+
+
+@lru_cache(maxsize=64)
+def startrail_active_steps(
+    layout: StarTrailLayout,
+    causal: bool,
+    s_local: int,
+    window: tuple[int | None, int | None] | None = None,
+    packed: PackedLayout | None = None,
+) -> ActiveSteps | None:
+    """The sub-ring steps each sub-ring computes (per ``StarTrailLayout.subring_index``,
+    ascending): those at which some rank of the sub-ring makes a kernel call. The others
+    are idle on every rank of the sub-ring (the KV held then lies outside every query's
+    window), so their KV is not sent either: it goes straight past them
+    (``StarTrailLayout.ring_shift``; the placement to the first computed step's holders,
+    the dK/dV home from the last one's: ``placement_targets(active=)``,
+    ``dkv_home_targets(active=)``). A sub-ring with no call at all computes step 0 only.
+    ``None`` (every step) without a window: a dense block plan is never empty, and packed
+    documents without a window are not searched for idle steps."""
+    if window is None or layout.ring_size == 1:
+        return None
+    # the uncached functions: other ranks' calls must not evict this rank's from the caches
+    dense = startrail_step_window_rows.__wrapped__
+    per_doc = startrail_step_packed_window_rows.__wrapped__
+    out = []
+    for ranks in layout.all_subring_ranks():
+        busy = []
+        for step in range(layout.ring_size):
+            for r in ranks:
+                if packed is None:
+                    rows = dense(layout, r, step, causal, s_local, window)
+                else:
+                    rows = per_doc(layout, r, step, causal, packed, window)
+                if rows:
+                    busy.append(step)
+                    break
+        out.append(tuple(busy) or (0,))
+    if all(len(x) == layout.ring_size for x in out):
+        return None
     return tuple(out)
 
 

@@ -52,6 +52,15 @@ the copy to the rank that sent it in step 2 (``dkv_return_peers``) and reduce-sc
 dK/dV in the team; here each member's rows go straight to that member
 (``dkv_home_targets``), which sums the C copies' parts it receives
 (``dkv_home_sources``): the same sums, with no dK/dV reduce-scatter.
+
+Idle steps. Under a narrow sliding window some sub-ring steps have no kernel call on any
+rank of the sub-ring (``block_plan.startrail_active_steps``; ``active``, per sub-ring).
+They are skipped, and so is their transfer: from one computed step s to the next s' each
+rank sends the KV it holds straight to ``ring_shift(rank, s' - s)``, the rank that holds
+it at s' in the full schedule; the placement goes straight to the holders at the first
+computed step and dK/dV home from the holders at the last one (``placement_targets``,
+``dkv_home_targets``, ... with ``active``). Every computed step sees the KV it sees in the
+full schedule.
 """
 
 from __future__ import annotations
@@ -61,6 +70,9 @@ from functools import cached_property
 from typing import Literal, get_args
 
 Placement = Literal["team", "ring"]
+ActiveSteps = tuple[tuple[int, ...], ...]
+"""The sub-ring steps each sub-ring computes, ascending, indexed by
+``StarTrailLayout.subring_index`` (``block_plan.startrail_active_steps``)."""
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 
 
@@ -166,6 +178,12 @@ class StarTrailLayout:
         t, a = self.coord(rank)
         return self.rank(self._next_team(t, -1), a)
 
+    def ring_shift(self, rank: int, hops: int) -> int:
+        """The rank ``hops`` places after ``rank`` on its sub-ring (before it if negative):
+        where the KV this rank holds at step s is held at step s + hops."""
+        t, a = self.coord(rank)
+        return self.rank(self._next_team(t, hops), a)
+
     def initial_send_peer(self, rank: int) -> int:
         """Where this rank sends its team's KV before the ring (paper, Alg. 2)."""
         t, a = self.coord(rank)
@@ -195,30 +213,60 @@ class StarTrailLayout:
             self.ring_prev(self.initial_send_peer(rank)),
         )
 
-    def placement_targets(self, rank: int) -> list[int]:
+    def subring_index(self, rank: int) -> int:
+        """The index of this rank's sub-ring in ``all_subring_ranks`` (group * C + member)."""
+        t, a = self.coord(rank)
+        return self.team_group(t) * self.team_size + a
+
+    def computed_steps(self, rank: int, active: ActiveSteps | None) -> tuple[int, ...]:
+        """The steps this rank's sub-ring computes: ``active[subring_index(rank)]``
+        (``block_plan.startrail_active_steps``), or all G when ``active`` is None."""
+        if active is None:
+            return tuple(range(self.ring_size))
+        return active[self.subring_index(rank)]
+
+    def _skip(self, rank: int, active: ActiveSteps | None, at_end: bool) -> int:
+        """Steps idle before the first computed step of ``rank``'s sub-ring (or after its
+        last one, ``at_end``): how far the KV copies move past them."""
+        steps = self.computed_steps(rank, active)
+        return self.ring_size - 1 - steps[-1] if at_end else steps[0]
+
+    def placement_targets(self, rank: int, active: ActiveSteps | None = None) -> list[int]:
         """The C ranks that first hold a copy of this rank's team's KV, in copy order
         (copy ``a`` is the one ``initial_send_peer`` of member ``a`` gets): this rank
-        sends its own K,V to each."""
+        sends its own K,V to each. ``active``: the steps each sub-ring computes
+        (``block_plan.startrail_active_steps``); a copy goes straight to the rank that
+        holds it at its sub-ring's first computed step."""
         t, _ = self.coord(rank)
-        return [self.initial_send_peer(self.rank(t, a)) for a in range(self.team_size)]
+        base = [self.initial_send_peer(self.rank(t, a)) for a in range(self.team_size)]
+        return [self.ring_shift(x, self._skip(x, active, False)) for x in base]
 
-    def placement_sources(self, rank: int) -> list[int]:
-        """The members, in member order, of the team whose KV this rank first holds: it
-        receives one local K,V from each and stacks them into the team's buffer."""
-        t, _ = self.coord(self.initial_recv_peer(rank))
+    def placement_sources(self, rank: int, active: ActiveSteps | None = None) -> list[int]:
+        """The members, in member order, of the team whose KV this rank first holds (at its
+        sub-ring's first computed step): it receives one local K,V from each and stacks
+        them into the team's buffer."""
+        held = self.ring_shift(rank, -self._skip(rank, active, False))  # its holder at step 0
+        t, _ = self.coord(self.initial_recv_peer(held))
         return self.team_ranks(t)
 
-    def dkv_home_targets(self, rank: int) -> list[int]:
+    def dkv_home_targets(self, rank: int, active: ActiveSteps | None = None) -> list[int]:
         """The members, in member order, of the team whose KV copy (and dK/dV) this rank
-        holds after step G-1: each gets its own rows of the copy's dK/dV."""
-        t, _ = self.coord(self.dkv_return_peers(rank)[0])
+        holds after its sub-ring's last computed step: each gets its own rows of the
+        copy's dK/dV."""
+        held = self.ring_shift(rank, self._skip(rank, active, True))  # its holder at step G-1
+        t, _ = self.coord(self.dkv_return_peers(held)[0])
         return self.team_ranks(t)
 
-    def dkv_home_sources(self, rank: int) -> list[int]:
-        """The C ranks holding the copies of this rank's team's KV after step G-1, in
-        copy order: each sends this rank its rows of that copy's dK/dV, summed here."""
+    def dkv_home_sources(self, rank: int, active: ActiveSteps | None = None) -> list[int]:
+        """The C ranks holding the copies of this rank's team's KV after their sub-rings'
+        last computed steps, in copy order: each sends this rank its rows of that copy's
+        dK/dV, summed here."""
         t, _ = self.coord(rank)
-        return [self.dkv_return_peers(self.rank(t, a))[1] for a in range(self.team_size)]
+        out = []
+        for a in range(self.team_size):
+            x = self.dkv_return_peers(self.rank(t, a))[1]  # its holder at step G-1
+            out.append(self.ring_shift(x, -self._skip(x, active, True)))
+        return out
 
     # ---- data --------------------------------------------------------------
     def team_chunks(self, team: int) -> list[int]:
@@ -238,22 +286,27 @@ class StarTrailLayout:
         return sorted(range(len(gathered)), key=gathered.__getitem__)
 
     # ---- communication volume ---------------------------------------------
-    def p2p_sends(self, rank: int, *, backward: bool) -> dict[str, int]:
+    def p2p_sends(
+        self, rank: int, *, backward: bool, active: ActiveSteps | None = None
+    ) -> dict[str, int]:
         """How many P2P messages this rank sends, by kind.
 
-        ``kv`` and ``dkv``: team-sized (the team's K and V together, or their
-        gradients), one per sub-ring step but the last (G-1 each; ``dkv`` backward
-        only). ``kv_place``: local-sized pieces of the initial placement, one per
-        ``placement_targets`` other than this rank (forward and backward);
-        ``dkv_home``: local-sized dK/dV parts sent home, one per ``dkv_home_targets``
-        other than this rank (backward). Multiply by the tensor bytes to get bytes.
+        ``active``: the steps each sub-ring computes (``None``: all G;
+        ``block_plan.startrail_active_steps`` under a sliding window, where KV is sent
+        past the steps no rank of the sub-ring computes). ``kv`` and ``dkv``: team-sized
+        (the team's K and V together, or their gradients), one per computed step but the
+        last (``dkv`` backward only). ``kv_place``: local-sized pieces of the initial
+        placement, one per ``placement_targets`` other than this rank (forward and
+        backward); ``dkv_home``: local-sized dK/dV parts sent home, one per
+        ``dkv_home_targets`` other than this rank (backward). Multiply by the tensor
+        bytes to get bytes.
         """
-        g = self.ring_size
+        hops = len(self.computed_steps(rank, active)) - 1
         sends = {
-            "kv": g - 1,
-            "kv_place": sum(d != rank for d in self.placement_targets(rank)),
+            "kv": hops,
+            "kv_place": sum(d != rank for d in self.placement_targets(rank, active)),
         }
         if backward:
-            sends["dkv"] = g - 1
-            sends["dkv_home"] = sum(d != rank for d in self.dkv_home_targets(rank))
+            sends["dkv"] = hops
+            sends["dkv_home"] = sum(d != rank for d in self.dkv_home_targets(rank, active))
         return sends

@@ -32,17 +32,18 @@ def assert_matches_reference(results, ref, causal: bool, dtype, tol: float) -> N
         assert err <= tol, f"{what}: relative max error {err:.2e} > {tol:.0e}"
 
 
-def assert_startrail_ledger(events, layout, rank: int, shape) -> None:
+def assert_startrail_ledger(events, layout, rank: int, shape, active=None) -> None:
     """One rank's recorded transfers equal the accounting (bytes per phase and kind, P2P
-    calls, never a self-send). ``shape``: an ``accounting.LocalShape``."""
+    calls, never a self-send). ``shape``: an ``accounting.LocalShape``; ``active``: the
+    steps each sub-ring computes (``block_plan.startrail_active_steps``)."""
     from startrail_megatron.accounting import startrail_comm_bytes
 
-    want = startrail_comm_bytes(layout, rank, shape)
+    want = startrail_comm_bytes(layout, rank, shape, active)
     led = st.CommLedger.from_events(events)
     for ph in ("fwd", "bwd"):
         for kind in ("p2p", "collective"):
             assert led.bytes(kind, ph) == want[f"{ph}_{kind}"], (rank, ph, kind)
-    sends = layout.p2p_sends(rank, backward=True)
+    sends = layout.p2p_sends(rank, backward=True, active=active)
     assert led.calls("p2p", "fwd") == sends["kv"] + sends["kv_place"]
     assert led.calls("p2p", "bwd") == sum(sends.values())
     assert all(e.peer != rank for e in led.events if e.kind == "p2p"), "no self-sends"

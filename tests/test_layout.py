@@ -218,3 +218,63 @@ def test_direct_placement_and_home_are_the_papers_transfers(p, c, placement):
                 holder = lay.ring_next(holder)
             assert lay.dkv_home_sources(r)[copy] == holder
             assert lay.dkv_home_targets(holder) == lay.team_ranks(t)
+
+
+@pytest.mark.parametrize(
+    "p,c,placement,w",
+    [(8, 1, "team", 3), (8, 1, "team", 12), (9, 1, "ring", 8), (16, 2, "team", 3),
+     (16, 2, "ring", 1), (32, 2, "team", 12), (32, 2, "ring", 3), (18, 3, "ring", 3),
+     (18, 3, "team", 1), (64, 4, "team", 33), (64, 4, "ring", 3)],
+)  # fmt: skip
+def test_skipping_idle_steps_moves_each_copy_where_it_is_computed(p, c, placement, w):
+    """Under a narrow window (``startrail_active_steps``) each KV copy goes straight to the
+    rank that holds it at its sub-ring's first computed step, jumps past idle steps
+    (``ring_shift``), and its dK/dV goes home from the holder at the last computed step:
+    the same KV at every computed step as the full schedule, each copy received once."""
+    from startrail_megatron.block_plan import startrail_active_steps, startrail_step_window_rows
+
+    lay = StarTrailLayout(p, c, placement)
+    s_local = 8
+    active = startrail_active_steps(lay, True, s_local, (w - 1, None))
+    assert active is not None  # some sub-ring has idle steps here
+    g = lay.ring_size
+    pairs_out = {(r, d) for r in range(p) for d in lay.placement_targets(r, active)}
+    pairs_in = {(src, r) for r in range(p) for src in lay.placement_sources(r, active)}
+    assert pairs_out == pairs_in and len(pairs_out) == p * c
+    for r in range(p):
+        steps = lay.computed_steps(r, active)
+        assert list(steps) == sorted(set(steps)) and 0 <= steps[0] and steps[-1] < g
+        ring = lay.subring_ranks(*divmod(lay.subring_index(r), c))
+        for step in range(g):  # a skipped step: no rank of the sub-ring has a call in it
+            busy = any(startrail_step_window_rows(lay, x, step, True, s_local, (w - 1, None))
+                       for x in ring)  # fmt: skip
+            assert busy == (step in steps) or (not busy and steps == (0,)), (r, step)
+        # the KV held at each computed step is the full schedule's (kv_team_at_step)
+        held = lay.placement_sources(r, active)
+        assert held == lay.team_ranks(lay.kv_team_at_step(r, steps[0]))
+        for a, b in zip(steps, steps[1:]):  # a jump of b - a hops: received from there
+            src = lay.ring_shift(r, -(b - a))
+            assert lay.computed_steps(src, active) == steps
+            assert lay.kv_team_at_step(src, a) == lay.kv_team_at_step(r, b)
+        assert lay.dkv_home_targets(r, active) == lay.team_ranks(lay.kv_team_at_step(r, steps[-1]))
+        t = lay.coord(r)[0]
+        srcs = lay.dkv_home_sources(r, active)
+        assert len(set(srcs)) == c
+        for y in srcs:
+            assert r in lay.dkv_home_targets(y, active)
+            assert lay.kv_team_at_step(y, lay.computed_steps(y, active)[-1]) == t
+        sends = lay.p2p_sends(r, backward=True, active=active)
+        full = lay.p2p_sends(r, backward=True)
+        assert sends["kv"] == sends["dkv"] == len(steps) - 1 <= full["kv"]
+    # some rank sends fewer sub-ring messages than the full schedule
+    assert any(len(lay.computed_steps(r, active)) < g for r in range(p))
+
+
+def test_windows_without_idle_steps_run_every_step():
+    from startrail_megatron.block_plan import startrail_active_steps
+
+    for p, c, pl, w in ((8, 1, "team", 33), (16, 2, "ring", 3), (32, 2, "ring", 8)):
+        lay = StarTrailLayout(p, c, pl)
+        assert startrail_active_steps(lay, True, 8, (w - 1, None)) is None
+        assert startrail_active_steps(lay, True, 8, None) is None
+        assert lay.computed_steps(0, None) == tuple(range(lay.ring_size))

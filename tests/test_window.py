@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import groups_for, value_errors
+from common import assert_startrail_ledger, groups_for, value_errors
 from harness import run_ranks
 
 import startrail_megatron as st
@@ -524,3 +524,114 @@ def kn_flash(ns):
     from startrail_megatron import kernels as kn
 
     return kn.FlashAttnKernel(ns)
+
+
+# ---- idle sub-ring steps: not computed, their KV not sent ------------------------------------
+def _ledger_shape(s_local, b=2):
+    from startrail_megatron.accounting import LocalShape
+
+    return LocalShape(s_local, b, HQ, HKV, D, 8, 8)
+
+
+def _skipped(lay, active) -> int:
+    """P2P messages the full schedule sends that the skipping one does not (all ranks)."""
+    full = sum(sum(lay.p2p_sends(r, backward=True).values()) for r in range(lay.cp_size))
+    got = sum(sum(lay.p2p_sends(r, backward=True, active=active).values())
+              for r in range(lay.cp_size))  # fmt: skip
+    return full - got
+
+
+@pytest.mark.parametrize(
+    "p, c, placement, window",
+    [(8, 1, "team", (2, 0)), (16, 2, "team", (2, 0)), (18, 3, "team", (0, 0)),
+     (32, 2, "team", (11, 0)), (16, 2, "ring", (0, 0))],
+)  # fmt: skip
+def test_idle_steps_are_skipped_and_their_kv_not_sent(p, c, placement, window):
+    """Narrow windows leave sub-ring steps with no call on any rank of the sub-ring: they
+    are not run, and the KV goes straight past them. Out and every gradient equal float64
+    over the whole sequence, and each rank's ledger equals the accounting of the skipping
+    schedule, which sends fewer messages than the full one (so the test fails with the
+    skipping switched off)."""
+    from startrail_megatron.block_plan import startrail_active_steps
+
+    s_local = 8
+    lay = st.StarTrailLayout(p, c, placement)
+    active = startrail_active_steps(lay, True, s_local, (window[0], None))
+    assert active is not None and _skipped(lay, active) > 0
+    q, k, v, do = _inputs(p * s_local, seed=3)
+    leaves = [[st.testing.shard(x, r, p, True).requires_grad_() for r in range(p)]
+              for x in (q, k, v)]  # fmt: skip
+    ledgers = [st.CommLedger() for _ in range(p)]
+    outs = one_process_attention(
+        *leaves, c, placement=placement, causal=True, kernel="torch", window=window,
+        ledgers=ledgers,
+    )  # fmt: skip
+    torch.autograd.backward(outs, [st.testing.shard(do, r, p, True) for r in range(p)])
+    want = reference(q, k, v, do, True, window, 0.0)
+    got = [outs, *([x.grad for x in xs] for xs in leaves)]
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        full = st.testing.unshard([t.detach() for t in got[i]], True)
+        assert _close(full, want[i]), what
+    for r in range(p):
+        assert_startrail_ledger(ledgers[r].events, lay, r, _ledger_shape(s_local), active)
+
+
+def _skip_case(rank, world, c, window, lengths):
+    ledger = st.CommLedger()
+    if lengths is None:
+        q, k, v, do = _inputs(world * 8, b=1, seed=5)
+
+        def cut(x):
+            return st.testing.shard(x, rank, world, True)
+
+        kw = {}
+    else:
+        packed = pack_lengths(lengths, world)
+        q, k, v, do = _inputs(sum(lengths), b=1, seed=5)
+
+        def cut(x):
+            return st.shard_packed(x, packed, rank)
+
+        kw = {"cu_seqlens": packed.cu_seqlens, "cu_seqlens_padded": packed.cu_seqlens_padded}
+    leaves = [cut(x).requires_grad_() for x in (q, k, v)]
+    out = st.startrail_attention(
+        *leaves, groups_for(c), window=window, kernel="torch", ledger=ledger, **kw
+    )
+    out.backward(cut(do))
+    return [out.detach(), *(x.grad for x in leaves)], ledger.events
+
+
+@pytest.mark.parametrize(
+    "c, lengths, window", [(1, None, (2, 0)), (2, None, (0, 0)), (1, [40, 24], (2, 0))]
+)
+def test_idle_steps_skipped_on_ranks(c, lengths, window):
+    """The same on 8 gloo ranks (process groups, the sub-ring's P2P past idle steps), dense
+    and with packed documents (the window inside each document); at C = 2 some sub-rings
+    compute only their second step (the placement goes straight to its holders)."""
+    from startrail_megatron.accounting import LocalShape
+    from startrail_megatron.block_plan import startrail_active_steps
+
+    p = 8
+    results = run_ranks(p, _skip_case, c, window, lengths)
+    lay = st.StarTrailLayout(p, c)
+    if lengths is None:
+        s_local, packed = 8, None
+        q, k, v, do = _inputs(p * s_local, b=1, seed=5)
+        want = reference(q, k, v, do, True, window, 0.0)
+    else:
+        packed = pack_lengths(lengths, p)
+        s_local = packed.s_local
+        q, k, v, do = _inputs(sum(lengths), b=1, seed=5)
+        want = _per_document(lengths, True, q, k, v, do, window, 0.0, None)
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        shards = [r[0][i] for r in results]
+        if packed is None:
+            full = st.testing.unshard(shards, True)
+        else:
+            full = st.unshard_packed(shards, packed)
+        assert _close(full, want[i]), what
+    active = startrail_active_steps(lay, True, s_local, (window[0], None), packed)
+    assert active is not None and _skipped(lay, active) > 0
+    shape = LocalShape(s_local, 1, HQ, HKV, D, 8, 8)
+    for r, (_, events) in enumerate(results):
+        assert_startrail_ledger(events, lay, r, shape, active)
