@@ -7,10 +7,12 @@ Pure arithmetic (no kernels run). For W = S/16, S/4 and S (a causal window of W 
 (``block_plan.startrail_step_window_rows``): the (query, key) pairs inside the window that
 each rank computes (what a kernel that skips tiles outside the band, flash-attn's window,
 computes), the rectangles of those calls (what the CPU reference kernel computes), the
-calls, the sub-ring steps no rank has work in, and the P2P bytes per rank of one forward
-and backward (``accounting``: K,V still travel whole under a window). Beside them: the same
-for full causal attention, and what contiguous shards with a halo exchange of the W - 1
-keys before each rank's shard would send instead. The table in docs/performance.md
+calls, the sub-ring steps run (``block_plan.startrail_active_steps``: the steps in which
+no rank of a sub-ring has work are skipped, their K,V sent straight past them), and the P2P
+bytes per rank of one forward and backward (``accounting`` with those steps). Beside them:
+the same for full causal attention and for ring (C = 1) with the same window, and what
+contiguous shards with a halo exchange of the W - 1 keys before each rank's shard would
+send instead. The table in docs/performance.md
 ("Sliding windows") is this script's output.
 """
 
@@ -21,6 +23,7 @@ import argparse
 from startrail_megatron.accounting import LocalShape, startrail_comm_bytes
 from startrail_megatron.block_plan import (
     band_pairs,
+    startrail_active_steps,
     startrail_step_rows,
     startrail_step_window_rows,
 )
@@ -28,9 +31,8 @@ from startrail_megatron.layout import StarTrailLayout, valid_team_sizes
 
 
 def work(lay: StarTrailLayout, s_local: int, window):
-    """[rank] -> (pairs, rectangle area, calls); and the steps with no call on any rank."""
-    per_rank, idle_steps = [], 0
-    busy = [False] * lay.ring_size
+    """[rank] -> (pairs, rectangle area, calls)."""
+    per_rank = []
     for r in range(lay.cp_size):
         pairs = area = calls = 0
         for step in range(lay.ring_size):
@@ -46,10 +48,22 @@ def work(lay: StarTrailLayout, s_local: int, window):
                     pairs += band_pairs(b - a, d - c, lo, hi)
                     area += (b - a) * (d - c)
             calls += len(rows)
-            busy[step] = busy[step] or bool(rows)
         per_rank.append((pairs, area, calls))
-    idle_steps = sum(not x for x in busy)
-    return per_rank, idle_steps
+    return per_rank
+
+
+def p2p_mib(lay: StarTrailLayout, shape: LocalShape, window) -> float:
+    """The most P2P MiB a rank sends in one forward and backward, idle steps skipped."""
+    active = startrail_active_steps(lay, True, shape.s_local, window)
+    byts = [startrail_comm_bytes(lay, r, shape, active) for r in range(lay.cp_size)]
+    return max(b["fwd_p2p"] + b["bwd_p2p"] for b in byts) / 2**20
+
+
+def steps_run(lay: StarTrailLayout, s_local: int, window) -> str:
+    """The most sub-ring steps a rank runs, of G."""
+    active = startrail_active_steps(lay, True, s_local, window)
+    most = lay.ring_size if active is None else max(len(x) for x in active)
+    return f"{most}/{lay.ring_size}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -72,23 +86,21 @@ def main(argv: list[str] | None = None) -> None:
     hdr = (
         f"{'W':>6} {'C':>2} {'pairs/rank max':>15} {'max/mean':>8} {'vs causal':>9} "
         f"{'rect/rank max':>14} "
-        f"{'calls':>6} {'idle steps':>10} {'P2P MiB':>8} {'vs ring':>8} {'halo MiB':>9}"
+        f"{'calls':>6} {'steps run':>9} {'P2P MiB':>8} {'vs causal':>9} {'vs ring W':>9} "
+        f"{'halo MiB':>9}"
     )
     print(hdr)
-    causal_pairs = {}
+    causal_pairs, causal_p2p = {}, {}
     for w in (S, S // 4, S // 16):
         window = None if w >= S else (w - 1, None)
         for c in valid_team_sizes(P):
             lay = StarTrailLayout(P, c)
-            per_rank, idle = work(lay, s_local, window)
+            per_rank = work(lay, s_local, window)
+            p2p = p2p_mib(lay, shape, window)
             if window is None:
                 causal_pairs[c] = max(x[0] for x in per_rank)
-            byts = [startrail_comm_bytes(lay, r, shape) for r in range(P)]
-            p2p = max(b["fwd_p2p"] + b["bwd_p2p"] for b in byts)
-            ring = max(
-                b["fwd_p2p"] + b["bwd_p2p"]
-                for b in (startrail_comm_bytes(StarTrailLayout(P, 1), r, shape) for r in range(P))
-            )
+                causal_p2p[c] = p2p
+            ring = p2p_mib(StarTrailLayout(P, 1), shape, window)  # ring, the same window
             # contiguous shards: each rank receives the W - 1 keys before its shard (K,V in
             # bf16), and sends their dK, dV (fp32) back; none at W = S (ring's bytes then)
             halo_tokens = min(w - 1, S - s_local) if window is not None else None
@@ -99,8 +111,9 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{w:>6} {c:>2} {pairs:>15.4g} {pairs / mean:>8.3f} {vs:>9.3f} "
                 f"{max(x[1] for x in per_rank):>14.4g} "
-                f"{max(x[2] for x in per_rank):>6} {idle:>10} {p2p / 2**20:>8.1f} "
-                f"{p2p / ring:>8.3f} {f'{halo:.1f}' if halo is not None else '-':>9}"
+                f"{max(x[2] for x in per_rank):>6} {steps_run(lay, s_local, window):>9} "
+                f"{p2p:>8.1f} {p2p / causal_p2p[c]:>9.3f} {p2p / ring:>9.3f} "
+                f"{f'{halo:.1f}' if halo is not None else '-':>9}"
             )
 
 

@@ -732,11 +732,14 @@ def test_packed_balance_script():
 
 def test_cost_model_counts_the_window_pairs():
     """AttnShape(window=): StarTrail's compute is the band pairs of the windowed calls (the
-    window's pairs exactly), its bytes unchanged; a window that masks nothing changes
-    nothing; the script prints the table of docs/performance.md section 9."""
+    window's pairs exactly), its bytes those of the steps it runs (idle sub-ring steps
+    skipped: fewer at C = 1, W = S/16); a window that masks nothing changes nothing; the
+    script prints the table of docs/performance.md section 9."""
     import subprocess
     import sys
 
+    from startrail_megatron.accounting import startrail_comm_bytes
+    from startrail_megatron.block_plan import startrail_active_steps
     from startrail_megatron.planner.compute import startrail_work
 
     p, s_local = 8, 512
@@ -750,11 +753,17 @@ def test_cost_model_counts_the_window_pairs():
     dense = AttnShape(p, s_local, 1, 32, 8, 128)
     for c in (1, 2):
         full = predict(Strategy("startrail", c), h100, dense)
-        win = predict(Strategy("startrail", c), h100, AttnShape(p, s_local, 1, 32, 8, 128,
-                                                                window=(n // 16 - 1, 0)))  # fmt: skip
+        win_shape = AttnShape(p, s_local, 1, 32, 8, 128, window=(n // 16 - 1, 0))
+        win = predict(Strategy("startrail", c), h100, win_shape)
         same = predict(Strategy("startrail", c), h100, AttnShape(p, s_local, 1, 32, 8, 128,
                                                                  window=(-1, 0)))  # fmt: skip
-        assert win.attn_s < full.attn_s and win.p2p_bytes == full.p2p_bytes
+        lay = Strategy("startrail", c).layout(p)
+        active = startrail_active_steps(lay, True, s_local, (n // 16 - 1, None))
+        acc = [startrail_comm_bytes(lay, r, win_shape.local, active) for r in range(p)]
+        assert win.attn_s < full.attn_s
+        assert win.p2p_bytes == max(b["fwd_p2p"] + b["bwd_p2p"] for b in acc)
+        if c == 1:  # 3 of the 8 ring steps run (0, 1, 7): fewer bytes
+            assert active == ((0, 1, 7),) and win.p2p_bytes < full.p2p_bytes
         assert same == full
     out = subprocess.run(
         [sys.executable, "scripts/window_cost.py", "--seq", "4096", "--cp-size", "4"],
@@ -783,3 +792,35 @@ def test_dit_1b_preset_is_full_attention_and_plans_the_papers_dit_setting():
     ring = rows["ring"].p2p_bytes  # StarTrail's P2P: about 1/C of ring's
     assert 0.45 * ring < rows["startrail-C2-team"].p2p_bytes < 0.55 * ring
     assert 0.2 * ring < rows["startrail-C4-team"].p2p_bytes < 0.3 * ring
+
+
+def test_plan_with_a_window_charges_what_each_strategy_computes_and_sends():
+    """``plan(window=)`` / ``startrail-plan --window``: every strategy is charged the window's
+    pairs (the peers too, in their own calls: the same total over the ranks as the window
+    holds), StarTrail the sub-ring steps it runs (ring at W = S/16: fewer bytes than full
+    causal), and a bad window is a ValueError naming it."""
+    from startrail_megatron.planner.cli import main as plan_main
+    from startrail_megatron.planner.compute import (
+        allgather_call_shapes,
+        call_work,
+        ulysses_call_shapes,
+    )
+
+    h100, gpt = CLUSTER_PRESETS["h100-ib"], MODEL_PRESETS["gpt-7b"]
+    full = {r.strategy: r for r in plan(h100, gpt, 65536, 16).rows}
+    win = {r.strategy: r for r in plan(h100, gpt, 65536, 16, window=4096).rows}
+    assert win["ring"].p2p_bytes < full["ring"].p2p_bytes
+    for name in ("ring", "startrail-C2-team", "allgather", "ulysses"):
+        assert win[name].attn_s < full[name].attn_s, name
+    assert win["allgather"].collective_bytes == full["allgather"].collective_bytes
+    for p, s, causal, w in ((4, 32, True, (15, 0)), (4, 32, False, (7, 7)), (8, 16, True, (3, 0))):
+        shape = AttnShape(p, s, 1, 4, 4, 8, causal=causal, window=w)
+        n = p * s
+        want = sum(1 for i in range(n) for j in range(n)
+                   if i - w[0] <= j <= i + w[1] and (not causal or j <= i))  # fmt: skip
+        got = sum(call_work(allgather_call_shapes(r, shape))[0][0] for r in range(p))
+        assert got == want == call_work(ulysses_call_shapes(shape))[0][0]
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match=f"window={bad!r} must be a number of tokens"):
+            plan(h100, gpt, 65536, 16, window=bad)
+    assert plan_main(["--seq-len", "64K", "--cp-size", "16", "--window", "4K", "--json"]) == 0

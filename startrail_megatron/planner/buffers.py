@@ -111,8 +111,8 @@ def allgather_buffer_bytes(shape: AttnShape, rs_via_allreduce: bool) -> tuple[in
     fwd = bwd = 0
     for r in range(p):
         calls = allgather_call_shapes(r, shape)
-        qr = sum(nq for nq, _, _ in calls)
-        kr = sum(nk for _, nk, _ in calls)
+        qr = sum(sh[0] for sh in calls)  # (q rows, kv rows, causal[, pairs in a window])
+        kr = sum(sh[1] for sh in calls)
         reord = 2 * full * e if shape.causal and p > 1 else 0
         f = 4 * ukv * e + reord + uq * a + uq * conv  # stack, reorder, out zeros, cast
         b = 4 * ukv * e + reord + uq * a + full * a  # stack, reorder, dq and dK/dV zeros

@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no activation recompute (default: full checkpointing, forward rerun in backward)",
     )
+    p.add_argument(
+        "--window",
+        type=parse_size,
+        default=None,
+        help="a causal sliding window of this many tokens on every layer (4K ok); StarTrail "
+        "is charged the window's pairs and the sub-ring steps it runs, the peers the pairs",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
@@ -138,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             args.cp_size,
             batch=args.batch,
             recompute=not args.no_recompute,
+            window=args.window,
         )
     except ValueError as e:
         p.error(str(e))

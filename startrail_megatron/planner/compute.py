@@ -84,10 +84,46 @@ def startrail_call_shapes(
     )
 
 
+def window_pairs(nq: int, nk: int, q0: int, k0: int, shape: AttnShape) -> int:
+    """(query, key) pairs of a call on global queries [q0, q0 + nq) and keys [k0, k0 + nk)
+    inside ``shape``'s window (and its causal mask)."""
+    left, right = shape.band
+    off = k0 - q0  # global j - i = local j - i + off
+    lo = None if left is None else -left - off
+    hi = None if right is None else right - off
+    if shape.causal:
+        hi = -off if hi is None else min(hi, -off)
+    return band_pairs(nq, nk, lo, hi)
+
+
 def allgather_call_shapes(rank: int, shape: AttnShape) -> tuple[CallShape, ...]:
-    """The calls of ``block_plan.allgather_calls``, in tokens."""
+    """The calls of ``block_plan.allgather_calls``, in tokens; under a window each counts
+    the pairs inside it (a kernel with the window skips the rest)."""
     calls = allgather_calls(rank, shape.cp_size, shape.causal, shape.s_local)
-    return tuple((qs.stop - qs.start, ks.stop - ks.start, cz) for qs, ks, cz in calls)
+    if shape.band is None:
+        return tuple((qs.stop - qs.start, ks.stop - ks.start, cz) for qs, ks, cz in calls)
+    c, p = shape.s_local // 2, shape.cp_size
+    out = []
+    for qs, ks, _ in calls:
+        nk = ks.stop - ks.start
+        # the rows' zigzag chunks (a window needs the zigzag layout, causal or not): the
+        # full-attention call holds both of the rank's chunks
+        for chunk, lo in ((rank, 0), (2 * p - 1 - rank, c)):
+            a, b = max(qs.start, lo), min(qs.stop, lo + c)
+            if a < b:
+                pairs = window_pairs(b - a, nk, chunk * c + a - lo, ks.start, shape)
+                if pairs:
+                    out.append((b - a, nk, False, pairs))
+    return tuple(out)
+
+
+def ulysses_call_shapes(shape: AttnShape) -> tuple[CallShape, ...]:
+    """Ulysses's one call over the whole sequence (heads/P heads), under a window at the
+    pairs inside it."""
+    n = shape.seq_len
+    if shape.band is None:
+        return ((n, n, shape.causal),)
+    return ((n, n, False, window_pairs(n, n, 0, 0, shape)),)
 
 
 def call_work(shapes: tuple[CallShape, ...]) -> tuple:

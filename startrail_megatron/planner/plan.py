@@ -48,10 +48,15 @@ def plan(
     batch: int = 1,
     elem_bytes: int = 2,
     recompute: bool = True,
+    window: int | None = None,
 ) -> Plan:
     """Predict every valid (C, placement) and the peers; recommend the fastest that fits.
 
     ``recompute``: full activation checkpointing (the layer's forward rerun in the backward).
+    ``window``: a causal sliding window of that many tokens on every layer
+    (``startrail_attention(window=(window - 1, 0))``): StarTrail is charged the pairs in the
+    window and the sub-ring steps it runs (``AttnShape.window``); the all-gather and Ulysses
+    peers the window's pairs in their calls.
     Raises ``ValueError`` for a CP size larger than the cluster or a sequence
     that does not split into 2*cp_size zigzag chunks.
     """
@@ -62,7 +67,12 @@ def plan(
             f"cp_size={cp_size} exceeds the cluster's {cluster.num_gpus} GPUs "
             f"({cluster.num_nodes} nodes x {cluster.gpus_per_node})"
         )
-    shape = AttnShape.for_model(model, seq_len, cp_size, batch, elem_bytes=elem_bytes)
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"window={window!r} must be a number of tokens >= 1 (or None)")
+    win = None if window is None else (window - 1, 0)
+    shape = AttnShape.for_model(model, seq_len, cp_size, batch, elem_bytes=elem_bytes, window=win)
     rows = [
         predict(s, cluster, shape, model, recompute=recompute)
         for s in candidate_strategies(cp_size, model.heads, model.kv_heads)

@@ -33,8 +33,10 @@ class AttnShape:
     window: tuple[int, int] | None = None
     """A sliding window ``(left, right)`` (``startrail_attention(window=)``): StarTrail's
     compute counts the windowed calls (``block_plan.startrail_step_window_rows``, per
-    document with ``packed``) at the pairs inside their band; its bytes are unchanged (K,V travel whole). The all-gather and
-    Ulysses peers are charged without the window."""
+    document with ``packed``) at the pairs inside their band, and its bytes and ring steps
+    only the sub-ring steps some rank computes (``active_steps``: K,V goes straight past
+    idle ones). The all-gather and Ulysses peers are charged the window's pairs too (a
+    windowed kernel in their calls; their bytes do not change)."""
     varlen: bool = False
     """With ``packed``: the kernel takes all documents of one block-plan call at once
     (flash-attn's varlen functions, TE's THD format), so a step costs one call's overhead
@@ -82,6 +84,13 @@ class AttnShape:
     @property
     def seq_len(self) -> int:
         return self.s_local * self.cp_size
+
+    def active_steps(self, lay):
+        """The sub-ring steps each sub-ring of ``lay`` computes under this shape's window
+        (``block_plan.startrail_active_steps``; ``None``: all)."""
+        from ..block_plan import startrail_active_steps
+
+        return startrail_active_steps(lay, self.causal, self.s_local, self.band, self.packed)
 
     @property
     def local(self) -> LocalShape:

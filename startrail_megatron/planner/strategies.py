@@ -149,13 +149,15 @@ def _startrail_name(st: Strategy) -> str:
 
 def _startrail_comm_bytes(st: Strategy, shape: AttnShape) -> Bytes:
     lay = st.layout(shape.cp_size)
-    return [startrail_comm_bytes(lay, r, shape.local) for r in range(shape.cp_size)]
+    active = shape.active_steps(lay)
+    return [startrail_comm_bytes(lay, r, shape.local, active) for r in range(shape.cp_size)]
 
 
 def _startrail_comm_calls(st: Strategy, shape: AttnShape) -> Bytes:
     lay = st.layout(shape.cp_size)
+    active = shape.active_steps(lay)
     return [
-        startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True))
+        startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True, active=active))
         for r in range(shape.cp_size)
     ]
 

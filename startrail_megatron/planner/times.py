@@ -6,7 +6,8 @@ only when ``cl.overlap``; otherwise the terms add up. StarTrail forward = max(q
 all-gather, initial KV placement: each member's K,V to the C first holders, a fan-out)
 (started together) + G ring steps (a pipeline with the schedule's dependencies,
 ``ring_pipeline``; with equal compute, step s: max(compute_s, send KV) with overlap,
-their sum without) + team combine (lse all-gather, out reduce-scatter: exposed).
+their sum without; under a window only the steps a sub-ring computes, the KV jumping past
+idle ones: ``block_plan.startrail_active_steps``) + team combine (lse all-gather, out reduce-scatter: exposed).
 Backward = max(dout and delta all-gathers, initial placement) + G steps (KV and dK/dV
 in flight) + max(dq reduce-scatter, the dK/dV parts sent home: a fan-in). Nothing
 overlaps the layer's QKV projection (the code does not split it). All-gather-KV and Ulysses
@@ -18,7 +19,13 @@ from __future__ import annotations
 
 from ..layout import StarTrailLayout
 from .cluster import ClusterSpec
-from .compute import allgather_call_shapes, call_work, kernel_time, startrail_work
+from .compute import (
+    allgather_call_shapes,
+    call_work,
+    kernel_time,
+    startrail_work,
+    ulysses_call_shapes,
+)
 from .links import all_to_all, collective, p2p_fan, p2p_step, reduce_scatter_extra
 from .shape import AttnShape
 
@@ -102,23 +109,49 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     def ring_step(msg: int) -> float:
         return p2p_step(cl, [(r, lay.ring_next(r), msg) for r in range(p)])
 
+    active = shape.active_steps(lay)
+
+    def jump(msg: int) -> float:
+        """A hop past idle steps (``ring_step`` when none are skipped): the slowest of the
+        jumps the sub-rings make, each jump length's pairs at once."""
+        if active is None:
+            return ring_step(msg)
+        hops = {b - a for steps in active for a, b in zip(steps, steps[1:])}
+        return max(
+            (p2p_step(cl, [(r, lay.ring_shift(r, k), msg) for r in range(p)]) for k in hops),
+            default=0.0,
+        )
+
+    def pipeline(work: list[list[float]], x_kv: float, x_dkv: float = 0.0) -> float:
+        """``ring_pipeline`` over the steps each sub-ring computes (all of them without
+        idle steps): one pipeline per sub-ring on its computed steps, the slowest wins."""
+        if active is None:
+            return ring_pipeline(cl, work, prev, x_kv, x_dkv)
+        worst = 0.0
+        for i, ranks in enumerate(lay.all_subring_ranks()):
+            where = {r: j for j, r in enumerate(ranks)}
+            sub = [[work[s][r] for r in ranks] for s in active[i]]
+            sub_prev = [where[lay.ring_prev(r)] for r in ranks]
+            worst = max(worst, ring_pipeline(cl, sub, sub_prev, x_kv, x_dkv))
+        return worst
+
     def comp(bwd: bool) -> list[list[float]]:
         return [[kernel_time(cl, shape, pr, nc, bwd, sh) for pr, nc, sh in row] for row in work]
 
     def fan(targets, nbytes: int) -> float:
         return p2p_fan(cl, [(r, d, nbytes) for r in range(p) for d in targets(r)])
 
-    t_init = fan(lay.placement_targets, 2 * ukv * e)
+    t_init = fan(lambda r: lay.placement_targets(r, active), 2 * ukv * e)
     prev = [lay.ring_prev(r) for r in range(p)]
     # Forward: place = initial_placement(kv_local); q_h = all_gather_start(q) ...
     fwd = both(gather(c1 * uq * e), t_init)
-    fwd += ring_pipeline(cl, comp(False), prev, ring_step(kv_msg) if g > 1 else 0.0)
+    fwd += pipeline(comp(False), jump(kv_msg) if g > 1 else 0.0)
     fwd += gather(c1 * lay.team_size * rows * a) + scatter(c1 * uq * a)  # lse, out
     # Backward: do_h, delta_h = all_gather_start(...); place = initial_placement(kv_local)
     bwd = both(gather(c1 * (uq * e + rows * a)), t_init)
-    x = ring_step(kv_msg + dkv_msg) if g > 1 else 0.0  # KV and dK/dV share the link
-    bwd += ring_pipeline(cl, comp(True), prev, x, x)
-    home = fan(lay.dkv_home_targets, 2 * ukv * a)
+    x = jump(kv_msg + dkv_msg) if g > 1 else 0.0  # KV and dK/dV share the link
+    bwd += pipeline(comp(True), x, x)
+    home = fan(lambda r: lay.dkv_home_targets(r, active), 2 * ukv * a)
     bwd += both(scatter(c1 * uq * a), home)  # dq_h = reduce_scatter_start(dq) ... parts
     return fwd, bwd
 
@@ -143,8 +176,7 @@ def ulysses_times(cl: ClusterSpec, shape: AttnShape, byts: Bytes):
     whole sequence with heads/P heads."""
     p = shape.cp_size
     b = byts[0]
-    n = shape.seq_len
-    whole = ((n, n, shape.causal),)
+    whole = ulysses_call_shapes(shape)
     pairs, calls, _ = call_work(whole)
     local = (
         AttnShape(
