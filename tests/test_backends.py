@@ -573,7 +573,10 @@ def _te_write(fmt: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _te_scores(a: dict, q, k, scale):
-    """Scaled scores (b, hq, sq, sk) in float64, masked per attn_mask_type; k's heads broadcast."""
+    """Scaled scores (b, hq, sq, sk) in float64, masked per attn_mask_type and window_size
+    (cuDNN's diagonal band as TE sets it: left bound ``left + 1``, right bound ``right``,
+    on the top-left diagonal or, with ``bottom_right_diagonal``, the bottom-right one);
+    k's heads broadcast."""
     sq, b, hq, _ = q.shape
     sk, _, hkv, _ = k.shape
     kd = k.double().permute(1, 2, 0, 3).repeat_interleave(hq // hkv, dim=1)
@@ -584,13 +587,30 @@ def _te_scores(a: dict, q, k, scale):
         "causal": ones.triu(1),  # top-left: query i sees keys <= i
         "causal_bottom_right": ones.triu(sk - sq + 1),
     }[a["attn_mask_type"]]
+    left, right = a.get("window_size", (-1, -1))
+    if (left, right) != (-1, -1):
+        shift = sk - sq if a.get("bottom_right_diagonal") else 0
+        off = torch.arange(sk).view(1, -1) - torch.arange(sq).view(-1, 1) - shift  # j - i
+        band = torch.zeros(sq, sk, dtype=torch.bool)
+        if left != -1:
+            band |= off < -left
+        if right != -1:
+            band |= off > right
+        mask = band if mask is None else mask | band
     return s if mask is None else s.masked_fill(mask, float("-inf"))
 
 
 def _te_common_checks(te, a: dict, q, k) -> None:
     assert a["fused_attention_backend"] is te.FusedAttnBackend["F16_arbitrary_seqlen"]
     window = (-1, 0) if a["attn_mask_type"] == "causal" else (-1, -1)
-    assert a["dropout"] == 0.0 and tuple(a["window_size"]) == window
+    assert a["dropout"] == 0.0
+    if tuple(a["window_size"]) != window:
+        # a window band: what TE's backend table (fused_attn.cpp) takes for F16 with cuDNN
+        # 9.6+ on the top-left diagonal: 2.12+, no mask, sq <= skv, no dropout or bias
+        assert "bottom_right_diagonal" in a, "before TE 2.12 a window needs a causal mask"
+        assert a["attn_mask_type"] == "no_mask" and a["bottom_right_diagonal"] is False
+        assert all(x >= -1 for x in a["window_size"])
+        assert a["max_seqlen_q"] <= a["max_seqlen_kv"], "TE: no window backend for sq > skv"
     assert a.get("cuda_graph", False) is False  # not capturing here
     assert a["attn_bias_type"] == "no_bias" and a.get("attn_bias") is None
     assert a.get("softmax_type", "vanilla") == "vanilla"
@@ -740,18 +760,20 @@ def _te_bwd(te, a: dict):
     assert stats.shape == (b, hq, sq, 1) and stats.is_contiguous()
     assert stats.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
     assert rng_state.shape == (2,) and rng_state.dtype == torch.int64
-    grads = _te_grads(a["attn_mask_type"], a["attn_scale"], q, k, v, o, do, stats)
+    grads = _te_grads(a, a["attn_scale"], q, k, v, o, do, stats)
     out_fmt = _te_format(a.get("dqkv_layout", a["qkv_layout"]))
     grads = [_te_write(out_fmt, x, q.dtype) for x in grads]
     return grads + [None] * (2 if "softmax_type" in a else 1)
 
 
 def _te_grads(mask, scale, q, k, v, o, do, stats):
-    """dq, dk, dv [s, b, h, d] (float64) of attention from the statistics (b, hq, sq, 1)."""
+    """dq, dk, dv [s, b, h, d] (float64) of attention from the statistics (b, hq, sq, 1);
+    ``mask``: the mask type, or the call's arguments (mask and window)."""
     sq, b, hq, d = q.shape
     sk, _, hkv, _ = k.shape
     g = hq // hkv
-    p = torch.exp(_te_scores({"attn_mask_type": mask}, q, k, scale) - stats.double())
+    spec = mask if isinstance(mask, dict) else {"attn_mask_type": mask}
+    p = torch.exp(_te_scores(spec, q, k, scale) - stats.double())
 
     def bh(x, rep=1):  # [s, b, h, d] -> (b, h * rep, s, d) float64
         return x.double().permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
@@ -1104,3 +1126,132 @@ def test_te_unknown_signature_is_refused():
     fa = types.SimpleNamespace(fused_attn_fwd=fwd, fused_attn_bwd=bwd, FusedAttnBackend={})
     with pytest.raises(NotImplementedError, match=r"2\.18\.0.*FusedAttnBackend"):
         kn.TEKernel(fa, version="2.18.0")
+
+
+# ---- TE: sliding windows (window_size on the top-left diagonal, TE 2.12+, cuDNN 9.6+) -------
+def test_te_band_pieces_cover_each_band_pair_once():
+    """Every trimmed band call (each row and key with a pair) as TE calls: rows disjoint and
+    in order, no piece with more rows than keys (TE's window backends need sq <= skv),
+    windows >= -1, and exactly the band's pairs."""
+    n = 0
+    for sq in range(1, 10):
+        for sk in range(1, 10):
+            for lo in [None, *range(-9, 1)]:
+                for hi in [None, *range(0, 10)]:
+                    pairs = {(i, j) for i in range(sq) for j in range(sk)
+                             if (lo is None or j - i >= lo) and (hi is None or j - i <= hi)}  # fmt: skip
+                    if {i for i, _ in pairs} != set(range(sq)) or {j for _, j in pairs} != set(
+                        range(sk)
+                    ):
+                        continue  # not a trimmed call
+                    got, rows = set(), []
+                    pieces = kn_te.te_band_pieces(sq, sk, lo, hi)
+                    assert len(pieces) == 1 or sq > sk
+                    for a, e, c0, c1, left, right in pieces:
+                        assert e - a <= c1 - c0 and left >= -1 and right >= -1
+                        rows += range(a, e)
+                        got |= {(i, j) for i in range(a, e) for j in range(c0, c1)
+                                if (left == -1 or (j - c0) - (i - a) >= -left)
+                                and (right == -1 or (j - c0) - (i - a) <= right)}  # fmt: skip
+                    assert rows == list(range(sq)) and got == pairs, (sq, sk, lo, hi)
+                    n += 1
+    assert n > 1000
+    with pytest.raises(ValueError, match="not trimmed"):
+        kn_te.te_band_pieces(4, 4, 1, 3)
+
+
+@pytest.mark.parametrize("version", ["2.13", "2.18"])
+@pytest.mark.parametrize(
+    "sq,sk,band",
+    [
+        (6, 6, (None, 0)),
+        (6, 6, (-2, 0)),
+        (6, 9, (-1, 4)),
+        (5, 5, (0, 3)),
+        (9, 4, (-6, 0)),
+        (8, 3, (-5, 0)),
+        (7, 7, (-1, 1)),
+        (6, 8, (None, 2)),
+    ],
+)  # fmt: skip  (9 x 4 and 8 x 3: more rows than keys, cut into pieces)
+def test_te_adapter_runs_window_bands(te_install, version, sq, sk, band):
+    te = te_install(version)
+    ker, ref = kn.TEKernel(cudnn_version=90600), TorchKernel()
+    assert ker.supports_band
+    g = torch.Generator().manual_seed(5)
+    b, hq, hkv, d, scale = 2, 4, 2, 8, 0.4
+    (q,) = _sbhd_views(sq, b, hq, d, g)
+    k, v = _sbhd_views(sk, b, hkv, d, g, 2)
+    out, lse = ker.forward(q, k, v, causal=False, scale=scale, band=band)
+    r_out, r_lse = ref.forward(q, k, v, causal=False, scale=scale, band=band)
+    torch.testing.assert_close(out, r_out, rtol=0, atol=1e-10)
+    torch.testing.assert_close(lse, r_lse, rtol=0, atol=1e-10)
+    k2, v2 = _sbhd_views(3, b, hkv, d, g, 2)  # the backward gets merged rows
+    o2, l2 = ref.forward(q, k2, v2, causal=False, scale=scale)
+    st.kernels.merge_partial(r_out, r_lse, o2, l2)
+    (do,) = _sbhd_views(sq, b, hq, d, g)
+    grads = ker.backward(do, q, k, v, r_out, r_lse, causal=False, scale=scale, band=band)
+    want = ref.backward(do, q, k, v, r_out, r_lse, causal=False, scale=scale, band=band)
+    for got, w, x in zip(grads, want, (q, k, v)):
+        assert got.shape == x.shape and got.dtype == x.dtype
+        torch.testing.assert_close(got, w, rtol=0, atol=1e-10)
+    pieces = kn_te.te_band_pieces(sq, sk, *band)
+    fwd = [a for kind, a in te.calls if kind == "fwd"]
+    assert len(fwd) == len(pieces) == len(te.calls) // 2
+    for a, (r0, r1, c0, c1, left, right) in zip(fwd, pieces):
+        # (-1, 0): TE's own causal call; any other band: no mask and the window
+        mask = "causal" if (left, right) == (-1, 0) else "no_mask"
+        assert tuple(a["window_size"]) == (left, right) and a["attn_mask_type"] == mask
+        assert a["bottom_right_diagonal"] is False
+        assert (a["max_seqlen_q"], a["max_seqlen_kv"]) == (r1 - r0, c1 - c0)
+
+
+def test_te_window_refusals(te_install):
+    """Releases without ``bottom_right_diagonal`` (before 2.12) and cuDNN before 9.6 refuse
+    windows by name, before any transfer (``resolve_kernel``); TE has no soft-capping."""
+    x = torch.zeros(4, 1, 2, 8, dtype=torch.float64)
+    for version, cudnn, why in [
+        ("1.12", 90600, "Transformer Engine >= 2.12"),
+        ("2.4", 91000, "Transformer Engine >= 2.12"),
+        ("2.18", 90500, "need cuDNN >= 90600, got 90500"),
+        ("2.13", None, "need cuDNN >= 90600, got None"),  # no CUDA here: unknown
+    ]:
+        te_install(version)
+        ker = kn.TEKernel(cudnn_version=cudnn)
+        assert not ker.supports_band
+        with pytest.raises(NotImplementedError, match=f"'te' does not run window .*{why}"):
+            kn.resolve_kernel(x, ker, None, window=True)
+        with pytest.raises(NotImplementedError, match=why):
+            ker.forward(x, x, x, causal=False, scale=1.0, band=(-1, 0))
+    te_install("2.18")
+    ker = kn.TEKernel(cudnn_version=90600)
+    assert kn.resolve_kernel(x, ker, None, window=True)[0] is ker
+    with pytest.raises(NotImplementedError, match="'te' does not run softcap"):
+        kn.resolve_kernel(x, ker, None, softcap=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_startrail_window_on_te_stand_in(te_install, causal):
+    """StarTrail's windowed calls through TE (2.18 stand-in, cuDNN 9.6): out and every
+    gradient against float64 over the whole sequence, for windows shorter than a chunk,
+    spanning chunks and teams, and one-sided."""
+    from test_window import _close, _inputs, reference
+
+    from startrail_megatron.one_process import one_process_attention
+
+    te = te_install("2.18")
+    ker = kn.TEKernel(cudnn_version=90600)
+    p, c = 8, 2
+    n = p * 8
+    for window in [(0, 0), (3, 1), (11, 0), (-1, 5)]:
+        q, k, v, do = _inputs(n, seed=2)
+        leaves = [[st.testing.shard(x, r, p, True).requires_grad_() for r in range(p)]
+                  for x in (q, k, v)]  # fmt: skip
+        outs = one_process_attention(*leaves, c, causal=causal, kernel=ker, window=window)
+        torch.autograd.backward(outs, [st.testing.shard(do, r, p, True) for r in range(p)])
+        want = reference(q, k, v, do, causal, window, 0.0)
+        got = [outs, *([x.grad for x in xs] for xs in leaves)]
+        for i in range(4):
+            full = st.testing.unshard([t.detach() for t in got[i]], True)
+            assert _close(full, want[i]), (window, i)
+    assert any(tuple(a["window_size"]) not in ((-1, 0), (-1, -1)) for _, a in te.calls)

@@ -150,7 +150,8 @@ BACKENDS: dict[str, BackendSpec] = {
             (8, 0),
             90000,
             dropout=False,
-        ),  # fmt: skip
+            window=True,
+        ),  # fmt: skip (window: TE 2.12+ and cuDNN 9.6+, checked by the kernel object)
     )
 }
 KERNEL_NAMES: tuple[str, ...] = ("auto", *BACKENDS)
@@ -405,7 +406,12 @@ def _instance_refuses(kernel, *, dropout: bool, window: bool, softcap: bool) -> 
         (softcap, "supports_softcap", "softcap", "softcap"),
     ):
         if needed and not getattr(kernel, attr, False):
-            return f"kernel {name!r} does not run {setting}; it needs one of: {_kernels_with(what)}"
+            why = getattr(kernel, attr.removeprefix("supports_") + "_unsupported_reason", None)
+            why = f" ({why})" if why else ""
+            return (
+                f"kernel {name!r} does not run {setting}{why}; it needs one of: "
+                f"{_kernels_with(what)}"
+            )
     if dropout and softcap and not getattr(kernel, "softcap_with_dropout", True):
         return f"kernel {name!r} does not run softcap together with dropout_p > 0; use 'torch'"
     return None

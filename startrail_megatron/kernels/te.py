@@ -32,6 +32,7 @@ from .signatures import _param_names
 
 __all__ = [
     "TEFusedAttnAPI",
+    "te_band_pieces",
     "TEKernel",
     "detect_te_api",
     "te_max_tokens",
@@ -99,9 +100,9 @@ def _capturing(device: torch.device) -> bool:
 
 
 def _te_fixed_kwargs(
-    causal: bool, scale: float, device: torch.device, thd: bool = False
+    causal: bool, scale: float, device: torch.device, thd: bool = False, window=None
 ) -> dict[str, Any]:
-    """TE arguments shared by forward and backward: no bias, dropout, window, sink.
+    """TE arguments shared by forward and backward: no bias, dropout, sink.
 
     ``"causal"`` is TE's top-left causal mask (``"causal_bottom_right"`` is the
     other one), the contract's; ``bottom_right_diagonal=False`` is what TE
@@ -111,12 +112,18 @@ def _te_fixed_kwargs(
     ``cuda_graph`` says whether the stream is being captured, as TE's own code does
     (it changes which backward cuDNN may run). ``thd``: packed sequences
     (``"thd_thd_thd"``), whose masks TE names ``"padding_causal"`` / ``"padding"``
-    (top-left causal; TE refuses THD with any mask without padding).
+    (top-left causal; TE refuses THD with any mask without padding). ``window``: TE's
+    ``window_size`` ``(left, right)`` of a band call (``TEKernel._band_window``): no mask
+    and the top-left diagonal, so query i sees keys ``i - left .. i + right``.
     """
     if thd:
         layout, mask = _TE_THD_LAYOUT, ("padding_causal" if causal else "padding")
     else:
         layout, mask = _TE_LAYOUT, ("causal" if causal else "no_mask")
+    if window is None:
+        window = (-1, 0) if causal else (-1, -1)
+    elif causal or thd:
+        raise ValueError("a TE window band is a sbhd call without the causal mask")
     return {
         "attn_scale": float(scale),
         "dropout": 0.0,
@@ -124,7 +131,7 @@ def _te_fixed_kwargs(
         "attn_bias_type": "no_bias",
         "attn_mask_type": mask,
         "softmax_type": "vanilla",
-        "window_size": (-1, 0) if causal else (-1, -1),
+        "window_size": tuple(window),
         "bottom_right_diagonal": False,
         "cuda_graph": _capturing(device),
     }
@@ -165,13 +172,30 @@ class TEFusedAttnAPI:
             )
         return {n: values[n] for n in params if n in values}
 
+    @property
+    def band_unsupported_reason(self) -> str | None:
+        """Why this TE release cannot run a window band (``window_size`` (left, right) on
+        the top-left diagonal), or ``None``: that needs ``bottom_right_diagonal`` (TE 2.12+;
+        before it a window is aligned by the mask type, and cuDNN takes only (left, 0)
+        with a causal mask). cuDNN's part is ``TEKernel.band_unsupported_reason``."""
+        if "bottom_right_diagonal" in self.fwd_params and "bottom_right_diagonal" in set(
+            self.bwd_params
+        ):
+            return None
+        return (
+            f"Transformer Engine {self.version} has no bottom_right_diagonal in "
+            "fused_attn_fwd/bwd: window bands (left, right) need Transformer Engine >= 2.12"
+        )
+
     def forward_kwargs(
-        self, q, k, v, cu_q, cu_kv, backend, dtype, *, causal, scale, rng_gen=None, thd=None
-    ):
+        self, q, k, v, cu_q, cu_kv, backend, dtype, *, causal, scale, rng_gen=None, thd=None,
+        window=None,
+    ):  # fmt: skip
         """Keyword arguments of ``fused_attn_fwd`` for sbhd q, k, v. ``rng_gen``: the
         generator TE draws its (unused, dropout 0) Philox state from. ``thd``:
         ``(max_seqlen_q, max_seqlen_kv)`` of packed THD q, k, v (``cu_q``/``cu_kv``
-        then the sequences' offsets, also passed as the padded ones: no gaps)."""
+        then the sequences' offsets, also passed as the padded ones: no gaps).
+        ``window``: TE's ``window_size`` of a band call (``_te_fixed_kwargs``)."""
         values = {
             "is_training": True,  # the softmax statistics come only with training
             "max_seqlen_q": q.shape[0] if thd is None else thd[0],
@@ -183,7 +207,7 @@ class TEFusedAttnAPI:
             "v": v,
             self.dtype_arg: dtype,
             "fused_attention_backend": backend,
-            **_te_fixed_kwargs(causal, scale, q.device, thd is not None),
+            **_te_fixed_kwargs(causal, scale, q.device, thd is not None, window),
             "o_format": _TE_FORMAT if thd is None else "thd",
             "return_max_logit": False,
             "rng_gen": rng_gen,
@@ -193,7 +217,7 @@ class TEFusedAttnAPI:
 
     def backward_kwargs(
         self, d_o, q, k, v, o, aux, cu_q, cu_kv, backend, dtype, dqkv_dtype, *, causal, scale,
-        thd=None,
+        thd=None, window=None,
     ):  # fmt: skip
         """Keyword arguments of ``fused_attn_bwd`` (``thd`` as in ``forward_kwargs``); it
         returns new dq, dk, dv."""
@@ -212,7 +236,7 @@ class TEFusedAttnAPI:
             "dqkv_dtype": dqkv_dtype,
             "aux_ctx_tensors": aux,
             "fused_attention_backend": backend,
-            **_te_fixed_kwargs(causal, scale, q.device, thd is not None),
+            **_te_fixed_kwargs(causal, scale, q.device, thd is not None, window),
             "o_format": fmt,
             "do_format": fmt,
             "dqkv_layout": _TE_LAYOUT if thd is None else _TE_THD_LAYOUT,
@@ -225,6 +249,62 @@ class TEFusedAttnAPI:
 def _thd_padded(thd, cu_q, cu_kv) -> dict[str, Any]:
     """THD: the padded offsets equal the real ones (the sequences have no gaps)."""
     return {} if thd is None else {"cu_seqlens_q_padded": cu_q, "cu_seqlens_kv_padded": cu_kv}
+
+
+_TE_BAND_MIN_CUDNN = 90600  # cuDNN's diagonal band right bound (TE: "9.6: SWA (left, right)")
+
+BandPiece = tuple[int, int, int, int, int, int]
+"""(q_lo, q_hi, kv_lo, kv_hi, left, right): one TE call on rows [q_lo, q_hi) x keys
+[kv_lo, kv_hi) with ``window_size=(left, right)`` on the top-left diagonal (-1: unbounded)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def te_band_pieces(sq: int, sk: int, lo: int | None, hi: int | None) -> tuple[BandPiece, ...]:
+    """TE calls for a band call ``lo <= j - i <= hi`` of ``sq`` queries and ``sk`` keys
+    (``block_plan``'s trimmed band calls: every row and key has a pair, so lo <= 0 <= hi).
+
+    TE takes a window only with ``max_seqlen_q <= max_seqlen_kv`` (its backend table), so a
+    call with more rows than keys is cut into runs of rows, each with no more rows than
+    the keys they see, and each trimmed to those keys; its band moves with the cut. Rows
+    are disjoint (outputs concatenate), keys may overlap (their gradients add). One piece,
+    the call itself, when sq <= sk. ``ValueError`` for a band with lo > 0 or hi < 0.
+    """
+    if (lo is not None and lo > 0) or (hi is not None and hi < 0):
+        raise ValueError(f"band ({lo}, {hi}) of a {sq} x {sk} call is not trimmed (lo <= 0 <= hi)")
+
+    def window(a: int, c0: int) -> tuple[int, int]:
+        shift = c0 - a  # local j - i of the piece = global j - i - shift
+        return (-1 if lo is None else shift - lo, -1 if hi is None else hi - shift)
+
+    if sq <= sk:
+        return ((0, sq, 0, sk, *window(0, 0)),)
+
+    def first_key(a: int) -> int:
+        return 0 if lo is None else max(0, a + lo)
+
+    def last_key(e: int) -> int:  # the last key row e - 1 sees
+        return sk - 1 if hi is None else min(sk - 1, e - 1 + hi)
+
+    out: list[BandPiece] = []
+    a = 0
+    while a < sq:
+        e = a + 1
+        while e < sq and e + 1 - a <= last_key(e + 1) - first_key(a) + 1:
+            e += 1
+        c0, c1 = first_key(a), last_key(e) + 1
+        out.append((a, e, c0, c1, *window(a, c0)))
+        a = e
+    return tuple(out)
+
+
+def _as_mask(left: int, right: int) -> tuple[bool, tuple[int, int] | None]:
+    """(causal, window) of a piece's ``window_size``: TE's own causal call for (-1, 0) and
+    the plain one for (-1, -1), as ``DotProductAttention`` passes them; a band otherwise."""
+    if (left, right) == (-1, 0):
+        return True, None
+    if (left, right) == (-1, -1):
+        return False, None
+    return False, (left, right)
 
 
 def te_max_tokens(t: int) -> int:
@@ -338,9 +418,19 @@ class TEKernel:
         version: TE's version for messages (``transformer_engine.__version__``).
         thd: whether packed documents use the THD format (``None``: detected,
             ``varlen_available``).
+        cudnn_version: the cuDNN runtime version for window bands (``None``: read from
+            ``torch.backends.cudnn`` when a window is first asked for).
+
+    Sliding windows (``band=(lo, hi)``, ``supports_band``): TE 2.12+ (the
+    ``bottom_right_diagonal`` parameter) with cuDNN >= 9.6, as TE's backend table asks
+    for a window (left, right) without a causal mask; each band call runs as
+    ``window_size=(left, right)`` on the top-left diagonal with no mask, cut into pieces
+    with no more rows than keys where needed (``te_band_pieces``). Soft-capping: TE has
+    none (refused by name).
     """
 
     name = "te"
+    supports_softcap = False  # fused_attn has no logit soft-capping
 
     def __init__(
         self,
@@ -348,6 +438,7 @@ class TEKernel:
         te_dtype: Mapping[torch.dtype, Any] | None = None,
         version: str | None = None,
         thd: bool | None = None,
+        cudnn_version: int | None = None,
     ):
         if fused_attn is None:
             fused_attn = importlib.import_module(
@@ -374,6 +465,28 @@ class TEKernel:
         # THD softmax statistics: the form TE's forward returns ("padded", "bucketed" or
         # "exact"; fixed by TE release, cuDNN and GPU), so the backward hands back the same.
         self._thd_stats_form: str | None = None
+        self._cudnn = cudnn_version
+
+    @property
+    def band_unsupported_reason(self) -> str | None:
+        """Why this kernel cannot run window bands here, or ``None`` (class docstring)."""
+        why = self.api.band_unsupported_reason
+        if why is not None:
+            return why
+        if self._cudnn is None and torch.cuda.is_available():
+            if torch.backends.cudnn.is_available():
+                self._cudnn = torch.backends.cudnn.version()
+        if self._cudnn is None or self._cudnn < _TE_BAND_MIN_CUDNN:
+            return (
+                f"Transformer Engine window bands (left, right) need cuDNN >= "
+                f"{_TE_BAND_MIN_CUDNN}, got {self._cudnn}"
+            )
+        return None
+
+    @property
+    def supports_band(self) -> bool:
+        """Whether sliding windows run here (``band_unsupported_reason`` is ``None``)."""
+        return self.band_unsupported_reason is None
 
     @property
     def varlen_available(self) -> bool:
@@ -414,7 +527,29 @@ class TEKernel:
             )
         return stats.squeeze(-1).to(acc_dtype(dtype))
 
-    def forward(self, q, k, v, *, causal, scale):
+    def _band_check(self, band, causal: bool) -> None:
+        why = self.band_unsupported_reason
+        if why is not None:
+            raise NotImplementedError(why)
+        if causal:
+            raise ValueError("kernel 'te': a band call takes no causal mask (the band has it)")
+
+    def forward(self, q, k, v, *, causal, scale, band=None):
+        if band is None:
+            return self._forward(q, k, v, causal, scale)
+        self._band_check(band, causal)
+        _check_te_inputs(q, k, v)
+        outs, lses = [], []
+        for a, e, c0, c1, left, right in te_band_pieces(q.shape[0], k.shape[0], *band):
+            causal, window = _as_mask(left, right)
+            o, lse = self._forward(q[a:e], k[c0:c1], v[c0:c1], causal, scale, window)
+            outs.append(o)
+            lses.append(lse)
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return torch.cat(outs), torch.cat(lses, dim=-1)
+
+    def _forward(self, q, k, v, causal, scale, window=None):
         _check_te_inputs(q, k, v)
         sq, b, hq, _ = q.shape
         qc, kc, vc = (x.contiguous() for x in (q, k, v))  # no copy when already sbhd
@@ -426,7 +561,7 @@ class TEKernel:
         gen = None if _capturing(q.device) else self._generator(q.device)
         kw = self.api.forward_kwargs(
             qc, kc, vc, cu_q, cu_kv, self._backend, dtype, causal=causal, scale=scale,
-            rng_gen=gen,
+            rng_gen=gen, window=window,
         )  # fmt: skip
         res = self._fwd(**kw)
         out, aux = res[0], res[1]  # (out, [stats, rng_state, ...]) in every version
@@ -437,7 +572,31 @@ class TEKernel:
             )
         return out, self._stats_to_bhs(aux[0], b, hq, sq, q.dtype)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, band=None):
+        if band is None:
+            return self._backward(dout, q, k, v, out, lse, causal, scale)
+        self._band_check(band, causal)
+        _check_te_inputs(q, k, v)
+        pieces = te_band_pieces(q.shape[0], k.shape[0], *band)
+        if len(pieces) == 1:
+            causal, window = _as_mask(*pieces[0][4:])
+            return self._backward(dout, q, k, v, out, lse, causal, scale, window)
+        acc = acc_dtype(q.dtype)
+        dqs = []
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        for a, e, c0, c1, left, right in pieces:
+            causal, window = _as_mask(left, right)
+            g_q, g_k, g_v = self._backward(
+                dout[a:e], q[a:e], k[c0:c1], v[c0:c1], out[a:e], lse[..., a:e], causal, scale,
+                window,
+            )  # fmt: skip
+            dqs.append(g_q)
+            dk[c0:c1] += g_k
+            dv[c0:c1] += g_v
+        return torch.cat(dqs), dk.to(k.dtype), dv.to(v.dtype)
+
+    def _backward(self, dout, q, k, v, out, lse, causal, scale, window=None):
         _check_te_inputs(q, k, v)
         sq, b, hq, _ = q.shape
         if tuple(lse.shape) != (b, hq, sq):
@@ -467,6 +626,7 @@ class TEKernel:
             dqkv_dtype,
             causal=causal,
             scale=scale,
+            window=window,
         )
         res = self._bwd(**kw)  # [dq, dk, dv, dbias, (d_softmax_offset)]
         return self._grads(res, q, k, v)
