@@ -382,25 +382,42 @@ def startrail_active_steps(
     documents without a window are not searched for idle steps."""
     if window is None or layout.ring_size == 1:
         return None
-    # the uncached functions: other ranks' calls must not evict this rank's from the caches
-    dense = startrail_step_window_rows.__wrapped__
-    per_doc = startrail_step_packed_window_rows.__wrapped__
     out = []
     for ranks in layout.all_subring_ranks():
-        busy = []
-        for step in range(layout.ring_size):
-            for r in ranks:
-                if packed is None:
-                    rows = dense(layout, r, step, causal, s_local, window)
-                else:
-                    rows = per_doc(layout, r, step, causal, packed, window)
-                if rows:
-                    busy.append(step)
-                    break
-        out.append(tuple(busy) or (0,))
+        busy = tuple(
+            step
+            for step in range(layout.ring_size)
+            if any(
+                _has_window_call(layout, r, step, causal, s_local, window, packed) for r in ranks
+            )
+        )
+        out.append(busy or (0,))
     if all(len(x) == layout.ring_size for x in out):
         return None
     return tuple(out)
+
+
+def _has_window_call(layout, rank, step, causal, s_local, window, packed) -> bool:
+    """Whether ``rank`` makes any call at ``step`` under ``window`` (what
+    ``startrail_step_window_rows`` / ``_packed_window_rows`` would return, stopping at the
+    first call; uncached, so other ranks' plans do not evict this rank's)."""
+    q_chunks = _buffer_chunks(layout, layout.coord(rank)[0], causal)
+    kv_chunks = _buffer_chunks(layout, layout.kv_team_at_step(rank, step), causal)
+    if packed is None:
+        docs = [(s_local // 2, layout.cp_size * s_local)]
+    else:
+        q_chunks, kv_chunks = sorted(q_chunks), sorted(kv_chunks)
+        docs = [(packed.chunk_len(d), packed.lengths[d]) for d in range(packed.num_docs)]
+    for c, n in docs:  # (chunk length, real tokens) of each sequence
+        for qi, qc in enumerate(q_chunks):
+            nq = min(max(n - qc * c, 0), c)
+            for ki, kc in enumerate(kv_chunks):
+                nk = min(max(n - kc * c, 0), c)
+                if nq and nk:
+                    lo, hi = _offset_band((kc - qc) * c, window, causal)
+                    if _band_call(qi * c, nq, ki * c, nk, lo, hi) is not None:
+                        return True
+    return False
 
 
 def band_pairs(nq: int, nk: int, lo: int | None, hi: int | None) -> int:

@@ -606,8 +606,10 @@ def _te_common_checks(te, a: dict, q, k) -> None:
     assert a["dropout"] == 0.0
     if tuple(a["window_size"]) != window:
         # a window band: what TE's backend table (fused_attn.cpp) takes for F16 with cuDNN
-        # 9.6+ on the top-left diagonal: 2.12+, no mask, sq <= skv, no dropout or bias
-        assert "bottom_right_diagonal" in a, "before TE 2.12 a window needs a causal mask"
+        # 9.6+ on the top-left diagonal: no mask from 2.16 (NO_MASK + bidirectional SWA),
+        # sq <= skv, no dropout or bias
+        major, minor = (int(x) for x in te.version.split(".")[:2])
+        assert (major, minor) >= (2, 16), "before TE 2.16 a no-mask window needs right == 0"
         assert a["attn_mask_type"] == "no_mask" and a["bottom_right_diagonal"] is False
         assert all(x >= -1 for x in a["window_size"])
         assert a["max_seqlen_q"] <= a["max_seqlen_kv"], "TE: no window backend for sq > skv"
@@ -1148,7 +1150,9 @@ def test_te_band_pieces_cover_each_band_pair_once():
                     pieces = kn_te.te_band_pieces(sq, sk, lo, hi)
                     assert len(pieces) == 1 or sq > sk
                     for a, e, c0, c1, left, right in pieces:
-                        assert e - a <= c1 - c0 and left >= -1 and right >= -1
+                        # TE: a window only with sq <= skv (a plain full call has none)
+                        plain = (left, right) == (-1, -1)
+                        assert (e - a <= c1 - c0 or plain) and left >= -1 and right >= -1
                         rows += range(a, e)
                         got |= {(i, j) for i in range(a, e) for j in range(c0, c1)
                                 if (left == -1 or (j - c0) - (i - a) >= -left)
@@ -1160,7 +1164,7 @@ def test_te_band_pieces_cover_each_band_pair_once():
         kn_te.te_band_pieces(4, 4, 1, 3)
 
 
-@pytest.mark.parametrize("version", ["2.13", "2.18"])
+@pytest.mark.parametrize("version", ["2.18"])
 @pytest.mark.parametrize(
     "sq,sk,band",
     [
@@ -1207,14 +1211,17 @@ def test_te_adapter_runs_window_bands(te_install, version, sq, sk, band):
 
 
 def test_te_window_refusals(te_install):
-    """Releases without ``bottom_right_diagonal`` (before 2.12) and cuDNN before 9.6 refuse
+    """Releases before 2.16 (whose backend table takes a no-mask window only with right ==
+    0: 2.13 has the signature but not the backend), cuDNN before 9.6 and cuDNN 9.14.0 refuse
     windows by name, before any transfer (``resolve_kernel``); TE has no soft-capping."""
     x = torch.zeros(4, 1, 2, 8, dtype=torch.float64)
     for version, cudnn, why in [
-        ("1.12", 90600, "Transformer Engine >= 2.12"),
-        ("2.4", 91000, "Transformer Engine >= 2.12"),
+        ("1.12", 90600, "need Transformer Engine >= 2.16 .*got 1.12.0"),
+        ("2.4", 91000, "need Transformer Engine >= 2.16"),
+        ("2.13", 91000, "need Transformer Engine >= 2.16 .*got 2.13.0"),
         ("2.18", 90500, "need cuDNN >= 90600, got 90500"),
-        ("2.13", None, "need cuDNN >= 90600, got None"),  # no CUDA here: unknown
+        ("2.18", 91400, "on cuDNN 91400"),
+        ("2.18", None, "need cuDNN >= 90600, got None"),  # no CUDA here: unknown
     ]:
         te_install(version)
         ker = kn.TEKernel(cudnn_version=cudnn)

@@ -823,4 +823,6 @@ def test_plan_with_a_window_charges_what_each_strategy_computes_and_sends():
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match=f"window={bad!r} must be a number of tokens"):
             plan(h100, gpt, 65536, 16, window=bad)
+    with pytest.raises(ValueError, match="causal sliding window; model 'dit-1b' is not causal"):
+        plan(h100, MODEL_PRESETS["dit-1b"], 65536, 16, window=4096)
     assert plan_main(["--seq-len", "64K", "--cp-size", "16", "--window", "4K", "--json"]) == 0

@@ -174,17 +174,26 @@ class TEFusedAttnAPI:
 
     @property
     def band_unsupported_reason(self) -> str | None:
-        """Why this TE release cannot run a window band (``window_size`` (left, right) on
-        the top-left diagonal), or ``None``: that needs ``bottom_right_diagonal`` (TE 2.12+;
-        before it a window is aligned by the mask type, and cuDNN takes only (left, 0)
-        with a causal mask). cuDNN's part is ``TEKernel.band_unsupported_reason``."""
-        if "bottom_right_diagonal" in self.fwd_params and "bottom_right_diagonal" in set(
-            self.bwd_params
+        """Why this TE release cannot run a window band, or ``None``. A band goes as
+        ``window_size`` (left, right) with no mask on the top-left diagonal
+        (``bottom_right_diagonal=False``). TE's backend table (``fused_attn.cpp``,
+        ``nvte_get_fused_attn_backend``) takes no-mask windows with a right side only from
+        2.16 (before it, (left, right) only beside padding or bottom-right causal masks,
+        and (left, 0) beside a causal one). The signatures of 2.12 - 2.15 and 2.16 cannot
+        tell them apart, so the release is read from ``version``. cuDNN's part is
+        ``TEKernel.band_unsupported_reason``."""
+        have = _te_release(self.version)
+        ok = have is not None and have >= _TE_BAND_MIN_RELEASE
+        if (
+            ok
+            and "bottom_right_diagonal" in self.fwd_params
+            and "bottom_right_diagonal" in set(self.bwd_params)
         ):
             return None
+        want = ".".join(map(str, _TE_BAND_MIN_RELEASE))
         return (
-            f"Transformer Engine {self.version} has no bottom_right_diagonal in "
-            "fused_attn_fwd/bwd: window bands (left, right) need Transformer Engine >= 2.12"
+            f"window bands (left, right) without a mask need Transformer Engine >= {want} "
+            f"(its backend table), got {self.version}"
         )
 
     def forward_kwargs(
@@ -252,6 +261,18 @@ def _thd_padded(thd, cu_q, cu_kv) -> dict[str, Any]:
 
 
 _TE_BAND_MIN_CUDNN = 90600  # cuDNN's diagonal band right bound (TE: "9.6: SWA (left, right)")
+_TE_BAND_BAD_CUDNN = frozenset({91400})  # TE: no non-causal window with > 1024 keys on 9.14.0
+_TE_BAND_MIN_RELEASE = (2, 16)  # TE's backend table: NO_MASK + (left, right) windows
+
+
+def _te_release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a TE version string ("2.16.0", "2.16.0.dev0+abc"), or None."""
+    parts = str(version).split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
 
 BandPiece = tuple[int, int, int, int, int, int]
 """(q_lo, q_hi, kv_lo, kv_hi, left, right): one TE call on rows [q_lo, q_hi) x keys
@@ -267,7 +288,8 @@ def te_band_pieces(sq: int, sk: int, lo: int | None, hi: int | None) -> tuple[Ba
     call with more rows than keys is cut into runs of rows, each with no more rows than
     the keys they see, and each trimmed to those keys; its band moves with the cut. Rows
     are disjoint (outputs concatenate), keys may overlap (their gradients add). One piece,
-    the call itself, when sq <= sk. ``ValueError`` for a band with lo > 0 or hi < 0.
+    the call itself, when sq <= sk or nothing is masked. ``ValueError`` for a band with
+    lo > 0 or hi < 0.
     """
     if (lo is not None and lo > 0) or (hi is not None and hi < 0):
         raise ValueError(f"band ({lo}, {hi}) of a {sq} x {sk} call is not trimmed (lo <= 0 <= hi)")
@@ -276,7 +298,7 @@ def te_band_pieces(sq: int, sk: int, lo: int | None, hi: int | None) -> tuple[Ba
         shift = c0 - a  # local j - i of the piece = global j - i - shift
         return (-1 if lo is None else shift - lo, -1 if hi is None else hi - shift)
 
-    if sq <= sk:
+    if sq <= sk or window(0, 0) == (-1, -1):  # a band with nothing masked: one plain call
         return ((0, sq, 0, sk, *window(0, 0)),)
 
     def first_key(a: int) -> int:
@@ -418,12 +440,11 @@ class TEKernel:
         version: TE's version for messages (``transformer_engine.__version__``).
         thd: whether packed documents use the THD format (``None``: detected,
             ``varlen_available``).
-        cudnn_version: the cuDNN runtime version for window bands (``None``: read from
-            ``torch.backends.cudnn`` when a window is first asked for).
+        cudnn_version: the cuDNN runtime version for window bands (``None``: read when a
+            window is first asked for, from TE's ``get_cudnn_version`` or PyTorch's).
 
-    Sliding windows (``band=(lo, hi)``, ``supports_band``): TE 2.12+ (the
-    ``bottom_right_diagonal`` parameter) with cuDNN >= 9.6, as TE's backend table asks
-    for a window (left, right) without a causal mask; each band call runs as
+    Sliding windows (``band=(lo, hi)``, ``supports_band``): TE 2.16+ with cuDNN >= 9.6
+    (not 9.14.0), as TE's backend table asks for a window (left, right) without a mask; each band call runs as
     ``window_size=(left, right)`` on the top-left diagonal with no mask, cut into pieces
     with no more rows than keys where needed (``te_band_pieces``). Soft-capping: TE has
     none (refused by name).
@@ -440,6 +461,7 @@ class TEKernel:
         thd: bool | None = None,
         cudnn_version: int | None = None,
     ):
+        self._imported = fused_attn is None  # TE itself, not a stand-in
         if fused_attn is None:
             fused_attn = importlib.import_module(
                 "transformer_engine.pytorch.cpp_extensions.fused_attn"
@@ -473,15 +495,32 @@ class TEKernel:
         why = self.api.band_unsupported_reason
         if why is not None:
             return why
-        if self._cudnn is None and torch.cuda.is_available():
-            if torch.backends.cudnn.is_available():
-                self._cudnn = torch.backends.cudnn.version()
+        if self._cudnn is None:
+            self._cudnn = self._runtime_cudnn()
         if self._cudnn is None or self._cudnn < _TE_BAND_MIN_CUDNN:
             return (
                 f"Transformer Engine window bands (left, right) need cuDNN >= "
                 f"{_TE_BAND_MIN_CUDNN}, got {self._cudnn}"
             )
+        if self._cudnn in _TE_BAND_BAD_CUDNN:
+            return (
+                f"Transformer Engine takes no window without a causal mask over more than 1024 "
+                f"keys on cuDNN {self._cudnn}; use another cuDNN or kernel"
+            )
         return None
+
+    def _runtime_cudnn(self) -> int | None:
+        """The cuDNN runtime version TE's backend table compares (TE's
+        ``cpp_extensions.get_cudnn_version``, e.g. 90600), else PyTorch's; None off CUDA."""
+        if not torch.cuda.is_available():
+            return None
+        if self._imported:
+            try:
+                ext = importlib.import_module("transformer_engine.pytorch.cpp_extensions")
+                return int(ext.get_cudnn_version())
+            except (ImportError, AttributeError, RuntimeError, TypeError, ValueError):
+                pass
+        return torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
 
     @property
     def supports_band(self) -> bool:

@@ -71,6 +71,10 @@ def plan(
         isinstance(window, bool) or not isinstance(window, int) or window < 1
     ):
         raise ValueError(f"window={window!r} must be a number of tokens >= 1 (or None)")
+    if window is not None and not model.causal:
+        raise ValueError(
+            f"window={window} is a causal sliding window; model {model.name!r} is not causal"
+        )
     win = None if window is None else (window - 1, 0)
     shape = AttnShape.for_model(model, seq_len, cp_size, batch, elem_bytes=elem_bytes, window=win)
     rows = [
