@@ -115,14 +115,18 @@ def startrail_comm_bytes(
     )
 
 
-def startrail_comm_calls(team_size: int, sends: Mapping[str, int]) -> dict[str, int]:
+def startrail_comm_calls(
+    team_size: int, sends: Mapping[str, int], tail_groups: int = 1
+) -> dict[str, int]:
     """Calls one rank makes: its P2P messages ``sends`` (as for ``startrail_comm_bytes``);
-    with teams (C > 1) three collectives each way (forward q / lse / out; backward dout /
-    delta / dq). K and V need none: the placement sends them straight from each member
-    (``layout.py``'s Note)."""
-    n_coll = 3 if team_size > 1 else 0
+    with teams (C > 1) the forward's q all-gather and, per head group of its last step
+    (``tail_groups``: ``len(block_plan.tail_head_groups(...))``), an lse all-gather and an
+    out reduce-scatter; the backward's dout, delta and dq collectives. K and V need none:
+    the placement sends them straight from each member (``layout.py``'s Note)."""
+    fwd_coll = 1 + 2 * tail_groups if team_size > 1 else 0
+    bwd_coll = 3 if team_size > 1 else 0
     fwd_p2p = sends["kv_place"] + sends["kv"]
-    return _keys(fwd_p2p, fwd_p2p + sends["dkv"] + sends["dkv_home"], n_coll, n_coll)
+    return _keys(fwd_p2p, fwd_p2p + sends["dkv"] + sends["dkv_home"], fwd_coll, bwd_coll)
 
 
 # ---- all-gather KV ---------------------------------------------------------------

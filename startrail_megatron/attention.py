@@ -53,7 +53,10 @@ synchronizes the device). What runs while each transfer is in flight:
   forward   q all-gather      the initial K,V placement (both started at once)
             both              the joint keys' part of this rank's rows (MMDiT)
             sub-ring KV s+1   step s's kernel calls (double-buffered)
-            lse all-gather, out reduce-scatter: nothing left to compute (exposed)
+            lse, out of head  the last step's calls on the next head group, and the
+              group g         next group's lse (``block_plan.tail_head_groups``: two
+                              groups with C > 1 and two heads or more, no dropout);
+                              the last group's lse and out are exposed
   backward  dout, delta       the initial placement, the sinks' gradient
             initial placement the out stand-in (``_delta_out``)
             sub-ring KV s+1   step s's kernel calls
@@ -85,11 +88,13 @@ from .block_plan import (
     startrail_step_rows,
     startrail_step_varlen,
     startrail_step_window_rows,
+    tail_head_groups,
 )
 from .comm import (
     DEFAULT_COMM,
     CommLedger,
     CommOptions,
+    DoneHandle,
     P2PComm,
     PeerExchange,
     TeamCollectives,
@@ -518,42 +523,98 @@ def startrail_rank_forward(
     del place  # its member-order buffer
     # 3. G sub-ring steps (those with work: ``cx.steps``); the next KV is in flight while
     # this one computes, received into the buffer the step before last computed on (two
-    # buffers, reused).
+    # buffers, reused). The last step runs head group by head group (``tail_head_groups``):
+    # each group's team combine starts as soon as its heads are done and runs while the
+    # next group computes (Note [overlap]).
     spare = None
+    tail = _TailCombine(cx, acc_out, acc_lse, sinks, k.shape[2])
     for i, step in enumerate(steps):
         pending = cx.ring_step(kv_cur, steps, i, "kv", spare)
         varlen, rows = cx.step_calls(step, s, kernel)
-        for j, call in enumerate(varlen):
-            drop = cx.dropout(step, j)
-            _varlen_forward(kernel, call, q_team, kv_cur, acc_out, acc_lse, scale, drop, cx.softcap)
-        for j, (qs, ks, causal, kw) in enumerate(rows):
-            o, lse = kernel.forward(
-                q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], causal=causal, scale=scale,
-                **kw, **_drop_kw(cx.dropout(step, j)),
-            )  # fmt: skip
-            merge_partial(acc_out[qs], acc_lse[..., qs], o, lse)
-            del o, lse
+        groups = tail.groups if i == len(steps) - 1 else ((slice(None), slice(None)),)
+        for g, (qh, kh) in enumerate(groups):
+            q_g, kv_g = q_team[:, :, qh], kv_cur[:, :, :, kh]
+            out_g, lse_g = acc_out[:, :, qh], acc_lse[:, qh]
+            for j, call in enumerate(varlen):
+                drop = cx.dropout(step, j)
+                _varlen_forward(kernel, call, q_g, kv_g, out_g, lse_g, scale, drop, cx.softcap)
+            for j, (qs, ks, causal, kw) in enumerate(rows):
+                o, lse = kernel.forward(
+                    q_g[qs], kv_g[ks, 0], kv_g[ks, 1], causal=causal, scale=scale,
+                    **kw, **_drop_kw(cx.dropout(step, j)),
+                )  # fmt: skip
+                merge_partial(out_g[qs], lse_g[..., qs], o, lse)
+                del o, lse
+            if i == len(steps) - 1:
+                tail.done(g)  # start this group's combine, finish the one before
         if pending is not None:
             # kv_local is kept for the backward: never a buffer to receive into
             spare = None if kv_cur is kv_local else kv_cur
             kv_cur = pending.wait()
     del kv_cur, spare
-    # 4. team combine: global lse from every member's partial lse, rescale, reduce-scatter.
-    if C > 1:
-        lse_all = cx.team_comm.all_gather(acc_lse.unsqueeze(0), "lse")  # [C, b, hq, n]
-        lse_team = torch.logsumexp(lse_all, dim=0)
-    else:
-        lse_team = acc_lse
-    if sinks is not None:  # the sink's exp(logit) joins every row's softmax denominator
-        lse_team = torch.logaddexp(lse_team, sinks.to(acc).view(1, hq, 1))
-    if C > 1 or sinks is not None:
-        safe = torch.where(torch.isneginf(lse_team), torch.zeros_like(lse_team), lse_team)
-        acc_out.mul_(torch.exp(acc_lse - safe).permute(2, 0, 1).unsqueeze(-1))
-    member_order = cx.from_team_order(acc_out)
-    del acc_out
-    out = cx.team_comm.reduce_scatter(member_order, "out") if C > 1 else member_order
-    del member_order
+    # 4. team combine (``_TailCombine``): global lse from every member's partial lse,
+    # rescale, reduce-scatter; sinks join each row's denominator.
+    out, lse_team = tail.result()
     return out.to(q.dtype), (q_team, kv_local, lse_team)
+
+
+class _TailCombine:
+    """The team combine, head group by head group (``tail_head_groups``).
+
+    ``done(g)`` once group g's heads have all their partial (out, lse): it starts the
+    all-gather of their partial lse, then finishes group g-1 (waits its lse, rescales
+    its out, starts its reduce-scatter), so group g's lse is in flight while group g+1
+    computes and group g-1's out while group g's lse travels. ``result()`` finishes the
+    last group and waits the reduce-scatters: (out in member order rows, lse_team).
+    C = 1: no collectives; sinks (and nothing else) rescale the rows.
+    """
+
+    def __init__(self, cx: RankContext, acc_out: Tensor, acc_lse: Tensor, sinks, heads_kv: int):
+        self.cx, self.acc_out, self.acc_lse, self.sinks = cx, acc_out, acc_lse, sinks
+        hq, c = acc_out.shape[2], cx.layout.team_size
+        self.groups = tail_head_groups(c, hq, heads_kv, bool(cx.dropout_p))
+        self.lse_h: dict[int, object] = {}
+        self.out_h: list = []
+        self.lse_team = torch.empty_like(acc_lse)
+        self.finished = -1
+
+    def done(self, g: int) -> None:
+        if self.cx.layout.team_size > 1:
+            qh = self.groups[g][0]
+            part = self.acc_lse[:, qh].unsqueeze(0)  # [1, b, hg, n]
+            self.lse_h[g] = self.cx.team_comm.all_gather_start(part, "lse")
+        if g > 0:
+            self._finish(g - 1)
+
+    def _finish(self, g: int) -> None:
+        cx, C = self.cx, self.cx.layout.team_size
+        qh = self.groups[g][0]
+        part_lse = self.acc_lse[:, qh]
+        if C > 1:
+            lse = torch.logsumexp(self.lse_h.pop(g).wait(), dim=0)  # [b, hg, n]
+        else:
+            lse = part_lse
+        if self.sinks is not None:  # the sink's exp(logit) joins every row's denominator
+            sk = self.sinks.to(lse.dtype)[qh]
+            lse = torch.logaddexp(lse, sk.view(1, -1, 1))
+        out = self.acc_out[:, :, qh]
+        if C > 1 or self.sinks is not None:
+            safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+            out.mul_(torch.exp(part_lse - safe).permute(2, 0, 1).unsqueeze(-1))
+        self.lse_team[:, qh] = lse
+        member_order = cx.from_team_order(out)
+        if C > 1:
+            self.out_h.append(cx.team_comm.reduce_scatter_start(member_order, "out"))
+        else:
+            self.out_h.append(DoneHandle(member_order))
+        self.finished = g
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        for g in range(self.finished + 1, len(self.groups)):  # done() ran for every group
+            self._finish(g)
+        parts = [h.wait() for h in self.out_h]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        return out, self.lse_team
 
 
 def _delta_out(dout: Tensor, delta: Tensor) -> Tensor:

@@ -511,3 +511,25 @@ def allgather_calls(
             out.append((qs, slice(0, chunk * c), False))
         out.append((qs, slice(chunk * c, (chunk + 1) * c), True))
     return out
+
+
+# ---- the last step by head groups ---------------------------------------------------------
+def tail_head_groups(
+    team_size: int, heads_q: int, heads_kv: int, dropout: bool
+) -> tuple[tuple[slice, slice], ...]:
+    """The (q heads, kv heads) groups the forward's last sub-ring step runs one after the
+    other, so the team combine of one overlaps the next one's compute (``attention.py``'s
+    Note [overlap]; the same calls, each on fewer heads).
+
+    Two groups when there is a team combine (C > 1) and at least two query heads: the KV
+    heads split in halves with their query heads (GQA groups stay whole), or with one KV
+    head the query heads in halves. One group (all heads) otherwise, and with dropout: a
+    call's dropout mask is drawn for all its heads, and the backward replays it whole."""
+    every = ((slice(0, heads_q), slice(0, heads_kv)),)
+    if team_size == 1 or heads_q < 2 or dropout:
+        return every
+    if heads_kv >= 2:
+        per, k1 = heads_q // heads_kv, heads_kv // 2
+        return ((slice(0, k1 * per), slice(0, k1)), (slice(k1 * per, heads_q), slice(k1, heads_kv)))
+    h1 = heads_q // 2
+    return ((slice(0, h1), slice(0, 1)), (slice(h1, heads_q), slice(0, 1)))

@@ -22,6 +22,7 @@ def startrail_proof(args, model, steps: int) -> dict | None:
         startrail_comm_bytes,
         startrail_comm_calls,
     )
+    from startrail_megatron.block_plan import tail_head_groups
     from startrail_megatron.megatron.registry import get_startrail_state
 
     state = get_startrail_state(ps.get_context_parallel_group())
@@ -38,7 +39,9 @@ def startrail_proof(args, model, steps: int) -> dict | None:
     micro = args.global_batch_size // (args.micro_batch_size * ps.get_data_parallel_world_size())
     n = steps * args.num_layers * micro
     want = {k: n * v for k, v in startrail_comm_bytes(lay, r, shape).items()}
-    calls = startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True))
+    dropout = bool(getattr(args, "attention_dropout", 0.0))
+    tail = len(tail_head_groups(lay.team_size, shape.heads_q, shape.heads_kv, dropout))
+    calls = startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True), tail)
     led = state.ledger.summary()
     return {
         "attention": sum(isinstance(m, StarTrailCoreAttention) for m in model.modules()),

@@ -26,6 +26,7 @@ from harness import run_ranks
 
 import startrail_megatron as st
 from startrail_megatron.accounting import LocalShape
+from startrail_megatron.block_plan import tail_head_groups
 
 S_LOCAL, BATCH, HEAD_DIM = 4, 2, 64
 HEADS = {"mha": (4, 4), "gqa": (8, 2)}
@@ -58,8 +59,11 @@ def _check(results, p, c, placement, causal, hq, hkv, dtype):
     for r, (_, events) in enumerate(results):
         assert_startrail_ledger(events, lay, r, shape)
         led = st.CommLedger.from_events(events)
-        n_coll = 3 if c > 1 else 0  # fwd: q, lse, out; bwd: dout, delta, dq
-        assert led.calls("collective", "fwd") == led.calls("collective", "bwd") == n_coll
+        # fwd: q, then lse and out per head group of the last step; bwd: dout, delta, dq
+        tail = len(tail_head_groups(c, hq, hkv, False))
+        assert tail == (2 if c > 1 else 1)  # these shapes split the last step
+        assert led.calls("collective", "fwd") == (1 + 2 * tail if c > 1 else 0)
+        assert led.calls("collective", "bwd") == (3 if c > 1 else 0)
 
 
 def _grid(ps_cs, placements=("team", "ring")):
@@ -269,3 +273,34 @@ def test_bf16_at_peer_tolerance(c, placement):
         got = unshard([r[0][i] for r in results], True)
         assert got.dtype == torch.bfloat16
         assert rel_err(got, ref[i]) <= 2.5e-2
+
+
+def test_tail_head_groups():
+    """The last step's head groups: every head once, in order, GQA groups whole (each
+    group's q heads are exactly those of its KV heads); one group without a team combine,
+    with one query head, or with dropout."""
+    for c, hq, hkv in [
+        (2, 8, 8),
+        (2, 8, 2),
+        (2, 12, 4),
+        (2, 6, 3),
+        (4, 8, 1),
+        (3, 2, 1),
+        (2, 4, 4),
+    ]:
+        groups = tail_head_groups(c, hq, hkv, False)
+        assert len(groups) == 2
+        qs = [h for g in groups for h in range(hq)[g[0]]]
+        assert qs == list(range(hq))
+        per = hq // hkv
+        for qh, kh in groups:
+            heads = range(hq)[qh]
+            assert len(heads) > 0
+            if hkv > 1:  # the query heads of these KV heads, no more
+                assert list(heads) == [
+                    h for k in range(hkv)[kh] for h in range(k * per, (k + 1) * per)
+                ]
+            else:
+                assert range(hkv)[kh] == range(1)
+    for args in [(1, 8, 8, False), (2, 1, 1, False), (2, 8, 2, True)]:
+        assert tail_head_groups(*args) == ((slice(0, args[1]), slice(0, args[2])),)

@@ -15,6 +15,7 @@ from harness import run_ranks
 
 import startrail_megatron.deepspeed as sds  # after ds_common, which sets DS_ACCELERATOR
 from startrail_megatron.accounting import LocalShape, startrail_comm_bytes, startrail_comm_calls
+from startrail_megatron.block_plan import tail_head_groups
 from startrail_megatron.layout import StarTrailLayout
 from startrail_megatron.packing import pack_lengths
 
@@ -130,7 +131,8 @@ def _check_startrail_ran(info: dict) -> None:
     shape = LocalShape(SEQ // p, 1, 4, 2, 8, elem_bytes=info["elem_bytes"], acc_bytes=4)
     n = info["attention_calls"]
     want = startrail_comm_bytes(lay, info["cp_rank"], shape)
-    calls = startrail_comm_calls(c, lay.p2p_sends(info["cp_rank"], backward=True))
+    tail = len(tail_head_groups(c, 4, 2, False))  # the forward's last step, per head group
+    calls = startrail_comm_calls(c, lay.p2p_sends(info["cp_rank"], backward=True), tail)
     got = info["ledger"]
     for ph in ("fwd", "bwd"):
         for kind in ("p2p", "collective"):

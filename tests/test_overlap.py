@@ -138,8 +138,10 @@ def _runs(s: str) -> str:
 # started before each wait. ``(K+ )?``: a causal step may hold no call on some rank.
 FWD_C2 = (
     r"start:kv_place start:q_team wait:q_team wait:kv_place "
-    r"start:kv (K\+ )?wait:kv (K\+ )?"
-    r"start:lse wait:lse start:out wait:out"
+    r"start:kv (K\+ )?wait:kv "
+    # the last step by head groups: group 0's lse travels while group 1 computes, group
+    # 0's out while group 1's lse travels
+    r"(K\+ )?start:lse (K\+ )?start:lse wait:lse start:out wait:lse start:out wait:out wait:out"
 )
 BWD_C2 = (
     r"start:dout start:delta start:kv_place wait:dout wait:delta wait:kv_place "
@@ -166,6 +168,8 @@ def test_waits_come_after_the_compute_that_does_not_need_them(world, c, fwd, bwd
     for r, (_, f, b, _) in enumerate(res):
         assert re.fullmatch(fwd, _runs(f)), (r, _runs(f))
         assert re.fullmatch(bwd, _runs(b)), (r, _runs(b))
+    if c > 1:  # the second head group computes while the first one's lse travels
+        assert any("start:lse K+ start:lse" in _runs(f) for _, f, _, _ in res)
     # Switched off (every transfer waited on as it starts), the same schedule fails the
     # patterns, and the results are bitwise the same.
     off = run_ranks(world, _run_rank, c, False)

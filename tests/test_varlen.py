@@ -22,7 +22,11 @@ from test_packed import _reference_per_document
 
 import startrail_megatron as st
 from startrail_megatron import kernels as kn
-from startrail_megatron.block_plan import startrail_step_rows, startrail_step_varlen
+from startrail_megatron.block_plan import (
+    startrail_step_rows,
+    startrail_step_varlen,
+    tail_head_groups,
+)
 from startrail_megatron.kernels import TorchKernel
 from startrail_megatron.kernels import te as kn_te
 from startrail_megatron.one_process import one_process_attention
@@ -221,14 +225,23 @@ def _packed_inputs(lengths, b, seed=3):
     return [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
 
 
-def _expected_calls(p, c, placement, causal, packed):
+def _expected_calls(p, c, placement, causal, packed, ranks=None):
+    """Kernel calls of the block plan over ``ranks`` (all by default): (grouped forward,
+    grouped backward, per-document forward, per-document backward). The forward runs its
+    last sub-ring step once per head group (``tail_head_groups``), the backward once."""
     lay = st.StarTrailLayout(p, c, placement)
-    grouped = per_doc = 0
-    for r in range(p):
+    tail = len(tail_head_groups(c, HQ, HKV, False))
+    counts = [0, 0, 0, 0]
+    for r in range(p) if ranks is None else ranks:
         for step in range(lay.ring_size):
-            grouped += len(startrail_step_varlen(lay, r, step, causal, packed))
-            per_doc += len(startrail_step_rows(lay, r, step, causal, packed.s_local, packed))
-    return grouped, per_doc
+            times = tail if step == lay.ring_size - 1 else 1
+            grouped = len(startrail_step_varlen(lay, r, step, causal, packed))
+            per_doc = len(startrail_step_rows(lay, r, step, causal, packed.s_local, packed))
+            for i, (n, k) in enumerate(
+                ((grouped, times), (grouped, 1), (per_doc, times), (per_doc, 1))
+            ):
+                counts[i] += n * k
+    return tuple(counts)
 
 
 @pytest.mark.parametrize(
@@ -266,17 +279,18 @@ def test_startrail_packed_on_varlen_kernels(kernel, p, c, placement, causal):
         full = st.unshard_packed([t.detach() for t in got[i]], packed)
         assert rel_err(full, ref[i]) <= 1e-10, what
     # the grouped calls ran: one varlen call per call of the block plan, nothing dense
-    grouped, per_doc = _expected_calls(p, c, placement, causal, packed)
-    assert grouped < per_doc
+    g_fwd, g_bwd, d_fwd, _ = _expected_calls(p, c, placement, causal, packed)
+    assert g_fwd < d_fwd
     if family == "flash":
         assert counts == {
             "_flash_attn_forward": 0,
             "_flash_attn_backward": 0,
-            "_flash_attn_varlen_forward": grouped,
-            "_flash_attn_varlen_backward": grouped,
+            "_flash_attn_varlen_forward": g_fwd,
+            "_flash_attn_varlen_backward": g_bwd,
         }
     else:
-        assert [c[0] for c in calls].count("fwd") == grouped == len(calls) // 2
+        assert [c[0] for c in calls].count("fwd") == g_fwd
+        assert [c[0] for c in calls].count("bwd") == g_bwd
         assert all(a["qkv_layout"] == "thd_thd_thd" for _, a in calls)
 
 
@@ -294,7 +308,10 @@ def _multi_rank_case(rank, world, kernel, c, lengths):
             cu_seqlens=packed.cu_seqlens, cu_seqlens_padded=packed.cu_seqlens_padded,
         )  # fmt: skip
         out.backward(st.shard_packed(do, packed, rank))
-    n_calls = log["_flash_attn_varlen_forward"] if family == "flash" else len(log) // 2
+    if family == "flash":
+        n_calls = (log["_flash_attn_varlen_forward"], log["_flash_attn_varlen_backward"])
+    else:
+        n_calls = tuple(sum(1 for kind, _ in log if kind == x) for x in ("fwd", "bwd"))
     return [out.detach(), *(x.grad for x in local)], n_calls
 
 
@@ -307,11 +324,8 @@ def test_startrail_packed_varlen_on_ranks(kernel):
     for i in range(4):
         got = st.unshard_packed([res[0][i] for res in results], packed)
         assert rel_err(got, ref[i]) <= 1e-10
-    lay = st.StarTrailLayout(p, c, "team")
     for r, (_, n_calls) in enumerate(results):
-        assert n_calls == sum(
-            len(startrail_step_varlen(lay, r, s, True, packed)) for s in range(lay.ring_size)
-        )
+        assert n_calls == _expected_calls(p, c, "team", True, packed, [r])[:2]
 
 
 @pytest.mark.parametrize("kernel", ["flash:no-varlen", "te:no-thd"])
@@ -340,9 +354,9 @@ def test_packed_falls_back_to_one_call_per_document(kernel):
     tol = 1e-6 if kernel.startswith("flash") else 1e-10  # the dense adapter's lse is fp32
     for i in range(4):
         assert rel_err(st.unshard_packed([t.detach() for t in got[i]], packed), ref[i]) <= tol
-    _, per_doc = _expected_calls(p, c, "team", causal, packed)
+    _, _, d_fwd, d_bwd = _expected_calls(p, c, "team", causal, packed)
     if kernel.startswith("flash"):
-        assert counting.counts == {"_flash_attn_forward": per_doc, "_flash_attn_backward": per_doc}
+        assert counting.counts == {"_flash_attn_forward": d_fwd, "_flash_attn_backward": d_bwd}
     else:
-        assert len(calls) == 2 * per_doc
+        assert len(calls) == d_fwd + d_bwd
         assert all(a["qkv_layout"] == "sbhd_sbhd_sbhd" for _, a in calls)

@@ -24,6 +24,7 @@ from ..accounting import (
     ulysses_comm_calls,
     ulysses_supported,
 )
+from ..block_plan import tail_head_groups
 from ..layout import PLACEMENTS, Placement, StarTrailLayout, valid_team_sizes
 from . import buffers, memory, times
 from .cluster import ClusterSpec, ModelSpec
@@ -156,8 +157,9 @@ def _startrail_comm_bytes(st: Strategy, shape: AttnShape) -> Bytes:
 def _startrail_comm_calls(st: Strategy, shape: AttnShape) -> Bytes:
     lay = st.layout(shape.cp_size)
     active = shape.active_steps(lay)
+    tail = len(tail_head_groups(lay.team_size, shape.heads_q, shape.heads_kv, False))
     return [
-        startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True, active=active))
+        startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True, active=active), tail)
         for r in range(shape.cp_size)
     ]
 

@@ -7,7 +7,9 @@ all-gather, initial KV placement: each member's K,V to the C first holders, a fa
 (started together) + G ring steps (a pipeline with the schedule's dependencies,
 ``ring_pipeline``; with equal compute, step s: max(compute_s, send KV) with overlap,
 their sum without; under a window only the steps a sub-ring computes, the KV jumping past
-idle ones: ``block_plan.startrail_active_steps``) + team combine (lse all-gather, out reduce-scatter: exposed).
+idle ones: ``block_plan.startrail_active_steps``) + team combine (lse all-gather, out
+reduce-scatter; per head group of the last step, all but the last group's hidden behind
+the next group's compute).
 Backward = max(dout and delta all-gathers, initial placement) + G steps (KV and dK/dV
 in flight) + max(dq reduce-scatter, the dK/dV parts sent home: a fan-in). Nothing
 overlaps the layer's QKV projection (the code does not split it). All-gather-KV and Ulysses
@@ -17,6 +19,7 @@ default.
 
 from __future__ import annotations
 
+from ..block_plan import tail_head_groups
 from ..layout import StarTrailLayout
 from .cluster import ClusterSpec
 from .compute import (
@@ -146,7 +149,15 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     # Forward: place = initial_placement(kv_local); q_h = all_gather_start(q) ...
     fwd = both(gather(c1 * uq * e), t_init)
     fwd += pipeline(comp(False), jump(kv_msg) if g > 1 else 0.0)
-    fwd += gather(c1 * lay.team_size * rows * a) + scatter(c1 * uq * a)  # lse, out
+    # lse all-gather, out reduce-scatter: per head group of the last step (_TailCombine);
+    # all but the last group's travel while the next group computes (tail_head_groups)
+    t_comb = gather(c1 * lay.team_size * rows * a) + scatter(c1 * uq * a)
+    k_tail = len(tail_head_groups(lay.team_size, shape.heads_q, shape.heads_kv, False))
+    if k_tail > 1 and cl.overlap:
+        last = comp(False)
+        t_last = max(last[lay.computed_steps(r, active)[-1]][r] for r in range(p))
+        t_comb -= min(t_comb, t_last) * (k_tail - 1) / k_tail
+    fwd += t_comb
     # Backward: do_h, delta_h = all_gather_start(...); place = initial_placement(kv_local)
     bwd = both(gather(c1 * (uq * e + rows * a)), t_init)
     x = jump(kv_msg + dkv_msg) if g > 1 else 0.0  # KV and dK/dV share the link
