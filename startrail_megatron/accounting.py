@@ -121,10 +121,11 @@ def startrail_comm_calls(
     """Calls one rank makes: its P2P messages ``sends`` (as for ``startrail_comm_bytes``);
     with teams (C > 1) the forward's q all-gather and, per head group of its last step
     (``tail_groups``: ``len(block_plan.tail_head_groups(...))``), an lse all-gather and an
-    out reduce-scatter; the backward's dout, delta and dq collectives. K and V need none:
-    the placement sends them straight from each member (``layout.py``'s Note)."""
+    out reduce-scatter; the backward's dout and delta all-gathers and, per head group of
+    its last step, a dq reduce-scatter. K and V need none: the placement sends them
+    straight from each member (``layout.py``'s Note)."""
     fwd_coll = 1 + 2 * tail_groups if team_size > 1 else 0
-    bwd_coll = 3 if team_size > 1 else 0
+    bwd_coll = 2 + tail_groups if team_size > 1 else 0
     fwd_p2p = sends["kv_place"] + sends["kv"]
     return _keys(fwd_p2p, fwd_p2p + sends["dkv"] + sends["dkv_home"], fwd_coll, bwd_coll)
 

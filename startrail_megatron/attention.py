@@ -55,13 +55,15 @@ synchronizes the device). What runs while each transfer is in flight:
             sub-ring KV s+1   step s's kernel calls (double-buffered)
             lse, out of head  the last step's calls on the next head group, and the
               group g         next group's lse (``block_plan.tail_head_groups``: two
-                              groups with C > 1 and two heads or more, no dropout);
-                              the last group's lse and out are exposed
+                              groups with C > 1, G > 1 and two heads or more, no
+                              dropout); the last group's lse and out are exposed
   backward  dout, delta       the initial placement, the sinks' gradient
             initial placement the out stand-in (``_delta_out``)
             sub-ring KV s+1   step s's kernel calls
             dK/dV of step s   step s+1's kernel calls (one step behind the KV)
-            dK/dV home        dq's reduce-scatter, the joint keys' part
+            dq of head group  the last step's calls on the next head group (as the
+              g               forward's combine; the last group's dq with the next row)
+            dK/dV home        the last group's dq reduce-scatter, the joint keys' part
 
 The planner charges exactly this (``planner/times.py``); nothing overlaps the
 QKV projection, since q, k, v reach the attention after it. With
@@ -545,6 +547,7 @@ def startrail_rank_forward(
                 )  # fmt: skip
                 merge_partial(out_g[qs], lse_g[..., qs], o, lse)
                 del o, lse
+            del q_g, kv_g, out_g, lse_g  # views keep their bases alive
             if i == len(steps) - 1:
                 tail.done(g)  # start this group's combine, finish the one before
         if pending is not None:
@@ -553,7 +556,9 @@ def startrail_rank_forward(
             kv_cur = pending.wait()
     del kv_cur, spare
     # 4. team combine (``_TailCombine``): global lse from every member's partial lse,
-    # rescale, reduce-scatter; sinks join each row's denominator.
+    # rescale, reduce-scatter; sinks join each row's denominator. The accumulators are
+    # the combine's now: it frees them once the last group's rows are copied out.
+    del acc_out, acc_lse
     out, lse_team = tail.result()
     return out.to(q.dtype), (q_team, kv_local, lse_team)
 
@@ -571,8 +576,8 @@ class _TailCombine:
 
     def __init__(self, cx: RankContext, acc_out: Tensor, acc_lse: Tensor, sinks, heads_kv: int):
         self.cx, self.acc_out, self.acc_lse, self.sinks = cx, acc_out, acc_lse, sinks
-        hq, c = acc_out.shape[2], cx.layout.team_size
-        self.groups = tail_head_groups(c, hq, heads_kv, bool(cx.dropout_p))
+        hq = acc_out.shape[2]
+        self.groups = tail_head_groups(cx.layout, hq, heads_kv, bool(cx.dropout_p))
         self.lse_h: dict[int, object] = {}
         self.out_h: list = []
         self.lse_team = torch.empty_like(acc_lse)
@@ -603,6 +608,9 @@ class _TailCombine:
             out.mul_(torch.exp(part_lse - safe).permute(2, 0, 1).unsqueeze(-1))
         self.lse_team[:, qh] = lse
         member_order = cx.from_team_order(out)
+        del out, part_lse, lse
+        if g == len(self.groups) - 1:  # every group copied out: the accumulators are dead
+            self.acc_out = self.acc_lse = None
         if C > 1:
             self.out_h.append(cx.team_comm.reduce_scatter_start(member_order, "out"))
         else:
@@ -676,6 +684,10 @@ def startrail_rank_backward(
     dq = torch.zeros(n, b, hq, d, dtype=acc, device=dout.device)
     dkv_pending = None
     spare = dkv_free = dkv_sent = None  # buffers reused across steps
+    # The last step runs head group by head group (``tail_head_groups``): a group's dq is
+    # complete once its calls are done, and its reduce-scatter runs while the next group
+    # computes (Note [overlap]).
+    tail, dq_hs = tail_head_groups(cx.layout, hq, hkv, bool(cx.dropout_p)), []
     for i, step in enumerate(steps):
         pending = cx.ring_step(kv_cur, steps, i, "kv", spare)
         if dkv_free is None:
@@ -683,28 +695,34 @@ def startrail_rank_backward(
         else:
             dkv, dkv_free = dkv_free.zero_(), None
         varlen, rows = cx.step_calls(step, s, kernel)
-        for j, call in enumerate(varlen):
-            _varlen_backward(
-                kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, dq, dkv, scale,
-                cx.dropout(step, j), cx.softcap,
-            )  # fmt: skip
-        for j, (qs, ks, causal, kw) in enumerate(rows):
-            g_q, g_k, g_v = kernel.backward(
-                do_team[qs],
-                q_team[qs],
-                kv_cur[ks, 0],
-                kv_cur[ks, 1],
-                out_eff[qs],
-                lse_team[..., qs],
-                causal=causal,
-                scale=scale,
-                **kw,
-                **_drop_kw(cx.dropout(step, j)),
+        last = i == len(steps) - 1
+        for g, (qh, kh) in enumerate(tail if last else ((slice(None), slice(None)),)):
+            do_g, q_g, out_g, dq_g = (
+                do_team[:, :, qh],
+                q_team[:, :, qh],
+                out_eff[:, :, qh],
+                dq[:, :, qh],
             )
-            dq[qs] += g_q
-            dkv[ks, 0] += g_k
-            dkv[ks, 1] += g_v
-            del g_q, g_k, g_v  # before the next call's: one call's gradients alive at a time
+            kv_g, dkv_g, lse_g = kv_cur[:, :, :, kh], dkv[:, :, :, kh], lse_team[:, qh]
+            for j, call in enumerate(varlen):
+                _varlen_backward(
+                    kernel, call, do_g, q_g, kv_g, out_g, lse_g, dq_g, dkv_g, scale,
+                    cx.dropout(step, j), cx.softcap,
+                )  # fmt: skip
+            for j, (qs, ks, causal, kw) in enumerate(rows):
+                g_q, g_k, g_v = kernel.backward(
+                    do_g[qs], q_g[qs], kv_g[ks, 0], kv_g[ks, 1], out_g[qs], lse_g[..., qs],
+                    causal=causal, scale=scale, **kw, **_drop_kw(cx.dropout(step, j)),
+                )  # fmt: skip
+                dq_g[qs] += g_q
+                dkv_g[ks, 0] += g_k
+                dkv_g[ks, 1] += g_v
+                del g_q, g_k, g_v  # before the next call's: one call's gradients alive at a time
+            if last and g < len(tail) - 1:  # these heads' dq is complete: reduce-scatter
+                part = cx.from_team_order(dq_g).reshape(C, -1)  # it while the next computes
+                dq_hs.append(cx.team_comm.reduce_scatter_start(part, "dq"))
+            # views keep their bases alive: none may outlive the step's buffers
+            del do_g, q_g, out_g, dq_g, kv_g, dkv_g, lse_g
         received = None
         if dkv_pending is not None:
             received = dkv_pending.wait()  # the send of dkv_sent is done too
@@ -719,12 +737,13 @@ def startrail_rank_backward(
             kv_cur = pending.wait()
     del kv_cur, out_eff, do_team, spare, dkv_free
     # The held copy's dK/dV goes home, each member its own rows (the buffers of the steps
-    # freed first); dq is complete: its reduce-scatter runs while the parts travel, and
-    # the joint keys' part (local rows) is computed meanwhile.
+    # freed first); dq's reduce-scatters run while the parts travel, and the joint keys'
+    # part (local rows) is computed meanwhile.
     dkv_pending = cx.send_dkv_home(dkv_sent)
     del dkv_sent
-    dq_h = cx.team_comm.reduce_scatter_start(cx.from_team_order(dq).reshape(C, -1), "dq")
-    del dq
+    part = cx.from_team_order(dq[:, :, tail[-1][0]]).reshape(C, -1)  # the last head group
+    dq_hs.append(cx.team_comm.reduce_scatter_start(part, "dq"))
+    del dq, part
     gq_joint = None
     if joint is not None:
         gq_joint = _joint_backward(cx, dout, out, q_team, lse_team, joint, scale, kernel, acc)
@@ -734,7 +753,9 @@ def startrail_rank_backward(
     for part in parts[2:]:
         g_kv += part
     del parts
-    g_q = dq_h.wait().view(s, b, hq, d)
+    dq_parts = [h.wait().view(s, b, -1, d) for h in dq_hs]
+    g_q = dq_parts[0] if len(dq_parts) == 1 else torch.cat(dq_parts, dim=2)
+    del dq_parts
     if gq_joint is not None:
         g_q = g_q + gq_joint
     dt = dout.dtype

@@ -515,18 +515,24 @@ def allgather_calls(
 
 # ---- the last step by head groups ---------------------------------------------------------
 def tail_head_groups(
-    team_size: int, heads_q: int, heads_kv: int, dropout: bool
+    layout: StarTrailLayout, heads_q: int, heads_kv: int, dropout: bool
 ) -> tuple[tuple[slice, slice], ...]:
-    """The (q heads, kv heads) groups the forward's last sub-ring step runs one after the
-    other, so the team combine of one overlaps the next one's compute (``attention.py``'s
-    Note [overlap]; the same calls, each on fewer heads).
+    """The (q heads, kv heads) groups the last sub-ring step runs one after the other, so
+    the team collectives of one (the forward's lse and out, the backward's dq) overlap the
+    next one's compute (``attention.py``'s Note [overlap]; the same calls, each on fewer
+    heads).
 
-    Two groups when there is a team combine (C > 1) and at least two query heads: the KV
-    heads split in halves with their query heads (GQA groups stay whole), or with one KV
-    head the query heads in halves. One group (all heads) otherwise, and with dropout: a
-    call's dropout mask is drawn for all its heads, and the backward replays it whole."""
+    Two groups when there is a team combine (C > 1), a sub-ring (G > 1) and at least two
+    query heads: the KV heads split in halves with their query heads (GQA groups stay
+    whole), or with one KV head the query heads in halves. One group (all heads)
+    otherwise. With dropout: a call's mask is drawn for all its heads, and the backward
+    replays it whole. At G = 1 the one step is the whole computation: run by head groups,
+    its head-sliced operands cost kernels that need contiguous inputs (the reference, TE)
+    copies at the backward's peak, about 3 A at P = 4, C = 2 (``tests/test_memory.py``),
+    more than hiding half the combine is worth; the last step of G > 1 holds no next K,V,
+    which leaves room for them."""
     every = ((slice(0, heads_q), slice(0, heads_kv)),)
-    if team_size == 1 or heads_q < 2 or dropout:
+    if layout.team_size == 1 or layout.ring_size == 1 or heads_q < 2 or dropout:
         return every
     if heads_kv >= 2:
         per, k1 = heads_q // heads_kv, heads_kv // 2

@@ -40,7 +40,7 @@ def startrail_proof(args, model, steps: int) -> dict | None:
     n = steps * args.num_layers * micro
     want = {k: n * v for k, v in startrail_comm_bytes(lay, r, shape).items()}
     dropout = bool(getattr(args, "attention_dropout", 0.0))
-    tail = len(tail_head_groups(lay.team_size, shape.heads_q, shape.heads_kv, dropout))
+    tail = len(tail_head_groups(lay, shape.heads_q, shape.heads_kv, dropout))
     calls = startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True), tail)
     led = state.ledger.summary()
     return {

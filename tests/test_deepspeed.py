@@ -131,7 +131,7 @@ def _check_startrail_ran(info: dict) -> None:
     shape = LocalShape(SEQ // p, 1, 4, 2, 8, elem_bytes=info["elem_bytes"], acc_bytes=4)
     n = info["attention_calls"]
     want = startrail_comm_bytes(lay, info["cp_rank"], shape)
-    tail = len(tail_head_groups(c, 4, 2, False))  # the forward's last step, per head group
+    tail = len(tail_head_groups(lay, 4, 2, False))  # the forward's last step, per head group
     calls = startrail_comm_calls(c, lay.p2p_sends(info["cp_rank"], backward=True), tail)
     got = info["ledger"]
     for ph in ("fwd", "bwd"):

@@ -145,8 +145,10 @@ FWD_C2 = (
 )
 BWD_C2 = (
     r"start:dout start:delta start:kv_place wait:dout wait:delta wait:kv_place "
-    r"start:kv (K\+ )?start:dkv wait:kv (K\+ )?wait:dkv start:dkv_home "
-    r"start:dq wait:dkv_home wait:dq"
+    r"start:kv (K\+ )?start:dkv wait:kv "
+    # the last step by head groups: group 0's dq travels while group 1 computes; the last
+    # group's once the step's buffers are freed, beside the dK/dV parts going home
+    r"(K\+ )?start:dq (K\+ )?wait:dkv start:dkv_home start:dq wait:dkv_home wait:dq wait:dq"
 )
 # Ring (C = 1 on 4 ranks, G = 4): no team collectives; KV and dK/dV one step apart.
 FWD_C1 = r"start:kv_place wait:kv_place" + r" start:kv (K\+ )?wait:kv" * 3 + r"( K\+)?"
@@ -168,8 +170,9 @@ def test_waits_come_after_the_compute_that_does_not_need_them(world, c, fwd, bwd
     for r, (_, f, b, _) in enumerate(res):
         assert re.fullmatch(fwd, _runs(f)), (r, _runs(f))
         assert re.fullmatch(bwd, _runs(b)), (r, _runs(b))
-    if c > 1:  # the second head group computes while the first one's lse travels
+    if c > 1:  # the second head group computes while the first one's lse (dq) travels
         assert any("start:lse K+ start:lse" in _runs(f) for _, f, _, _ in res)
+        assert any("start:dq K+" in _runs(b) for _, _, b, _ in res)
     # Switched off (every transfer waited on as it starts), the same schedule fails the
     # patterns, and the results are bitwise the same.
     off = run_ranks(world, _run_rank, c, False)
@@ -216,7 +219,8 @@ def test_one_process_reports_each_transfers_window():
         assert kv["count"] == ledgers[r].calls("p2p", "fwd", "kv") == 1  # one sub-ring step
         assert kv["window_s"] >= 0.002  # the step's kernel calls ran while it was in flight
         assert fast[r]["bwd/p2p/dkv"]["window_s"] > 0
-        assert fast[r]["bwd/collective/dq"]["count"] == 1
+        assert fast[r]["bwd/collective/dq"]["count"] == 2  # per head group of the last step
+        assert fast[r]["bwd/collective/dq"]["window_s"] >= 0.002  # group 2's calls meanwhile
         assert all(0 <= row["hidden"] <= 1 for row in fast[r].values())
         assert slow[r]["fwd/p2p/kv"]["hidden"] < fast[r]["fwd/p2p/kv"]["hidden"]
     with pytest.raises(ValueError, match="link_bytes_per_s"):

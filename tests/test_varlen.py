@@ -227,20 +227,18 @@ def _packed_inputs(lengths, b, seed=3):
 
 def _expected_calls(p, c, placement, causal, packed, ranks=None):
     """Kernel calls of the block plan over ``ranks`` (all by default): (grouped forward,
-    grouped backward, per-document forward, per-document backward). The forward runs its
-    last sub-ring step once per head group (``tail_head_groups``), the backward once."""
+    grouped backward, per-document forward, per-document backward). The last sub-ring step
+    runs once per head group (``tail_head_groups``), forward and backward."""
     lay = st.StarTrailLayout(p, c, placement)
-    tail = len(tail_head_groups(c, HQ, HKV, False))
+    tail = len(tail_head_groups(lay, HQ, HKV, False))
     counts = [0, 0, 0, 0]
     for r in range(p) if ranks is None else ranks:
         for step in range(lay.ring_size):
             times = tail if step == lay.ring_size - 1 else 1
             grouped = len(startrail_step_varlen(lay, r, step, causal, packed))
             per_doc = len(startrail_step_rows(lay, r, step, causal, packed.s_local, packed))
-            for i, (n, k) in enumerate(
-                ((grouped, times), (grouped, 1), (per_doc, times), (per_doc, 1))
-            ):
-                counts[i] += n * k
+            for i, n in enumerate((grouped, grouped, per_doc, per_doc)):
+                counts[i] += n * times
     return tuple(counts)
 
 

@@ -157,7 +157,7 @@ def _startrail_comm_bytes(st: Strategy, shape: AttnShape) -> Bytes:
 def _startrail_comm_calls(st: Strategy, shape: AttnShape) -> Bytes:
     lay = st.layout(shape.cp_size)
     active = shape.active_steps(lay)
-    tail = len(tail_head_groups(lay.team_size, shape.heads_q, shape.heads_kv, False))
+    tail = len(tail_head_groups(lay, shape.heads_q, shape.heads_kv, False))
     return [
         startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True, active=active), tail)
         for r in range(shape.cp_size)

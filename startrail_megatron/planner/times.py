@@ -11,7 +11,8 @@ idle ones: ``block_plan.startrail_active_steps``) + team combine (lse all-gather
 reduce-scatter; per head group of the last step, all but the last group's hidden behind
 the next group's compute).
 Backward = max(dout and delta all-gathers, initial placement) + G steps (KV and dK/dV
-in flight) + max(dq reduce-scatter, the dK/dV parts sent home: a fan-in). Nothing
+in flight) + max(dq reduce-scatter, the dK/dV parts sent home: a fan-in), the dq
+reduce-scatter per head group of the last step as the forward's combine. Nothing
 overlaps the layer's QKV projection (the code does not split it). All-gather-KV and Ulysses
 expose their collectives (no overlap), as their reference implementations do by
 default.
@@ -152,7 +153,7 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     # lse all-gather, out reduce-scatter: per head group of the last step (_TailCombine);
     # all but the last group's travel while the next group computes (tail_head_groups)
     t_comb = gather(c1 * lay.team_size * rows * a) + scatter(c1 * uq * a)
-    k_tail = len(tail_head_groups(lay.team_size, shape.heads_q, shape.heads_kv, False))
+    k_tail = len(tail_head_groups(lay, shape.heads_q, shape.heads_kv, False))
     if k_tail > 1 and cl.overlap:
         last = comp(False)
         t_last = max(last[lay.computed_steps(r, active)[-1]][r] for r in range(p))
@@ -163,7 +164,14 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     x = jump(kv_msg + dkv_msg) if g > 1 else 0.0  # KV and dK/dV share the link
     bwd += pipeline(comp(True), x, x)
     home = fan(lambda r: lay.dkv_home_targets(r, active), 2 * ukv * a)
-    bwd += both(scatter(c1 * uq * a), home)  # dq_h = reduce_scatter_start(dq) ... parts
+    # dq's reduce-scatter per head group of the last step (dq_hs in the backward): all but
+    # the last group's travel while the next group computes, the rest beside the parts
+    t_dq = scatter(c1 * uq * a)
+    if k_tail > 1 and cl.overlap:
+        last_b = comp(True)
+        t_last_b = max(last_b[lay.computed_steps(r, active)[-1]][r] for r in range(p))
+        t_dq -= min(t_dq, t_last_b) * (k_tail - 1) / k_tail
+    bwd += both(t_dq, home)
     return fwd, bwd
 
 
