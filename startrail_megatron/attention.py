@@ -487,6 +487,11 @@ class RankContext:
         return self.p2p.exchange_many(sends, srcs, parts[0], "dkv_home")
 
 
+_ALL_HEADS = ((slice(None), slice(None)),)
+"""One (q heads, kv heads) group of every head: the steps before the last
+(``block_plan.tail_head_groups`` splits the last one)."""
+
+
 def startrail_rank_forward(
     q: Tensor,
     k: Tensor,
@@ -533,7 +538,7 @@ def startrail_rank_forward(
     for i, step in enumerate(steps):
         pending = cx.ring_step(kv_cur, steps, i, "kv", spare)
         varlen, rows = cx.step_calls(step, s, kernel)
-        groups = tail.groups if i == len(steps) - 1 else ((slice(None), slice(None)),)
+        groups = tail.groups if i == len(steps) - 1 else _ALL_HEADS
         for g, (qh, kh) in enumerate(groups):
             q_g, kv_g = q_team[:, :, qh], kv_cur[:, :, :, kh]
             out_g, lse_g = acc_out[:, :, qh], acc_lse[:, qh]
@@ -696,7 +701,7 @@ def startrail_rank_backward(
             dkv, dkv_free = dkv_free.zero_(), None
         varlen, rows = cx.step_calls(step, s, kernel)
         last = i == len(steps) - 1
-        for g, (qh, kh) in enumerate(tail if last else ((slice(None), slice(None)),)):
+        for g, (qh, kh) in enumerate(tail if last else _ALL_HEADS):
             do_g, q_g, out_g, dq_g = (
                 do_team[:, :, qh],
                 q_team[:, :, qh],

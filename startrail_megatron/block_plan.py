@@ -231,9 +231,10 @@ def _buffer_chunks(layout: StarTrailLayout, team: int, causal: bool) -> list[int
     return [x for r in layout.team_ranks(team) for x in (r, 2 * p - 1 - r)]
 
 
-def _offset_band(off: int, window, causal: bool) -> tuple[int | None, int | None]:
+def offset_band(off: int, window, causal: bool) -> tuple[int | None, int | None]:
     """The band on local ``j - i`` of a call whose first key sits ``off`` positions after
-    its first query: the window ``(left, right)``, and the causal mask's ``j <= i``."""
+    its first query: the window ``(left, right)`` (normalized: ``None`` unbounded), and
+    the causal mask's ``j <= i`` (also the planner's pair counts, ``planner/compute.py``)."""
     left, right = window
     lo = None if left is None else -left - off
     hi = None if right is None else right - off
@@ -273,19 +274,40 @@ def _chunk_pair_calls(q_chunks, kv_chunks, c: int, base: int, n: int, window, ca
     buffers that hold its chunks ``q_chunks`` / ``kv_chunks`` (zigzag ids, in buffer
     order) of ``c`` tokens from row ``base`` on: per (query chunk, key chunk) pair, the
     band of their offset, clipped to the ``n`` real tokens (padding ends the sequence) and
-    trimmed (``_band_call``); pairs with nothing in the window give no call."""
-    out: list[WindowCall] = []
+    trimmed (``_band_call``); pairs with nothing in the window give no call. A generator:
+    ``_has_window_call`` stops at the first call."""
     for qi, qc in enumerate(q_chunks):
         nq = min(max(n - qc * c, 0), c)
         for ki, kc in enumerate(kv_chunks):
             nk = min(max(n - kc * c, 0), c)
             if nq == 0 or nk == 0:
                 continue
-            lo, hi = _offset_band((kc - qc) * c, window, causal)
+            lo, hi = offset_band((kc - qc) * c, window, causal)
             call = _band_call(base + qi * c, nq, base + ki * c, nk, lo, hi)
             if call is not None:
-                out.append(call)
-    return out
+                yield call
+
+
+def _window_calls(layout, rank, step, causal, s_local, window, packed):
+    """The band calls of ``rank`` at ``step`` (a generator): dense, the team buffers in
+    buffer order (``_buffer_chunks``) as one sequence; packed, per document the teams'
+    chunks in ascending order (``packed_team_order``) from the document's rows on, the
+    window counting positions inside the document."""
+    team, kv_team = layout.coord(rank)[0], layout.kv_team_at_step(rank, step)
+    if packed is None:
+        q_chunks, kv_chunks = (
+            _buffer_chunks(layout, team, causal),
+            _buffer_chunks(layout, kv_team, causal),
+        )
+        n = layout.cp_size * s_local  # no padding
+        yield from _chunk_pair_calls(q_chunks, kv_chunks, s_local // 2, 0, n, window, causal)
+        return
+    q_chunks, kv_chunks = layout.team_chunks(team), layout.team_chunks(kv_team)
+    for d in range(packed.num_docs):
+        base = layout.team_size * packed.local_offsets[d]  # the same in every team's buffer
+        yield from _chunk_pair_calls(
+            q_chunks, kv_chunks, packed.chunk_len(d), base, packed.lengths[d], window, causal
+        )
 
 
 def normalize_window(window, seq_len: int, causal: bool) -> tuple[int | None, int | None] | None:
@@ -328,12 +350,7 @@ def startrail_step_window_rows(
     too) are not made: the work the window skips. (More, smaller calls than without a
     window; merging neighbouring chunk pairs for wide windows is not done.)
     """
-    c = s_local // 2
-    team = layout.coord(rank)[0]
-    q_chunks = _buffer_chunks(layout, team, causal)
-    kv_chunks = _buffer_chunks(layout, layout.kv_team_at_step(rank, step), causal)
-    n = layout.cp_size * s_local  # no padding
-    return tuple(_chunk_pair_calls(q_chunks, kv_chunks, c, 0, n, window, causal))
+    return tuple(_window_calls(layout, rank, step, causal, s_local, window, None))
 
 
 # Packed layouts change with every batch: a small cache, as for ``_packed_rows``.
@@ -351,16 +368,7 @@ def startrail_step_packed_window_rows(
     ascending order, ``packed_team_order``) with the band its offset inside the document
     gives, clipped to the real tokens (padding ends each document) and trimmed; the
     window counts positions inside the document."""
-    team = layout.coord(rank)[0]
-    q_chunks = layout.team_chunks(team)
-    kv_chunks = layout.team_chunks(layout.kv_team_at_step(rank, step))
-    out: list[WindowCall] = []
-    for d in range(packed.num_docs):
-        base = layout.team_size * packed.local_offsets[d]  # the same in every team's buffer
-        out += _chunk_pair_calls(
-            q_chunks, kv_chunks, packed.chunk_len(d), base, packed.lengths[d], window, causal
-        )
-    return tuple(out)
+    return tuple(_window_calls(layout, rank, step, causal, packed.s_local, window, packed))
 
 
 @lru_cache(maxsize=64)
@@ -398,26 +406,10 @@ def startrail_active_steps(
 
 
 def _has_window_call(layout, rank, step, causal, s_local, window, packed) -> bool:
-    """Whether ``rank`` makes any call at ``step`` under ``window`` (what
-    ``startrail_step_window_rows`` / ``_packed_window_rows`` would return, stopping at the
-    first call; uncached, so other ranks' plans do not evict this rank's)."""
-    q_chunks = _buffer_chunks(layout, layout.coord(rank)[0], causal)
-    kv_chunks = _buffer_chunks(layout, layout.kv_team_at_step(rank, step), causal)
-    if packed is None:
-        docs = [(s_local // 2, layout.cp_size * s_local)]
-    else:
-        q_chunks, kv_chunks = sorted(q_chunks), sorted(kv_chunks)
-        docs = [(packed.chunk_len(d), packed.lengths[d]) for d in range(packed.num_docs)]
-    for c, n in docs:  # (chunk length, real tokens) of each sequence
-        for qi, qc in enumerate(q_chunks):
-            nq = min(max(n - qc * c, 0), c)
-            for ki, kc in enumerate(kv_chunks):
-                nk = min(max(n - kc * c, 0), c)
-                if nq and nk:
-                    lo, hi = _offset_band((kc - qc) * c, window, causal)
-                    if _band_call(qi * c, nq, ki * c, nk, lo, hi) is not None:
-                        return True
-    return False
+    """Whether ``rank`` makes any call at ``step`` under ``window`` (``_window_calls``,
+    stopping at the first; uncached, so other ranks' plans do not evict this rank's)."""
+    calls = _window_calls(layout, rank, step, causal, s_local, window, packed)
+    return next(calls, None) is not None
 
 
 def band_pairs(nq: int, nk: int, lo: int | None, hi: int | None) -> int:

@@ -16,6 +16,7 @@ from functools import lru_cache
 from ..block_plan import (
     allgather_calls,
     band_pairs,
+    offset_band,
     startrail_step_packed_window_rows,
     startrail_step_rows,
     startrail_step_varlen,
@@ -87,13 +88,7 @@ def startrail_call_shapes(
 def window_pairs(nq: int, nk: int, q0: int, k0: int, shape: AttnShape) -> int:
     """(query, key) pairs of a call on global queries [q0, q0 + nq) and keys [k0, k0 + nk)
     inside ``shape``'s window (and its causal mask)."""
-    left, right = shape.band
-    off = k0 - q0  # global j - i = local j - i + off
-    lo = None if left is None else -left - off
-    hi = None if right is None else right - off
-    if shape.causal:
-        hi = -off if hi is None else min(hi, -off)
-    return band_pairs(nq, nk, lo, hi)
+    return band_pairs(nq, nk, *offset_band(k0 - q0, shape.band, shape.causal))
 
 
 def allgather_call_shapes(rank: int, shape: AttnShape) -> tuple[CallShape, ...]:

@@ -145,33 +145,33 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     def fan(targets, nbytes: int) -> float:
         return p2p_fan(cl, [(r, d, nbytes) for r in range(p) for d in targets(r)])
 
+    k_tail = len(tail_head_groups(lay, shape.heads_q, shape.heads_kv, False))
+
+    def tail(t_coll: float, work: list[list[float]]) -> float:
+        """Team collectives of the last step's head groups (``tail_head_groups``): all but
+        the last group's travel while the next group computes."""
+        if k_tail == 1 or not cl.overlap:
+            return t_coll
+        t_last = max(work[lay.computed_steps(r, active)[-1]][r] for r in range(p))
+        return t_coll - min(t_coll, t_last) * (k_tail - 1) / k_tail
+
+    comp_f, comp_b = comp(False), comp(True)
     t_init = fan(lambda r: lay.placement_targets(r, active), 2 * ukv * e)
     prev = [lay.ring_prev(r) for r in range(p)]
     # Forward: place = initial_placement(kv_local); q_h = all_gather_start(q) ...
     fwd = both(gather(c1 * uq * e), t_init)
-    fwd += pipeline(comp(False), jump(kv_msg) if g > 1 else 0.0)
+    fwd += pipeline(comp_f, jump(kv_msg) if g > 1 else 0.0)
     # lse all-gather, out reduce-scatter: per head group of the last step (_TailCombine);
     # all but the last group's travel while the next group computes (tail_head_groups)
-    t_comb = gather(c1 * lay.team_size * rows * a) + scatter(c1 * uq * a)
-    k_tail = len(tail_head_groups(lay, shape.heads_q, shape.heads_kv, False))
-    if k_tail > 1 and cl.overlap:
-        last = comp(False)
-        t_last = max(last[lay.computed_steps(r, active)[-1]][r] for r in range(p))
-        t_comb -= min(t_comb, t_last) * (k_tail - 1) / k_tail
-    fwd += t_comb
+    fwd += tail(gather(c1 * lay.team_size * rows * a) + scatter(c1 * uq * a), comp_f)
     # Backward: do_h, delta_h = all_gather_start(...); place = initial_placement(kv_local)
     bwd = both(gather(c1 * (uq * e + rows * a)), t_init)
     x = jump(kv_msg + dkv_msg) if g > 1 else 0.0  # KV and dK/dV share the link
-    bwd += pipeline(comp(True), x, x)
+    bwd += pipeline(comp_b, x, x)
     home = fan(lambda r: lay.dkv_home_targets(r, active), 2 * ukv * a)
     # dq's reduce-scatter per head group of the last step (dq_hs in the backward): all but
     # the last group's travel while the next group computes, the rest beside the parts
-    t_dq = scatter(c1 * uq * a)
-    if k_tail > 1 and cl.overlap:
-        last_b = comp(True)
-        t_last_b = max(last_b[lay.computed_steps(r, active)[-1]][r] for r in range(p))
-        t_dq -= min(t_dq, t_last_b) * (k_tail - 1) / k_tail
-    bwd += both(t_dq, home)
+    bwd += both(tail(scatter(c1 * uq * a), comp_b), home)
     return fwd, bwd
 
 
