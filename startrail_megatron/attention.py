@@ -50,20 +50,33 @@ Every transfer starts asynchronously and is waited on only where its result is
 needed (``comm/``: ``*_start`` and ``exchange`` return handles; a wait never
 synchronizes the device). What runs while each transfer is in flight:
 
-  forward   q all-gather      the initial K,V placement (both started at once)
+  forward   q all-gather      the initial K,V placement (both started at once), then
+                              with ``own_rows_first`` the first step's calls on this
+                              rank's own query rows (below)
             both              the joint keys' part of this rank's rows (MMDiT)
             sub-ring KV s+1   step s's kernel calls (double-buffered)
             lse, out of head  the last step's calls on the next head group, and the
               group g         next group's lse (``block_plan.tail_head_groups``: two
                               groups with C > 1, G > 1 and two heads or more, no
                               dropout); the last group's lse and out are exposed
-  backward  dout, delta       the initial placement, the sinks' gradient
+  backward  dout, delta       the initial placement, the sinks' gradient, then with
+                              ``own_rows_first`` the first step's own-row calls
             initial placement the out stand-in (``_delta_out``)
             sub-ring KV s+1   step s's kernel calls
             dK/dV of step s   step s+1's kernel calls (one step behind the KV)
             dq of head group  the last step's calls on the next head group (as the
               g               forward's combine; the last group's dq with the next row)
             dK/dV home        the last group's dq reduce-scatter, the joint keys' part
+
+Own rows first (``CommOptions(own_rows_first=)``; C > 1, dense, no dropout): the
+first computed step's calls are cut by query rows (``block_plan.split_own_rows``).
+The rank's own rows need only its local q (forward) or dout and delta (backward),
+so they run once the placement has arrived, and the team gather is waited on after
+them: the same (query, key) pairs in a few more, smaller calls, exact in any order.
+That only pays where the gather outlasts the placement: a team spread over hosts
+whose gather carries more bytes than the placement (GQA). Elsewhere the gather ends
+first and the split only adds calls, so the default (None) splits only there
+(``block_plan.own_rows_first_pays``, with ``StarTrailGroups.team_hosts``).
 
 The planner charges exactly this (``planner/times.py``); nothing overlaps the
 QKV projection, since q, k, v reach the attention after it. With
@@ -84,7 +97,10 @@ from torch.autograd.function import once_differentiable
 
 from .block_plan import (
     VarlenCall,
+    own_rows_first_pays,
+    own_team_rows,
     packed_team_order,
+    split_own_rows,
     startrail_active_steps,
     startrail_step_packed_window_rows,
     startrail_step_rows,
@@ -329,6 +345,14 @@ def _varlen_backward(
     dkv[:, 1].index_add_(0, ix.kv_rows, _from_thd(g_v, b).to(acc))
 
 
+def _row_call(c: tuple, cap: dict) -> tuple:
+    """A ``RowCall`` or ``WindowCall`` as the loops slice it: (q rows, kv rows, causal,
+    kernel keywords: the band of a window call, soft-capping)."""
+    if len(c) == 6:
+        return slice(c[0], c[1]), slice(c[2], c[3]), False, {"band": (c[4], c[5]), **cap}
+    return slice(c[0], c[1]), slice(c[2], c[3]), c[4], cap
+
+
 class RankContext:
     """One rank's state for one attention call, shared by its forward and backward.
 
@@ -368,6 +392,8 @@ class RankContext:
                 P2PComm(groups.cp_group, self.rank, ledger, comm_options),
             )
         self.team_comm, self.p2p = comms
+        self.own_rows_first = comm_options.own_rows_first
+        self.team_hosts = groups.team_hosts
         self.subring = groups.subring_group
         self.packed = packed
         if packed is None:  # zigzag chunks (causal) or any layout (full): equal chunks
@@ -393,31 +419,52 @@ class RankContext:
         idx = self._packed_index(x.device, True)
         return x if idx is None else x.index_select(0, idx)
 
-    def step_calls(self, step: int, s_local: int, kernel: AttentionKernel):
+    def step_calls(self, step: int, s_local: int, kernel: AttentionKernel, own_first: bool = False):
         """This rank's kernel calls at ``step`` (``block_plan``), as (varlen calls, row
-        calls), one of them empty: packed documents on a kernel with variable-length
-        methods are grouped over the documents (``startrail_step_varlen``); otherwise
-        one call per row block, each ``(q rows, kv rows, causal, kernel keywords)``:
-        ``startrail_step_rows`` (dense or per document), or under a sliding window
-        ``startrail_step_window_rows`` (calls on globally contiguous runs, each with its
-        ``band``)."""
+        calls, own-row calls), at most one of the first two non-empty: packed documents on
+        a kernel with variable-length methods are grouped over the documents
+        (``startrail_step_varlen``); otherwise one call per row block, each ``(q rows,
+        kv rows, causal, kernel keywords)``: ``startrail_step_rows`` (dense or per
+        document), or under a sliding window ``startrail_step_window_rows`` (calls on
+        globally contiguous runs, each with its ``band``).
+
+        ``own_first`` (the first computed step): where ``split_own_rows`` applies (C > 1,
+        dense rows, no dropout), the calls on this rank's own query rows come apart as
+        ``(q rows, local q rows, kv rows, causal, keywords)``: they need only local
+        queries and output gradients, so they run while the team's are gathered; the row
+        calls then hold the other rows. Otherwise the third part is empty. The caller
+        passes ``own_first`` where ``split_first`` says so."""
         lay, r = self.layout, self.rank
         cap = {"softcap": self.softcap} if self.softcap else {}
-        if self.window is not None:
-            if self.packed is not None:
-                rows = startrail_step_packed_window_rows(
-                    lay, r, step, self.causal, self.packed, self.window
-                )
-            else:
-                rows = startrail_step_window_rows(lay, r, step, self.causal, s_local, self.window)
-            return (), [
-                (slice(a, b), slice(c, d), False, {"band": (lo, hi), **cap})
-                for a, b, c, d, lo, hi in rows
-            ]
-        if self.packed is not None and has_varlen(kernel):
-            return startrail_step_varlen(lay, r, step, self.causal, self.packed), ()
-        rows = startrail_step_rows(lay, r, step, self.causal, s_local, self.packed)
-        return (), [(slice(a, b), slice(c, d), cz, cap) for a, b, c, d, cz in rows]
+        if self.packed is not None and self.window is None and has_varlen(kernel):
+            return startrail_step_varlen(lay, r, step, self.causal, self.packed), (), ()
+        if self.window is None:
+            calls = startrail_step_rows(lay, r, step, self.causal, s_local, self.packed)
+        elif self.packed is not None:
+            calls = startrail_step_packed_window_rows(
+                lay, r, step, self.causal, self.packed, self.window
+            )
+        else:
+            calls = startrail_step_window_rows(lay, r, step, self.causal, s_local, self.window)
+        own: tuple = ()
+        split = own_first and lay.team_size > 1 and self.packed is None and not self.dropout_p
+        if split:
+            own, calls = split_own_rows(calls, own_team_rows(lay, r, self.causal, s_local))
+        return (
+            (),
+            [_row_call(c, cap) for c in calls],
+            [
+                (slice(c[0], c[1]), slice(c[0] + sh, c[1] + sh), *_row_call(c, cap)[1:])
+                for c, sh in own
+            ],
+        )
+
+    def split_first(self, heads_q: int, heads_kv: int) -> bool:
+        """Whether the first step runs its own rows' calls first: ``CommOptions(
+        own_rows_first=)``, or where it is None, ``block_plan.own_rows_first_pays``."""
+        if self.own_rows_first is None:
+            return own_rows_first_pays(self.layout, heads_q, heads_kv, self.team_hosts)
+        return self.own_rows_first
 
     def steps(self, s_local: int) -> tuple[int, ...]:
         """The sub-ring steps this rank computes (``block_plan.startrail_active_steps``,
@@ -525,7 +572,8 @@ def startrail_rank_forward(
     acc_lse = torch.full((b, hq, n), -math.inf, dtype=acc, device=q.device)
     if joint is not None:  # local rows only: computed while the transfers are in flight
         _joint_forward(cx, q, joint, acc_out, acc_lse, scale, kernel)
-    q_team = cx.to_team_order(q_h.wait()) if C > 1 else q.contiguous()
+    q_team = None if C > 1 else q.contiguous()  # gathered below, at the first step
+    split = cx.split_first(hq, k.shape[2])
     kv_cur = cx.team_kv(place)  # [n, 2, b, hkv, d], team order
     del place  # its member-order buffer
     # 3. G sub-ring steps (those with work: ``cx.steps``); the next KV is in flight while
@@ -537,7 +585,15 @@ def startrail_rank_forward(
     tail = _TailCombine(cx, acc_out, acc_lse, sinks, k.shape[2])
     for i, step in enumerate(steps):
         pending = cx.ring_step(kv_cur, steps, i, "kv", spare)
-        varlen, rows = cx.step_calls(step, s, kernel)
+        varlen, rows, own = cx.step_calls(step, s, kernel, own_first=split and q_team is None)
+        if q_team is None:  # the first step's calls on this rank's own rows, then the rest
+            for qs, ql, ks, causal, kw in own:  # local queries: while the others' arrive
+                o, lse = kernel.forward(
+                    q[ql], kv_cur[ks, 0], kv_cur[ks, 1], causal=causal, scale=scale, **kw
+                )
+                merge_partial(acc_out[qs], acc_lse[..., qs], o, lse)
+                del o, lse
+            q_team = cx.to_team_order(q_h.wait())
         groups = tail.groups if i == len(steps) - 1 else _ALL_HEADS
         for g, (qh, kh) in enumerate(groups):
             q_g, kv_g = q_team[:, :, qh], kv_cur[:, :, :, kh]
@@ -681,9 +737,8 @@ def startrail_rank_backward(
         lse_mine = _member_rows(cx, lse_team.permute(2, 0, 1), s)  # [s, b, hq]
         p_sink = torch.exp(sinks.to(acc).view(1, 1, hq) - lse_mine)
         cx.sinks_grad = -(p_sink * delta).sum((0, 1))
-    do_team = cx.to_team_order(do_h.wait())
-    out_eff = _delta_out(do_team, cx.to_team_order(delta_h.wait()))
-    del delta
+    do_team = out_eff = None  # gathered at the first step, after its own rows' calls
+    split = cx.split_first(hq, hkv)
     kv_cur = cx.team_kv(place)
     del place
     dq = torch.zeros(n, b, hq, d, dtype=acc, device=dout.device)
@@ -699,7 +754,22 @@ def startrail_rank_backward(
             dkv = torch.zeros(n, 2, b, hkv, d, dtype=acc, device=dout.device)
         else:
             dkv, dkv_free = dkv_free.zero_(), None
-        varlen, rows = cx.step_calls(step, s, kernel)
+        varlen, rows, own = cx.step_calls(step, s, kernel, own_first=split and do_team is None)
+        if do_team is None:  # the first step's calls on this rank's own rows, then the rest
+            out_mine = _delta_out(dout, delta) if own else None  # local: while the team's
+            for qs, ql, ks, causal, kw in own:  # dout and delta arrive
+                g_q, g_k, g_v = kernel.backward(
+                    dout[ql], q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], out_mine[ql],
+                    lse_team[..., qs], causal=causal, scale=scale, **kw,
+                )  # fmt: skip
+                dq[qs] += g_q
+                dkv[ks, 0] += g_k
+                dkv[ks, 1] += g_v
+                del g_q, g_k, g_v
+            del out_mine
+            do_team = cx.to_team_order(do_h.wait())
+            out_eff = _delta_out(do_team, cx.to_team_order(delta_h.wait()))
+            del delta
         last = i == len(steps) - 1
         for g, (qh, kh) in enumerate(tail if last else _ALL_HEADS):
             do_g, q_g, out_g, dq_g = (

@@ -531,3 +531,102 @@ def tail_head_groups(
         return ((slice(0, k1 * per), slice(0, k1)), (slice(k1 * per, heads_q), slice(k1, heads_kv)))
     h1 = heads_q // 2
     return ((slice(0, h1), slice(0, 1)), (slice(h1, heads_q), slice(0, 1)))
+
+
+# ---- the first step: this rank's own query rows first ------------------------------------
+OwnRun = tuple[int, int, int]
+"""(team row lo, team row hi, local row lo): rows of the team buffer that hold this rank's
+own queries, and where they start in its local tensors."""
+
+
+@lru_cache(maxsize=4096)
+def own_team_rows(
+    layout: StarTrailLayout, rank: int, causal: bool, s_local: int
+) -> tuple[OwnRun, ...]:
+    """Where ``rank``'s own ``s_local`` rows sit in its team's buffer (dense, in the order
+    ``RankContext.to_team_order`` gives, windowed or not): under the causal mask its
+    chunks r and 2P-1-r at their places in the ascending chunk order
+    (``StarTrailLayout.team_chunks``), without it its member block. Adjacent runs merged."""
+    team, m = layout.coord(rank)
+    if not causal:
+        return ((m * s_local, (m + 1) * s_local, 0),)
+    c, p = s_local // 2, layout.cp_size
+    order = layout.team_chunks(team)
+    runs: list[OwnRun] = []
+    for half, chunk in enumerate((rank, 2 * p - 1 - rank)):
+        lo = order.index(chunk) * c
+        if runs and runs[-1][1] == lo and runs[-1][2] + runs[-1][1] - runs[-1][0] == half * c:
+            runs[-1] = (runs[-1][0], lo + c, runs[-1][2])
+        else:
+            runs.append((lo, lo + c, half * c))
+    return tuple(runs)
+
+
+def own_rows_first_pays(
+    layout: StarTrailLayout, heads_q: int, heads_kv: int, team_hosts: int
+) -> bool:
+    """Whether StarTrail's first step runs its own rows first by default
+    (``comm.CommOptions(own_rows_first=None)``); ``team_hosts``: how many hosts the
+    rank's team spans (``StarTrailGroups.team_hosts``).
+
+    The team gather (forward: the other members' q, (C-1) local q's; backward: dout and
+    delta alike) and the initial placement (C local K,V's received) start together. The
+    split hides the gather behind the own rows' calls, so it pays only where the gather
+    would still be in flight when the placement has arrived; it costs a few more calls
+    everywhere. A team inside one host gathers over the fast links while the placement
+    crosses hosts: the gather ends first. A team across hosts gathers over the same kind
+    of link as the placement, so it ends later when it carries more bytes: (C-1) *
+    heads_q > 2 * C * heads_kv (GQA with few K,V heads). This is the planner's verdict on
+    its presets (``startrail-plan --own-rows-first on|off`` prices either; section 11 of
+    ``docs/performance.md``)."""
+    c = layout.team_size
+    if c == 1 or team_hosts < 2:
+        return False
+    return (c - 1) * heads_q > 2 * c * heads_kv
+
+
+def restrict_rows(call: tuple, lo: int, hi: int) -> tuple[tuple, ...]:
+    """``call`` (a ``RowCall`` or a ``WindowCall``) on its query rows inside [lo, hi) only:
+    the same (query, key) pairs of those rows, in at most two calls. A causal (square,
+    top-left) call's rows [a, b) see its first a keys fully and the next b - a causally; a
+    band call keeps its band, shifted to the new first row, trimmed (``_band_call``)."""
+    qa, qb, ka, kb = call[:4]
+    a, b = max(lo, qa), min(hi, qb)
+    if a >= b:
+        return ()
+    d0, d1 = a - qa, b - qa
+    if len(call) == 6:  # WindowCall: local j - i grows by d0 when rows start d0 later
+        blo, bhi = call[4], call[5]
+        band = _band_call(
+            a,
+            b - a,
+            ka,
+            kb - ka,
+            None if blo is None else blo + d0,
+            None if bhi is None else bhi + d0,
+        )
+        return () if band is None else (band,)
+    if not call[4]:
+        return ((a, b, ka, kb, False),)
+    full = ((a, b, ka, ka + d0, False),) if d0 > 0 else ()
+    return full + ((a, b, ka + d0, ka + d1, True),)
+
+
+def split_own_rows(
+    calls: tuple[tuple, ...], own: tuple[OwnRun, ...]
+) -> tuple[tuple[tuple[tuple, int], ...], tuple[tuple, ...]]:
+    """A step's calls split by query rows: (the calls on ``own`` rows, each with the shift
+    from team rows to local rows; the calls on the other rows), together exactly the pairs
+    of ``calls``. The first step runs the first part while the team's queries (forward) or
+    output gradients (backward) are still being gathered: those rows are the rank's own
+    (``attention.py``'s Note [overlap])."""
+    mine: list[tuple[tuple, int]] = []
+    rest: list[tuple] = []
+    for call in calls:
+        edge = call[0]
+        for lo, hi, local in own:
+            mine.extend((piece, local - lo) for piece in restrict_rows(call, lo, hi))
+            rest.extend(restrict_rows(call, edge, lo))
+            edge = max(edge, hi)
+        rest.extend(restrict_rows(call, edge, call[1]))
+    return tuple(mine), tuple(rest)

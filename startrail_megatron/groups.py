@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -103,6 +104,8 @@ class StarTrailGroups:
         cp_rank: this rank's index in ``cp_group``.
         team_group: the C ranks of this rank's team (``None`` when C = 1).
         subring_group: the G ranks of this rank's sub-ring (``None`` when G = 1).
+        team_hosts: how many hosts (``socket.gethostname``) this rank's team spans: the
+            default of ``CommOptions(own_rows_first=)`` reads it.
         agreed: the call settings the CP ranks were checked to agree on
             (``startrail_attention`` fills it, once per new setting).
     """
@@ -112,6 +115,7 @@ class StarTrailGroups:
     cp_rank: int
     team_group: dist.ProcessGroup | None
     subring_group: dist.ProcessGroup | None
+    team_hosts: int = 1
     agreed: set = field(default_factory=set, repr=False, compare=False)
 
     @property
@@ -163,7 +167,7 @@ class StarTrailGroups:
         # Every rank's CP group and setting (one small all-gather): ranks that disagree
         # would create different groups and hang; they get the same ValueError instead.
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (mine, team_size, placement))
+        dist.all_gather_object(gathered, (mine, team_size, placement, socket.gethostname()))
         if any(len(g[0]) != cp_size for g in gathered):
             raise ValueError(
                 f"every rank's cp_group must have the same size; got sizes "
@@ -203,4 +207,5 @@ class StarTrailGroups:
         used += [g for g in (team_group, subring_group) if g is not None]
         for g in used:
             _warm_up(g)
-        return cls(layout, cp_group, cp_rank, team_group, subring_group)
+        hosts = {gathered[mine[r]][3] for r in layout.team_ranks(team)}
+        return cls(layout, cp_group, cp_rank, team_group, subring_group, len(hosts))

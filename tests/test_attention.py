@@ -38,9 +38,13 @@ def _case(rank, world, c, placement, causal, hq, hkv, dtype, kernel, s_local=S_L
     q, k, v, do = make_inputs(seed, s_local * p, BATCH, hq, hkv, HEAD_DIM)
     local = [shard(x, rank, p, causal).to(dtype).requires_grad_() for x in (q, k, v)]
     ledger = st.CommLedger()
+    # GQA cases split the first step by rows (own rows first), MHA ones keep it whole: the
+    # default on one host (``test_own_rows.py`` checks the split ran)
+    comm = st.comm.CommOptions(own_rows_first=hq != hkv)
     out = st.startrail_attention(
-        *local, groups_for(c, placement), causal=causal, kernel=kernel, ledger=ledger
-    )
+        *local, groups_for(c, placement), causal=causal, kernel=kernel, ledger=ledger,
+        comm_options=comm,
+    )  # fmt: skip
     out.backward(shard(do, rank, p, causal).to(dtype))
     return [out.detach(), *(x.grad for x in local)], ledger
 

@@ -8,8 +8,14 @@ import pytest
 
 from startrail_megatron.block_plan import (
     BlockCall,
+    normalize_window,
+    own_team_rows,
     plan_block,
+    restrict_rows,
+    split_own_rows,
     startrail_step_calls,
+    startrail_step_rows,
+    startrail_step_window_rows,
     team_chunk_len,
 )
 from startrail_megatron.layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
@@ -278,3 +284,81 @@ def test_windows_without_idle_steps_run_every_step():
         assert startrail_active_steps(lay, True, 8, (w - 1, None)) is None
         assert startrail_active_steps(lay, True, 8, None) is None
         assert lay.computed_steps(0, None) == tuple(range(lay.ring_size))
+
+
+def _call_pairs(call) -> Counter:
+    """(team q row, team kv row) pairs of a ``RowCall`` or ``WindowCall``."""
+    qa, qb, ka, kb = call[:4]
+    cells = Counter()
+    for i in range(qb - qa):
+        for j in range(kb - ka):
+            if len(call) == 6:
+                lo, hi = call[4], call[5]
+                ok = (lo is None or j - i >= lo) and (hi is None or j - i <= hi)
+            else:
+                ok = not call[4] or j <= i
+            if ok:
+                cells[qa + i, ka + j] += 1
+    return cells
+
+
+SPLIT_CASES = [
+    (p, c, pl) for p in range(2, 17) for c in valid_team_sizes(p) if c > 1 for pl in PLACEMENTS
+]
+
+
+@pytest.mark.parametrize("p,c,pl", SPLIT_CASES)
+def test_own_rows_first_split_keeps_every_pair(p, c, pl):
+    """The first step's split (``split_own_rows``): the calls on a rank's own query rows and
+    those on the others together make exactly the step's pairs, each once; the own part
+    reads only the rank's own rows, at the local rows ``own_team_rows`` names (checked
+    against the team order ``to_team_order`` uses), and every own-row call is non-empty."""
+    lay = StarTrailLayout(p, c, pl)
+    s = 4  # local tokens: zigzag chunks of 2
+    windows = [None, (3, 0), (1, 2)]
+    for causal in (True, False):
+        for r in range(p):
+            team, m = lay.coord(r)
+            runs = own_team_rows(lay, r, causal, s)
+            # where the all-gather puts this rank's local row x, after the team reorder
+            order = lay.team_chunk_order(team) if causal else list(range(2 * c))
+            chunk = s // 2
+            src = [i * chunk + y for i in order for y in range(chunk)]  # team row -> member row
+            mine = {t: src[t] - m * s for t in range(c * s) if m * s <= src[t] < (m + 1) * s}
+            got = {lo + x: loc + x for lo, hi, loc in runs for x in range(hi - lo)}
+            assert got == mine, (r, runs)
+            for w in windows:
+                for step in range(lay.ring_size):
+                    if w is None:
+                        calls = startrail_step_rows(lay, r, step, causal, s)
+                    else:
+                        band = normalize_window(w, p * s, causal)
+                        calls = startrail_step_window_rows(lay, r, step, causal, s, band)
+                    own, rest = split_own_rows(calls, runs)
+                    want = sum((_call_pairs(x) for x in calls), Counter())
+                    got_own = sum((_call_pairs(x) for x, _ in own), Counter())
+                    got_rest = sum((_call_pairs(x) for x in rest), Counter())
+                    assert got_own + got_rest == want
+                    assert all(q in mine for q, _ in got_own) and not any(
+                        q in mine for q, _ in got_rest
+                    )
+                    for x, shift in own:
+                        assert _call_pairs(x), x  # no empty call
+                        assert all(mine[t] == t + shift for t in range(x[0], x[1]))
+                        if len(x) == 5 and x[4]:
+                            assert x[1] - x[0] == x[3] - x[2]  # causal calls stay square
+
+
+def test_restrict_rows_keeps_exactly_the_pairs_of_those_rows():
+    """``restrict_rows`` on every row range of small causal, full and band calls (also
+    ranges cutting a band call, which the dense schedule never makes)."""
+    calls = [(2, 6, 10, 14, True), (0, 5, 3, 6, False), (1, 4, 1, 4, True)]
+    calls += [(3, 9, 0, 7, lo, hi) for lo in (None, -4, -1, 0, 2) for hi in (None, -2, 0, 3)]
+    for call in calls:
+        whole = _call_pairs(call)
+        for lo in range(0, 11):
+            for hi in range(lo, 12):
+                pieces = restrict_rows(call, lo, hi)
+                got = sum((_call_pairs(x) for x in pieces), Counter())
+                assert got == Counter({k: v for k, v in whole.items() if lo <= k[0] < hi})
+                assert all(_call_pairs(x) for x in pieces) and len(pieces) <= 2

@@ -62,13 +62,16 @@ def _shape(p, s_local) -> AttnShape:
     return AttnShape(p, s_local, B, HQ, HKV, D, elem_bytes=4, acc_bytes=4, causal=True)
 
 
-def _memory_rank(rank, world, c, s_local, causal):
+def _memory_rank(rank, world, c, s_local, causal, orf=None):
     p = world
+    comm = st.comm.CommOptions(own_rows_first=orf)
     groups = groups_for(c)
     q, k, v, do = make_inputs(1, s_local * p, B, HQ, HKV, D)
     local = [shard(x, rank, p, causal).float().contiguous() for x in (q, k, v, do)]
     leaves = [x.clone().requires_grad_() for x in local[:3]]
-    out = st.startrail_attention(*leaves, groups, causal=causal, kernel="sdpa")  # agree once
+    out = st.startrail_attention(
+        *leaves, groups, causal=causal, kernel="sdpa", comm_options=comm
+    )  # agree once
     saved = sum(t.untyped_storage().nbytes() for t in out.grad_fn.saved_tensors if t is not None)
     saved_q_alias = out.grad_fn.saved_tensors[1].data_ptr() == leaves[0].data_ptr()
     out.backward(local[3])
@@ -88,19 +91,29 @@ def _memory_rank(rank, world, c, s_local, causal):
     with LiveBytes() as mem:
         for x in [*leaves, local[3]]:
             mem.hold(x)
-        out = st.startrail_attention(*leaves, groups, causal=causal, kernel="sdpa")
+        out = st.startrail_attention(
+            *leaves, groups, causal=causal, kernel="sdpa", comm_options=comm
+        )
         out.backward(local[3])
         del out
     return saved, saved_q_alias, mem.peak, kernel_ws
 
 
 @pytest.mark.parametrize(
-    "p,c",
-    [(8, 1), (4, 2), (8, 2), pytest.param(16, 4, marks=pytest.mark.slow)],
-    ids=["P8-C1", "P4-C2", "P8-C2", "P16-C4"],
+    "p,c,orf",
+    [
+        (8, 1, None),
+        (4, 2, None),
+        (8, 2, None),
+        (4, 2, True),
+        (8, 2, True),
+        pytest.param(16, 4, None, marks=pytest.mark.slow),
+    ],
+    ids=["P8-C1", "P4-C2", "P8-C2", "P4-C2-own-rows-first", "P8-C2-own-rows-first", "P16-C4"],
 )
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_kept_and_peak_memory_per_layout(p, c, causal):
+def test_kept_and_peak_memory_per_layout(p, c, orf, causal):
+    """``orf``: ``CommOptions(own_rows_first=)`` (None: the default, off on one host)."""
     s_local = 64
     shape = _shape(p, s_local)
     a_q = s_local * B * HQ * D * 4  # A: one local q (or out) tensor, bytes
@@ -108,7 +121,7 @@ def test_kept_and_peak_memory_per_layout(p, c, causal):
     lse = c * s_local * B * HQ * 4
     buffers = startrail_buffers(c, shape)
     caller = a_q + 2 * a_kv + a_q + a_q  # q, k, v leaves, dout, out
-    res = run_ranks(p, _memory_rank, c, s_local, causal)
+    res = run_ranks(p, _memory_rank, c, s_local, causal, orf)
     for r, (saved, alias, peak, kernel_ws) in enumerate(res):
         need = buffers
         # (C + 3) A with GQA's K,V at their own size: team q, own K,V, out; ring's q is q.

@@ -104,20 +104,21 @@ class _RecKernel:
         return self.inner.backward(*a, **kw)
 
 
-def _run_rank(rank, world, c, overlap, delay_s=0.0, sleep_s=0.0, causal=True):
+def _run_rank(rank, world, c, overlap, delay_s=0.0, sleep_s=0.0, causal=True, split=True):
     """One rank's forward and backward through recording comm objects: (outputs, the
-    forward's and the backward's event strings, the ledger's waits)."""
+    forward's and the backward's event strings, the ledger's waits). ``split=False``:
+    ``CommOptions(own_rows_first=False)``, the first step's calls kept whole."""
     p = world
     groups = groups_for(c)
     q, k, v, do = make_inputs(0, S_LOCAL * p, BATCH, HQ, HKV, D)
     local = [shard(x, rank, p, causal).to(torch.float64) for x in (q, k, v, do)]
     log, ledger = _Log(), st.CommLedger()
-    opts = CommOptions(overlap=overlap, delay_s=delay_s)
+    opts = CommOptions(overlap=overlap, delay_s=delay_s, own_rows_first=split)
     comms = (
         _RecTeam(TeamComm(groups.team_group, c, ledger, opts), log),
         _RecP2P(P2PComm(groups.cp_group, rank, ledger, opts), log),
     )
-    cx = RankContext(groups, causal, ledger, comms)
+    cx = RankContext(groups, causal, ledger, comms, comm_options=opts)
     kern, scale = resolve_kernel(local[0], "torch", None)
     kernel = _RecKernel(kern, log, sleep_s)
     out, saved = startrail_rank_forward(*local[:3], cx, scale, kernel)
@@ -137,15 +138,17 @@ def _runs(s: str) -> str:
 # The schedule of Note [overlap] for G = 2 sub-ring steps (C = 2 on 8 ranks): what is
 # started before each wait. ``(K+ )?``: a causal step may hold no call on some rank.
 FWD_C2 = (
-    r"start:kv_place start:q_team wait:q_team wait:kv_place "
-    r"start:kv (K\+ )?wait:kv "
+    # the first step's calls on the rank's own query rows run while the team's queries
+    # are gathered (``block_plan.split_own_rows``); the other rows after the wait
+    r"start:kv_place start:q_team wait:kv_place "
+    r"start:kv K\+ wait:q_team (K\+ )?wait:kv "
     # the last step by head groups: group 0's lse travels while group 1 computes, group
     # 0's out while group 1's lse travels
     r"(K\+ )?start:lse (K\+ )?start:lse wait:lse start:out wait:lse start:out wait:out wait:out"
 )
 BWD_C2 = (
-    r"start:dout start:delta start:kv_place wait:dout wait:delta wait:kv_place "
-    r"start:kv (K\+ )?start:dkv wait:kv "
+    r"start:dout start:delta start:kv_place wait:kv_place "
+    r"start:kv K\+ wait:dout wait:delta (K\+ )?start:dkv wait:kv "
     # the last step by head groups: group 0's dq travels while group 1 computes; the last
     # group's once the step's buffers are freed, beside the dK/dV parts going home
     r"(K\+ )?start:dq (K\+ )?wait:dkv start:dkv_home start:dq wait:dkv_home wait:dq wait:dq"
@@ -159,7 +162,17 @@ BWD_C1 = (
 )
 
 
-@pytest.mark.parametrize("world,c,fwd,bwd", [(8, 2, FWD_C2, BWD_C2), (4, 1, FWD_C1, BWD_C1)])
+# C = 2 on 4 ranks: G = 1, one step, no head groups; only the own rows hide the gathers.
+FWD_G1 = r"start:kv_place start:q_team wait:kv_place K\+ wait:q_team K\+ start:lse wait:lse start:out wait:out"
+BWD_G1 = (
+    r"start:dout start:delta start:kv_place wait:kv_place K\+ wait:dout wait:delta K\+ "
+    r"start:dkv_home start:dq wait:dkv_home wait:dq"
+)
+
+
+@pytest.mark.parametrize(
+    "world,c,fwd,bwd", [(8, 2, FWD_C2, BWD_C2), (4, 2, FWD_G1, BWD_G1), (4, 1, FWD_C1, BWD_C1)]
+)
 def test_waits_come_after_the_compute_that_does_not_need_them(world, c, fwd, bwd):
     res = run_ranks(world, _run_rank, c, True)
     q, k, v, do = make_inputs(0, S_LOCAL * world, BATCH, HQ, HKV, D)
@@ -170,9 +183,18 @@ def test_waits_come_after_the_compute_that_does_not_need_them(world, c, fwd, bwd
     for r, (_, f, b, _) in enumerate(res):
         assert re.fullmatch(fwd, _runs(f)), (r, _runs(f))
         assert re.fullmatch(bwd, _runs(b)), (r, _runs(b))
-    if c > 1:  # the second head group computes while the first one's lse (dq) travels
+    if (
+        world > c * c > 1
+    ):  # G > 1: the second head group computes while the first one's lse (dq) travels
         assert any("start:lse K+ start:lse" in _runs(f) for _, f, _, _ in res)
         assert any("start:dq K+" in _runs(b) for _, _, b, _ in res)
+    if c > 1:  # without the own rows first, the gathers are waited on before any call
+        plain = run_ranks(world, _run_rank, c, True, 0.0, 0.0, True, False)
+        for r, (outs, f, b, _) in enumerate(plain):
+            assert "K" not in f.split("wait:q_team")[0] and "K" not in b.split("wait:delta")[0], r
+            assert not re.fullmatch(fwd, _runs(f)) and not re.fullmatch(bwd, _runs(b)), r
+            for x, y in zip(outs, res[r][0]):
+                torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
     # Switched off (every transfer waited on as it starts), the same schedule fails the
     # patterns, and the results are bitwise the same.
     off = run_ranks(world, _run_rank, c, False)
@@ -233,6 +255,13 @@ def test_comm_options_checked():
             CommOptions(delay_s=bad)
     with pytest.raises(ValueError, match="overlap"):
         CommOptions(overlap=1)
+    with pytest.raises(ValueError, match="own_rows_first"):
+        CommOptions(own_rows_first="yes")
+    for bad in (-1.0, float("nan"), "1", True):
+        with pytest.raises(ValueError, match="delay_s_per_mib"):
+            CommOptions(delay_s_per_mib=bad)
+    # the delay a transfer gets: the fixed part plus the per-MiB part of what it moves
+    assert CommOptions(delay_s=0.01, delay_s_per_mib=0.5).delay_for(3 * 2**19) == 0.76
 
     class _H:
         def wait(self):
@@ -242,3 +271,23 @@ def test_comm_options_checked():
         start_transfer(_H(), None, "p2p", "kv", CommOptions(delay_s=0.1), host_waits=False)
     with pytest.raises(ValueError, match="comm_options"):
         st.attention.check_comm_options("fast", torch.zeros(1))
+
+
+def _per_mib_rank(rank, world):
+    """Each rank: one P2P exchange of 1 MiB with its neighbour and one all-gather of
+    0.5 MiB over both ranks, each delayed 80 ms per MiB it moves (``delay_s_per_mib``):
+    the ledger's time of each, from issue to the end of its wait."""
+    ledger = st.CommLedger()
+    opts = CommOptions(delay_s_per_mib=0.08)
+    p2p = P2PComm(None, rank, ledger, opts)
+    team = TeamComm(None, world, ledger, opts)
+    x = torch.zeros(2**18)  # 1 MiB of float32
+    p2p.exchange(x, 1 - rank, 1 - rank, "kv").wait()
+    team.all_gather_start(x[: 2**17], "q_team").wait()  # receives (C - 1) x 0.5 MiB
+    return {k: w["in_flight_s"] + w["exposed_s"] for k, w in ledger.waits().items()}
+
+
+def test_delay_per_mib_follows_the_bytes_moved():
+    for r, waits in enumerate(run_ranks(2, _per_mib_rank)):
+        assert 0.08 <= waits["fwd/p2p/kv"] < 0.08 + 0.5, (r, waits)
+        assert 0.04 <= waits["fwd/collective/q_team"] < 0.08, (r, waits)

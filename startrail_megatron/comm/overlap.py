@@ -61,13 +61,43 @@ class CommOptions:
     delay_s: float = 0.0
     """Each transfer completes no sooner than this many seconds after its issue (CPU
     ranks only: the benchmark's injected slowness)."""
+    delay_s_per_mib: float = 0.0
+    """And this many seconds more per MiB the transfer moves (the larger of what the rank
+    sends and receives): a link of finite bandwidth, so larger transfers take longer (CPU
+    ranks only)."""
+    own_rows_first: bool | None = None
+    """StarTrail (C > 1, dense, no dropout): True runs the first step's calls on the
+    rank's own query rows before the team's queries (forward) and output gradients
+    (backward) are waited on (``block_plan.split_own_rows``): the same pairs in a few more
+    calls, the gathers hidden behind them. False keeps that step's calls whole. None
+    (default): True where the gather would outlast the initial placement it starts
+    beside (``block_plan.own_rows_first_pays``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.overlap, bool):
             raise ValueError(f"comm_options.overlap={self.overlap!r} must be True or False")
-        d = self.delay_s
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d < 0:
-            raise ValueError(f"comm_options.delay_s={d!r} must be a finite number of seconds >= 0")
+        if self.own_rows_first is not None and not isinstance(self.own_rows_first, bool):
+            raise ValueError(
+                f"comm_options.own_rows_first={self.own_rows_first!r} must be True, False or "
+                "None (automatic)"
+            )
+        for name in ("delay_s", "delay_s_per_mib"):
+            d = getattr(self, name)
+            bad = isinstance(d, bool) or not isinstance(d, (int, float))
+            if bad or not math.isfinite(d) or d < 0:
+                raise ValueError(
+                    f"comm_options.{name}={d!r} must be a finite number of seconds >= 0"
+                )
+
+    @property
+    def delays(self) -> bool:
+        """Whether any delay is injected."""
+        return bool(self.delay_s or self.delay_s_per_mib)
+
+    def delay_for(self, nbytes: int) -> float:
+        """The least time a transfer moving ``nbytes`` takes: ``delay_s`` plus
+        ``delay_s_per_mib`` per MiB."""
+        return self.delay_s + self.delay_s_per_mib * nbytes / 2**20
 
 
 DEFAULT_COMM = CommOptions()
@@ -76,11 +106,12 @@ DEFAULT_COMM = CommOptions()
 def refuse_device_delay(options: CommOptions) -> None:
     """``ValueError`` for an injected delay on tensors whose waits do not block the host
     (CUDA): a host-side sleep would not slow the transfer on its stream."""
-    if options.delay_s:
-        raise ValueError(
-            f"comm_options.delay_s={options.delay_s} is for CPU ranks: on CUDA a host-side "
-            "delay does not slow the transfer on its stream; allowed on CUDA: 0"
-        )
+    for name in ("delay_s", "delay_s_per_mib"):
+        if getattr(options, name):
+            raise ValueError(
+                f"comm_options.{name}={getattr(options, name)} is for CPU ranks: on CUDA a "
+                "host-side delay does not slow the transfer on its stream; allowed on CUDA: 0"
+            )
 
 
 class DoneHandle:
@@ -101,10 +132,16 @@ class TimedHandle:
     """A transfer's handle with the injected delay and the ledger's overlap record."""
 
     def __init__(
-        self, inner, ledger: CommLedger | None, kind: str, what: str, options: CommOptions
+        self,
+        inner,
+        ledger: CommLedger | None,
+        kind: str,
+        what: str,
+        options: CommOptions,
+        moved: int = 0,
     ):
         self._inner, self._ledger, self._kind, self._what = inner, ledger, kind, what
-        self._delay = options.delay_s
+        self._delay = options.delay_for(moved)
         self._phase = None if ledger is None else ledger.phase
         self._t0 = time.perf_counter()
 
@@ -125,16 +162,23 @@ class TimedHandle:
 
 
 def start_transfer(
-    inner, ledger: CommLedger | None, kind: str, what: str, options: CommOptions, host_waits: bool
+    inner,
+    ledger: CommLedger | None,
+    kind: str,
+    what: str,
+    options: CommOptions,
+    host_waits: bool,
+    moved: int = 0,
 ):
-    """The handle to give the schedule for a transfer just issued (``inner``): timed where
-    waits block the host (``host_waits``), waited on at once without ``overlap``."""
+    """The handle to give the schedule for a transfer just issued (``inner``) that moves
+    ``moved`` bytes: timed where waits block the host (``host_waits``), waited on at once
+    without ``overlap``."""
     if not host_waits:
         refuse_device_delay(options)
         if not options.overlap:
             return DoneHandle(inner.wait())
         return inner
-    h = TimedHandle(inner, ledger, kind, what, options)
+    h = TimedHandle(inner, ledger, kind, what, options, moved)
     if not options.overlap:
         return DoneHandle(h.wait())
     return h

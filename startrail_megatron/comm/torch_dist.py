@@ -129,8 +129,9 @@ class TeamComm:
             self.ledger.record("collective", name, what, sent)
         host = x.device.type != "cuda"
         return start_transfer(
-            P2PHandle([work], out, failed, x), self.ledger, "collective", what, self.options, host
-        )
+            P2PHandle([work], out, failed, x), self.ledger, "collective", what, self.options, host,
+            sent,
+        )  # fmt: skip
 
     def all_gather_start(self, x: Tensor, what: str):
         """Start gathering ``[n, ...]`` from every rank; the handle gives ``[size*n, ...]``,
@@ -252,7 +253,11 @@ class P2PComm:
                 self.ledger.record("p2p", "send", what, nbytes(t), d)
         host = device.type != "cuda"
         handle = P2PHandle(works, result, failed, [t for _, t in sent])
-        return start_transfer(handle, self.ledger, "p2p", what, self.options, host)
+        out_b = sum(nbytes(t) for _, t in sent)
+        in_b = sum(nbytes(o.tensor) for o in ops if o.op is dist.irecv)
+        return start_transfer(
+            handle, self.ledger, "p2p", what, self.options, host, max(out_b, in_b)
+        )  # fmt: skip
 
     def exchange_many(self, sends, srcs, like: Tensor, what: str, out: Tensor | None = None):
         """Send each ``(dst, tensor)``, receive one tensor like ``like`` from each of
@@ -306,20 +311,22 @@ class _AllToAllTap(torch.autograd.Function):
     and sleeps ``delay_s`` beside each (a blocking transfer: the delay is all exposed)."""
 
     @staticmethod
-    def forward(ctx, x, ledger, size, what, grad_what, delay_s):
-        ctx.ledger, ctx.size, ctx.grad_what, ctx.delay_s = ledger, size, grad_what, delay_s
-        _tap(ledger, "collective", what, all_to_all_bytes(x, size), delay_s)
+    def forward(ctx, x, ledger, size, what, grad_what, options):
+        ctx.ledger, ctx.size, ctx.grad_what, ctx.options = ledger, size, grad_what, options
+        _tap(ledger, "collective", what, all_to_all_bytes(x, size), options)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.ledger is not None:
             ctx.ledger.phase = "bwd"
-        _tap(ctx.ledger, "collective", ctx.grad_what, all_to_all_bytes(grad, ctx.size), ctx.delay_s)
+        nb = all_to_all_bytes(grad, ctx.size)
+        _tap(ctx.ledger, "collective", ctx.grad_what, nb, ctx.options)
         return grad, None, None, None, None, None
 
 
-def _tap(ledger: CommLedger | None, kind: str, what: str, nb: int, delay_s: float) -> None:
+def _tap(ledger: CommLedger | None, kind: str, what: str, nb: int, options: CommOptions) -> None:
+    delay_s = options.delay_for(nb)
     if delay_s:
         time.sleep(delay_s)
     if ledger is not None:
@@ -339,7 +346,7 @@ def tap_all_to_all(
     size: int,
     what: str,
     grad_what: str,
-    delay_s: float = 0.0,
+    options: CommOptions = DEFAULT_COMM,
 ) -> Tensor:
     """Account an all-to-all that another library performs on ``x`` (and on its gradient).
 
@@ -347,10 +354,10 @@ def tap_all_to_all(
     placing this identity at the tensor that crosses each one records the
     transfer in ``ledger`` (``what`` in the forward, ``grad_what`` when the
     gradient crosses back in the backward). Tests compare these records with
-    the ``torch.distributed.all_to_all_single`` calls actually made. ``delay_s``
-    (``CommOptions.delay_s``, CPU ranks) sleeps beside each, as a slower link would
-    make the blocking all-to-all take that much longer.
+    the ``torch.distributed.all_to_all_single`` calls actually made. ``options``'
+    injected delay (``CommOptions.delay_for`` its bytes, CPU ranks) is slept beside
+    each, as a slower link would make the blocking all-to-all take that much longer.
     """
-    if (ledger is None and not delay_s) or size == 1:
+    if (ledger is None and not options.delays) or size == 1:
         return x
-    return _AllToAllTap.apply(x, ledger, size, what, grad_what, delay_s)
+    return _AllToAllTap.apply(x, ledger, size, what, grad_what, options)

@@ -1,0 +1,177 @@
+"""The first step's own query rows first (issue 16): exact, it ran, and its default.
+
+``CommOptions(own_rows_first=True)`` splits the first computed step's kernel calls by query
+rows (``block_plan.split_own_rows``): the rank's own rows run while the team's queries
+(forward) and output gradients (backward) are gathered, then the other rows. The outputs
+and all gradients match float64 attention (1e-10) on several layouts, causal, full and
+windowed; each rank's count of kernel calls equals the split plan's, which is larger than
+the unsplit plan's (so the split ran), and with ``False`` it equals the unsplit plan's.
+The default (``None``) splits only where the rank's team spans hosts and the gather carries
+more bytes than the placement (``own_rows_first_pays``): checked with faked host names.
+The order of waits and calls is checked in ``test_overlap.py``.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from common import TOL, assert_matches_reference, groups_for, make_inputs, reference, shard
+from harness import run_ranks
+
+import startrail_megatron as st
+from startrail_megatron.block_plan import (
+    normalize_window,
+    own_rows_first_pays,
+    own_team_rows,
+    split_own_rows,
+    startrail_active_steps,
+    startrail_step_rows,
+    startrail_step_window_rows,
+    tail_head_groups,
+)
+from startrail_megatron.comm import CommOptions
+from startrail_megatron.kernels import TorchKernel
+
+S_LOCAL, BATCH, D = 4, 2, 8
+
+
+class _Counting(TorchKernel):
+    """The reference kernel, counting its forward and backward calls, and those that read
+    the rank's own q (forward) or dout (backward) tensors, not the gathered team's."""
+
+    def __init__(self, q_local, do_local):
+        super().__init__()
+        self.mine = {"fwd": _ptr(q_local), "bwd": _ptr(do_local)}
+        self.calls = {"fwd": 0, "bwd": 0, "fwd_own": 0, "bwd_own": 0}
+
+    def forward(self, q, *a, **kw):
+        self.calls["fwd"] += 1
+        self.calls["fwd_own"] += _ptr(q) == self.mine["fwd"]
+        return super().forward(q, *a, **kw)
+
+    def backward(self, do, *a, **kw):
+        self.calls["bwd"] += 1
+        self.calls["bwd_own"] += _ptr(do) == self.mine["bwd"]
+        return super().backward(do, *a, **kw)
+
+
+def _ptr(x):
+    return x.untyped_storage().data_ptr()
+
+
+def _expected_calls(lay, r, causal, window, hq, hkv, split):
+    """Kernel calls of rank r in one forward (the backward makes the same), and how many
+    of them are on its own rows: the computed steps' calls, the first step split where
+    ``split``, the last step's once per head group (the own rows' calls, made before the
+    groups, once)."""
+    band = None if window is None else normalize_window(window, lay.cp_size * S_LOCAL, causal)
+    steps = lay.computed_steps(r, startrail_active_steps(lay, causal, S_LOCAL, band, None))
+    groups = len(tail_head_groups(lay, hq, hkv, False))
+    n = mine = 0
+    for i, step in enumerate(steps):
+        if band is None:
+            calls = startrail_step_rows(lay, r, step, causal, S_LOCAL)
+        else:
+            calls = startrail_step_window_rows(lay, r, step, causal, S_LOCAL, band)
+        own = ()
+        if i == 0 and split:
+            own, calls = split_own_rows(calls, own_team_rows(lay, r, causal, S_LOCAL))
+        n += len(own) + len(calls) * (groups if i == len(steps) - 1 else 1)
+        mine = mine if i else len(own)
+    return {"fwd": n, "bwd": n, "fwd_own": mine, "bwd_own": mine}
+
+
+def _run(rank, world, groups, causal, hq, hkv, window, orf):
+    q, k, v, do = make_inputs(0, S_LOCAL * world, BATCH, hq, hkv, D)
+    zig = causal or window is not None  # windows take the zigzag layout, causal or not
+    local = [shard(x, rank, world, zig).to(torch.float64).requires_grad_() for x in (q, k, v)]
+    do_local = shard(do, rank, world, zig).to(torch.float64).contiguous()
+    kern = _Counting(local[0], do_local)
+    out = st.startrail_attention(
+        *local, groups, causal=causal, kernel=kern, window=window,
+        comm_options=CommOptions(own_rows_first=orf),
+    )  # fmt: skip
+    out.backward(do_local)
+    return [out.detach(), *(x.grad for x in local)], kern.calls
+
+
+def _case(rank, world, c, placement, causal, hq, hkv, window):
+    groups = groups_for(c, placement)
+    return [_run(rank, world, groups, causal, hq, hkv, window, orf) for orf in (True, False)]
+
+
+CASES = [
+    pytest.param(4, 2, "team", True, (8, 2), None, id="P4-C2-G1-causal-gqa"),
+    pytest.param(4, 2, "team", False, (4, 4), None, id="P4-C2-G1-full"),
+    pytest.param(8, 2, "team", True, (4, 4), None, id="P8-C2-team-causal"),
+    pytest.param(8, 2, "ring", True, (8, 2), None, id="P8-C2-ring-causal-gqa"),
+    pytest.param(8, 2, "ring", False, (4, 2), None, id="P8-C2-ring-full"),
+    pytest.param(8, 2, "team", True, (4, 2), (5, 0), id="P8-C2-window"),
+    pytest.param(8, 2, "team", False, (4, 2), (3, 2), id="P8-C2-full-window"),
+    pytest.param(9, 3, "ring", True, (6, 3), None, id="P9-C3-causal"),
+]
+
+
+@pytest.mark.parametrize("p,c,placement,causal,heads,window", CASES)
+def test_own_rows_first_matches_fp64_and_ran(p, c, placement, causal, heads, window):
+    hq, hkv = heads
+    res = run_ranks(p, _case, c, placement, causal, hq, hkv, window)
+    q, k, v, do = make_inputs(0, S_LOCAL * p, BATCH, hq, hkv, D)
+    ref = reference(q, k, v, do, causal, window=window)
+    lay = st.StarTrailLayout(p, c, placement)
+    for on_off, split in ((0, True), (1, False)):
+        runs = [r[on_off] for r in res]
+        zig = causal or window is not None
+        assert_matches_reference(runs, ref, zig, torch.float64, TOL[torch.float64])
+        for r, (_, calls) in enumerate(runs):
+            want = _expected_calls(lay, r, causal, window, hq, hkv, split)
+            assert calls == want, (r, split, calls, want)
+            if not split:  # no call reads the rank's own q or dout without the split
+                assert calls["fwd_own"] == calls["bwd_own"] == 0, (r, calls)
+        # with it, the ranks' own rows ran first (under a narrow window a rank's own rows
+        # may see nothing of the first step's K,V: the plan above says where)
+        own = [r[1]["fwd_own"] > 0 and r[1]["bwd_own"] > 0 for r in runs]
+        assert any(own) == split and (all(own) or not split or window is not None), own
+
+
+def _hosts_case(rank, world, c, hq, hkv):
+    """Groups created with faked host names (two ranks per host), then one default call."""
+    real = socket.gethostname
+    socket.gethostname = lambda: f"host{rank // 2}"
+    try:
+        spread = st.StarTrailGroups.create(c, placement="ring")  # teams: ranks r, r + 4
+        packed = st.StarTrailGroups.create(c, placement="team")  # teams: ranks 2t, 2t + 1
+    finally:
+        socket.gethostname = real
+    return [
+        (g.team_hosts, _run(rank, world, g, True, hq, hkv, None, None)[1]) for g in (spread, packed)
+    ]
+
+
+@pytest.mark.parametrize("heads", [(8, 1), (4, 4)], ids=["mqa", "mha"])
+def test_default_splits_where_the_team_spans_hosts_and_the_gather_is_larger(heads):
+    hq, hkv = heads
+    p, c = 8, 2
+    res = run_ranks(p, _hosts_case, c, hq, hkv)
+    for placement, i in (("ring", 0), ("team", 1)):
+        lay = st.StarTrailLayout(p, c, placement)
+        for r, per_groups in enumerate(res):
+            hosts, calls = per_groups[i]
+            assert hosts == (2 if placement == "ring" else 1), (placement, r, hosts)
+            split = own_rows_first_pays(lay, hq, hkv, hosts)
+            assert split == (placement == "ring" and hq > 4 * hkv)
+            assert calls == _expected_calls(lay, r, True, None, hq, hkv, split), (placement, r)
+
+
+def test_own_rows_first_rule():
+    lay = st.StarTrailLayout
+    assert not own_rows_first_pays(lay(8, 1), 32, 1, 2)  # no team
+    assert not own_rows_first_pays(lay(8, 2), 32, 1, 1)  # the team inside one host
+    assert own_rows_first_pays(lay(8, 2), 32, 4, 2)  # (C-1) hq = 32 > 2 C hkv = 16
+    assert not own_rows_first_pays(lay(8, 2), 32, 8, 2)  # 32 = 32: the placement ends last
+    assert own_rows_first_pays(lay(16, 4), 32, 8, 3)  # 96 > 64
+    assert not own_rows_first_pays(lay(16, 4), 32, 32, 4)
+    with pytest.raises(ValueError, match="own_rows_first"):
+        CommOptions(own_rows_first=1)
