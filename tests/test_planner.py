@@ -495,6 +495,45 @@ def test_startrail_prediction_counts_each_ranks_own_sum():
     assert predict(Strategy("startrail", 2), cl, shape).attn_fwd_s == pytest.approx(own_sum)
 
 
+def test_own_rows_first_priced_as_the_code_runs_it():
+    """The first step's own rows first (``CommOptions(own_rows_first=)``): the planner
+    counts the split's calls and hides the team gather behind the own rows' calls, and its
+    default follows the code's rule (``own_rows_first_pays``: the team across nodes, the
+    gather larger than the placement)."""
+    from startrail_megatron.layout import StarTrailLayout
+    from startrail_megatron.planner.compute import startrail_own_shapes, startrail_work
+    from startrail_megatron.planner.times import startrail_times
+
+    base = CLUSTER_PRESETS["h100-ib"]
+    on, off = base.with_(own_rows_first=True), base.with_(own_rows_first=False)
+    # the split: the same pairs, more calls at the first step, none where it is off
+    lay = StarTrailLayout(32, 4, "team")
+    whole, split = startrail_work(lay, True, 2048), startrail_work(lay, True, 2048, own_first=True)
+    for s in range(lay.ring_size):
+        for r in range(32):
+            (f0, d0, _), (f1, d1, _) = whole[s][r][0], split[s][r][0]
+            assert f0 + d0 == f1 + d1  # pairs (part of a diagonal block becomes full)
+            assert split[s][r][1] >= whole[s][r][1] + (s == 0)  # calls
+    assert all(startrail_own_shapes(lay, True, 2048, own_first=True))
+    assert not any(startrail_own_shapes(lay, True, 2048))
+    # GQA (4 K,V heads of 32) on the ring placement at P = 32: teams span nodes and the
+    # q gather outlasts the placement; the split is faster, and the default takes it
+    gqa = AttnShape(32, 2048, 1, 32, 4, 128)
+    ring = StarTrailLayout(32, 2, "ring")
+    t_on, t_off, t_auto = (sum(startrail_times(ring, cl, gqa, None)) for cl in (on, off, base))
+    assert t_on < t_off and t_auto == t_on
+    # teams inside a node (team placement), or MHA: the gather ends first; the split only
+    # adds calls, and the default keeps the step whole
+    mha = AttnShape(32, 2048, 1, 32, 32, 128)
+    for lay_, shape in ((StarTrailLayout(32, 2, "team"), gqa), (ring, mha)):
+        t_on, t_off, t_auto = (
+            sum(startrail_times(lay_, cl, shape, None)) for cl in (on, off, base)
+        )
+        assert t_off < t_on and t_auto == t_off
+    with pytest.raises(SystemExit):
+        cli.main(["--own-rows-first", "maybe"])
+
+
 # ---- autotune --------------------------------------------------------------------------
 def test_autotune_picks_fastest_and_logs():
     cands = startrail_candidates(16)

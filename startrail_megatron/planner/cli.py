@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
         kind = int if flag in ("gpus_per_node", "nodes") else float
         p.add_argument(f"--{flag.replace('_', '-')}", type=kind, help="override the preset")
     p.add_argument("--no-overlap", action="store_true", help="communication never overlaps")
+    p.add_argument(
+        "--own-rows-first",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="StarTrail's first step: its own query rows' calls before the team gathers are "
+        "waited on (on), its calls whole (off), or the code's default rule (auto; "
+        "comm.CommOptions(own_rows_first=))",
+    )
     p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="gpt-7b")
     for f in _MODEL_FIELDS:
         p.add_argument(f"--{f.replace('_', '-')}", type=int, help="override the model preset")
@@ -128,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             changes[field] = v * scale if scale else v
     if args.no_overlap:
         changes["overlap"] = False
+    if args.own_rows_first != "auto":
+        changes["own_rows_first"] = args.own_rows_first == "on"
     base = MODEL_PRESETS[args.model]
     mchanges = {f: getattr(args, f) for f in _MODEL_FIELDS if getattr(args, f) is not None}
     if args.gated_mlp is not None:

@@ -51,6 +51,11 @@ class ClusterSpec:
     overlap: bool = True
     """Whether transfers in flight overlap compute and each other (``times``: the
     overlaps the code makes); False: every transfer's time adds up (gloo on shared cores)."""
+    own_rows_first: bool | None = None
+    """StarTrail's first step runs its calls on the rank's own query rows before waiting the
+    team gathers (a few more calls, the gathers hidden behind them) or not: the code's
+    ``comm.CommOptions(own_rows_first=)``; None: its default rule
+    (``block_plan.own_rows_first_pays``)."""
     causal_tile_waste: float = 64.0
     """Masked (q, k) pairs a causal call still computes per query row (diagonal tiles;
     about half the kernel's key-block size: 64 for flash-attn's 128-key blocks)."""
@@ -82,7 +87,10 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("name", "overlap", "reduce_scatter_via_allreduce", "kernel_q_blocks"):
+            if f.name in (
+                "name", "overlap", "own_rows_first", "reduce_scatter_via_allreduce",
+                "kernel_q_blocks",
+            ):  # fmt: skip
                 continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"cluster setting {f.name}={v!r} must be a number >= 0")

@@ -17,6 +17,9 @@ from ..block_plan import (
     allgather_calls,
     band_pairs,
     offset_band,
+    own_team_rows,
+    split_own_rows,
+    startrail_active_steps,
     startrail_step_packed_window_rows,
     startrail_step_rows,
     startrail_step_varlen,
@@ -34,6 +37,7 @@ __all__ = [
     "kernel_time",
     "kv_stream_bytes",
     "startrail_call_shapes",
+    "startrail_own_shapes",
     "startrail_work",
 ]
 
@@ -43,6 +47,37 @@ CallShape = tuple
 pairs) for a windowed call whose band holds ``pairs`` of its q x kv pairs."""
 
 
+def _step_calls(lay, r, step, causal, s_local, packed, window) -> tuple:
+    """Rank r's ``RowCall`` / ``WindowCall`` tuple at ``step`` (``RankContext.step_calls``)."""
+    if window is None:
+        return startrail_step_rows(lay, r, step, causal, s_local, packed)
+    if packed is not None:
+        return startrail_step_packed_window_rows(lay, r, step, causal, packed, window)
+    return startrail_step_window_rows(lay, r, step, causal, s_local, window)
+
+
+def _shape(call: tuple) -> CallShape:
+    a, b, c, d = call[:4]
+    if len(call) == 6:
+        return (b - a, d - c, False, band_pairs(b - a, d - c, call[4], call[5]))
+    return (b - a, d - c, call[4])
+
+
+def _first_split(lay, r, causal, s_local, packed, window, own_first):
+    """(the first step rank r computes, its own-row calls, the other calls) where the
+    attention splits that step (``split_own_rows``: C > 1, dense, ``own_first``; dropout,
+    which the planner does not model, would keep it whole), else None."""
+    if not own_first or lay.team_size == 1 or packed is not None:
+        return None
+    active = startrail_active_steps(lay, causal, s_local, window, None)
+    steps = lay.computed_steps(r, active)
+    if not steps:
+        return None
+    calls = _step_calls(lay, r, steps[0], causal, s_local, None, window)
+    own, rest = split_own_rows(calls, own_team_rows(lay, r, causal, s_local))
+    return steps[0], tuple(c for c, _ in own), rest
+
+
 @lru_cache(maxsize=256)
 def startrail_call_shapes(
     lay: StarTrailLayout,
@@ -50,39 +85,48 @@ def startrail_call_shapes(
     s_local: int,
     packed: PackedLayout | None = None,
     window: tuple[int | None, int | None] | None = None,
+    own_first: bool = False,
 ) -> tuple[tuple[tuple[CallShape, ...], ...], ...]:
     """[step][rank] -> the calls the attention makes (``block_plan.startrail_step_rows``,
     dense or per packed document; under a normalized ``window`` the banded calls of
-    ``startrail_step_window_rows`` with their pairs), in tokens."""
-    if window is not None:
+    ``startrail_step_window_rows`` with their pairs), in tokens. ``own_first`` (where the
+    attention's ``RankContext.split_first`` is true): the first step a rank computes is
+    split as the attention runs it, its own query rows first (``startrail_own_shapes``),
+    then the others (the same pairs, more calls)."""
+    splits = [
+        _first_split(lay, r, causal, s_local, packed, window, own_first) for r in range(lay.cp_size)
+    ]
+    out = []
+    for step in range(lay.ring_size):
+        row = []
+        for r in range(lay.cp_size):
+            split = splits[r]
+            if split is not None and split[0] == step:
+                calls = split[1] + split[2]
+            else:
+                calls = _step_calls(lay, r, step, causal, s_local, packed, window)
+            row.append(tuple(_shape(c) for c in calls))
+        out.append(tuple(row))
+    return tuple(out)
 
-        def rows(r, step):
-            if packed is not None:
-                return startrail_step_packed_window_rows(lay, r, step, causal, packed, window)
-            return startrail_step_window_rows(lay, r, step, causal, s_local, window)
 
-        return tuple(
-            tuple(
-                tuple(
-                    (b - a, d - c, False, band_pairs(b - a, d - c, lo, hi))
-                    for a, b, c, d, lo, hi in rows(r, step)
-                )
-                for r in range(lay.cp_size)
-            )
-            for step in range(lay.ring_size)
-        )
-    return tuple(
-        tuple(
-            tuple(
-                (q_hi - q_lo, kv_hi - kv_lo, cz)
-                for q_lo, q_hi, kv_lo, kv_hi, cz in startrail_step_rows(
-                    lay, r, step, causal, s_local, packed
-                )
-            )
-            for r in range(lay.cp_size)
-        )
-        for step in range(lay.ring_size)
-    )
+@lru_cache(maxsize=256)
+def startrail_own_shapes(
+    lay: StarTrailLayout,
+    causal: bool,
+    s_local: int,
+    packed: PackedLayout | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    own_first: bool = False,
+) -> tuple[tuple[CallShape, ...], ...]:
+    """[rank] -> the calls of its first computed step on its own query rows, which run
+    while the team's queries (forward) or output gradients (backward) are gathered
+    (``attention.py``'s Note [overlap]); empty where the step is not split."""
+    out = []
+    for r in range(lay.cp_size):
+        split = _first_split(lay, r, causal, s_local, packed, window, own_first)
+        out.append(() if split is None else tuple(_shape(c) for c in split[1]))
+    return tuple(out)
 
 
 def window_pairs(nq: int, nk: int, q0: int, k0: int, shape: AttnShape) -> int:
@@ -138,12 +182,14 @@ def startrail_work(
     packed: PackedLayout | None = None,
     varlen: bool = False,
     window: tuple[int | None, int | None] | None = None,
+    own_first: bool = False,
 ) -> tuple:
     """[step][rank] -> ``call_work`` of that rank's calls at that step. ``varlen``: packed
     documents on a variable-length kernel, whose calls are the grouped ones
     (``block_plan.startrail_step_varlen``: the same pairs in fewer calls); ``window``: a
-    normalized sliding window (``AttnShape.band``)."""
-    steps = startrail_call_shapes(lay, causal, s_local, packed, window)
+    normalized sliding window (``AttnShape.band``); ``own_first``: the first step split as
+    ``startrail_call_shapes`` says."""
+    steps = startrail_call_shapes(lay, causal, s_local, packed, window, own_first)
     out = []
     for step, row in enumerate(steps):
         works = []

@@ -3,15 +3,16 @@
 Each overlap charged here is one the code makes (``attention.py``'s Note [overlap];
 the line of ``startrail_rank_forward`` / ``_backward`` is named beside each term), and
 only when ``cl.overlap``; otherwise the terms add up. StarTrail forward = max(q
-all-gather, initial KV placement: each member's K,V to the C first holders, a fan-out)
-(started together) + G ring steps (a pipeline with the schedule's dependencies,
+all-gather less the first step's calls on the rank's own rows (``split_own_rows``: they
+run before the wait), initial KV placement: each member's K,V to the C first holders, a
+fan-out) (started together) + G ring steps (a pipeline with the schedule's dependencies,
 ``ring_pipeline``; with equal compute, step s: max(compute_s, send KV) with overlap,
 their sum without; under a window only the steps a sub-ring computes, the KV jumping past
 idle ones: ``block_plan.startrail_active_steps``) + team combine (lse all-gather, out
 reduce-scatter; per head group of the last step, all but the last group's hidden behind
 the next group's compute).
-Backward = max(dout and delta all-gathers, initial placement) + G steps (KV and dK/dV
-in flight) + max(dq reduce-scatter, the dK/dV parts sent home: a fan-in), the dq
+Backward = max(dout and delta all-gathers less the own rows' calls, initial placement) + G
+steps (KV and dK/dV in flight) + max(dq reduce-scatter, the dK/dV parts sent home: a fan-in), the dq
 reduce-scatter per head group of the last step as the forward's combine. Nothing
 overlaps the layer's QKV projection (the code does not split it). All-gather-KV and Ulysses
 expose their collectives (no overlap), as their reference implementations do by
@@ -20,13 +21,14 @@ default.
 
 from __future__ import annotations
 
-from ..block_plan import tail_head_groups
+from ..block_plan import own_rows_first_pays, tail_head_groups
 from ..layout import StarTrailLayout
 from .cluster import ClusterSpec
 from .compute import (
     allgather_call_shapes,
     call_work,
     kernel_time,
+    startrail_own_shapes,
     startrail_work,
     ulysses_call_shapes,
 )
@@ -97,7 +99,11 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     e, a = shape.elem_bytes, shape.acc_bytes
     team_kv = lay.team_size * 2 * ukv
     kv_msg, dkv_msg = team_kv * e, team_kv * a
-    work = startrail_work(lay, shape.causal, shape.s_local, shape.packed, shape.varlen, shape.band)
+    key, orf = (lay, shape.causal, shape.s_local, shape.packed), cl.own_rows_first
+    if orf is None:  # the code's default (RankContext.split_first)
+        hosts = max(len({cl.node(r) for r in team}) for team in lay.all_team_ranks())
+        orf = own_rows_first_pays(lay, shape.heads_q, shape.heads_kv, hosts)
+    work = startrail_work(*key, shape.varlen, shape.band, orf)
     g = lay.ring_size
 
     def both(x: float, y: float) -> float:
@@ -158,14 +164,29 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     comp_f, comp_b = comp(False), comp(True)
     t_init = fan(lambda r: lay.placement_targets(r, active), 2 * ukv * e)
     prev = [lay.ring_prev(r) for r in range(p)]
-    # Forward: place = initial_placement(kv_local); q_h = all_gather_start(q) ...
-    fwd = both(gather(c1 * uq * e), t_init)
+    own = [call_work(x) for x in startrail_own_shapes(*key, shape.band, orf)]
+
+    def first(t_gather: float, bwd: bool) -> float:
+        """A team gather and the placement, started together: each rank waits the
+        placement, makes its first step's calls on its own rows (``split_own_rows``; their
+        time is in the pipeline's first step), then waits the gather."""
+        if not cl.overlap:
+            return t_gather + t_init
+        return max(
+            max(t_init, t_gather - (kernel_time(cl, shape, pr, nc, bwd, sh) if nc else 0.0))
+            for pr, nc, sh in own
+        )
+
+    # Forward: place = initial_placement(kv_local); q_h = all_gather_start(q); the own
+    # rows' calls (step_calls(own_first=True)); q_h.wait() ...
+    fwd = first(gather(c1 * uq * e), False)
     fwd += pipeline(comp_f, jump(kv_msg) if g > 1 else 0.0)
     # lse all-gather, out reduce-scatter: per head group of the last step (_TailCombine);
     # all but the last group's travel while the next group computes (tail_head_groups)
     fwd += tail(gather(c1 * lay.team_size * rows * a) + scatter(c1 * uq * a), comp_f)
-    # Backward: do_h, delta_h = all_gather_start(...); place = initial_placement(kv_local)
-    bwd = both(gather(c1 * (uq * e + rows * a)), t_init)
+    # Backward: do_h, delta_h = all_gather_start(...); place = initial_placement(kv_local);
+    # the own rows' calls with local dout and delta; do_h.wait(), delta_h.wait() ...
+    bwd = first(gather(c1 * (uq * e + rows * a)), True)
     x = jump(kv_msg + dkv_msg) if g > 1 else 0.0  # KV and dK/dV share the link
     bwd += pipeline(comp_b, x, x)
     home = fan(lambda r: lay.dkv_home_targets(r, active), 2 * ukv * a)
