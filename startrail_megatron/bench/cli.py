@@ -23,7 +23,10 @@ Overlap (CPU ranks): each row's ``hidden`` is, per rank, the fraction of its
 transfers' time spent in flight while the rank did other work rather than blocked
 in a wait (``CommLedger.waits``). ``--comm-delay-ms D`` also times every strategy
 with each transfer slowed to take at least D ms, once overlapped and once with
-every transfer waited on as it starts (``comm.CommOptions``), in the same rounds.
+every transfer waited on as it starts (``comm.CommOptions``), in the same rounds;
+``--comm-delay-ms-per-mib M`` adds M ms per MiB the transfer moves (a link of finite
+bandwidth: larger transfers take longer). ``--own-rows-first on|off`` sets
+StarTrail's first-step split (``CommOptions(own_rows_first=)``) for a comparison.
 
 Outputs: a table on stdout, ``--json`` (all numbers), ``--png`` (time and
 bytes per strategy). Runs on CPU with gloo (spawns ``--nproc`` ranks), or
@@ -103,6 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time every strategy with each transfer slowed to take at least this long "
         "(CPU ranks), overlapped and with overlap off, side by side (0: off)",
     )
+    p.add_argument(
+        "--comm-delay-ms-per-mib",
+        type=float,
+        default=0.0,
+        help="with the delay: this many ms more per MiB each transfer moves (0: off)",
+    )
+    p.add_argument(
+        "--own-rows-first",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="StarTrail's first step: its own query rows' calls before the team gathers are "
+        "waited on (on), its calls whole (off), or the default rule (auto: off on one host; "
+        "comm.CommOptions(own_rows_first=))",
+    )
     p.add_argument("--strategies", nargs="*", help="only these names (e.g. ring startrail-C2-team)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference")
     p.add_argument("--seed", type=int, default=0)
@@ -142,13 +159,16 @@ def run(argv: list[str] | None = None) -> dict:
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
-    if not (args.comm_delay_ms >= 0 and math.isfinite(args.comm_delay_ms)):
-        p.error(f"--comm-delay-ms {args.comm_delay_ms} must be a finite number >= 0")
-    if args.comm_delay_ms and args.cuda:
-        p.error(
-            "--comm-delay-ms is for CPU ranks: on CUDA a host-side delay does not slow a "
-            "transfer on its stream; allowed on CUDA: 0"
-        )
+    for flag in ("comm_delay_ms", "comm_delay_ms_per_mib"):
+        v = getattr(args, flag)
+        name = "--" + flag.replace("_", "-")
+        if not (v >= 0 and math.isfinite(v)):
+            p.error(f"{name} {v} must be a finite number >= 0")
+        if v and args.cuda:
+            p.error(
+                f"{name} is for CPU ranks: on CUDA a host-side delay does not slow a "
+                "transfer on its stream; allowed on CUDA: 0"
+            )
     if world < 1:
         p.error("--nproc must be >= 1")
     if args.seq_len % (2 * world):

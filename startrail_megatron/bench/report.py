@@ -12,7 +12,8 @@ def format_table(report: dict) -> str:
         f"P={c['nproc']} ranks ({report['environment']['backend']}, "
         f"{report['environment']['device']}), seq {c['seq_len']}, batch {c['batch']}, "
         f"{c['heads']} q / {c['kv_heads']} kv heads, head_dim {c['head_dim']}, {c['dtype']}, "
-        f"{'causal' if c['causal'] else 'full'}; {c['repeats']} repeats after {c['warmup']} warm-up",
+        f"{'causal' if c['causal'] else 'full'}; {c['repeats']} repeats after {c['warmup']} warm-up"
+        f"; own rows first: {c.get('own_rows_first', 'auto')}",
         f"{'strategy':22s}{'median ms':>10s}{'IQR ms':>8s}{'fwd P2P':>10s}{'fwd coll':>10s}"
         f"{'bwd P2P':>10s}{'bwd coll':>10s}{'calls':>7s}{'peak MiB':>9s}{'max err':>9s}"
         f"{'min ms':>9s}{'model ms':>9s}{'mod/min':>9s}{'model med':>10s}{'mod/med':>9s}"
@@ -39,7 +40,7 @@ def format_table(report: dict) -> str:
         "the median; hidden: the share of each rank's transfer time spent in flight while it "
         "computed, not blocked in a wait (min-max over ranks)"
     )
-    if c.get("comm_delay_ms"):
+    if c.get("comm_delay_ms") or c.get("comm_delay_ms_per_mib"):
         lines += _delay_table(report)
     return "\n".join(lines)
 
@@ -55,9 +56,11 @@ def _hidden_range(overlap: dict | None) -> str:
 
 def _delay_table(report: dict) -> list[str]:
     d = report["config"]["comm_delay_ms"]
+    per = report["config"].get("comm_delay_ms_per_mib", 0.0)
+    slow = f"{d:g} ms" + (f" + {per:g} ms per MiB it moves" if per else "")
     lines = [
         "",
-        f"every transfer slowed to at least {d:g} ms (median ms over the same rounds):",
+        f"every transfer slowed to at least {slow} (median ms over the same rounds):",
         f"{'strategy':22s}{'no delay':>10s}{'overlap':>10s}{'no overlap':>12s}{'hidden ms':>11s}"
         f"{'hidden %':>11s}{'exposed ms':>12s}",
     ]

@@ -99,17 +99,28 @@ def _max_rel_error(mine: list, ref, rank: int, world: int, causal: bool) -> floa
     return max(errs) if rank == 0 else None
 
 
+OWN_ROWS_FIRST = {"auto": None, "on": True, "off": False}
+"""``--own-rows-first`` -> ``CommOptions(own_rows_first=)``."""
+
+
+def comm_options(args, **kw) -> CommOptions:
+    """The transfers' options of every timed call: ``--own-rows-first`` and ``kw``."""
+    orf = OWN_ROWS_FIRST[getattr(args, "own_rows_first", "auto")]
+    return CommOptions(own_rows_first=orf, **kw)
+
+
 def _prepare(st: Strategy, args, device: torch.device, causal: bool, local, ref, rank, world):
     """One strategy's timed step, after one accounted run checked against the reference,
     a peak-memory measurement and the warm-up: (step, (strategy, error, peak, ledger))."""
     attn = attention_fn(st, causal)  # StarTrail creates its groups here
     q0, k0, v0, do = local
     leaves = [x.clone().requires_grad_() for x in (q0, k0, v0)]
+    base = comm_options(args)
 
     def step(ledger=None, comm=None, attn=attn, leaves=leaves):
         for x in leaves:
             x.grad = None
-        out = attn(*leaves, ledger, comm)
+        out = attn(*leaves, ledger, base if comm is None else comm)
         out.backward(do)
         return out
 
@@ -213,8 +224,10 @@ def _calibrate(
     shape: AttnShape,
     world: int,
     device,
+    own_rows_first: bool | None = None,
 ) -> tuple[ClusterSpec, ClusterSpec]:
-    """Fit the cost model to the microbenchmarks and add its prediction to every row."""
+    """Fit the cost model to the microbenchmarks and add its prediction to every row
+    (StarTrail's first step split as the run's ``--own-rows-first``)."""
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     fit = dict(
         num_ranks=world,
@@ -224,8 +237,8 @@ def _calibrate(
     )
     # Like for like: the model calibrated on each microbenchmark's fastest round predicts
     # the fastest round of each strategy; calibrated on their medians, the median.
-    cluster = fit_cluster(micro, **fit)
-    cluster_median = fit_cluster(micro_median, **fit)
+    cluster = fit_cluster(micro, **fit).with_(own_rows_first=own_rows_first)
+    cluster_median = fit_cluster(micro_median, **fit).with_(own_rows_first=own_rows_first)
     for st, r in zip(strategies, results):
         pred = predict(st, cluster, shape).attn_s
         pred_med = predict(st, cluster_median, shape).attn_s
@@ -251,6 +264,8 @@ def _config(args, world: int, causal: bool) -> dict:
         "repeats": args.repeats,
         "threads_per_rank": args.threads,
         "comm_delay_ms": getattr(args, "comm_delay_ms", 0.0),
+        "comm_delay_ms_per_mib": getattr(args, "comm_delay_ms_per_mib", 0.0),
+        "own_rows_first": getattr(args, "own_rows_first", "auto"),
     }
 
 
@@ -298,9 +313,11 @@ def run_rank(rank: int, world: int, args) -> dict | None:
     names = [st.name for st in strategies]
     n_st = len(steps)
     delay_s = getattr(args, "comm_delay_ms", 0.0) / 1e3
+    per_mib = getattr(args, "comm_delay_ms_per_mib", 0.0) / 1e3
     delayed: list[dict | None] = []
-    if delay_s:  # the same steps with the injected delay, overlapped and not
-        modes = (CommOptions(delay_s=delay_s), CommOptions(overlap=False, delay_s=delay_s))
+    if delay_s or per_mib:  # the same steps with the injected delay, overlapped and not
+        slow = dict(delay_s=delay_s, delay_s_per_mib=per_mib)
+        modes = (comm_options(args, **slow), comm_options(args, overlap=False, **slow))
         for comm, label in zip(modes, (" +delay", " +delay no-overlap")):
             steps += [functools.partial(fn, comm=comm) for fn in steps[:n_st]]
             names += [nm + label for nm in names[:n_st]]
@@ -316,10 +333,11 @@ def run_rank(rank: int, world: int, args) -> dict | None:
     micro = {**micro_record(tasks, micro_times), "dims": dims}
     micro_median = {**micro_record(tasks, micro_times, statistics.median), "dims": dims}
     results = [_result(*row, ts, shape) for row, ts in zip(info, times)]
-    for j, r in enumerate(results if delay_s else []):
+    for j, r in enumerate(results if delay_s or per_mib else []):
         ov, no = times[n_st + j], times[2 * n_st + j]
         r["delay"] = {
             "delay_s": delay_s,
+            "delay_s_per_mib": per_mib,
             "overlap_median_s": statistics.median(ov),
             "no_overlap_median_s": statistics.median(no),
             "overlap_times_s": ov,
@@ -329,8 +347,9 @@ def run_rank(rank: int, world: int, args) -> dict | None:
     if rank != 0:
         return None
     cluster, cluster_median = _calibrate(
-        strategies, results, micro, micro_median, shape, world, device
-    )
+        strategies, results, micro, micro_median, shape, world, device,
+        OWN_ROWS_FIRST[getattr(args, "own_rows_first", "auto")],
+    )  # fmt: skip
     return {
         "config": _config(args, world, causal),
         "environment": _environment(device),
