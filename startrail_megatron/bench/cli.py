@@ -45,6 +45,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..planner.cli import add_own_rows_first
 from ..planner.strategies import candidate_strategies
 from ..spawn import spawn_local_ranks
 from .memory import PeakMemory
@@ -112,14 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="with the delay: this many ms more per MiB each transfer moves (0: off)",
     )
-    p.add_argument(
-        "--own-rows-first",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="StarTrail's first step: its own query rows' calls before the team gathers are "
-        "waited on (on), its calls whole (off), or the default rule (auto: off on one host; "
-        "comm.CommOptions(own_rows_first=))",
-    )
+    add_own_rows_first(p)
     p.add_argument("--strategies", nargs="*", help="only these names (e.g. ring startrail-C2-team)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference")
     p.add_argument("--seed", type=int, default=0)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..comm import CommLedger, CommOptions
 from ..planner.calibrate import fit_cluster
+from ..planner.cli import OWN_ROWS_FIRST
 from ..planner.cluster import ClusterSpec
 from ..planner.prediction import predict
 from ..planner.shape import AttnShape
@@ -97,10 +98,6 @@ def _max_rel_error(mine: list, ref, rank: int, world: int, causal: bool) -> floa
         if rank == 0:
             errs.append(rel_err(unshard(parts, causal).cpu(), ref[j]))
     return max(errs) if rank == 0 else None
-
-
-OWN_ROWS_FIRST = {"auto": None, "on": True, "off": False}
-"""``--own-rows-first`` -> ``CommOptions(own_rows_first=)``."""
 
 
 def comm_options(args, **kw) -> CommOptions:

@@ -36,6 +36,24 @@ _CLUSTER_OVERRIDES = {
 _MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
 
 
+OWN_ROWS_FIRST = {"auto": None, "on": True, "off": False}
+"""``--own-rows-first`` (``startrail-plan``, ``startrail-bench``) -> ``comm.CommOptions(
+own_rows_first=)`` / ``ClusterSpec.own_rows_first``."""
+
+
+def add_own_rows_first(p: argparse.ArgumentParser) -> None:
+    """The ``--own-rows-first auto|on|off`` option."""
+    p.add_argument(
+        "--own-rows-first",
+        choices=tuple(OWN_ROWS_FIRST),
+        default="auto",
+        help="StarTrail's first step: its own query rows' calls before the team gathers are "
+        "waited on (on), its calls whole (off), or the code's default rule (auto: on only "
+        "where the team spans hosts and the gather outweighs the placement; "
+        "comm.CommOptions(own_rows_first=))",
+    )
+
+
 def parse_size(text: str) -> int:
     """``65536``, ``64K``, ``1M`` -> tokens (K = 1024)."""
     m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
@@ -55,14 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         kind = int if flag in ("gpus_per_node", "nodes") else float
         p.add_argument(f"--{flag.replace('_', '-')}", type=kind, help="override the preset")
     p.add_argument("--no-overlap", action="store_true", help="communication never overlaps")
-    p.add_argument(
-        "--own-rows-first",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="StarTrail's first step: its own query rows' calls before the team gathers are "
-        "waited on (on), its calls whole (off), or the code's default rule (auto; "
-        "comm.CommOptions(own_rows_first=))",
-    )
+    add_own_rows_first(p)
     p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="gpt-7b")
     for f in _MODEL_FIELDS:
         p.add_argument(f"--{f.replace('_', '-')}", type=int, help="override the model preset")
@@ -137,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_overlap:
         changes["overlap"] = False
     if args.own_rows_first != "auto":
-        changes["own_rows_first"] = args.own_rows_first == "on"
+        changes["own_rows_first"] = OWN_ROWS_FIRST[args.own_rows_first]
     base = MODEL_PRESETS[args.model]
     mchanges = {f: getattr(args, f) for f in _MODEL_FIELDS if getattr(args, f) is not None}
     if args.gated_mlp is not None:

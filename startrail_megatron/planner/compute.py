@@ -63,19 +63,21 @@ def _shape(call: tuple) -> CallShape:
     return (b - a, d - c, call[4])
 
 
-def _first_split(lay, r, causal, s_local, packed, window, own_first):
-    """(the first step rank r computes, its own-row calls, the other calls) where the
-    attention splits that step (``split_own_rows``: C > 1, dense, ``own_first``; dropout,
-    which the planner does not model, would keep it whole), else None."""
+@lru_cache(maxsize=256)
+def _first_splits(lay, causal, s_local, packed, window, own_first) -> tuple:
+    """[rank] -> (the first step it computes, its own-row calls, the other calls) where
+    the attention splits that step (``split_own_rows``: C > 1, dense, ``own_first``;
+    dropout, which the planner does not model, would keep it whole), else None."""
     if not own_first or lay.team_size == 1 or packed is not None:
-        return None
+        return (None,) * lay.cp_size
     active = startrail_active_steps(lay, causal, s_local, window, None)
-    steps = lay.computed_steps(r, active)
-    if not steps:
-        return None
-    calls = _step_calls(lay, r, steps[0], causal, s_local, None, window)
-    own, rest = split_own_rows(calls, own_team_rows(lay, r, causal, s_local))
-    return steps[0], tuple(c for c, _ in own), rest
+    out = []
+    for r in range(lay.cp_size):
+        first = lay.computed_steps(r, active)[0]
+        calls = _step_calls(lay, r, first, causal, s_local, None, window)
+        own, rest = split_own_rows(calls, own_team_rows(lay, r, causal, s_local))
+        out.append((first, tuple(c for c, _ in own), rest))
+    return tuple(out)
 
 
 @lru_cache(maxsize=256)
@@ -93,9 +95,7 @@ def startrail_call_shapes(
     attention's ``RankContext.split_first`` is true): the first step a rank computes is
     split as the attention runs it, its own query rows first (``startrail_own_shapes``),
     then the others (the same pairs, more calls)."""
-    splits = [
-        _first_split(lay, r, causal, s_local, packed, window, own_first) for r in range(lay.cp_size)
-    ]
+    splits = _first_splits(lay, causal, s_local, packed, window, own_first)
     out = []
     for step in range(lay.ring_size):
         row = []
@@ -122,11 +122,8 @@ def startrail_own_shapes(
     """[rank] -> the calls of its first computed step on its own query rows, which run
     while the team's queries (forward) or output gradients (backward) are gathered
     (``attention.py``'s Note [overlap]); empty where the step is not split."""
-    out = []
-    for r in range(lay.cp_size):
-        split = _first_split(lay, r, causal, s_local, packed, window, own_first)
-        out.append(() if split is None else tuple(_shape(c) for c in split[1]))
-    return tuple(out)
+    splits = _first_splits(lay, causal, s_local, packed, window, own_first)
+    return tuple(() if x is None else tuple(_shape(c) for c in x[1]) for x in splits)
 
 
 def window_pairs(nq: int, nk: int, q0: int, k0: int, shape: AttnShape) -> int:
