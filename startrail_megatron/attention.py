@@ -76,7 +76,9 @@ them: the same (query, key) pairs in a few more, smaller calls, exact in any ord
 That only pays where the gather outlasts the placement: a team spread over hosts
 whose gather carries more bytes than the placement (GQA). Elsewhere the gather ends
 first and the split only adds calls, so the default (None) splits only there
-(``block_plan.own_rows_first_pays``, with ``StarTrailGroups.team_hosts``).
+(``block_plan.own_rows_first_pays``, with ``StarTrailGroups.team_hosts``), unless
+``$STARTRAIL_OWN_ROWS_FIRST`` says ``on`` or ``off`` (``validation.check_comm_options``).
+It is rank-local: ranks that differ still exchange the same transfers.
 
 The planner charges exactly this (``planner/times.py``); nothing overlaps the
 QKV projection, since q, k, v reach the attention after it. With

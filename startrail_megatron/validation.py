@@ -9,10 +9,11 @@ disagree raise instead of hanging).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+import os
 import struct
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -82,7 +83,7 @@ def check_dropout(dropout_p) -> float:
     return float(dropout_p)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class AttnOptions:
     """A call's attention variants, checked (``check_options``): dropout probability, the
     normalized window (``block_plan.normalize_window``), logit soft-capping (0: off)."""
@@ -116,17 +117,40 @@ def check_options(q: Tensor, cp_size: int, causal: bool, dropout_p, window, soft
     return AttnOptions(dropout_p, win, cap)
 
 
+OWN_ROWS_FIRST_ENV = "STARTRAIL_OWN_ROWS_FIRST"
+_OWN_ROWS_FIRST_VALUES = {"auto": None, "on": True, "off": False}
+
+
+def own_rows_first_from_env(environ=os.environ) -> bool | None:
+    """``$STARTRAIL_OWN_ROWS_FIRST`` (``auto``, ``on``, ``off``; unset: ``auto``): what
+    ``CommOptions(own_rows_first=None)`` means, so every adapter (Megatron, DeepSpeed,
+    transformers, the DiT) can set it without a flag of its own, as ``$STARTRAIL_KERNEL``
+    does the kernel. ``ValueError`` naming the variable on any other value."""
+    raw = environ.get(OWN_ROWS_FIRST_ENV, "auto")
+    value = raw.strip().lower()
+    if value not in _OWN_ROWS_FIRST_VALUES:
+        raise ValueError(
+            f"{OWN_ROWS_FIRST_ENV}={raw!r} is not known; allowed: {list(_OWN_ROWS_FIRST_VALUES)}"
+        )
+    return _OWN_ROWS_FIRST_VALUES[value]
+
+
 def check_comm_options(comm_options, q: Tensor) -> CommOptions:
     """``comm_options`` checked (``None``: the default): a ``CommOptions``, and no injected
-    delay on CUDA tensors (a host-side sleep does not slow a transfer on its stream)."""
+    delay on CUDA tensors (a host-side sleep does not slow a transfer on its stream).
+    ``own_rows_first=None`` takes ``$STARTRAIL_OWN_ROWS_FIRST`` (``own_rows_first_from_env``)."""
     if comm_options is None:
-        return DEFAULT_COMM
+        comm_options = DEFAULT_COMM
     if not isinstance(comm_options, CommOptions):
         raise ValueError(
             f"comm_options must be a comm.CommOptions or None, got {type(comm_options).__name__}"
         )
     if q.device.type == "cuda":
         refuse_device_delay(comm_options)
+    if comm_options.own_rows_first is None:
+        env = own_rows_first_from_env()
+        if env is not None:
+            comm_options = dataclasses.replace(comm_options, own_rows_first=env)
     return comm_options
 
 

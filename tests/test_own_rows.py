@@ -13,6 +13,7 @@ The order of waits and calls is checked in ``test_overlap.py``.
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -33,6 +34,7 @@ from startrail_megatron.block_plan import (
 )
 from startrail_megatron.comm import CommOptions
 from startrail_megatron.kernels import TorchKernel
+from startrail_megatron.validation import OWN_ROWS_FIRST_ENV
 
 S_LOCAL, BATCH, D = 4, 2, 8
 
@@ -175,3 +177,30 @@ def test_own_rows_first_rule():
     assert not own_rows_first_pays(lay(16, 4), 32, 32, 4)
     with pytest.raises(ValueError, match="own_rows_first"):
         CommOptions(own_rows_first=1)
+
+
+def _env_case(rank, world, value):
+    """One default call (``own_rows_first=None``) under ``$STARTRAIL_OWN_ROWS_FIRST``."""
+    old = os.environ.get(OWN_ROWS_FIRST_ENV)
+    os.environ[OWN_ROWS_FIRST_ENV] = value
+    try:
+        return _run(rank, world, groups_for(2), True, 8, 2, None, None)[1]
+    except ValueError as e:
+        return str(e)
+    finally:
+        if old is None:
+            del os.environ[OWN_ROWS_FIRST_ENV]
+        else:
+            os.environ[OWN_ROWS_FIRST_ENV] = old
+
+
+def test_environment_variable_sets_the_default():
+    """``$STARTRAIL_OWN_ROWS_FIRST`` is what the adapters' default calls use: ``on``
+    splits on one host, ``off`` and ``auto`` keep the step whole there; any other value
+    is refused by name on every rank before a transfer (no rank hangs)."""
+    lay = st.StarTrailLayout(4, 2)
+    for value, split in (("on", True), ("off", False), ("auto", False), (" ON ", True)):
+        for r, calls in enumerate(run_ranks(4, _env_case, value)):
+            assert calls == _expected_calls(lay, r, True, None, 8, 2, split), (value, r)
+    for msg in run_ranks(4, _env_case, "maybe"):
+        assert OWN_ROWS_FIRST_ENV in msg and "'auto', 'on', 'off'" in msg, msg

@@ -38,8 +38,8 @@ _UPSTREAM = (
 
 IGNORED: dict[str, str] = {
     # kernel fusions and implementations: the local spec runs plain PyTorch ops
-    "--use-flash-attn": "the attention kernel is StarTrail's (--startrail-kernel)",
-    "--attention-backend": "the attention kernel is StarTrail's (--startrail-kernel)",
+    "--use-flash-attn": "the attention kernel is StarTrail's ($STARTRAIL_KERNEL)",
+    "--attention-backend": "the attention kernel is StarTrail's ($STARTRAIL_KERNEL)",
     "--transformer-impl": "this entry point builds megatron-core's local spec",
     "--use-mcore-models": "megatron-core models are the only ones here",
     "--no-masked-softmax-fusion": "no fused softmax kernel is used",
