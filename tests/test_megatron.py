@@ -120,6 +120,45 @@ def test_gpt_startrail_cp4_matches_cp1(heads, team):
         _assert_close_runs(r, ref)
 
 
+def _train_own_rows_first(rank, world, argv, steps, value):
+    """``_train`` under ``STARTRAIL_OWN_ROWS_FIRST=value``, counting the own-row calls the
+    first steps split off (``attention.split_own_rows``)."""
+    import startrail_megatron.attention as attention
+
+    real, made = attention.split_own_rows, []
+
+    def counted(calls, own):
+        result = real(calls, own)
+        made.append(len(result[0]))
+        return result
+
+    old = os.environ.get("STARTRAIL_OWN_ROWS_FIRST")
+    os.environ["STARTRAIL_OWN_ROWS_FIRST"] = value
+    attention.split_own_rows = counted
+    try:
+        return (*_train(rank, world, argv, steps), sum(made))
+    finally:
+        attention.split_own_rows = real
+        if old is None:
+            del os.environ["STARTRAIL_OWN_ROWS_FIRST"]
+        else:
+            os.environ["STARTRAIL_OWN_ROWS_FIRST"] = old
+
+
+def test_gpt_own_rows_first_matches_cp1():
+    """The first step's own rows first, switched on for the whole run by the environment
+    variable (as a Megatron user does it): the same losses and gradients as CP = 1, and
+    every rank made own-row calls (none with it off)."""
+    extra = GQA + ["--optimizer", "sgd"]
+    ref = _baseline(extra)
+    argv = BASE + extra + st_flags(4, 2)
+    for value, split in (("on", True), ("off", False)):
+        res = run_ranks(4, _train_own_rows_first, argv, 3, value)
+        for r in res:
+            _assert_close_runs(r, ref)
+            assert (r[-1] > 0) == split, (value, r[-1])
+
+
 def test_tp2_gradient_clipping_matches_cp1():
     """A tiny --clip-grad always clips: the TP-aware global norm before clipping must equal
     TP = 1's at every step (1e-6), and be above the threshold (clipping happened)."""
