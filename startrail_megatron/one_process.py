@@ -30,12 +30,12 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .attention import RankContext, startrail_rank_backward, startrail_rank_forward
-from .comm import CommLedger
+from .comm import CommLedger, CommOptions
 from .comm.in_process import Baton, InProcessP2P, InProcessTeam, InProcessWorld
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, resolve_kernel
 from .layout import Placement, StarTrailLayout
-from .validation import check_options, packed_layout, validate_inputs
+from .validation import check_comm_options, check_options, packed_layout, validate_inputs
 
 __all__ = ["RankTimer", "one_process_attention"]
 
@@ -145,7 +145,9 @@ class _OneProcess(torch.autograd.Function):
                 if led is not None:
                     led.phase = "fwd"
                 comms = (InProcessTeam(world, r, led), InProcessP2P(world, r, led))
-                cx = RankContext(groups, run["causal"], led, comms, run["packed"], run["options"])
+                cx = RankContext(
+                    groups, run["causal"], led, comms, run["packed"], run["options"], run["comm"]
+                )
                 out, saved = startrail_rank_forward(
                     qs[r], ks[r], vs[r], cx, run["scale"], run["kernel"], sinks
                 )
@@ -217,6 +219,7 @@ def one_process_attention(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    own_rows_first: bool | None = None,
 ) -> list[Tensor]:
     """StarTrail over ``P = len(q_shards)`` CP ranks, all run in this process.
 
@@ -232,6 +235,8 @@ def one_process_attention(
         ledgers: one ``CommLedger`` (or ``None``) per rank; each records what
             that rank would send, exactly as in a multi-rank run.
         timer: a ``RankTimer`` that accumulates each rank's compute time.
+        own_rows_first: as ``CommOptions(own_rows_first=)`` (``None``: one host, so
+            ``$STARTRAIL_OWN_ROWS_FIRST`` where set, else the step kept whole).
 
     Returns:
         rank r's output ``[s_local, b, heads_q, head_dim]``, for every r.
@@ -260,7 +265,9 @@ def one_process_attention(
     packed = packed_layout(p, q0.shape[0], cu_seqlens, cu_seqlens_padded)
     options = check_options(q0, p, causal, dropout_p, window, softcap, sinks)
     kernel, scale = resolve_kernel(q0, kernel, softmax_scale, **options.kernel_needs)
+    comm = check_comm_options(CommOptions(own_rows_first=own_rows_first), q0)
     run = dict(
+        comm=comm,
         layout=layout,
         packed=packed,
         options=options,

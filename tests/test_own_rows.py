@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ from startrail_megatron.block_plan import (
 )
 from startrail_megatron.comm import CommOptions
 from startrail_megatron.kernels import TorchKernel
+from startrail_megatron.one_process import RankTimer, one_process_attention
 from startrail_megatron.validation import OWN_ROWS_FIRST_ENV
 
 S_LOCAL, BATCH, D = 4, 2, 8
@@ -204,3 +206,36 @@ def test_environment_variable_sets_the_default():
             assert calls == _expected_calls(lay, r, True, None, 8, 2, split), (value, r)
     for msg in run_ranks(4, _env_case, "maybe"):
         assert OWN_ROWS_FIRST_ENV in msg and "'auto', 'on', 'off'" in msg, msg
+
+
+def test_one_process_mode_runs_own_rows_first_and_reports_the_gather_hidden():
+    """``one_process_attention(own_rows_first=True)``: bitwise equal to the forced split on
+    gloo ranks' math (checked against float64 here), and the one-process timer shows the
+    q gather (and the backward's dout) in flight while the own rows' calls ran."""
+    p, c, hq, hkv = 4, 2, 8, 2
+    q, k, v, do = make_inputs(0, S_LOCAL * p, BATCH, hq, hkv, D)
+    ref = reference(q, k, v, do, True)
+    for orf in (True, False):
+        shards = [[shard(x, r, p, True).requires_grad_() for r in range(p)] for x in (q, k, v)]
+        timer = RankTimer(p)
+        outs = one_process_attention(*shards, c, kernel=_Slow(), timer=timer, own_rows_first=orf)
+        torch.autograd.backward(outs, [shard(do, r, p, True) for r in range(p)])
+        got = [[outs[r].detach(), *(x[r].grad for x in shards)] for r in range(p)]
+        assert_matches_reference([(g, None) for g in got], ref, True, torch.float64, 1e-10)
+        rows = timer.overlap(link_bytes_per_s=1e12)
+        for r in range(p):
+            for key in ("fwd/collective/q_team", "bwd/collective/dout"):
+                window = rows[r][key]["window_s"]  # a kernel call takes >= 5 ms
+                assert (window >= 0.005) == orf, (orf, r, key, window)  # calls ran meanwhile
+
+
+class _Slow(TorchKernel):
+    """The reference kernel, 5 ms per call: the timer's windows then show kernel calls."""
+
+    def forward(self, *a, **kw):
+        time.sleep(0.005)
+        return super().forward(*a, **kw)
+
+    def backward(self, *a, **kw):
+        time.sleep(0.005)
+        return super().backward(*a, **kw)
