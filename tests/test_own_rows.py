@@ -87,43 +87,44 @@ def _expected_calls(lay, r, causal, window, hq, hkv, split):
     return {"fwd": n, "bwd": n, "fwd_own": mine, "bwd_own": mine}
 
 
-def _run(rank, world, groups, causal, hq, hkv, window, orf):
+def _run(rank, world, groups, causal, hq, hkv, window, orf, softcap=None):
     q, k, v, do = make_inputs(0, S_LOCAL * world, BATCH, hq, hkv, D)
     zig = causal or window is not None  # windows take the zigzag layout, causal or not
     local = [shard(x, rank, world, zig).to(torch.float64).requires_grad_() for x in (q, k, v)]
     do_local = shard(do, rank, world, zig).to(torch.float64).contiguous()
     kern = _Counting(local[0], do_local)
     out = st.startrail_attention(
-        *local, groups, causal=causal, kernel=kern, window=window,
+        *local, groups, causal=causal, kernel=kern, window=window, softcap=softcap,
         comm_options=CommOptions(own_rows_first=orf),
     )  # fmt: skip
     out.backward(do_local)
     return [out.detach(), *(x.grad for x in local)], kern.calls
 
 
-def _case(rank, world, c, placement, causal, hq, hkv, window):
+def _case(rank, world, c, placement, causal, hq, hkv, window, cap):
     groups = groups_for(c, placement)
-    return [_run(rank, world, groups, causal, hq, hkv, window, orf) for orf in (True, False)]
+    return [_run(rank, world, groups, causal, hq, hkv, window, orf, cap) for orf in (True, False)]
 
 
 CASES = [
-    pytest.param(4, 2, "team", True, (8, 2), None, id="P4-C2-G1-causal-gqa"),
-    pytest.param(4, 2, "team", False, (4, 4), None, id="P4-C2-G1-full"),
-    pytest.param(8, 2, "team", True, (4, 4), None, id="P8-C2-team-causal"),
-    pytest.param(8, 2, "ring", True, (8, 2), None, id="P8-C2-ring-causal-gqa"),
-    pytest.param(8, 2, "ring", False, (4, 2), None, id="P8-C2-ring-full"),
-    pytest.param(8, 2, "team", True, (4, 2), (5, 0), id="P8-C2-window"),
-    pytest.param(8, 2, "team", False, (4, 2), (3, 2), id="P8-C2-full-window"),
-    pytest.param(9, 3, "ring", True, (6, 3), None, id="P9-C3-causal"),
+    pytest.param(4, 2, "team", True, (8, 2), None, None, id="P4-C2-G1-causal-gqa"),
+    pytest.param(4, 2, "team", False, (4, 4), None, None, id="P4-C2-G1-full"),
+    pytest.param(8, 2, "team", True, (4, 4), None, None, id="P8-C2-team-causal"),
+    pytest.param(8, 2, "ring", True, (8, 2), None, None, id="P8-C2-ring-causal-gqa"),
+    pytest.param(8, 2, "ring", False, (4, 2), None, None, id="P8-C2-ring-full"),
+    pytest.param(8, 2, "team", True, (4, 2), (5, 0), None, id="P8-C2-window"),
+    pytest.param(8, 2, "ring", True, (4, 2), (5, 0), 2.0, id="P8-C2-ring-window-softcap"),
+    pytest.param(8, 2, "team", False, (4, 2), (3, 2), None, id="P8-C2-full-window"),
+    pytest.param(9, 3, "ring", True, (6, 3), None, None, id="P9-C3-causal"),
 ]
 
 
-@pytest.mark.parametrize("p,c,placement,causal,heads,window", CASES)
-def test_own_rows_first_matches_fp64_and_ran(p, c, placement, causal, heads, window):
+@pytest.mark.parametrize("p,c,placement,causal,heads,window,cap", CASES)
+def test_own_rows_first_matches_fp64_and_ran(p, c, placement, causal, heads, window, cap):
     hq, hkv = heads
-    res = run_ranks(p, _case, c, placement, causal, hq, hkv, window)
+    res = run_ranks(p, _case, c, placement, causal, hq, hkv, window, cap)
     q, k, v, do = make_inputs(0, S_LOCAL * p, BATCH, hq, hkv, D)
-    ref = reference(q, k, v, do, causal, window=window)
+    ref = reference(q, k, v, do, causal, window=window, softcap=cap)
     lay = st.StarTrailLayout(p, c, placement)
     for on_off, split in ((0, True), (1, False)):
         runs = [r[on_off] for r in res]
