@@ -38,6 +38,14 @@ def test_bench_tiny_all_strategies(tmp_path):
         for key in model:
             assert led[f"{key}_bytes"] == model[key], (r["strategy"], key)
         assert r["predicted_s"] > 0 and r["peak_memory_bytes"] > 0
+        # what the forward keeps, in A: q (team q), own K,V stacked, out, + lse; at or
+        # below the paper's (ring 4 A, StarTrail (3C + 1) A)
+        if r["kind"] == "startrail":
+            c = r["team_size"]
+            assert r["paper_kept_a"] == (4 if c == 1 else 3 * c + 1)
+            assert c + 3 <= r["kept_for_backward_a"] <= c + 3.5, r["kept_for_backward_a"]
+        else:
+            assert r["paper_kept_a"] is None and r["kept_for_backward_a"] > 0
         assert r["predicted_median_s"] > 0
         assert r["predicted_over_median"] == r["predicted_median_s"] / r["median_s"]
     ring = report["results"][0]["ledger_max_over_ranks"]

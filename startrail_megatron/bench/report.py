@@ -17,7 +17,7 @@ def format_table(report: dict) -> str:
         f"{'strategy':22s}{'median ms':>10s}{'IQR ms':>8s}{'fwd P2P':>10s}{'fwd coll':>10s}"
         f"{'bwd P2P':>10s}{'bwd coll':>10s}{'calls':>7s}{'peak MiB':>9s}{'max err':>9s}"
         f"{'min ms':>9s}{'model ms':>9s}{'mod/min':>9s}{'model med':>10s}{'mod/med':>9s}"
-        f"{'hidden %':>11s}",
+        f"{'hidden %':>11s}{'kept A':>11s}",
     ]
     mib = 2**20
     for r in report["results"]:
@@ -31,18 +31,27 @@ def format_table(report: dict) -> str:
             f"{calls:7d}{r['peak_memory_bytes'] / mib:9.1f}{err:>9s}"
             f"{r['min_s'] * 1e3:9.2f}{r['predicted_s'] * 1e3:9.2f}{r['predicted_over_measured']:9.2f}"
             f"{r['predicted_median_s'] * 1e3:10.2f}{r['predicted_over_median']:9.2f}"
-            f"{_hidden_range(r.get('overlap')):>11s}"
+            f"{_hidden_range(r.get('overlap')):>11s}{_kept(r):>11s}"
         )
     lines.append(
         "bytes: MiB sent per rank (max over ranks, from the CommLedger); calls: P2P + collective, "
         f"fwd + bwd; peak: {report['memory_method']}; model: cost model calibrated on this run's "
         "microbenchmarks: fastest repeat of each vs the fastest repeat (min), median of each vs "
         "the median; hidden: the share of each rank's transfer time spent in flight while it "
-        "computed, not blocked in a wait (min-max over ranks)"
+        "computed, not blocked in a wait (min-max over ranks); kept A: what the forward keeps "
+        "for the backward (autograd's saved storages, max over ranks) in units of A (one local "
+        "q), / the paper's eqs. 8-10 (ring 4, StarTrail 3C+1)"
     )
     if c.get("comm_delay_ms") or c.get("comm_delay_ms_per_mib"):
         lines += _delay_table(report)
     return "\n".join(lines)
+
+
+def _kept(r: dict) -> str:
+    if r.get("kept_for_backward_a") is None:
+        return "-"
+    paper = r.get("paper_kept_a")
+    return f"{r['kept_for_backward_a']:.2f}" + ("" if paper is None else f"/{paper:g}")
 
 
 def _hidden_range(overlap: dict | None) -> str:

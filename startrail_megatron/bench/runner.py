@@ -134,13 +134,31 @@ def _prepare(st: Strategy, args, device: torch.device, causal: bool, local, ref,
     with PeakMemory(device, args.memory) as mem:
         step()
     peak = _max_over_ranks([float(mem.peak)], device)[0]
+    kept = _max_over_ranks([float(_kept_for_backward(step))], device)[0]
     for _ in range(args.warmup):
         step()
     summary = ledger.summary()
     led = _max_over_ranks([float(v) for v in summary.values()], device)
     del mine
     hidden = _hidden_per_rank(step, None, device, world)
-    return step, (st, err, peak, dict(zip(summary, (int(v) for v in led))), hidden)
+    return step, (st, err, peak, kept, dict(zip(summary, (int(v) for v in led))), hidden)
+
+
+def _kept_for_backward(step) -> int:
+    """Bytes the forward keeps for the backward: the distinct storages autograd saves during
+    one step (``torch.autograd.graph.saved_tensors_hooks``), inputs saved as they are
+    included. The quantity of the paper's memory formula (ring 4 A, StarTrail (3C + 1) A),
+    measured alike for every strategy."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(seen.values())
 
 
 def _hidden_per_rank(step, comm: CommOptions | None, device, world: int) -> dict | None:
@@ -188,7 +206,14 @@ def _timed_rounds(steps, tasks, names: list[str], args, rank: int, device):
 
 
 def _result(
-    st: Strategy, err, peak, led: dict, hidden: dict | None, ts: list[float], shape: AttnShape
+    st: Strategy,
+    err,
+    peak,
+    kept,
+    led: dict,
+    hidden: dict | None,
+    ts: list[float],
+    shape: AttnShape,
 ) -> dict:
     """One strategy's row of the report: times, bytes (ledger and model), memory, error."""
     med = statistics.median(ts)
@@ -208,9 +233,25 @@ def _result(
             k: max(b[k] for b in comm_bytes(st, shape)) for k in comm_bytes(st, shape)[0]
         },
         "peak_memory_bytes": peak,
+        "kept_for_backward_bytes": kept,
+        "kept_for_backward_a": kept / _a_bytes(shape),
+        "paper_kept_a": _paper_kept_a(st),
         "max_rel_error": err,
         "overlap": hidden,
     }
+
+
+def _a_bytes(shape: AttnShape) -> int:
+    """A: one local q tensor, bytes (the paper's BNH/P)."""
+    return shape.s_local * shape.batch * shape.heads_q * shape.head_dim * shape.elem_bytes
+
+
+def _paper_kept_a(st: Strategy) -> float | None:
+    """The paper's eqs. 8-10 for one layer's attention: ring 4 A, StarTrail (3C + 1) A;
+    None for the peers (no formula)."""
+    if st.kind != "startrail":
+        return None
+    return 4.0 if st.team_size == 1 else 3.0 * st.team_size + 1.0
 
 
 def _calibrate(
