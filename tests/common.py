@@ -3,6 +3,9 @@ float64 reference (``startrail_megatron.testing``) under the names the tests use
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 import startrail_megatron as st
@@ -60,3 +63,30 @@ def value_errors(cases: dict, error: type[Exception] = ValueError) -> dict:
         except error as e:
             msgs[name] = str(e)
     return msgs
+
+
+@contextlib.contextmanager
+def own_rows_first_env(value: str):
+    """``STARTRAIL_OWN_ROWS_FIRST=value`` inside, and a list that collects how many calls
+    each first-step split cut off for the rank's own rows (``attention.split_own_rows``),
+    as a Megatron or DeepSpeed user's run would set it."""
+    import startrail_megatron.attention as attention
+
+    real, made = attention.split_own_rows, []
+
+    def counted(calls, own):
+        result = real(calls, own)
+        made.append(len(result[0]))
+        return result
+
+    old = os.environ.get("STARTRAIL_OWN_ROWS_FIRST")
+    os.environ["STARTRAIL_OWN_ROWS_FIRST"] = value
+    attention.split_own_rows = counted
+    try:
+        yield made
+    finally:
+        attention.split_own_rows = real
+        if old is None:
+            del os.environ["STARTRAIL_OWN_ROWS_FIRST"]
+        else:
+            os.environ["STARTRAIL_OWN_ROWS_FIRST"] = old

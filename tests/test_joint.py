@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import groups_for, value_errors
+from common import groups_for, own_rows_first_env, value_errors
 from harness import run_ranks
 
 import startrail_megatron as st
@@ -144,3 +144,23 @@ def test_joint_attention_refuses_bad_input_by_name():
         assert "window" in bad["window"]
         assert "k_joint" in bad["joint_shape"]
         assert "StarTrailGroups" in bad["groups"]
+
+
+def _joint_own_rows_first(rank, world, c, placement, n):
+    """``_joint_case`` with the first step's own rows first, and the own-row calls cut."""
+    with own_rows_first_env("on") as made:
+        return (*_joint_case(rank, world, c, placement, n), sum(made))
+
+
+@pytest.mark.parametrize("p, c, n", [(4, 2, 32), (8, 2, 64)])
+def test_joint_attention_with_own_rows_first(p, c, n):
+    """MMDiT joint attention (dense image tokens) with the split on: exact, and it ran."""
+    results = run_ranks(p, _joint_own_rows_first, c, "team", n)
+    lay = pack_lengths([n], p)
+    want_img, want_txt = _want(n)
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        got = unshard_packed([r[0][i] for r in results], lay)
+        assert _err(got, want_img[i]) <= TOL, f"image {what}"
+    for i in range(1, 4):
+        assert _err(sum(r[1][i] for r in results), want_txt[i]) <= TOL
+    assert all(r[3] > 0 for r in results)  # every rank's first step was split

@@ -17,6 +17,7 @@ warnings.filterwarnings(
 )
 megatron = pytest.importorskip("megatron.core")  # imported once here, before the ranks fork
 
+from common import own_rows_first_env  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
     get_gpt_decoder_block_spec,
@@ -121,28 +122,9 @@ def test_gpt_startrail_cp4_matches_cp1(heads, team):
 
 
 def _train_own_rows_first(rank, world, argv, steps, value):
-    """``_train`` under ``STARTRAIL_OWN_ROWS_FIRST=value``, counting the own-row calls the
-    first steps split off (``attention.split_own_rows``)."""
-    import startrail_megatron.attention as attention
-
-    real, made = attention.split_own_rows, []
-
-    def counted(calls, own):
-        result = real(calls, own)
-        made.append(len(result[0]))
-        return result
-
-    old = os.environ.get("STARTRAIL_OWN_ROWS_FIRST")
-    os.environ["STARTRAIL_OWN_ROWS_FIRST"] = value
-    attention.split_own_rows = counted
-    try:
+    """``_train`` under ``STARTRAIL_OWN_ROWS_FIRST=value``, and the own-row calls cut."""
+    with own_rows_first_env(value) as made:
         return (*_train(rank, world, argv, steps), sum(made))
-    finally:
-        attention.split_own_rows = real
-        if old is None:
-            del os.environ["STARTRAIL_OWN_ROWS_FIRST"]
-        else:
-            os.environ["STARTRAIL_OWN_ROWS_FIRST"] = old
 
 
 def test_gpt_own_rows_first_matches_cp1():
