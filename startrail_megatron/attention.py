@@ -347,6 +347,24 @@ def _varlen_backward(
     dkv[:, 1].index_add_(0, ix.kv_rows, _from_thd(g_v, b).to(acc))
 
 
+def _forward_call(kernel, q, k, v, out_rows, lse_rows, causal, scale, kw) -> None:
+    """One row call of the forward, merged into the accumulators' rows (views)."""
+    o, lse = kernel.forward(q, k, v, causal=causal, scale=scale, **kw)
+    merge_partial(out_rows, lse_rows, o, lse)
+
+
+def _backward_call(kernel, do, q, kv, out, lse, dq_rows, dkv_rows, causal, scale, kw) -> None:
+    """One row call of the backward (``kv``: the call's K,V rows ``[t, 2, ...]``), its
+    gradients added into the accumulators' rows (views); they are freed on return, so one
+    call's gradients are alive at a time."""
+    g_q, g_k, g_v = kernel.backward(
+        do, q, kv[:, 0], kv[:, 1], out, lse, causal=causal, scale=scale, **kw
+    )
+    dq_rows += g_q
+    dkv_rows[:, 0] += g_k
+    dkv_rows[:, 1] += g_v
+
+
 def _row_call(c: tuple, cap: dict) -> tuple:
     """A ``RowCall`` or ``WindowCall`` as the loops slice it: (q rows, kv rows, causal,
     kernel keywords: the band of a window call, soft-capping)."""
@@ -430,12 +448,11 @@ class RankContext:
         document), or under a sliding window ``startrail_step_window_rows`` (calls on
         globally contiguous runs, each with its ``band``).
 
-        ``own_first`` (the first computed step): where ``split_own_rows`` applies (C > 1,
-        dense rows, no dropout), the calls on this rank's own query rows come apart as
-        ``(q rows, local q rows, kv rows, causal, keywords)``: they need only local
-        queries and output gradients, so they run while the team's are gathered; the row
-        calls then hold the other rows. Otherwise the third part is empty. The caller
-        passes ``own_first`` where ``split_first`` says so."""
+        ``own_first`` (the first computed step, where ``split_first`` says so): the calls
+        on this rank's own query rows come apart (``split_own_rows``) as ``(q rows, local
+        q rows, kv rows, causal, keywords)``: they need only local queries and output
+        gradients, so they run while the team's are gathered; the row calls then hold the
+        other rows. Otherwise the third part is empty."""
         lay, r = self.layout, self.rank
         cap = {"softcap": self.softcap} if self.softcap else {}
         if self.packed is not None and self.window is None and has_varlen(kernel):
@@ -449,21 +466,21 @@ class RankContext:
         else:
             calls = startrail_step_window_rows(lay, r, step, self.causal, s_local, self.window)
         own: tuple = ()
-        split = own_first and lay.team_size > 1 and self.packed is None and not self.dropout_p
-        if split:
+        if own_first:
             own, calls = split_own_rows(calls, own_team_rows(lay, r, self.causal, s_local))
-        return (
-            (),
-            [_row_call(c, cap) for c in calls],
-            [
-                (slice(c[0], c[1]), slice(c[0] + sh, c[1] + sh), *_row_call(c, cap)[1:])
-                for c, sh in own
-            ],
-        )
+        mine = []
+        for c, sh in own:
+            qs, ks, causal, kw = _row_call(c, cap)
+            mine.append((qs, slice(qs.start + sh, qs.stop + sh), ks, causal, kw))
+        return (), [_row_call(c, cap) for c in calls], mine
 
     def split_first(self, heads_q: int, heads_kv: int) -> bool:
-        """Whether the first step runs its own rows' calls first: ``CommOptions(
-        own_rows_first=)``, or where it is None, ``block_plan.own_rows_first_pays``."""
+        """Whether the first step runs its own rows' calls first: only with a team gather
+        to hide (C > 1), dense rows (packed documents map rows per document) and no
+        dropout (its records are keyed by call); then ``CommOptions(own_rows_first=)``,
+        or where it is None, ``block_plan.own_rows_first_pays``."""
+        if self.layout.team_size == 1 or self.packed is not None or self.dropout_p:
+            return False
         if self.own_rows_first is None:
             return own_rows_first_pays(self.layout, heads_q, heads_kv, self.team_hosts)
         return self.own_rows_first
@@ -590,11 +607,10 @@ def startrail_rank_forward(
         varlen, rows, own = cx.step_calls(step, s, kernel, own_first=split and q_team is None)
         if q_team is None:  # the first step's calls on this rank's own rows, then the rest
             for qs, ql, ks, causal, kw in own:  # local queries: while the others' arrive
-                o, lse = kernel.forward(
-                    q[ql], kv_cur[ks, 0], kv_cur[ks, 1], causal=causal, scale=scale, **kw
-                )
-                merge_partial(acc_out[qs], acc_lse[..., qs], o, lse)
-                del o, lse
+                _forward_call(
+                    kernel, q[ql], kv_cur[ks, 0], kv_cur[ks, 1], acc_out[qs], acc_lse[..., qs],
+                    causal, scale, kw,
+                )  # fmt: skip
             q_team = cx.to_team_order(q_h.wait())
         groups = tail.groups if i == len(steps) - 1 else _ALL_HEADS
         for g, (qh, kh) in enumerate(groups):
@@ -604,12 +620,10 @@ def startrail_rank_forward(
                 drop = cx.dropout(step, j)
                 _varlen_forward(kernel, call, q_g, kv_g, out_g, lse_g, scale, drop, cx.softcap)
             for j, (qs, ks, causal, kw) in enumerate(rows):
-                o, lse = kernel.forward(
-                    q_g[qs], kv_g[ks, 0], kv_g[ks, 1], causal=causal, scale=scale,
-                    **kw, **_drop_kw(cx.dropout(step, j)),
+                _forward_call(
+                    kernel, q_g[qs], kv_g[ks, 0], kv_g[ks, 1], out_g[qs], lse_g[..., qs],
+                    causal, scale, {**kw, **_drop_kw(cx.dropout(step, j))},
                 )  # fmt: skip
-                merge_partial(out_g[qs], lse_g[..., qs], o, lse)
-                del o, lse
             del q_g, kv_g, out_g, lse_g  # views keep their bases alive
             if i == len(steps) - 1:
                 tail.done(g)  # start this group's combine, finish the one before
@@ -760,14 +774,10 @@ def startrail_rank_backward(
         if do_team is None:  # the first step's calls on this rank's own rows, then the rest
             out_mine = _delta_out(dout, delta) if own else None  # local: while the team's
             for qs, ql, ks, causal, kw in own:  # dout and delta arrive
-                g_q, g_k, g_v = kernel.backward(
-                    dout[ql], q_team[qs], kv_cur[ks, 0], kv_cur[ks, 1], out_mine[ql],
-                    lse_team[..., qs], causal=causal, scale=scale, **kw,
+                _backward_call(
+                    kernel, dout[ql], q_team[qs], kv_cur[ks], out_mine[ql], lse_team[..., qs],
+                    dq[qs], dkv[ks], causal, scale, kw,
                 )  # fmt: skip
-                dq[qs] += g_q
-                dkv[ks, 0] += g_k
-                dkv[ks, 1] += g_v
-                del g_q, g_k, g_v
             del out_mine
             do_team = cx.to_team_order(do_h.wait())
             out_eff = _delta_out(do_team, cx.to_team_order(delta_h.wait()))
@@ -787,14 +797,10 @@ def startrail_rank_backward(
                     cx.dropout(step, j), cx.softcap,
                 )  # fmt: skip
             for j, (qs, ks, causal, kw) in enumerate(rows):
-                g_q, g_k, g_v = kernel.backward(
-                    do_g[qs], q_g[qs], kv_g[ks, 0], kv_g[ks, 1], out_g[qs], lse_g[..., qs],
-                    causal=causal, scale=scale, **kw, **_drop_kw(cx.dropout(step, j)),
+                _backward_call(
+                    kernel, do_g[qs], q_g[qs], kv_g[ks], out_g[qs], lse_g[..., qs], dq_g[qs],
+                    dkv_g[ks], causal, scale, {**kw, **_drop_kw(cx.dropout(step, j))},
                 )  # fmt: skip
-                dq_g[qs] += g_q
-                dkv_g[ks, 0] += g_k
-                dkv_g[ks, 1] += g_v
-                del g_q, g_k, g_v  # before the next call's: one call's gradients alive at a time
             if last and g < len(tail) - 1:  # these heads' dq is complete: reduce-scatter
                 part = cx.from_team_order(dq_g).reshape(C, -1)  # it while the next computes
                 dq_hs.append(cx.team_comm.reduce_scatter_start(part, "dq"))

@@ -11,6 +11,7 @@ import torch
 import startrail_megatron as st
 from startrail_megatron.testing import make_inputs, rel_err, shard, unshard
 from startrail_megatron.testing import reference_attention as reference
+from startrail_megatron.validation import OWN_ROWS_FIRST_ENV
 
 __all__ = ["TOL", "groups_for", "make_inputs", "reference", "rel_err", "shard", "unshard"]
 
@@ -79,14 +80,14 @@ def own_rows_first_env(value: str):
         made.append(len(result[0]))
         return result
 
-    old = os.environ.get("STARTRAIL_OWN_ROWS_FIRST")
-    os.environ["STARTRAIL_OWN_ROWS_FIRST"] = value
+    old = os.environ.get(OWN_ROWS_FIRST_ENV)
+    os.environ[OWN_ROWS_FIRST_ENV] = value
     attention.split_own_rows = counted
     try:
         yield made
     finally:
         attention.split_own_rows = real
         if old is None:
-            del os.environ["STARTRAIL_OWN_ROWS_FIRST"]
+            del os.environ[OWN_ROWS_FIRST_ENV]
         else:
-            os.environ["STARTRAIL_OWN_ROWS_FIRST"] = old
+            os.environ[OWN_ROWS_FIRST_ENV] = old

@@ -13,13 +13,20 @@ The order of waits and calls is checked in ``test_overlap.py``.
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 
 import pytest
 import torch
-from common import TOL, assert_matches_reference, groups_for, make_inputs, reference, shard
+from common import (
+    TOL,
+    assert_matches_reference,
+    groups_for,
+    make_inputs,
+    own_rows_first_env,
+    reference,
+    shard,
+)
 from harness import run_ranks
 
 import startrail_megatron as st
@@ -184,17 +191,11 @@ def test_own_rows_first_rule():
 
 def _env_case(rank, world, value):
     """One default call (``own_rows_first=None``) under ``$STARTRAIL_OWN_ROWS_FIRST``."""
-    old = os.environ.get(OWN_ROWS_FIRST_ENV)
-    os.environ[OWN_ROWS_FIRST_ENV] = value
     try:
-        return _run(rank, world, groups_for(2), True, 8, 2, None, None)[1]
+        with own_rows_first_env(value):
+            return _run(rank, world, groups_for(2), True, 8, 2, None, None)[1]
     except ValueError as e:
         return str(e)
-    finally:
-        if old is None:
-            del os.environ[OWN_ROWS_FIRST_ENV]
-        else:
-            os.environ[OWN_ROWS_FIRST_ENV] = old
 
 
 def test_environment_variable_sets_the_default():

@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--comm-delay-ms-per-mib",
         type=float,
         default=0.0,
-        help="with the delay: this many ms more per MiB each transfer moves (0: off)",
+        help="also time every strategy with each transfer slowed by this many ms per MiB "
+        "it moves (added to --comm-delay-ms), side by side as that option (0: off)",
     )
     add_own_rows_first(p)
     p.add_argument("--strategies", nargs="*", help="only these names (e.g. ring startrail-C2-team)")

@@ -9,6 +9,7 @@ all-reduces, then the interleaved timed rounds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -121,9 +122,12 @@ def _prepare(st: Strategy, args, device: torch.device, causal: bool, local, ref,
         out.backward(do)
         return out
 
-    # One accounted run, checked against the reference.
+    # One accounted run, checked against the reference; what its forward saves for the
+    # backward is counted on the way.
     ledger = CommLedger()
-    out = step(ledger)
+    with _saved_storages() as saved:
+        out = step(ledger)
+    kept = _max_over_ranks([float(sum(saved.values()))], device)[0]
     err = mine = None
     if not args.no_check:
         # ``mine`` (this run's out and gradients) stays alive through the memory
@@ -134,7 +138,6 @@ def _prepare(st: Strategy, args, device: torch.device, causal: bool, local, ref,
     with PeakMemory(device, args.memory) as mem:
         step()
     peak = _max_over_ranks([float(mem.peak)], device)[0]
-    kept = _max_over_ranks([float(_kept_for_backward(step))], device)[0]
     for _ in range(args.warmup):
         step()
     summary = ledger.summary()
@@ -144,21 +147,21 @@ def _prepare(st: Strategy, args, device: torch.device, causal: bool, local, ref,
     return step, (st, err, peak, kept, dict(zip(summary, (int(v) for v in led))), hidden)
 
 
-def _kept_for_backward(step) -> int:
-    """Bytes the forward keeps for the backward: the distinct storages autograd saves during
-    one step (``torch.autograd.graph.saved_tensors_hooks``), inputs saved as they are
-    included. The quantity of the paper's memory formula (ring 4 A, StarTrail (3C + 1) A),
-    measured alike for every strategy."""
+@contextlib.contextmanager
+def _saved_storages():
+    """What the forward keeps for the backward, inside: the distinct storages autograd
+    saves (``torch.autograd.graph.saved_tensors_hooks``; data pointer -> bytes), inputs
+    saved as they are included. The quantity of the paper's memory formula (ring 4 A,
+    StarTrail (3C + 1) A), measured alike for every strategy."""
     seen: dict[int, int] = {}
 
     def pack(t):
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return sum(seen.values())
+        yield seen
 
 
 def _hidden_per_rank(step, comm: CommOptions | None, device, world: int) -> dict | None:
@@ -386,7 +389,7 @@ def run_rank(rank: int, world: int, args) -> dict | None:
         return None
     cluster, cluster_median = _calibrate(
         strategies, results, micro, micro_median, shape, world, device,
-        OWN_ROWS_FIRST[getattr(args, "own_rows_first", "auto")],
+        comm_options(args).own_rows_first,
     )  # fmt: skip
     return {
         "config": _config(args, world, causal),

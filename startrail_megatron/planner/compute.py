@@ -110,7 +110,6 @@ def startrail_call_shapes(
     return tuple(out)
 
 
-@lru_cache(maxsize=256)
 def startrail_own_shapes(
     lay: StarTrailLayout,
     causal: bool,
