@@ -534,6 +534,29 @@ def test_own_rows_first_priced_as_the_code_runs_it():
         cli.main(["--own-rows-first", "maybe"])
 
 
+def test_overlap_whatif_script():
+    """``scripts/overlap_whatif.py`` (the figures of docs/performance.md section 11): the
+    split helps somewhere and hurts somewhere, the default rule is never more than 1%
+    behind the faster setting, and the tail designs not built gain at most a few percent."""
+    import re
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "scripts/overlap_whatif.py"], capture_output=True, text=True,
+        timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lo, hi = map(float, re.search(r"on vs off: ([-+.\d]+)% .* to ([-+.\d]+)%", out.stdout).groups())
+    assert lo < 0 < hi
+    best, total, behind = re.search(
+        r"faster setting in (\d+) of (\d+) cases; at most ([.\d]+)% behind", out.stdout
+    ).groups()
+    assert int(total) == 160 and int(best) >= 0.9 * 160 and float(behind) <= 1.0
+    gains = re.findall(r"at G [=>] 1: ([-.\d]+)% to ([-.\d]+)%", out.stdout)
+    assert len(gains) == 2 and all(0 <= float(a) <= float(b) < 5 for a, b in gains)
+
+
 # ---- autotune --------------------------------------------------------------------------
 def test_autotune_picks_fastest_and_logs():
     cands = startrail_candidates(16)
