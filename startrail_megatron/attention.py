@@ -327,7 +327,8 @@ def _varlen_backward(
     kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, dq, dkv, scale, drop=None,
     softcap=0.0,
 ):  # fmt: skip
-    """One ``VarlenCall`` of the backward: gradients added into dq and dkv's rows."""
+    """One ``VarlenCall`` of the backward: gradients added into dq and dkv's rows
+    (``dkv``: a function giving the accumulator, called once the gradients exist)."""
     b, hq = q_team.shape[1], q_team.shape[2]
     ix = _varlen_index(call, b, q_team.device)
     lse = lse_team.index_select(2, ix.q_rows).transpose(0, 1).reshape(hq, -1)  # [hq, b*t]
@@ -343,6 +344,7 @@ def _varlen_backward(
     )  # fmt: skip
     acc = dq.dtype
     dq.index_add_(0, ix.q_rows, _from_thd(g_q, b).to(acc))
+    dkv = dkv()
     dkv[:, 0].index_add_(0, ix.kv_rows, _from_thd(g_k, b).to(acc))
     dkv[:, 1].index_add_(0, ix.kv_rows, _from_thd(g_v, b).to(acc))
 
@@ -355,12 +357,14 @@ def _forward_call(kernel, q, k, v, out_rows, lse_rows, causal, scale, kw) -> Non
 
 def _backward_call(kernel, do, q, kv, out, lse, dq_rows, dkv_rows, causal, scale, kw) -> None:
     """One row call of the backward (``kv``: the call's K,V rows ``[t, 2, ...]``), its
-    gradients added into the accumulators' rows (views); they are freed on return, so one
+    gradients added into the accumulators' rows (views; ``dkv_rows`` a function giving
+    them, called once the gradients exist: ``_StepDkv``); they are freed on return, so one
     call's gradients are alive at a time."""
     g_q, g_k, g_v = kernel.backward(
         do, q, kv[:, 0], kv[:, 1], out, lse, causal=causal, scale=scale, **kw
     )
     dq_rows += g_q
+    dkv_rows = dkv_rows()
     dkv_rows[:, 0] += g_k
     dkv_rows[:, 1] += g_v
 
@@ -718,6 +722,31 @@ def _delta_out(dout: Tensor, delta: Tensor) -> Tensor:
     return (do * scale.unsqueeze(-1)).to(dout.dtype)
 
 
+class _StepDkv:
+    """One sub-ring step's dK/dV sum, fp32 ``[n, 2, b, hkv, d]``, for the K,V held at it.
+
+    From the second computed step on it is the buffer that the previous holder's partial
+    sum arrives in (``pending``, started after that step): ``rows`` hands the loops a
+    function, and the first call's gradients are computed before it waits, so the
+    transfer runs behind that call and the step's gradients are added straight into the
+    received sum. No second team-sized fp32 buffer is needed (ring-flash-attention's
+    pattern); the first step starts from zeros."""
+
+    def __init__(self, pending, like: Tensor, shape: tuple):
+        self.pending, self.t = pending, None
+        if pending is None:
+            self.t = like.new_zeros(shape)
+
+    def get(self) -> Tensor:
+        if self.t is None:
+            self.t, self.pending = self.pending.wait(), None
+        return self.t
+
+    def rows(self, kh=slice(None), ks=slice(None)):
+        """A function giving the accumulator's kv heads ``kh``, rows ``ks`` (a view)."""
+        return lambda: self.get()[:, :, :, kh][ks]
+
+
 def startrail_rank_backward(
     dout: Tensor,
     out: Tensor,
@@ -758,25 +787,22 @@ def startrail_rank_backward(
     kv_cur = cx.team_kv(place)
     del place
     dq = torch.zeros(n, b, hq, d, dtype=acc, device=dout.device)
-    dkv_pending = None
-    spare = dkv_free = dkv_sent = None  # buffers reused across steps
+    dkv_pending = dkv_sent = spare = None  # dkv_sent, spare: buffers reused across steps
+    dkv_shape = (n, 2, b, hkv, d)
     # The last step runs head group by head group (``tail_head_groups``): a group's dq is
     # complete once its calls are done, and its reduce-scatter runs while the next group
     # computes (Note [overlap]).
     tail, dq_hs = tail_head_groups(cx.layout, hq, hkv, bool(cx.dropout_p)), []
     for i, step in enumerate(steps):
         pending = cx.ring_step(kv_cur, steps, i, "kv", spare)
-        if dkv_free is None:
-            dkv = torch.zeros(n, 2, b, hkv, d, dtype=acc, device=dout.device)
-        else:
-            dkv, dkv_free = dkv_free.zero_(), None
+        dkv = _StepDkv(dkv_pending, dq, dkv_shape)  # the partial sum received, or zeros
         varlen, rows, own = cx.step_calls(step, s, kernel, own_first=split and do_team is None)
         if do_team is None:  # the first step's calls on this rank's own rows, then the rest
             out_mine = _delta_out(dout, delta) if own else None  # local: while the team's
             for qs, ql, ks, causal, kw in own:  # dout and delta arrive
                 _backward_call(
                     kernel, dout[ql], q_team[qs], kv_cur[ks], out_mine[ql], lse_team[..., qs],
-                    dq[qs], dkv[ks], causal, scale, kw,
+                    dq[qs], dkv.rows(ks=ks), causal, scale, kw,
                 )  # fmt: skip
             del out_mine
             do_team = cx.to_team_order(do_h.wait())
@@ -790,35 +816,31 @@ def startrail_rank_backward(
                 out_eff[:, :, qh],
                 dq[:, :, qh],
             )
-            kv_g, dkv_g, lse_g = kv_cur[:, :, :, kh], dkv[:, :, :, kh], lse_team[:, qh]
+            kv_g, lse_g = kv_cur[:, :, :, kh], lse_team[:, qh]
             for j, call in enumerate(varlen):
                 _varlen_backward(
-                    kernel, call, do_g, q_g, kv_g, out_g, lse_g, dq_g, dkv_g, scale,
+                    kernel, call, do_g, q_g, kv_g, out_g, lse_g, dq_g, dkv.rows(kh), scale,
                     cx.dropout(step, j), cx.softcap,
                 )  # fmt: skip
             for j, (qs, ks, causal, kw) in enumerate(rows):
                 _backward_call(
                     kernel, do_g[qs], q_g[qs], kv_g[ks], out_g[qs], lse_g[..., qs], dq_g[qs],
-                    dkv_g[ks], causal, scale, {**kw, **_drop_kw(cx.dropout(step, j))},
+                    dkv.rows(kh, ks), causal, scale, {**kw, **_drop_kw(cx.dropout(step, j))},
                 )  # fmt: skip
             if last and g < len(tail) - 1:  # these heads' dq is complete: reduce-scatter
                 part = cx.from_team_order(dq_g).reshape(C, -1)  # it while the next computes
                 dq_hs.append(cx.team_comm.reduce_scatter_start(part, "dq"))
             # views keep their bases alive: none may outlive the step's buffers
-            del do_g, q_g, out_g, dq_g, kv_g, dkv_g, lse_g
-        received = None
-        if dkv_pending is not None:
-            received = dkv_pending.wait()  # the send of dkv_sent is done too
-            dkv += received
-            dkv_free = dkv_sent  # next step's accumulator
-        if i < len(steps) - 1:
-            dkv_pending = cx.ring_step(dkv, steps, i, "dkv", received)
-        dkv_sent = dkv
-        del dkv, received
+            del do_g, q_g, out_g, dq_g, kv_g, lse_g
+        # This step's sum goes on; the buffer sent last step (its send done with the
+        # receive just waited on) receives the next one.
+        dkv_pending = cx.ring_step(dkv.get(), steps, i, "dkv", dkv_sent)
+        dkv_sent = dkv.get()
+        del dkv
         if pending is not None:
             spare = None if kv_cur is kv_local else kv_cur
             kv_cur = pending.wait()
-    del kv_cur, out_eff, do_team, spare, dkv_free
+    del kv_cur, out_eff, do_team, spare
     # The held copy's dK/dV goes home, each member its own rows (the buffers of the steps
     # freed first); dq's reduce-scatters run while the parts travel, and the joint keys'
     # part (local rows) is computed meanwhile.

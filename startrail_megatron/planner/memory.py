@@ -34,7 +34,8 @@ def startrail_buffers(team_size: int, shape: AttnShape) -> dict[str, int]:
     team's K,V, (3C + 1) A, but the placement here sends each member's K,V straight
     from the member (``layout.py``'s Note). The rest is the backward's working set:
     what double-buffering both directions of the sub-ring needs (``G > 1``) and fp32
-    where sums accumulate over calls and steps. ``kernel call`` is the largest call's gradients (at most the
+    where sums accumulate over calls and steps: a step's dK/dV is added straight into the
+    partial sum received for it (``attention._StepDkv``). ``kernel call`` is the largest call's gradients (at most the
     whole team block); the kernel's own workspace comes on top (``tests/test_memory.py``
     measures it).
     """
@@ -53,9 +54,8 @@ def startrail_buffers(team_size: int, shape: AttnShape) -> dict[str, int]:
         "dq": team_q * a,
         "kv_cur": team_kv * e,
         "next KV in flight": team_kv * e if steps else 0,
-        "dkv": team_kv * a,
+        "dkv": team_kv * a,  # from the second step on, the partial sum received into
         "dkv sent, in flight": team_kv * a if steps else 0,
-        "dkv received": team_kv * a if steps else 0,
         "kernel call": (team_q + team_kv) * e,
     }
 
