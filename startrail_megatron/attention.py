@@ -63,7 +63,8 @@ synchronizes the device). What runs while each transfer is in flight:
                               ``own_rows_first`` the first step's own-row calls
             initial placement the out stand-in (``_delta_out``)
             sub-ring KV s+1   step s's kernel calls
-            dK/dV of step s   step s+1's kernel calls (one step behind the KV)
+            dK/dV of step s   step s+1's first kernel call (one step behind the KV;
+                              the step's gradients are then added into it: ``_StepDkv``)
             dq of head group  the last step's calls on the next head group (as the
               g               forward's combine; the last group's dq with the next row)
             dK/dV home        the last group's dq reduce-scatter, the joint keys' part
@@ -76,7 +77,9 @@ them: the same (query, key) pairs in a few more, smaller calls, exact in any ord
 That only pays where the gather outlasts the placement: a team spread over hosts
 whose gather carries more bytes than the placement (GQA). Elsewhere the gather ends
 first and the split only adds calls, so the default (None) splits only there
-(``block_plan.own_rows_first_pays``, with ``StarTrailGroups.team_hosts``), unless
+(``block_plan.own_rows_first_pays``, with ``StarTrailGroups.team_hosts``), unless the
+groups carry a setting (``StarTrailGroups.own_rows_first``: Megatron's
+``--startrail-own-rows-first``, DeepSpeed's ``startrail.own_rows_first``) or
 ``$STARTRAIL_OWN_ROWS_FIRST`` says ``on`` or ``off`` (``validation.check_comm_options``).
 It is rank-local: ranks that differ still exchange the same transfers.
 
@@ -989,7 +992,7 @@ def startrail_attention(
     packed = packed_layout(groups.cp_size, q.shape[0], cu_seqlens, cu_seqlens_padded)
     opts = check_options(q, groups.cp_size, causal, dropout_p, window, softcap, sinks)
     jk, jv = check_joint_kv(joint_kv, k, causal, opts)
-    comm_options = check_comm_options(comm_options, q)
+    comm_options = check_comm_options(comm_options, q, groups.own_rows_first)
     kern, scale = resolve_kernel(q, kernel, softmax_scale, **opts.kernel_needs)
     agree_once(
         groups, q, k, bool(causal), packed, opts, sinks is not None,

@@ -562,6 +562,12 @@ def own_team_rows(
     return tuple(runs)
 
 
+OWN_ROWS_FIRST_SETTINGS = {"auto": None, "on": True, "off": False}
+"""The words of every own-rows-first setting (Megatron's ``--startrail-own-rows-first``,
+DeepSpeed's ``startrail.own_rows_first``, ``$STARTRAIL_OWN_ROWS_FIRST``, the tools'
+``--own-rows-first``) -> ``CommOptions(own_rows_first=)``; ``None``: this rule."""
+
+
 def own_rows_first_pays(
     layout: StarTrailLayout, heads_q: int, heads_kv: int, team_hosts: int
 ) -> bool:

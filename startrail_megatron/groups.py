@@ -106,6 +106,10 @@ class StarTrailGroups:
         subring_group: the G ranks of this rank's sub-ring (``None`` when G = 1).
         team_hosts: how many hosts (``socket.gethostname``) this rank's team spans: the
             default of ``CommOptions(own_rows_first=)`` reads it.
+        own_rows_first: the adapter's own-rows-first setting (Megatron's
+            ``--startrail-own-rows-first``, DeepSpeed's ``startrail.own_rows_first``):
+            what a call whose ``CommOptions(own_rows_first=None)`` does; ``None`` (auto):
+            ``$STARTRAIL_OWN_ROWS_FIRST``, else the rule (``attention.py``'s Note).
         agreed: the call settings the CP ranks were checked to agree on
             (``startrail_attention`` fills it, once per new setting).
     """
@@ -116,6 +120,7 @@ class StarTrailGroups:
     team_group: dist.ProcessGroup | None
     subring_group: dist.ProcessGroup | None
     team_hosts: int = 1
+    own_rows_first: bool | None = None
     agreed: set = field(default_factory=set, repr=False, compare=False)
 
     @property
@@ -134,6 +139,7 @@ class StarTrailGroups:
         placement: Placement = "team",
         *,
         timeout: timedelta | None = None,
+        own_rows_first: bool | None = None,
     ) -> StarTrailGroups:
         """Build the team and sub-ring groups over ``cp_group`` (a collective call).
 
@@ -151,8 +157,13 @@ class StarTrailGroups:
         timeout, so a dead peer fails at the timeout the user configured, not
         at torch's 30-minute default for new groups). The setting is checked
         before any communication; ranks that pass different settings all raise
-        the same ``ValueError``.
+        the same ``ValueError``. ``own_rows_first``: the ``own_rows_first`` attribute
+        (True, False or None), rank-local.
         """
+        if own_rows_first is not None and not isinstance(own_rows_first, bool):
+            raise ValueError(
+                f"own_rows_first={own_rows_first!r} must be True, False or None (auto)"
+            )
         if not dist.is_initialized():
             raise RuntimeError("StarTrailGroups.create needs torch.distributed to be initialized")
         cp_size = dist.get_world_size(cp_group)
@@ -208,4 +219,4 @@ class StarTrailGroups:
         for g in used:
             _warm_up(g)
         hosts = {gathered[mine[r]][3] for r in layout.team_ranks(team)}
-        return cls(layout, cp_group, cp_rank, team_group, subring_group, len(hosts))
+        return cls(layout, cp_group, cp_rank, team_group, subring_group, len(hosts), own_rows_first)

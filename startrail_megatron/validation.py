@@ -18,7 +18,7 @@ import struct
 import torch
 from torch import Tensor
 
-from .block_plan import normalize_window
+from .block_plan import OWN_ROWS_FIRST_SETTINGS, normalize_window
 from .comm import DEFAULT_COMM, CommOptions, check_agreement
 from .comm.overlap import refuse_device_delay
 from .groups import StarTrailGroups
@@ -118,27 +118,31 @@ def check_options(q: Tensor, cp_size: int, causal: bool, dropout_p, window, soft
 
 
 OWN_ROWS_FIRST_ENV = "STARTRAIL_OWN_ROWS_FIRST"
-_OWN_ROWS_FIRST_VALUES = {"auto": None, "on": True, "off": False}
+
+
+def own_rows_first_setting(raw, name: str) -> bool | None:
+    """``raw`` (``auto``, ``on``, ``off``, any case) -> None, True, False; ``ValueError``
+    naming the setting ``name`` and the allowed words otherwise."""
+    value = raw.strip().lower() if isinstance(raw, str) else raw
+    if value not in OWN_ROWS_FIRST_SETTINGS:
+        raise ValueError(f"{name}={raw!r} is not known; allowed: {list(OWN_ROWS_FIRST_SETTINGS)}")
+    return OWN_ROWS_FIRST_SETTINGS[value]
 
 
 def own_rows_first_from_env(environ=os.environ) -> bool | None:
     """``$STARTRAIL_OWN_ROWS_FIRST`` (``auto``, ``on``, ``off``; unset: ``auto``): what
-    ``CommOptions(own_rows_first=None)`` means, so every adapter (Megatron, DeepSpeed,
-    transformers, the DiT) can set it without a flag of its own, as ``$STARTRAIL_KERNEL``
-    does the kernel. ``ValueError`` naming the variable on any other value."""
-    raw = environ.get(OWN_ROWS_FIRST_ENV, "auto")
-    value = raw.strip().lower()
-    if value not in _OWN_ROWS_FIRST_VALUES:
-        raise ValueError(
-            f"{OWN_ROWS_FIRST_ENV}={raw!r} is not known; allowed: {list(_OWN_ROWS_FIRST_VALUES)}"
-        )
-    return _OWN_ROWS_FIRST_VALUES[value]
+    ``CommOptions(own_rows_first=None)`` means where the groups carry no setting either,
+    so that any caller can set it without a flag of its own, as ``$STARTRAIL_KERNEL`` does
+    the kernel. ``ValueError`` naming the variable on any other value."""
+    return own_rows_first_setting(environ.get(OWN_ROWS_FIRST_ENV, "auto"), OWN_ROWS_FIRST_ENV)
 
 
-def check_comm_options(comm_options, q: Tensor) -> CommOptions:
+def check_comm_options(comm_options, q: Tensor, groups_default: bool | None = None) -> CommOptions:
     """``comm_options`` checked (``None``: the default): a ``CommOptions``, and no injected
     delay on CUDA tensors (a host-side sleep does not slow a transfer on its stream).
-    ``own_rows_first=None`` takes ``$STARTRAIL_OWN_ROWS_FIRST`` (``own_rows_first_from_env``)."""
+    ``own_rows_first=None`` takes ``groups_default`` (``StarTrailGroups.own_rows_first``:
+    the adapter's flag or config key) where it is set, else ``$STARTRAIL_OWN_ROWS_FIRST``
+    (``own_rows_first_from_env``), else stays None (the rule)."""
     if comm_options is None:
         comm_options = DEFAULT_COMM
     if not isinstance(comm_options, CommOptions):
@@ -148,9 +152,9 @@ def check_comm_options(comm_options, q: Tensor) -> CommOptions:
     if q.device.type == "cuda":
         refuse_device_delay(comm_options)
     if comm_options.own_rows_first is None:
-        env = own_rows_first_from_env()
-        if env is not None:
-            comm_options = dataclasses.replace(comm_options, own_rows_first=env)
+        pick = groups_default if groups_default is not None else own_rows_first_from_env()
+        if pick is not None:
+            comm_options = dataclasses.replace(comm_options, own_rows_first=pick)
     return comm_options
 
 

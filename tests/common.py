@@ -67,10 +67,10 @@ def value_errors(cases: dict, error: type[Exception] = ValueError) -> dict:
 
 
 @contextlib.contextmanager
-def own_rows_first_env(value: str):
-    """``STARTRAIL_OWN_ROWS_FIRST=value`` inside, and a list that collects how many calls
-    each first-step split cut off for the rank's own rows (``attention.split_own_rows``),
-    as a Megatron or DeepSpeed user's run would set it."""
+def own_rows_first_env(value: str | None):
+    """``STARTRAIL_OWN_ROWS_FIRST=value`` inside (``None``: unset), and a list that collects
+    how many calls each first-step split cut off for the rank's own rows
+    (``attention.split_own_rows``), as a Megatron or DeepSpeed user's run would set it."""
     import startrail_megatron.attention as attention
 
     real, made = attention.split_own_rows, []
@@ -80,14 +80,15 @@ def own_rows_first_env(value: str):
         made.append(len(result[0]))
         return result
 
-    old = os.environ.get(OWN_ROWS_FIRST_ENV)
-    os.environ[OWN_ROWS_FIRST_ENV] = value
+    old = os.environ.pop(OWN_ROWS_FIRST_ENV, None)
+    if value is not None:
+        os.environ[OWN_ROWS_FIRST_ENV] = value
     attention.split_own_rows = counted
     try:
         yield made
     finally:
         attention.split_own_rows = real
         if old is None:
-            del os.environ[OWN_ROWS_FIRST_ENV]
+            os.environ.pop(OWN_ROWS_FIRST_ENV, None)
         else:
             os.environ[OWN_ROWS_FIRST_ENV] = old

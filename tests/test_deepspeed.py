@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from common import own_rows_first_env
 from ds_common import CLIP, LR, REPO, SEQ, global_batches, reference_run, tiny_llama
 from ds_common import ds_config as make_cfg
 from harness import run_ranks
@@ -192,6 +193,23 @@ def test_gradient_accumulation_zero2():
     _check(run_ranks(4, _train, cfg), world=4, p=4, ref=_reference(2))
 
 
+def _train_own_rows_first(rank, world, cfg, env):
+    """``_train`` with ``STARTRAIL_OWN_ROWS_FIRST=env`` (None: unset); also how many
+    calls the first steps' splits cut off for the rank's own rows."""
+    with own_rows_first_env(env) as made:
+        return (*_train(rank, world, cfg), sum(made))
+
+
+@pytest.mark.parametrize("key, env, split", [("on", None, True), ("off", "on", False)])
+def test_own_rows_first_key(key, env, split):
+    """``startrail.own_rows_first`` reaches every attention call (over the environment
+    variable): the same training as one rank, own-row calls made exactly when it says on."""
+    cfg = make_cfg(1, dp=1, startrail=_st(4, 2, own_rows_first=key))
+    res = run_ranks(4, _train_own_rows_first, cfg, env)
+    _check([r[:3] for r in res], world=4, p=4)
+    assert all((r[3] > 0) == split for r in res), [r[3] for r in res]
+
+
 def _train_one_rank(rank, world, cfg):
     """The same DeepSpeed config on one rank without StarTrail: the bf16 reference."""
     _ds_env(rank, world)
@@ -286,6 +304,11 @@ def test_launcher_runs_unmodified_script(tmp_path):
         ({**_st(4, 2), "enabled": "yes"}, {}, r"startrail\.enabled='yes'"),
         ({**_st(4, 2), "placement": "node"}, {}, r"startrail\.placement='node'.*'team', 'ring'"),
         ({**_st(4, 2), "zero_mapping": "hpz"}, {}, r"startrail\.zero_mapping='hpz'.*hpz_team"),
+        (
+            {**_st(4, 2), "own_rows_first": True},
+            {},
+            r"startrail\.own_rows_first=True.*'auto', 'on', 'off'",
+        ),
         (_st(4, 2, zero_mapping="hpz_team"), {}, r"needs zero_optimization\.stage=3"),
         (
             _st(4, 1, zero_mapping="hpz_team"),

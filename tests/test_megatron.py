@@ -128,17 +128,19 @@ def _train_own_rows_first(rank, world, argv, steps, value):
 
 
 def test_gpt_own_rows_first_matches_cp1():
-    """The first step's own rows first, switched on for the whole run by the environment
-    variable (as a Megatron user does it): the same losses and gradients as CP = 1, and
-    every rank made own-row calls (none with it off)."""
+    """The first step's own rows first, switched on for the whole run by
+    ``--startrail-own-rows-first`` or, where that says ``auto``, by the environment variable:
+    the same losses and gradients as CP = 1, and every rank made own-row calls exactly when
+    the setting that wins says on (the flag over the variable)."""
     extra = GQA + ["--optimizer", "sgd"]
     ref = _baseline(extra)
     argv = BASE + extra + st_flags(4, 2)
-    for value, split in (("on", True), ("off", False)):
-        res = run_ranks(4, _train_own_rows_first, argv, 3, value)
+    for env, flag, split in (("on", None, True), ("on", "off", False), ("off", "on", True)):
+        more = [] if flag is None else ["--startrail-own-rows-first", flag]
+        res = run_ranks(4, _train_own_rows_first, argv + more, 3, env)
         for r in res:
             _assert_close_runs(r, ref)
-            assert (r[-1] > 0) == split, (value, r[-1])
+            assert (r[-1] > 0) == split, (env, flag, r[-1])
 
 
 def test_tp2_gradient_clipping_matches_cp1():

@@ -109,6 +109,8 @@ def test_extra_args_provider_validates_and_installs():
                 "2",
                 "--startrail-placement",
                 "ring",
+                "--startrail-own-rows-first",
+                "on",
                 "--other",
                 "y",
             ]
@@ -118,6 +120,7 @@ def test_extra_args_provider_validates_and_installs():
             "team_size": 2,
             "placement": "ring",
             "kernel": "auto",
+            "own_rows_first": True,
         }
     finally:
         hooks.uninstall()
@@ -208,7 +211,12 @@ def test_launcher_runs_script_with_hooks(fake_megatron_lm):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out == {
         "impl": "startrail",
-        "installed": {"team_size": 2, "placement": "team", "kernel": "auto"},
+        "installed": {
+            "team_size": 2,
+            "placement": "team",
+            "kernel": "auto",
+            "own_rows_first": None,
+        },
     }
 
 

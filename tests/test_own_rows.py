@@ -13,6 +13,7 @@ The order of waits and calls is checked in ``test_overlap.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 
@@ -189,11 +190,16 @@ def test_own_rows_first_rule():
         CommOptions(own_rows_first=1)
 
 
-def _env_case(rank, world, value):
-    """One default call (``own_rows_first=None``) under ``$STARTRAIL_OWN_ROWS_FIRST``."""
+def _env_case(rank, world, value, on_groups=None, orf=None):
+    """One call under ``$STARTRAIL_OWN_ROWS_FIRST=value``, on groups whose own setting is
+    ``on_groups`` (``StarTrailGroups.own_rows_first``: the adapters' flag or key), with
+    ``CommOptions(own_rows_first=orf)``."""
     try:
+        groups = groups_for(2, key=on_groups)
+        if on_groups is not None:
+            groups = dataclasses.replace(groups, own_rows_first=on_groups)
         with own_rows_first_env(value):
-            return _run(rank, world, groups_for(2), True, 8, 2, None, None)[1]
+            return _run(rank, world, groups, True, 8, 2, None, orf)[1]
     except ValueError as e:
         return str(e)
 
@@ -208,6 +214,24 @@ def test_environment_variable_sets_the_default():
             assert calls == _expected_calls(lay, r, True, None, 8, 2, split), (value, r)
     for msg in run_ranks(4, _env_case, "maybe"):
         assert OWN_ROWS_FIRST_ENV in msg and "'auto', 'on', 'off'" in msg, msg
+
+
+def test_call_then_groups_then_environment():
+    """Who decides, first to last: the call's ``CommOptions(own_rows_first=)``, the groups'
+    setting (Megatron's flag, DeepSpeed's key), ``$STARTRAIL_OWN_ROWS_FIRST``, the rule."""
+    lay = st.StarTrailLayout(4, 2)
+    cases = [  # (environment, groups, call) -> split
+        (("off", True, None), True),
+        (("on", False, None), False),
+        (("on", False, True), True),
+        (("off", True, False), False),
+        (("on", None, False), False),
+    ]
+    for (env, on_groups, orf), split in cases:
+        for r, calls in enumerate(run_ranks(4, _env_case, env, on_groups, orf)):
+            assert calls == _expected_calls(lay, r, True, None, 8, 2, split), (env, on_groups, r)
+    with pytest.raises(ValueError, match=r"own_rows_first='on' must be True, False or None"):
+        st.StarTrailGroups.create(2, own_rows_first="on")  # before any communication
 
 
 def test_one_process_mode_runs_own_rows_first_and_reports_the_gather_hidden():

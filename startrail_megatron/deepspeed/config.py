@@ -8,7 +8,8 @@ section is still a valid plain DeepSpeed config::
         "sequence_parallel_size": 4,
         "team_size": 2,
         "placement": "team",
-        "zero_mapping": "none"
+        "zero_mapping": "none",
+        "own_rows_first": "auto"
     }
 
 The model follows DeepSpeed's own config models (``DeepSpeedConfigModel``:
@@ -25,6 +26,7 @@ from typing import Any, Literal
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationError, model_validator
 
+from ..block_plan import OWN_ROWS_FIRST_SETTINGS
 from ..layout import PLACEMENTS, valid_team_sizes
 
 __all__ = ["STARTRAIL_KEY", "ZERO_MAPPINGS", "StarTrailConfig"]
@@ -57,6 +59,12 @@ class StarTrailConfig(DeepSpeedConfigModel):
     parameter all-gather stays inside a team. Needs ZeRO stage 3 and
     team_size > 1. With ``placement: "team"`` DeepSpeed's own contiguous hpZ
     groups are the teams; with ``"ring"`` the team groups are handed to it."""
+
+    own_rows_first: Literal["auto", "on", "off"] = "auto"
+    """The first sub-ring step runs this rank's own query rows while the team gathers
+    q (forward) and dout (backward): ``"on"``, ``"off"``, or ``"auto"``:
+    ``$STARTRAIL_OWN_ROWS_FIRST`` where set, else on only where the team spans hosts and
+    the gather outweighs the K,V placement (docs/performance.md, section 11)."""
 
     @model_validator(mode="after")
     def _check(self) -> StarTrailConfig:
@@ -97,6 +105,11 @@ class StarTrailConfig(DeepSpeedConfigModel):
             )
 
     @property
+    def own_rows_first_value(self) -> bool | None:
+        """``own_rows_first`` as ``StarTrailGroups.own_rows_first``: None, True, False."""
+        return OWN_ROWS_FIRST_SETTINGS[self.own_rows_first]
+
+    @property
     def active(self) -> bool:
         """StarTrail changes something: enabled with P > 1."""
         return self.enabled and self.sequence_parallel_size > 1
@@ -108,6 +121,7 @@ _FIELD_HINTS = {
     "team_size": "an integer >= 1 with team_size**2 dividing sequence_parallel_size",
     "placement": f"one of {list(PLACEMENTS)}",
     "zero_mapping": f"one of {list(ZERO_MAPPINGS)}",
+    "own_rows_first": f"one of {list(OWN_ROWS_FIRST_SETTINGS)}",
 }
 
 

@@ -105,7 +105,7 @@ def _maybe_install_megatron_hooks(args: list[str]) -> bool:
         return False
     from startrail_megatron.megatron import install
 
-    install(st.team_size, st.placement)
+    install(st.team_size, st.placement, own_rows_first=st.own_rows_first_value)
     return True
 
 

@@ -67,7 +67,12 @@ class StarTrailMPU:
             if d == rank // p:
                 mine = g
         seq_data = dist.new_group(list(range(world)), group_desc="startrail_sp_dp")
-        groups = StarTrailGroups.create(config.team_size, cp_group=mine, placement=config.placement)
+        groups = StarTrailGroups.create(
+            config.team_size,
+            cp_group=mine,
+            placement=config.placement,
+            own_rows_first=config.own_rows_first_value,
+        )
         return cls(config, mine, seq_data, groups, rank // p, world // p)
 
     # ---- DeepSpeed's sequence-parallel mpu interface ------------------------

@@ -3,6 +3,8 @@
     --context-parallel-impl {te,startrail}   default te: Megatron's own CP attention
     --startrail-team-size C                  C*C must divide --context-parallel-size
     --startrail-placement {team,ring}
+    --startrail-own-rows-first {auto,on,off} the first step's own query rows before the
+                                             team gathers are waited on (auto: the rule)
 
 ``add_startrail_args(parser)`` adds them (returns the parser, so it can be
 Megatron-LM's ``extra_args_provider``); ``validate_startrail_args(args)``
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..block_plan import OWN_ROWS_FIRST_SETTINGS
 from ..layout import PLACEMENTS, valid_team_sizes
 from .hooks import install
 from .refusals import REFUSED_FLAGS
@@ -68,6 +71,15 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         default="team",
         help="'team': team members on adjacent CP ranks (collectives inside a node); "
         "'ring': sub-ring neighbours adjacent (P2P inside a node).",
+    )
+    group.add_argument(
+        "--startrail-own-rows-first",
+        choices=tuple(OWN_ROWS_FIRST_SETTINGS),
+        default="auto",
+        help="StarTrail's first sub-ring step runs the rank's own query rows while the team "
+        "gathers q (forward) and dout (backward): 'on', 'off', or 'auto' (default: "
+        "$STARTRAIL_OWN_ROWS_FIRST where set, else on only where the team spans hosts and "
+        "the gather outweighs the K,V placement; docs/performance.md section 11).",
     )
     return parser
 
@@ -157,7 +169,8 @@ def install_from_args(args: argparse.Namespace, team_size: int | None = None) ->
         if not _autotuner_available(args):
             raise _refuse_auto()
         c = 1  # placeholder until the entry point's autotuner picks one
-    install(int(c), args.startrail_placement)
+    orf = OWN_ROWS_FIRST_SETTINGS[getattr(args, "startrail_own_rows_first", "auto")]
+    install(int(c), args.startrail_placement, own_rows_first=orf)
 
 
 def extra_args_provider(parser: argparse.ArgumentParser, *, chain=None) -> argparse.ArgumentParser:

@@ -28,23 +28,38 @@ _INSTALLED: dict[str, object] = {}
 
 
 def installed_config() -> dict | None:
-    """The (team_size, placement, kernel) of ``install``, or None."""
+    """The (team_size, placement, kernel, own_rows_first) of ``install``, or None."""
     cfg = _INSTALLED.get("config")
     return dict(cfg) if cfg else None
 
 
 def install(
-    team_size: int, placement: Placement = "team", kernel: str = "auto", *, spec_hook: bool = True
+    team_size: int,
+    placement: Placement = "team",
+    kernel: str = "auto",
+    *,
+    spec_hook: bool = True,
+    own_rows_first: bool | None = None,
 ) -> None:
-    """Make Megatron create StarTrail groups and build StarTrail attention. Reversible."""
+    """Make Megatron create StarTrail groups and build StarTrail attention. Reversible.
+
+    ``own_rows_first``: the groups' setting (``StarTrailGroups.own_rows_first``;
+    ``--startrail-own-rows-first``): True, False, or None (auto)."""
     from megatron.core import parallel_state
 
     if placement not in PLACEMENTS:
         raise ValueError(f"placement={placement!r} is not known; allowed: {list(PLACEMENTS)}")
     if not isinstance(team_size, int) or team_size < 1:
         raise ValueError(f"team_size must be an integer >= 1, got {team_size!r}")
+    if own_rows_first is not None and not isinstance(own_rows_first, bool):
+        raise ValueError(f"own_rows_first must be True, False or None, got {own_rows_first!r}")
     uninstall()
-    _INSTALLED["config"] = {"team_size": team_size, "placement": placement, "kernel": kernel}
+    _INSTALLED["config"] = {
+        "team_size": team_size,
+        "placement": placement,
+        "kernel": kernel,
+        "own_rows_first": own_rows_first,
+    }
     orig_init = parallel_state.initialize_model_parallel
     orig_destroy = parallel_state.destroy_model_parallel
     init_sig = inspect.signature(orig_init)
@@ -59,6 +74,7 @@ def install(
             cfg["placement"],
             cfg["kernel"],
             timeout=_megatron_timeout(init_sig, args, kwargs),
+            own_rows_first=cfg["own_rows_first"],
         )
         return out
 

@@ -68,6 +68,9 @@ def _banner(args) -> None:
         if impl == "startrail"
         else ""
     )
+    orf = getattr(args, "startrail_own_rows_first", "auto")
+    if impl == "startrail" and orf != "auto":
+        extra += f", own rows first {orf}"
     print(
         f"GPT {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads "
         f"({args.num_query_groups} query groups), seq {args.seq_length}; TP {args.tensor_model_parallel_size}"

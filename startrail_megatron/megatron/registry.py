@@ -75,14 +75,20 @@ def create_startrail_groups(
     placement: Placement = "team",
     kernel: str = "auto",
     timeout: timedelta | None = None,
+    own_rows_first: bool | None = None,
 ) -> StarTrailMegatronState:
     """Build and register StarTrail's groups for ``cp_group`` (collective over it).
 
     An entry already registered for ``cp_group`` is released first (its groups
-    destroyed). ``timeout``: of the new groups (default: the default process group's)."""
+    destroyed). ``timeout``: of the new groups (default: the default process group's).
+    ``own_rows_first``: ``StarTrailGroups.own_rows_first``."""
     release_startrail_groups(cp_group)
     groups = StarTrailGroups.create(
-        team_size, cp_group=cp_group, placement=placement, timeout=timeout
+        team_size,
+        cp_group=cp_group,
+        placement=placement,
+        timeout=timeout,
+        own_rows_first=own_rows_first,
     )
     state = StarTrailMegatronState(groups, kernel)
     _REGISTRY[_key(cp_group)] = state

@@ -16,6 +16,7 @@ import json
 import re
 import sys
 
+from ..block_plan import OWN_ROWS_FIRST_SETTINGS
 from .cluster import CLUSTER_PRESETS, MODEL_PRESETS, ModelSpec
 from .plan import Plan, plan
 
@@ -36,7 +37,7 @@ _CLUSTER_OVERRIDES = {
 _MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
 
 
-OWN_ROWS_FIRST = {"auto": None, "on": True, "off": False}
+OWN_ROWS_FIRST = OWN_ROWS_FIRST_SETTINGS
 """``--own-rows-first`` (``startrail-plan``, ``startrail-bench``) -> ``comm.CommOptions(
 own_rows_first=)`` / ``ClusterSpec.own_rows_first``."""
 

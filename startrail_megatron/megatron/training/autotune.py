@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ...block_plan import OWN_ROWS_FIRST_SETTINGS
 from ...planner.autotune import autotune, startrail_candidates
 from ..registry import create_startrail_groups, release_startrail_groups
 from .data import build_dataset, global_batches
@@ -28,6 +29,7 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
     from megatron.core import parallel_state
 
     cp_group = parallel_state.get_context_parallel_group()
+    orf = OWN_ROWS_FIRST_SETTINGS[getattr(args, "startrail_own_rows_first", "auto")]
     sample = next(global_batches(args, build_dataset(args, args.global_batch_size)))
     lines: list[str] = []
 
@@ -38,7 +40,7 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
 
     def run_trial(cand) -> list[float]:
         release_startrail_groups(cp_group)  # the previous candidate's communicators
-        create_startrail_groups(cp_group, cand.team_size, cand.placement)
+        create_startrail_groups(cp_group, cand.team_size, cand.placement, own_rows_first=orf)
         times = []
         for i in range(args.startrail_autotune_iters + 1):
             t0 = time.perf_counter()
@@ -58,6 +60,6 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
     )
     best = result.best
     release_startrail_groups(cp_group)
-    create_startrail_groups(cp_group, best.team_size, best.placement)
+    create_startrail_groups(cp_group, best.team_size, best.placement, own_rows_first=orf)
     args.startrail_team_size, args.startrail_placement = best.team_size, best.placement
     return lines
