@@ -63,8 +63,8 @@ synchronizes the device). What runs while each transfer is in flight:
                               ``own_rows_first`` the first step's own-row calls
             initial placement the out stand-in (``_delta_out``)
             sub-ring KV s+1   step s's kernel calls
-            dK/dV of step s   step s+1's first kernel call (one step behind the KV;
-                              the step's gradients are then added into it: ``_StepDkv``)
+            dK/dV of step s   step s+1's kernel calls (one step behind the KV; their
+                              gradients are then added into it: ``_StepDkv``)
             dq of head group  the last step's calls on the next head group (as the
               g               forward's combine; the last group's dq with the next row)
             dK/dV home        the last group's dq reduce-scatter, the joint keys' part
@@ -330,8 +330,8 @@ def _varlen_backward(
     kernel, call, do_team, q_team, kv_cur, out_eff, lse_team, dq, dkv, scale, drop=None,
     softcap=0.0,
 ):  # fmt: skip
-    """One ``VarlenCall`` of the backward: gradients added into dq and dkv's rows
-    (``dkv``: a function giving the accumulator, called once the gradients exist)."""
+    """One ``VarlenCall`` of the backward: gradients added into dq's rows and, through
+    ``dkv`` (``_StepDkv.add`` on this head group), into the step's dK/dV."""
     b, hq = q_team.shape[1], q_team.shape[2]
     ix = _varlen_index(call, b, q_team.device)
     lse = lse_team.index_select(2, ix.q_rows).transpose(0, 1).reshape(hq, -1)  # [hq, b*t]
@@ -347,9 +347,14 @@ def _varlen_backward(
     )  # fmt: skip
     acc = dq.dtype
     dq.index_add_(0, ix.q_rows, _from_thd(g_q, b).to(acc))
-    dkv = dkv()
-    dkv[:, 0].index_add_(0, ix.kv_rows, _from_thd(g_k, b).to(acc))
-    dkv[:, 1].index_add_(0, ix.kv_rows, _from_thd(g_v, b).to(acc))
+    del g_q
+    rows = ix.kv_rows
+
+    def add(t: Tensor) -> None:
+        t[:, 0].index_add_(0, rows, _from_thd(g_k, b).to(acc))
+        t[:, 1].index_add_(0, rows, _from_thd(g_v, b).to(acc))
+
+    dkv(add)
 
 
 def _forward_call(kernel, q, k, v, out_rows, lse_rows, causal, scale, kw) -> None:
@@ -358,18 +363,15 @@ def _forward_call(kernel, q, k, v, out_rows, lse_rows, causal, scale, kw) -> Non
     merge_partial(out_rows, lse_rows, o, lse)
 
 
-def _backward_call(kernel, do, q, kv, out, lse, dq_rows, dkv_rows, causal, scale, kw) -> None:
-    """One row call of the backward (``kv``: the call's K,V rows ``[t, 2, ...]``), its
-    gradients added into the accumulators' rows (views; ``dkv_rows`` a function giving
-    them, called once the gradients exist: ``_StepDkv``); they are freed on return, so one
-    call's gradients are alive at a time."""
+def _backward_call(kernel, do, q, kv, out, lse, dq_rows, dkv, causal, scale, kw) -> None:
+    """One row call of the backward (``kv``: the call's K,V rows ``[t, 2, ...]``): dq's
+    gradient added into ``dq_rows`` (a view), dK/dV's through ``dkv`` (``_StepDkv.rows``:
+    at once, or where the step's accumulator is still arriving, once it has)."""
     g_q, g_k, g_v = kernel.backward(
         do, q, kv[:, 0], kv[:, 1], out, lse, causal=causal, scale=scale, **kw
     )
     dq_rows += g_q
-    dkv_rows = dkv_rows()
-    dkv_rows[:, 0] += g_k
-    dkv_rows[:, 1] += g_v
+    dkv(g_k, g_v)
 
 
 def _row_call(c: tuple, cap: dict) -> tuple:
@@ -611,6 +613,8 @@ def startrail_rank_forward(
     tail = _TailCombine(cx, acc_out, acc_lse, sinks, k.shape[2])
     for i, step in enumerate(steps):
         pending = cx.ring_step(kv_cur, steps, i, "kv", spare)
+        if pending is None:  # the last step receives no K,V: its spare buffer is dead
+            spare = None
         varlen, rows, own = cx.step_calls(step, s, kernel, own_first=split and q_team is None)
         if q_team is None:  # the first step's calls on this rank's own rows, then the rest
             for qs, ql, ks, causal, kw in own:  # local queries: while the others' arrive
@@ -729,25 +733,52 @@ class _StepDkv:
     """One sub-ring step's dK/dV sum, fp32 ``[n, 2, b, hkv, d]``, for the K,V held at it.
 
     From the second computed step on it is the buffer that the previous holder's partial
-    sum arrives in (``pending``, started after that step): ``rows`` hands the loops a
-    function, and the first call's gradients are computed before it waits, so the
-    transfer runs behind that call and the step's gradients are added straight into the
-    received sum. No second team-sized fp32 buffer is needed (ring-flash-attention's
-    pattern); the first step starts from zeros."""
+    sum arrives in (``pending``, started after that step), waited on at the end of the
+    step (``get``) as before: the step's calls run while it travels. Their dK/dV
+    gradients are kept (in the kernel's dtype) until it has arrived and are then added
+    straight into it, so no second team-sized fp32 buffer is needed. A step of one call
+    (every step after the first on dense rows) keeps just that call's gradients, alive
+    anyway; the last step's head groups keep the first group's while the second computes,
+    with no next K,V in flight then; under windows or packed documents a step of several
+    calls keeps all of theirs. The first step adds into zeros at once."""
 
     def __init__(self, pending, like: Tensor, shape: tuple):
-        self.pending, self.t = pending, None
+        self.pending, self.t, self.kept = pending, None, []
         if pending is None:
             self.t = like.new_zeros(shape)
 
+    def add(self, fn, kh=slice(None)) -> None:
+        """``fn(the accumulator's kv heads kh)``: now, or once it has arrived (``get``)."""
+        if self.t is None:
+            self.kept.append((fn, kh))
+        else:
+            fn(self.t[:, :, :, kh])
+
     def get(self) -> Tensor:
+        """The accumulator, with every kept gradient added (waits for it the first time)."""
         if self.t is None:
             self.t, self.pending = self.pending.wait(), None
+            for fn, kh in self.kept:
+                fn(self.t[:, :, :, kh])
+            self.kept.clear()
         return self.t
 
     def rows(self, kh=slice(None), ks=slice(None)):
-        """A function giving the accumulator's kv heads ``kh``, rows ``ks`` (a view)."""
-        return lambda: self.get()[:, :, :, kh][ks]
+        """``add`` for one row call: a function of its (g_k, g_v) on kv heads ``kh``, kv
+        rows ``ks``."""
+
+        def add_call(g_k: Tensor, g_v: Tensor) -> None:
+            def fn(t: Tensor) -> None:
+                t[ks, 0] += g_k
+                t[ks, 1] += g_v
+
+            self.add(fn, kh)
+
+        return add_call
+
+    def heads(self, kh=slice(None)):
+        """``add`` on kv heads ``kh`` (a varlen call's ``dkv``)."""
+        return lambda fn: self.add(fn, kh)
 
 
 def startrail_rank_backward(
@@ -798,6 +829,8 @@ def startrail_rank_backward(
     tail, dq_hs = tail_head_groups(cx.layout, hq, hkv, bool(cx.dropout_p)), []
     for i, step in enumerate(steps):
         pending = cx.ring_step(kv_cur, steps, i, "kv", spare)
+        if pending is None:  # the last step receives no K,V: its spare buffer is dead
+            spare = None
         dkv = _StepDkv(dkv_pending, dq, dkv_shape)  # the partial sum received, or zeros
         varlen, rows, own = cx.step_calls(step, s, kernel, own_first=split and do_team is None)
         if do_team is None:  # the first step's calls on this rank's own rows, then the rest
@@ -822,7 +855,7 @@ def startrail_rank_backward(
             kv_g, lse_g = kv_cur[:, :, :, kh], lse_team[:, qh]
             for j, call in enumerate(varlen):
                 _varlen_backward(
-                    kernel, call, do_g, q_g, kv_g, out_g, lse_g, dq_g, dkv.rows(kh), scale,
+                    kernel, call, do_g, q_g, kv_g, out_g, lse_g, dq_g, dkv.heads(kh), scale,
                     cx.dropout(step, j), cx.softcap,
                 )  # fmt: skip
             for j, (qs, ks, causal, kw) in enumerate(rows):

@@ -123,7 +123,7 @@ OWN_ROWS_FIRST_ENV = "STARTRAIL_OWN_ROWS_FIRST"
 def own_rows_first_setting(raw, name: str) -> bool | None:
     """``raw`` (``auto``, ``on``, ``off``, any case) -> None, True, False; ``ValueError``
     naming the setting ``name`` and the allowed words otherwise."""
-    value = raw.strip().lower() if isinstance(raw, str) else raw
+    value = raw.strip().lower() if isinstance(raw, str) else None
     if value not in OWN_ROWS_FIRST_SETTINGS:
         raise ValueError(f"{name}={raw!r} is not known; allowed: {list(OWN_ROWS_FIRST_SETTINGS)}")
     return OWN_ROWS_FIRST_SETTINGS[value]

@@ -829,15 +829,20 @@ def test_launch_reads_configs_as_deepspeed_does(tmp_path, monkeypatch):
     from startrail_megatron.deepspeed import launch
 
     calls = []
-    monkeypatch.setattr(stm, "install", lambda c, placement: calls.append((c, placement)))
+    monkeypatch.setattr(
+        stm,
+        "install",
+        lambda c, placement, own_rows_first: calls.append((c, placement, own_rows_first)),
+    )
     path = tmp_path / "ds.json"
     path.write_text(
         "{\n  // DeepSpeed reads its config with hjson: comments are allowed\n"
         '  "train_batch_size": 1,\n'
-        '  "startrail": {"enabled": true, "sequence_parallel_size": 4, "team_size": 2}\n}\n'
+        '  "startrail": {"enabled": true, "sequence_parallel_size": 4, "team_size": 2,\n'
+        '                "own_rows_first": "off"}\n}\n'
     )
     assert launch._maybe_install_megatron_hooks(["--deepspeed_config", str(path)])
-    assert calls == [(2, "team")]
+    assert calls == [(2, "team", False)]
 
 
 def test_flash_varlen_kwargs_become_position_ids_or_are_refused():

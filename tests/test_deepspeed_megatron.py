@@ -183,6 +183,36 @@ def test_megatron_gpt_mismatched_cp_size_is_refused():
     assert all(m is not None and "startrail.sequence_parallel_size=4" in m for m in msg), msg
 
 
+def _own_rows_first_mismatch(rank, world):
+    import os
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    argv = ARGV + ["--context-parallel-size", "4", "--context-parallel-impl", "startrail"]
+    model = _model(argv + ["--startrail-team-size", "2", "--startrail-own-rows-first", "off"])
+    try:
+        st = {"enabled": True, "sequence_parallel_size": 4, "team_size": 2, "own_rows_first": "on"}
+        try:
+            sds.initialize(
+                model=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                config=ds_config(1, 1, st),
+            )
+        except ValueError as e:
+            return str(e)
+        return None
+    finally:
+        T.teardown()
+
+
+def test_megatron_gpt_own_rows_first_conflict_is_refused():
+    """The Megatron groups were made with --startrail-own-rows-first off, the section says
+    on: Megatron's attention reads the groups, so the key would be ignored; refused by name."""
+    for msg in run_ranks(4, _own_rows_first_mismatch):
+        assert msg is not None and "startrail.own_rows_first='on'" in msg, msg
+
+
 # ---- packed documents in one row (position ids restarting per document) ----------------------
 DOC_LENGTHS = [9, 3, 14, 1, 5]  # 32 tokens in one row
 

@@ -130,6 +130,22 @@ def test_extra_args_provider_validates_and_installs():
     assert hooks.installed_config() is None
 
 
+def test_own_rows_first_from_a_namespace_is_checked_by_name():
+    from startrail_megatron.megatron.arguments import validate_startrail_args
+
+    ns = argparse.Namespace(
+        context_parallel_impl="startrail",
+        context_parallel_size=4,
+        startrail_team_size=2,
+        startrail_placement="team",
+        startrail_own_rows_first="sometimes",
+    )
+    with pytest.raises(ValueError, match=r"--startrail-own-rows-first='sometimes'.*'auto'"):
+        validate_startrail_args(ns)
+    ns.startrail_own_rows_first = "off"
+    validate_startrail_args(ns)
+
+
 def test_extra_args_provider_rejects_bad_flags(capsys):
     with pytest.raises(SystemExit):
         _parser().parse_args(

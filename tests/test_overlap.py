@@ -149,10 +149,10 @@ FWD_C2 = (
 BWD_C2 = (
     r"start:dout start:delta start:kv_place wait:kv_place "
     r"start:kv K\+ wait:dout wait:delta (K\+ )?start:dkv wait:kv "
-    # the last step by head groups: the dK/dV partial sum is waited on after the step's
-    # first call (``_StepDkv``), the step's other calls add into it; group 0's dq travels
-    # while group 1 computes, the last group's beside the dK/dV parts going home
-    r"K\+ wait:dkv (K\+ )?start:dq K\+ start:dkv_home start:dq wait:dkv_home wait:dq wait:dq"
+    # the last step by head groups: group 0's dq travels while group 1 computes; the
+    # dK/dV partial sum is waited on after both (``_StepDkv`` keeps their gradients until
+    # then); the last group's dq travels beside the dK/dV parts going home
+    r"K\+ start:dq K\+ wait:dkv start:dkv_home start:dq wait:dkv_home wait:dq wait:dq"
 )
 # Ring (C = 1 on 4 ranks, G = 4): no team collectives; KV and dK/dV one step apart.
 FWD_C1 = r"start:kv_place wait:kv_place" + r" start:kv (K\+ )?wait:kv" * 3 + r"( K\+)?"

@@ -86,7 +86,7 @@ def megatron_mpu(config: StarTrailConfig) -> StarTrailMPU:
             f"the Megatron StarTrail groups (team_size={lay.team_size}, "
             f"placement={lay.placement!r}); build both from the same setting"
         )
-    if groups.own_rows_first != config.own_rows_first_value:
+    if config.own_rows_first != "auto" and groups.own_rows_first != config.own_rows_first_value:
         raise ValueError(
             f"startrail.own_rows_first={config.own_rows_first!r} differs from the Megatron "
             f"StarTrail groups' own_rows_first={groups.own_rows_first!r}; pass "

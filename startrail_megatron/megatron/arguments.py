@@ -23,6 +23,7 @@ import argparse
 
 from ..block_plan import OWN_ROWS_FIRST_SETTINGS
 from ..layout import PLACEMENTS, valid_team_sizes
+from ..validation import own_rows_first_setting
 from .hooks import install
 from .refusals import REFUSED_FLAGS
 
@@ -147,6 +148,7 @@ def validate_startrail_args(
                 "from its own entry point (python -m startrail_megatron.pretrain_gpt) or as "
                 "PackedSeqParams(qkv_format='thd'); Megatron-LM's dense document mask is not used"
             )
+    own_rows_first_arg(args)
     if getattr(args, "hierarchical_context_parallel_sizes", None):
         raise ValueError(
             "--hierarchical-context-parallel-sizes is a Transformer Engine CP option; StarTrail "
@@ -160,6 +162,14 @@ def validate_startrail_args(
             )
 
 
+def own_rows_first_arg(args: argparse.Namespace) -> bool | None:
+    """``--startrail-own-rows-first`` (absent: ``auto``) as ``StarTrailGroups.own_rows_first``;
+    ``ValueError`` naming the flag on a value argparse did not check (a Namespace built in
+    code)."""
+    raw = getattr(args, "startrail_own_rows_first", "auto")
+    return own_rows_first_setting(raw, "--startrail-own-rows-first")
+
+
 def install_from_args(args: argparse.Namespace, team_size: int | None = None) -> None:
     """Install the StarTrail hooks when ``--context-parallel-impl startrail``."""
     if getattr(args, "context_parallel_impl", "te") != "startrail":
@@ -169,8 +179,7 @@ def install_from_args(args: argparse.Namespace, team_size: int | None = None) ->
         if not _autotuner_available(args):
             raise _refuse_auto()
         c = 1  # placeholder until the entry point's autotuner picks one
-    orf = OWN_ROWS_FIRST_SETTINGS[getattr(args, "startrail_own_rows_first", "auto")]
-    install(int(c), args.startrail_placement, own_rows_first=orf)
+    install(int(c), args.startrail_placement, own_rows_first=own_rows_first_arg(args))
 
 
 def extra_args_provider(parser: argparse.ArgumentParser, *, chain=None) -> argparse.ArgumentParser:

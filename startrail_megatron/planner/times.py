@@ -58,9 +58,8 @@ def ring_pipeline(
     is done. Backward (``x_dkv > 0``, ``startrail_rank_backward``): KV travels as in the forward; after
     computing step s, rank r waits for the dK/dV exchange it posted when it ended step
     s-1 (its partial to the successor, the predecessor's to it), adds it, and posts the
-    next. (The code waits after the step's first call and adds the rest into what it
-    received, ``attention._StepDkv``: the same wherever a step after the first is one
-    call, as it is on dense rows without a window.) Ranks thus do not meet at every step: a rank that holds a causal diagonal
+    next (``attention._StepDkv``: the step's gradients are kept until then and added into
+    what it received). Ranks thus do not meet at every step: a rank that holds a causal diagonal
     block at one step and full blocks at the others pays its own sum, not the per-step
     maximum over ranks. Without ``cl.overlap`` the transfers take the ranks' own time
     (gloo's threads share the cores): each step but the last costs compute +

@@ -8,8 +8,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...block_plan import OWN_ROWS_FIRST_SETTINGS
 from ...planner.autotune import autotune, startrail_candidates
+from ..arguments import own_rows_first_arg
 from ..registry import create_startrail_groups, release_startrail_groups
 from .data import build_dataset, global_batches
 from .step import forward_backward, rank_device
@@ -29,7 +29,7 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
     from megatron.core import parallel_state
 
     cp_group = parallel_state.get_context_parallel_group()
-    orf = OWN_ROWS_FIRST_SETTINGS[getattr(args, "startrail_own_rows_first", "auto")]
+    orf = own_rows_first_arg(args)
     sample = next(global_batches(args, build_dataset(args, args.global_batch_size)))
     lines: list[str] = []
 
