@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from common import groups_for, value_errors
+from common import groups_for, own_rows_first_env, value_errors
 from harness import run_ranks
 
 from startrail_megatron.dit import (
@@ -45,9 +45,17 @@ def _args(image=(8, 8), text=0, c=1, placement="team", cp=None, **kw) -> TrainAr
     )  # fmt: skip
 
 
-def _train_case(rank, world, args: TrainArgs):
-    groups = groups_for(args.team_size, args.placement) if args.cp_size in (None, world) else None
-    res = run_training(args, groups=groups, log=lambda *_: None)
+def _train_case(rank, world, args: TrainArgs, new_groups: bool = False):
+    """``new_groups``: the trainer creates its own (``--own-rows-first`` reaches them);
+    the proof then counts the own-row calls the first steps' splits made."""
+    made: list[int] = []
+    if new_groups:
+        with own_rows_first_env(None) as made:
+            res = run_training(args, groups=None, log=lambda *_: None)
+    else:
+        ours = args.cp_size in (None, world)
+        groups = groups_for(args.team_size, args.placement) if ours else None
+        res = run_training(args, groups=groups, log=lambda *_: None)
     h = res.handle
     params = {k: v.detach().clone() for k, v in res.model.named_parameters()}
     proof = {
@@ -56,6 +64,7 @@ def _train_case(rank, world, args: TrainArgs):
         "joint_bytes": h.sdpa.ledger.bytes(what="joint_out"),
         "s_local": h.tokens.s_local,
         "padded": h.tokens.padded,
+        "own_row_calls": sum(made),
     }
     h.remove()
     return res.losses, params, proof
@@ -105,6 +114,15 @@ def test_dit_training_matches_one_process_fp64(p, c, placement, image, text):
     args = _args(image, text, c, placement)
     results = run_ranks(p, _train_case, args)
     _check_parity(results, args)
+
+
+def test_own_rows_first_flag_reaches_the_trainers_groups():
+    """``--own-rows-first on``: the groups the trainer creates split the first step (full
+    attention on one host would keep it whole by default), and training is still exact."""
+    args = _args((8, 8), 0, 2, own_rows_first="on")
+    results = [r for r in run_ranks(4, _train_case, args, True)]
+    _check_parity(results, args)
+    assert all(r[2]["own_row_calls"] > 0 for r in results), [r[2] for r in results]
 
 
 def test_dit_two_replicas_of_four_ranks_match_one_process():
@@ -219,6 +237,8 @@ def test_train_args_refuse_bad_settings_by_name():
             "dtype": lambda: replace(_args(), dtype="fp8"),
             "placement": lambda: replace(_args(), placement="star"),
             "steps": lambda: replace(_args(), steps=0),
+            "orf": lambda: replace(_args(), own_rows_first="sometimes"),
+            "orf_ds": lambda: replace(_args(), own_rows_first="on", deepspeed_config="ds.json"),
             "patch": lambda: DiTConfig(height=7, width=8, patch_size=2),
             "heads": lambda: DiTConfig(hidden_size=30, num_heads=4),
         }
@@ -226,6 +246,8 @@ def test_train_args_refuse_bad_settings_by_name():
     assert "--dtype" in errs["dtype"] and "fp64" in errs["dtype"]
     assert "--placement" in errs["placement"]
     assert "--steps" in errs["steps"]
+    assert "--own-rows-first='sometimes'" in errs["orf"] and "'auto'" in errs["orf"]
+    assert "startrail.own_rows_first" in errs["orf_ds"]
     assert "patch_size" in errs["patch"] and "num_heads" in errs["heads"]
 
 

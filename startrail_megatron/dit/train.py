@@ -31,6 +31,8 @@ from torch import Tensor
 from ..comm import all_reduce_sum
 from ..groups import StarTrailGroups
 from ..layout import PLACEMENTS
+from ..planner.cli import add_own_rows_first
+from ..validation import own_rows_first_setting
 from .model import DiT, DiTConfig, patchify
 from .parallel import DiTHandle, check_replicated, diffusion_loss, parallelize_dit
 
@@ -53,6 +55,7 @@ class TrainArgs:
     cp_size: int | None = None  # None: the whole world
     dtype: str = "fp32"
     kernel: str = "auto"
+    own_rows_first: str = "auto"  # auto | on | off: StarTrailGroups.own_rows_first
     deepspeed_config: str | None = None
     log_interval: int = 10
     json_log: str | None = None
@@ -65,6 +68,12 @@ class TrainArgs:
             raise ValueError(f"--optimizer {self.optimizer!r}; allowed: ['adamw', 'sgd']")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"--placement {self.placement!r}; allowed: {list(PLACEMENTS)}")
+        own_rows_first_setting(self.own_rows_first, "--own-rows-first")
+        if self.deepspeed_config is not None and self.own_rows_first != "auto":
+            raise ValueError(
+                f"--own-rows-first {self.own_rows_first} with --deepspeed-config: give it as the "
+                "config's startrail.own_rows_first instead; allowed here: 'auto'"
+            )
         for name in ("steps", "micro_batch_size", "team_size", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -212,7 +221,12 @@ def _groups(args: TrainArgs) -> tuple[StarTrailGroups, int, int]:
             g = dist.new_group(list(range(d * p, (d + 1) * p)))
             if d == rank // p:
                 mine = g
-    groups = StarTrailGroups.create(args.team_size, cp_group=mine, placement=args.placement)
+    groups = StarTrailGroups.create(
+        args.team_size,
+        cp_group=mine,
+        placement=args.placement,
+        own_rows_first=own_rows_first_setting(args.own_rows_first, "--own-rows-first"),
+    )
     return groups, rank // p, world // p
 
 
@@ -353,6 +367,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--text-tokens", type=int, default=0, help="> 0: MMDiT joint attention")
     ap.add_argument("--dtype", default="fp32", choices=list(_DTYPES))
     ap.add_argument("--kernel", default="auto")
+    add_own_rows_first(ap)
     ap.add_argument(
         "--deepspeed-config", default=None, help="a DeepSpeed JSON with a startrail section"
     )
@@ -376,6 +391,7 @@ def args_from_cli(argv=None) -> tuple[TrainArgs, argparse.Namespace]:
         model=model, steps=ns.steps, micro_batch_size=ns.micro_batch_size, lr=ns.lr,
         weight_decay=ns.weight_decay, optimizer=ns.optimizer, seed=ns.seed, team_size=ns.team_size,
         placement=ns.placement, cp_size=ns.cp_size, dtype=ns.dtype, kernel=ns.kernel,
+        own_rows_first=ns.own_rows_first,
         deepspeed_config=ns.deepspeed_config, log_interval=ns.log_interval, json_log=ns.json_log,
     )  # fmt: skip
     return args, ns
