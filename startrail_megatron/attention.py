@@ -870,9 +870,10 @@ def startrail_rank_backward(
             del do_g, q_g, out_g, dq_g, kv_g, lse_g
         # This step's sum goes on; the buffer sent last step (its send done with the
         # receive just waited on) receives the next one.
-        dkv_pending = cx.ring_step(dkv.get(), steps, i, "dkv", dkv_sent)
-        dkv_sent = dkv.get()
-        del dkv
+        total = dkv.get()
+        dkv_pending = cx.ring_step(total, steps, i, "dkv", dkv_sent)
+        dkv_sent = total
+        del dkv, total
         if pending is not None:
             spare = None if kv_cur is kv_local else kv_cur
             kv_cur = pending.wait()

@@ -568,6 +568,13 @@ DeepSpeed's ``startrail.own_rows_first``, ``$STARTRAIL_OWN_ROWS_FIRST``, the too
 ``--own-rows-first``) -> ``CommOptions(own_rows_first=)``; ``None``: this rule."""
 
 
+def check_own_rows_first(value, name: str = "own_rows_first") -> bool | None:
+    """``value`` when it is True, False or None (auto); else ``ValueError`` naming ``name``."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True, False or None (auto)")
+    return value
+
+
 def own_rows_first_pays(
     layout: StarTrailLayout, heads_q: int, heads_kv: int, team_hosts: int
 ) -> bool:

@@ -11,6 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .block_plan import check_own_rows_first
 from .layout import Placement, StarTrailLayout
 
 __all__ = ["StarTrailGroups"]
@@ -160,10 +161,7 @@ class StarTrailGroups:
         the same ``ValueError``. ``own_rows_first``: the ``own_rows_first`` attribute
         (True, False or None), rank-local.
         """
-        if own_rows_first is not None and not isinstance(own_rows_first, bool):
-            raise ValueError(
-                f"own_rows_first={own_rows_first!r} must be True, False or None (auto)"
-            )
+        check_own_rows_first(own_rows_first)
         if not dist.is_initialized():
             raise RuntimeError("StarTrailGroups.create needs torch.distributed to be initialized")
         cp_size = dist.get_world_size(cp_group)

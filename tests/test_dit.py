@@ -248,6 +248,7 @@ def test_train_args_refuse_bad_settings_by_name():
     assert "--steps" in errs["steps"]
     assert "--own-rows-first='sometimes'" in errs["orf"] and "'auto'" in errs["orf"]
     assert "startrail.own_rows_first" in errs["orf_ds"]
+    replace(_args(), own_rows_first="AUTO", deepspeed_config="ds.json")  # auto, any spelling
     assert "patch_size" in errs["patch"] and "num_heads" in errs["heads"]
 
 

@@ -68,8 +68,8 @@ class TrainArgs:
             raise ValueError(f"--optimizer {self.optimizer!r}; allowed: ['adamw', 'sgd']")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"--placement {self.placement!r}; allowed: {list(PLACEMENTS)}")
-        own_rows_first_setting(self.own_rows_first, "--own-rows-first")
-        if self.deepspeed_config is not None and self.own_rows_first != "auto":
+        orf = own_rows_first_setting(self.own_rows_first, "--own-rows-first")
+        if self.deepspeed_config is not None and orf is not None:
             raise ValueError(
                 f"--own-rows-first {self.own_rows_first} with --deepspeed-config: give it as the "
                 "config's startrail.own_rows_first instead; allowed here: 'auto'"

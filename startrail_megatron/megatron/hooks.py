@@ -18,6 +18,7 @@ import functools
 import inspect
 from datetime import timedelta
 
+from ..block_plan import check_own_rows_first
 from ..layout import PLACEMENTS, Placement
 from .registry import create_startrail_groups, release_all_startrail_groups
 from .spec import apply_startrail_spec
@@ -51,8 +52,7 @@ def install(
         raise ValueError(f"placement={placement!r} is not known; allowed: {list(PLACEMENTS)}")
     if not isinstance(team_size, int) or team_size < 1:
         raise ValueError(f"team_size must be an integer >= 1, got {team_size!r}")
-    if own_rows_first is not None and not isinstance(own_rows_first, bool):
-        raise ValueError(f"own_rows_first must be True, False or None, got {own_rows_first!r}")
+    check_own_rows_first(own_rows_first)
     uninstall()
     _INSTALLED["config"] = {
         "team_size": team_size,
