@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from startrail_megatron.attention import startrail_attention
-from startrail_megatron.block_plan import allgather_calls
 from startrail_megatron.comm import TeamComm
 from startrail_megatron.groups import StarTrailGroups
 from startrail_megatron.kernels import get_kernel
 from startrail_megatron.peers import allgather_attention
 from startrail_megatron.peers.common import natural_order
+from startrail_megatron.schedule import allgather_calls
 from startrail_megatron.zigzag import inverse_order, reorder_chunks
 
 

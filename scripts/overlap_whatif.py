@@ -8,7 +8,7 @@ batch 1, head_dim 128). The figures of docs/performance.md section 11 are this o
 1. Own rows first (``CommOptions(own_rows_first=)``): attention time (forward +
    backward) with the split on against off, over P = 8 - 64, every valid C up to 8, both
    placements and five head shapes; and how often the default rule
-   (``block_plan.own_rows_first_pays``, with the team's nodes from the preset) picks the
+   (``schedule.own_rows_first_pays``, with the team's nodes from the preset) picks the
    faster setting, and by how much it is behind where it does not.
 2. What the last step's combine would gain from designs that are not built, priced by
    replacing the number of tail groups the model charges

@@ -5,11 +5,11 @@
 Pure arithmetic (no torch.distributed, no kernels run): the documents' lengths are drawn
 from a long-tailed (log-normal) distribution and scaled to about ``--tokens`` tokens; the
 packed layout pads each to a multiple of 2P (``pack_lengths``). For each team size C the
-script counts, from the calls the attention makes (``block_plan.startrail_step_rows``), the
+script counts, from the calls the attention makes (``schedule.startrail_step_rows``), the
 (query, key) pairs each rank computes (the masked half of diagonal tiles included, as the
 kernels compute them), the kernel calls (one per document and block, as on CPU and the SDPA
 kernels; and grouped, one per block-plan call, as flash-attn's varlen functions and TE's
-THD format take them: ``block_plan.startrail_step_varlen``), and the P2P and collective bytes per rank of one
+THD format take them: ``schedule.startrail_step_varlen``), and the P2P and collective bytes per rank of one
 forward and backward (``accounting``), and prints them beside the same tokens as one dense
 causal sequence and beside the pairs the documents really need. The table in
 docs/performance.md ("Packed documents") is this script's output.
@@ -22,9 +22,9 @@ import math
 import random
 
 from startrail_megatron.accounting import LocalShape, startrail_comm_bytes
-from startrail_megatron.block_plan import startrail_step_rows, startrail_step_varlen
 from startrail_megatron.layout import StarTrailLayout, valid_team_sizes
 from startrail_megatron.packing import pack_lengths
+from startrail_megatron.schedule import startrail_step_rows, startrail_step_varlen
 
 
 def long_tailed_lengths(n_docs: int, tokens: int, seed: int) -> list[int]:
@@ -43,11 +43,8 @@ def rank_work(lay: StarTrailLayout, s_local: int, packed) -> list[tuple[int, int
         for step in range(lay.ring_size):
             if packed is not None:
                 grouped += len(startrail_step_varlen(lay, r, step, True, packed))
-            for q_lo, q_hi, kv_lo, kv_hi, cz in startrail_step_rows(
-                lay, r, step, True, s_local, packed
-            ):
-                nq, nk = q_hi - q_lo, kv_hi - kv_lo
-                pairs += nq * (nq + 1) // 2 if cz else nq * nk
+            for call in startrail_step_rows(lay, r, step, True, s_local, packed):
+                pairs += call.pairs()
                 calls += 1
         out.append((pairs, calls, grouped if packed is not None else calls))
     return out

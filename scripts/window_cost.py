@@ -4,10 +4,10 @@
 
 Pure arithmetic (no kernels run). For W = S/16, S/4 and S (a causal window of W tokens:
 ``window=(W - 1, 0)``) and every team size C, from the calls the attention makes
-(``block_plan.startrail_step_window_rows``): the (query, key) pairs inside the window that
+(``schedule.startrail_step_window_rows``): the (query, key) pairs inside the window that
 each rank computes (what a kernel that skips tiles outside the band, flash-attn's window,
 computes), the rectangles of those calls (what the CPU reference kernel computes), the
-calls, the sub-ring steps run (``block_plan.startrail_active_steps``: the steps in which
+calls, the sub-ring steps run (``schedule.startrail_active_steps``: the steps in which
 no rank of a sub-ring has work are skipped, their K,V sent straight past them), and the P2P
 bytes per rank of one forward and backward (``accounting`` with those steps). Beside them:
 the same for full causal attention and for ring (C = 1) with the same window, and what
@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 
 from startrail_megatron.accounting import LocalShape, startrail_comm_bytes
-from startrail_megatron.block_plan import (
-    band_pairs,
+from startrail_megatron.layout import StarTrailLayout, valid_team_sizes
+from startrail_megatron.schedule import (
     startrail_active_steps,
     startrail_step_rows,
     startrail_step_window_rows,
 )
-from startrail_megatron.layout import StarTrailLayout, valid_team_sizes
 
 
 def work(lay: StarTrailLayout, s_local: int, window):
@@ -38,15 +37,11 @@ def work(lay: StarTrailLayout, s_local: int, window):
         for step in range(lay.ring_size):
             if window is None:
                 rows = startrail_step_rows(lay, r, step, True, s_local)
-                for a, b, c, d, cz in rows:
-                    n = b - a
-                    pairs += n * (n + 1) // 2 if cz else n * (d - c)
-                    area += n * (d - c)
             else:
                 rows = startrail_step_window_rows(lay, r, step, True, s_local, window)
-                for a, b, c, d, lo, hi in rows:
-                    pairs += band_pairs(b - a, d - c, lo, hi)
-                    area += (b - a) * (d - c)
+            for call in rows:
+                pairs += call.pairs()
+                area += call.nq * call.nk
             calls += len(rows)
         per_rank.append((pairs, area, calls))
     return per_rank

@@ -96,7 +96,7 @@ def startrail_comm_bytes(
 ) -> dict[str, int]:
     """Bytes CP rank ``rank`` of ``layout`` sends in one StarTrail attention forward and
     backward (its P2P message counts: ``StarTrailLayout.p2p_sends``). ``active``: the
-    sub-ring steps computed (``block_plan.startrail_active_steps``; ``None``: all)."""
+    sub-ring steps computed (``schedule.startrail_active_steps``; ``None``: all)."""
     c = layout.team_size
     sends = layout.p2p_sends(rank, backward=True, active=active)
     tok, acc_bytes, elem_bytes = shape.tokens, shape.acc_bytes, shape.elem_bytes
@@ -120,7 +120,7 @@ def startrail_comm_calls(
 ) -> dict[str, int]:
     """Calls one rank makes: its P2P messages ``sends`` (as for ``startrail_comm_bytes``);
     with teams (C > 1) the forward's q all-gather and, per head group of its last step
-    (``tail_groups``: ``len(block_plan.tail_head_groups(...))``), an lse all-gather and an
+    (``tail_groups``: ``len(schedule.tail_head_groups(...))``), an lse all-gather and an
     out reduce-scatter; the backward's dout and delta all-gathers and, per head group of
     its last step, a dq reduce-scatter. K and V need none: the placement sends them
     straight from each member (``layout.py``'s Note)."""

@@ -11,8 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .block_plan import check_own_rows_first
 from .layout import Placement, StarTrailLayout
+from .schedule import check_own_rows_first
 
 __all__ = ["StarTrailGroups"]
 

@@ -37,11 +37,12 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .attention import _real_rows_of, startrail_attention
+from .attention import startrail_attention
 from .comm import CommLedger, TeamComm, check_agreement
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, acc_dtype, resolve_kernel
 from .packing import PackedLayout
+from .rank import real_rows
 from .validation import check_softcap, packed_layout
 
 __all__ = ["joint_attention", "replicated_query_attention"]
@@ -65,7 +66,7 @@ class _ReplicatedQueries(torch.autograd.Function):
         rank, p = groups.cp_rank, groups.cp_size
         t, b, hq, d = q_txt.shape
         acc = acc_dtype(q_txt.dtype)
-        real = _real_rows_of(packed, rank, k.device)
+        real = real_rows(packed, rank, k.device)
         kk, vv = _keys(k_txt, v_txt, k, v, real, rank == 0)
         cap = {"softcap": softcap} if softcap else {}
         if kk.shape[0]:

@@ -54,7 +54,7 @@ dK/dV in the team; here each member's rows go straight to that member
 (``dkv_home_sources``): the same sums, with no dK/dV reduce-scatter.
 
 Idle steps. Under a narrow sliding window some sub-ring steps have no kernel call on any
-rank of the sub-ring (``block_plan.startrail_active_steps``; ``active``, per sub-ring).
+rank of the sub-ring (``schedule.startrail_active_steps``; ``active``, per sub-ring).
 They are skipped, and so is their transfer: from one computed step s to the next s' each
 rank sends the KV it holds straight to ``ring_shift(rank, s' - s)``, the rank that holds
 it at s' in the full schedule; the placement goes straight to the holders at the first
@@ -72,7 +72,7 @@ from typing import Literal, get_args
 Placement = Literal["team", "ring"]
 ActiveSteps = tuple[tuple[int, ...], ...]
 """The sub-ring steps each sub-ring computes, ascending, indexed by
-``StarTrailLayout.subring_index`` (``block_plan.startrail_active_steps``)."""
+``StarTrailLayout.subring_index`` (``schedule.startrail_active_steps``)."""
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 
 
@@ -220,7 +220,7 @@ class StarTrailLayout:
 
     def computed_steps(self, rank: int, active: ActiveSteps | None) -> tuple[int, ...]:
         """The steps this rank's sub-ring computes: ``active[subring_index(rank)]``
-        (``block_plan.startrail_active_steps``), or all G when ``active`` is None."""
+        (``schedule.startrail_active_steps``), or all G when ``active`` is None."""
         if active is None:
             return tuple(range(self.ring_size))
         return active[self.subring_index(rank)]
@@ -235,7 +235,7 @@ class StarTrailLayout:
         """The C ranks that first hold a copy of this rank's team's KV, in copy order
         (copy ``a`` is the one ``initial_send_peer`` of member ``a`` gets): this rank
         sends its own K,V to each. ``active``: the steps each sub-ring computes
-        (``block_plan.startrail_active_steps``); a copy goes straight to the rank that
+        (``schedule.startrail_active_steps``); a copy goes straight to the rank that
         holds it at its sub-ring's first computed step."""
         t, _ = self.coord(rank)
         base = [self.initial_send_peer(self.rank(t, a)) for a in range(self.team_size)]
@@ -292,7 +292,7 @@ class StarTrailLayout:
         """How many P2P messages this rank sends, by kind.
 
         ``active``: the steps each sub-ring computes (``None``: all G;
-        ``block_plan.startrail_active_steps`` under a sliding window, where KV is sent
+        ``schedule.startrail_active_steps`` under a sliding window, where KV is sent
         past the steps no rank of the sub-ring computes). ``kv`` and ``dkv``: team-sized
         (the team's K and V together, or their gradients), one per computed step but the
         last (``dkv`` backward only). ``kv_place``: local-sized pieces of the initial

@@ -11,7 +11,7 @@ outputs are bitwise those of a real multi-rank run
 
 Design: the algorithm is not duplicated. The public per-rank
 ``startrail_rank_forward`` / ``startrail_rank_backward`` run unchanged for each
-rank; only the two comm objects of its ``RankContext`` differ. A rank's compute
+rank; only the two transports of its ``RankCall`` differ. A rank's compute
 is timed by the segments it runs outside communication (``RankTimer``). Why
 threads rather than rewriting the schedule as generators: the per-rank code
 keeps its straight-line form, shared with the multi-rank path. The autograd
@@ -29,12 +29,11 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .attention import RankContext, startrail_rank_backward, startrail_rank_forward
 from .comm import CommLedger, CommOptions
 from .comm.in_process import Baton, InProcessP2P, InProcessTeam, InProcessWorld
-from .groups import StarTrailGroups
 from .kernels import AttentionKernel, resolve_kernel
 from .layout import Placement, StarTrailLayout
+from .rank import RankCall, startrail_rank_backward, startrail_rank_forward
 from .validation import check_comm_options, check_options, packed_layout, validate_inputs
 
 __all__ = ["RankTimer", "one_process_attention"]
@@ -136,38 +135,39 @@ class _OneProcess(torch.autograd.Function):
         world = InProcessWorld(run["layout"])
         world.baton = Baton(p, qs[0].device, run["timer"])
         ledgers = run["ledgers"]
-        cxs: list[Any] = [None] * p
+        calls: list[Any] = [None] * p
 
         def rank_fn(r: int) -> Callable[[], Any]:
             def fn():
-                groups = StarTrailGroups(run["layout"], None, r, None, None)
                 led = ledgers[r]
                 if led is not None:
                     led.phase = "fwd"
-                comms = (InProcessTeam(world, r, led), InProcessP2P(world, r, led))
-                cx = RankContext(
-                    groups, run["causal"], led, comms, run["packed"], run["options"], run["comm"]
-                )
+                rc = RankCall(
+                    layout=run["layout"], rank=r, causal=run["causal"],
+                    team_comm=InProcessTeam(world, r, led), p2p=InProcessP2P(world, r, led),
+                    packed=run["packed"], options=run["options"],
+                    own_rows_first=run["comm"].own_rows_first,
+                )  # fmt: skip
                 out, saved = startrail_rank_forward(
-                    qs[r], ks[r], vs[r], cx, run["scale"], run["kernel"], sinks
+                    qs[r], ks[r], vs[r], rc, run["scale"], run["kernel"], sinks
                 )
-                return out, saved, cx
+                return out, saved, rc
 
             return fn
 
         results = world.baton.run([rank_fn(r) for r in range(p)])
         flat = []
-        for r, (out, saved, cx) in enumerate(results):
-            cxs[r] = cx
+        for r, (out, saved, rc) in enumerate(results):
+            calls[r] = rc
             flat += [out, *saved]
         ctx.save_for_backward(*flat)
-        ctx.run, ctx.cxs, ctx.world, ctx.sinks = run, cxs, world, sinks
+        ctx.run, ctx.calls, ctx.world, ctx.sinks = run, calls, world, sinks
         return tuple(res[0] for res in results)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *douts):
-        run, cxs, world = ctx.run, ctx.cxs, ctx.world
+        run, calls, world = ctx.run, ctx.calls, ctx.world
         p = run["layout"].cp_size
         saved = ctx.saved_tensors
         world.baton = Baton(p, douts[0].device, run["timer"])
@@ -183,7 +183,7 @@ class _OneProcess(torch.autograd.Function):
                     douts[r].contiguous(),
                     out,
                     (q_team, kv_local, lse_team),
-                    cxs[r],
+                    calls[r],
                     run["scale"],
                     run["kernel"],
                     ctx.sinks,
@@ -194,10 +194,9 @@ class _OneProcess(torch.autograd.Function):
         grads = world.baton.run([rank_fn(r) for r in range(p)])
         d_sinks = None
         if ctx.sinks is not None:  # every rank's part: the whole gradient
-            d_sinks = sum(cx.sinks_grad for cx in cxs).to(ctx.sinks.dtype)
+            d_sinks = sum(g.sinks for g in grads).to(ctx.sinks.dtype)
         return (
-            None, d_sinks, *(g[0] for g in grads), *(g[1] for g in grads),
-            *(g[2] for g in grads),
+            None, d_sinks, *(g.dq for g in grads), *(g.dk for g in grads), *(g.dv for g in grads),
         )  # fmt: skip
 
 

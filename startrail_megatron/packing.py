@@ -15,7 +15,7 @@ per document, its 2C chunks in ascending chunk order: for team t (team
 placement) chunks [tC, tC+C) and [2P-C-tC, 2P-tC), i.e. exactly Megatron's
 zigzag split of the document over T = P/C "ranks". Every team's buffer has the
 same document offsets (``team_offset``), so K,V travel with no metadata, and
-each (Q team, KV team) block is, per document, ``block_plan.plan_block`` on the
+each (Q team, KV team) block is, per document, ``schedule.plan_block`` on the
 two teams' chunk ids scaled by the document's chunk length: own team causal
 over all rows, earlier team all rows against the KV fronts, later team the Q
 backs against all KV (the three cases of TransformerEngine's P2P attention).

@@ -18,12 +18,12 @@ import struct
 import torch
 from torch import Tensor
 
-from .block_plan import OWN_ROWS_FIRST_SETTINGS, normalize_window
 from .comm import DEFAULT_COMM, CommOptions, check_agreement
 from .comm.overlap import refuse_device_delay
 from .groups import StarTrailGroups
 from .layout import PLACEMENTS
 from .packing import PackedLayout
+from .schedule import OWN_ROWS_FIRST_SETTINGS, normalize_window
 
 __all__ = [
     "AttnOptions",
@@ -86,7 +86,7 @@ def check_dropout(dropout_p) -> float:
 @dataclasses.dataclass(frozen=True)
 class AttnOptions:
     """A call's attention variants, checked (``check_options``): dropout probability, the
-    normalized window (``block_plan.normalize_window``), logit soft-capping (0: off)."""
+    normalized window (``schedule.normalize_window``), logit soft-capping (0: off)."""
 
     dropout_p: float = 0.0
     window: tuple[int | None, int | None] | None = None

@@ -39,7 +39,7 @@ def assert_matches_reference(results, ref, causal: bool, dtype, tol: float) -> N
 def assert_startrail_ledger(events, layout, rank: int, shape, active=None) -> None:
     """One rank's recorded transfers equal the accounting (bytes per phase and kind, P2P
     calls, never a self-send). ``shape``: an ``accounting.LocalShape``; ``active``: the
-    steps each sub-ring computes (``block_plan.startrail_active_steps``)."""
+    steps each sub-ring computes (``schedule.startrail_active_steps``)."""
     from startrail_megatron.accounting import startrail_comm_bytes
 
     want = startrail_comm_bytes(layout, rank, shape, active)
@@ -70,10 +70,11 @@ def value_errors(cases: dict, error: type[Exception] = ValueError) -> dict:
 def own_rows_first_env(value: str | None):
     """``STARTRAIL_OWN_ROWS_FIRST=value`` inside (``None``: unset), and a list that collects
     how many calls each first-step split cut off for the rank's own rows
-    (``attention.split_own_rows``), as a Megatron or DeepSpeed user's run would set it."""
-    import startrail_megatron.attention as attention
+    (``schedule.split_own_rows``, as ``schedule.plan_step`` calls it), as a Megatron or
+    DeepSpeed user's run would set it."""
+    import startrail_megatron.schedule.step as step_module
 
-    real, made = attention.split_own_rows, []
+    real, made = step_module.split_own_rows, []
 
     def counted(calls, own):
         result = real(calls, own)
@@ -83,11 +84,11 @@ def own_rows_first_env(value: str | None):
     old = os.environ.pop(OWN_ROWS_FIRST_ENV, None)
     if value is not None:
         os.environ[OWN_ROWS_FIRST_ENV] = value
-    attention.split_own_rows = counted
+    step_module.split_own_rows = counted
     try:
         yield made
     finally:
-        attention.split_own_rows = real
+        step_module.split_own_rows = real
         if old is None:
             os.environ.pop(OWN_ROWS_FIRST_ENV, None)
         else:

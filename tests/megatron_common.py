@@ -22,8 +22,8 @@ def startrail_proof(args, model, steps: int) -> dict | None:
         startrail_comm_bytes,
         startrail_comm_calls,
     )
-    from startrail_megatron.block_plan import tail_head_groups
     from startrail_megatron.megatron.registry import get_startrail_state
+    from startrail_megatron.schedule import tail_head_groups
 
     state = get_startrail_state(ps.get_context_parallel_group())
     lay, r = state.groups.layout, state.groups.cp_rank

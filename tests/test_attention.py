@@ -26,7 +26,7 @@ from harness import run_ranks
 
 import startrail_megatron as st
 from startrail_megatron.accounting import LocalShape
-from startrail_megatron.block_plan import tail_head_groups
+from startrail_megatron.schedule import tail_head_groups
 
 S_LOCAL, BATCH, HEAD_DIM = 4, 2, 64
 HEADS = {"mha": (4, 4), "gqa": (8, 2)}

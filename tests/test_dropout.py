@@ -22,12 +22,11 @@ from test_backends import FLASH_VERSIONS
 
 import startrail_megatron as st
 from startrail_megatron import kernels as kn
-from startrail_megatron.attention import RankContext
-from startrail_megatron.block_plan import startrail_step_rows
-from startrail_megatron.groups import StarTrailGroups
 from startrail_megatron.kernels import Dropout, TorchKernel, dropout_keep
 from startrail_megatron.one_process import one_process_attention
 from startrail_megatron.packing import pack_lengths
+from startrail_megatron.rank import TeamOrder
+from startrail_megatron.schedule import startrail_step_rows
 
 B, HQ, HKV, D = 2, 4, 2, 8
 P_DROP = 0.3
@@ -55,10 +54,9 @@ class Recording:
 
 def _team_positions(lay, team, causal, s_local, packed, local_pos):
     """Global token position of every row of a team's buffer (-1: padding)."""
-    groups = StarTrailGroups(lay, None, lay.team_ranks(team)[0], None, None)
-    cx = RankContext(groups, causal, None, (None, None), packed)
+    order = TeamOrder(lay, team, 0, causal, packed)
     gathered = torch.cat([local_pos[m] for m in lay.team_ranks(team)])
-    return cx.to_team_order(gathered)
+    return order.to_team(gathered)
 
 
 def global_mask(lay, causal, s_local, packed, records_by_rank, b, hq, hkv, total):
@@ -82,7 +80,8 @@ def global_mask(lay, causal, s_local, packed, records_by_rank, b, hq, hkv, total
         team = lay.coord(r)[0]
         for step in range(lay.ring_size):
             kv_team = lay.kv_team_at_step(r, step)
-            for ql, qh, kl, kh, cz in startrail_step_rows(lay, r, step, causal, s_local, packed):
+            for call in startrail_step_rows(lay, r, step, causal, s_local, packed):
+                ql, qh, kl, kh, cz = call.q_lo, call.q_hi, call.kv_lo, call.kv_hi, call.causal
                 rec = next(recs)
                 nq, nk = qh - ql, kh - kl
                 keep = dropout_keep(Dropout(rec.p, state=rec.state), (b, hkv, g, nq, nk), "cpu")

@@ -6,8 +6,10 @@ from collections import Counter
 
 import pytest
 
-from startrail_megatron.block_plan import (
+from startrail_megatron.layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
+from startrail_megatron.schedule import (
     BlockCall,
+    RowCall,
     normalize_window,
     own_team_rows,
     plan_block,
@@ -18,7 +20,6 @@ from startrail_megatron.block_plan import (
     startrail_step_window_rows,
     team_chunk_len,
 )
-from startrail_megatron.layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
 
 ALL = [(p, c, pl) for p in range(1, 65) for c in valid_team_sizes(p) for pl in PLACEMENTS]
 
@@ -237,7 +238,7 @@ def test_skipping_idle_steps_moves_each_copy_where_it_is_computed(p, c, placemen
     rank that holds it at its sub-ring's first computed step, jumps past idle steps
     (``ring_shift``), and its dK/dV goes home from the holder at the last computed step:
     the same KV at every computed step as the full schedule, each copy received once."""
-    from startrail_megatron.block_plan import startrail_active_steps, startrail_step_window_rows
+    from startrail_megatron.schedule import startrail_active_steps, startrail_step_window_rows
 
     lay = StarTrailLayout(p, c, placement)
     s_local = 8
@@ -277,7 +278,7 @@ def test_skipping_idle_steps_moves_each_copy_where_it_is_computed(p, c, placemen
 
 
 def test_windows_without_idle_steps_run_every_step():
-    from startrail_megatron.block_plan import startrail_active_steps
+    from startrail_megatron.schedule import startrail_active_steps
 
     for p, c, pl, w in ((8, 1, "team", 33), (16, 2, "ring", 3), (32, 2, "ring", 8)):
         lay = StarTrailLayout(p, c, pl)
@@ -286,17 +287,17 @@ def test_windows_without_idle_steps_run_every_step():
         assert lay.computed_steps(0, None) == tuple(range(lay.ring_size))
 
 
-def _call_pairs(call) -> Counter:
-    """(team q row, team kv row) pairs of a ``RowCall`` or ``WindowCall``."""
-    qa, qb, ka, kb = call[:4]
+def _call_pairs(call: RowCall) -> Counter:
+    """(team q row, team kv row) pairs of a ``RowCall`` (plain, causal or banded)."""
+    qa, qb, ka, kb = call.q_lo, call.q_hi, call.kv_lo, call.kv_hi
     cells = Counter()
     for i in range(qb - qa):
         for j in range(kb - ka):
-            if len(call) == 6:
-                lo, hi = call[4], call[5]
+            if call.band is not None:
+                lo, hi = call.band
                 ok = (lo is None or j - i >= lo) and (hi is None or j - i <= hi)
             else:
-                ok = not call[4] or j <= i
+                ok = not call.causal or j <= i
             if ok:
                 cells[qa + i, ka + j] += 1
     return cells
@@ -336,24 +337,27 @@ def test_own_rows_first_split_keeps_every_pair(p, c, pl):
                         calls = startrail_step_window_rows(lay, r, step, causal, s, band)
                     own, rest = split_own_rows(calls, runs)
                     want = sum((_call_pairs(x) for x in calls), Counter())
-                    got_own = sum((_call_pairs(x) for x, _ in own), Counter())
+                    got_own = sum((_call_pairs(o.call) for o in own), Counter())
                     got_rest = sum((_call_pairs(x) for x in rest), Counter())
                     assert got_own + got_rest == want
                     assert all(q in mine for q, _ in got_own) and not any(
                         q in mine for q, _ in got_rest
                     )
-                    for x, shift in own:
+                    for o in own:
+                        x, shift = o.call, o.shift
                         assert _call_pairs(x), x  # no empty call
-                        assert all(mine[t] == t + shift for t in range(x[0], x[1]))
-                        if len(x) == 5 and x[4]:
-                            assert x[1] - x[0] == x[3] - x[2]  # causal calls stay square
+                        assert all(mine[t] == t + shift for t in range(x.q_lo, x.q_hi))
+                        if x.causal:
+                            assert x.nq == x.nk  # causal calls stay square
 
 
 def test_restrict_rows_keeps_exactly_the_pairs_of_those_rows():
     """``restrict_rows`` on every row range of small causal, full and band calls (also
     ranges cutting a band call, which the dense schedule never makes)."""
-    calls = [(2, 6, 10, 14, True), (0, 5, 3, 6, False), (1, 4, 1, 4, True)]
-    calls += [(3, 9, 0, 7, lo, hi) for lo in (None, -4, -1, 0, 2) for hi in (None, -2, 0, 3)]
+    calls = [RowCall(2, 6, 10, 14, True), RowCall(0, 5, 3, 6, False), RowCall(1, 4, 1, 4, True)]
+    calls += [
+        RowCall(3, 9, 0, 7, band=(lo, hi)) for lo in (None, -4, -1, 0, 2) for hi in (None, -2, 0, 3)
+    ]
     for call in calls:
         whole = _call_pairs(call)
         for lo in range(0, 11):

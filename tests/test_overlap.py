@@ -19,15 +19,11 @@ from common import TOL, assert_matches_reference, groups_for, make_inputs, refer
 from harness import run_ranks
 
 import startrail_megatron as st
-from startrail_megatron.attention import (
-    RankContext,
-    startrail_rank_backward,
-    startrail_rank_forward,
-)
 from startrail_megatron.comm import CommOptions, DoneHandle, P2PComm, TeamComm
 from startrail_megatron.comm.overlap import start_transfer
 from startrail_megatron.kernels import resolve_kernel
 from startrail_megatron.one_process import RankTimer, one_process_attention
+from startrail_megatron.rank import RankCall, startrail_rank_backward, startrail_rank_forward
 
 S_LOCAL, BATCH, HQ, HKV, D = 4, 1, 2, 2, 8
 
@@ -118,14 +114,19 @@ def _run_rank(rank, world, c, overlap, delay_s=0.0, sleep_s=0.0, causal=True, sp
         _RecTeam(TeamComm(groups.team_group, c, ledger, opts), log),
         _RecP2P(P2PComm(groups.cp_group, rank, ledger, opts), log),
     )
-    cx = RankContext(groups, causal, ledger, comms, comm_options=opts)
+    rc = RankCall(
+        layout=groups.layout, rank=rank, causal=causal, team_comm=comms[0], p2p=comms[1],
+        subring_group=groups.subring_group, own_rows_first=opts.own_rows_first,
+        team_hosts=groups.team_hosts,
+    )  # fmt: skip
     kern, scale = resolve_kernel(local[0], "torch", None)
     kernel = _RecKernel(kern, log, sleep_s)
-    out, saved = startrail_rank_forward(*local[:3], cx, scale, kernel)
+    out, saved = startrail_rank_forward(*local[:3], rc, scale, kernel)
     fwd = " ".join(log.events)
     log.events.clear()
     ledger.phase = "bwd"
-    dq, dk, dv = startrail_rank_backward(local[3], out, saved, cx, scale, kernel)
+    grads = startrail_rank_backward(local[3], out, saved, rc, scale, kernel)
+    dq, dk, dv = grads.dq, grads.dk, grads.dv
     bwd = " ".join(log.events)
     return [out, dq, dk, dv], fwd, bwd, ledger.waits()
 
@@ -139,7 +140,7 @@ def _runs(s: str) -> str:
 # started before each wait. ``(K+ )?``: a causal step may hold no call on some rank.
 FWD_C2 = (
     # the first step's calls on the rank's own query rows run while the team's queries
-    # are gathered (``block_plan.split_own_rows``); the other rows after the wait
+    # are gathered (``schedule.split_own_rows``); the other rows after the wait
     r"start:kv_place start:q_team wait:kv_place "
     r"start:kv K\+ wait:q_team (K\+ )?wait:kv "
     # the last step by head groups: group 0's lse travels while group 1 computes, group
@@ -150,7 +151,7 @@ BWD_C2 = (
     r"start:dout start:delta start:kv_place wait:kv_place "
     r"start:kv K\+ wait:dout wait:delta (K\+ )?start:dkv wait:kv "
     # the last step by head groups: group 0's dq travels while group 1 computes; the
-    # dK/dV partial sum is waited on after both (``_StepDkv`` keeps their gradients until
+    # dK/dV partial sum is waited on after both (``StepDkvSum`` keeps their gradients until
     # then); the last group's dq travels beside the dK/dV parts going home
     r"K\+ start:dq K\+ wait:dkv start:dkv_home start:dq wait:dkv_home wait:dq wait:dq"
 )

@@ -1,7 +1,7 @@
 """The first step's own query rows first (issue 16): exact, it ran, and its default.
 
 ``CommOptions(own_rows_first=True)`` splits the first computed step's kernel calls by query
-rows (``block_plan.split_own_rows``): the rank's own rows run while the team's queries
+rows (``schedule.split_own_rows``): the rank's own rows run while the team's queries
 (forward) and output gradients (backward) are gathered, then the other rows. The outputs
 and all gradients match float64 attention (1e-10) on several layouts, causal, full and
 windowed; each rank's count of kernel calls equals the split plan's, which is larger than
@@ -31,7 +31,10 @@ from common import (
 from harness import run_ranks
 
 import startrail_megatron as st
-from startrail_megatron.block_plan import (
+from startrail_megatron.comm import CommOptions
+from startrail_megatron.kernels import TorchKernel
+from startrail_megatron.one_process import RankTimer, one_process_attention
+from startrail_megatron.schedule import (
     normalize_window,
     own_rows_first_pays,
     own_team_rows,
@@ -41,9 +44,6 @@ from startrail_megatron.block_plan import (
     startrail_step_window_rows,
     tail_head_groups,
 )
-from startrail_megatron.comm import CommOptions
-from startrail_megatron.kernels import TorchKernel
-from startrail_megatron.one_process import RankTimer, one_process_attention
 from startrail_megatron.validation import OWN_ROWS_FIRST_ENV
 
 S_LOCAL, BATCH, D = 4, 2, 8

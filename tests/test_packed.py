@@ -19,9 +19,9 @@ from harness import run_ranks
 
 import startrail_megatron as st
 from startrail_megatron.accounting import LocalShape
-from startrail_megatron.block_plan import packed_team_order, startrail_step_rows
 from startrail_megatron.one_process import one_process_attention
 from startrail_megatron.packing import PackedLayout, pack_lengths
+from startrail_megatron.schedule import packed_team_order, startrail_step_rows
 
 B, HQ, HKV, D = 1, 4, 2, 16
 
@@ -80,7 +80,8 @@ def _coverage(p, c, placement, causal, lengths):
         t = lay.coord(r)[0]
         for step in range(lay.ring_size):
             kv = team_rows[lay.kv_team_at_step(r, step)]
-            for ql, qh, kl, kh, cz in startrail_step_rows(lay, r, step, causal, s, packed):
+            for call in startrail_step_rows(lay, r, step, causal, s, packed):
+                ql, qh, kl, kh, cz = call.q_lo, call.q_hi, call.kv_lo, call.kv_hi, call.causal
                 assert qh > ql and kh > kl
                 if cz:
                     assert qh - ql == kh - kl

@@ -17,7 +17,6 @@ from common import make_inputs, shard
 from harness import run_ranks
 
 import startrail_megatron as st
-from startrail_megatron.block_plan import allgather_calls
 from startrail_megatron.planner import (
     CLUSTER_PRESETS,
     MODEL_PRESETS,
@@ -43,6 +42,7 @@ from startrail_megatron.planner import (
 )
 from startrail_megatron.planner.calibrate import TORCH_CPU_FLASH_Q_BLOCKS
 from startrail_megatron.planner.strategies import STRATEGY_KINDS, StrategyKind, attention_fn
+from startrail_megatron.schedule import allgather_calls
 
 GIB = 2**30
 
@@ -656,7 +656,6 @@ def test_registry_declares_every_kind_once():
 
 PURE = [
     "accounting",
-    "block_plan",
     "layout",
     "planner",
     "planner.autotune",
@@ -673,6 +672,14 @@ PURE = [
     "planner.shape",
     "planner.strategies",
     "planner.times",
+    "schedule",
+    "schedule.allgather",
+    "schedule.blocks",
+    "schedule.calls",
+    "schedule.own_rows",
+    "schedule.policies",
+    "schedule.step",
+    "schedule.windows",
 ]
 
 
@@ -737,9 +744,9 @@ def test_cost_model_counts_packed_documents():
 def test_cost_model_charges_varlen_kernels_per_grouped_call():
     """Short documents: one kernel call per document and block costs more overhead than
     the grouped (varlen / THD) calls of the same pairs."""
-    from startrail_megatron.block_plan import startrail_step_varlen
     from startrail_megatron.packing import pack_lengths
     from startrail_megatron.planner.compute import startrail_work
+    from startrail_megatron.schedule import startrail_step_varlen
 
     packed = pack_lengths([8000, 4000, 2500, 900, 300, 100], 8)
     h100 = CLUSTER_PRESETS["h100-ib"]
@@ -801,8 +808,8 @@ def test_cost_model_counts_the_window_pairs():
     import sys
 
     from startrail_megatron.accounting import startrail_comm_bytes
-    from startrail_megatron.block_plan import startrail_active_steps
     from startrail_megatron.planner.compute import startrail_work
+    from startrail_megatron.schedule import startrail_active_steps
 
     p, s_local = 8, 512
     n = p * s_local

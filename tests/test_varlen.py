@@ -22,15 +22,15 @@ from test_packed import _reference_per_document
 
 import startrail_megatron as st
 from startrail_megatron import kernels as kn
-from startrail_megatron.block_plan import (
-    startrail_step_rows,
-    startrail_step_varlen,
-    tail_head_groups,
-)
 from startrail_megatron.kernels import TorchKernel
 from startrail_megatron.kernels import te as kn_te
 from startrail_megatron.one_process import one_process_attention
 from startrail_megatron.packing import pack_lengths
+from startrail_megatron.schedule import (
+    startrail_step_rows,
+    startrail_step_varlen,
+    tail_head_groups,
+)
 
 
 class _Counting:

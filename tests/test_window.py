@@ -18,16 +18,16 @@ from common import assert_startrail_ledger, groups_for, value_errors
 from harness import run_ranks
 
 import startrail_megatron as st
-from startrail_megatron.block_plan import (
-    _buffer_chunks,
+from startrail_megatron.one_process import one_process_attention
+from startrail_megatron.packing import pack_lengths
+from startrail_megatron.schedule import (
     band_pairs,
+    buffer_chunks,
     normalize_window,
     startrail_step_packed_window_rows,
     startrail_step_rows,
     startrail_step_window_rows,
 )
-from startrail_megatron.one_process import one_process_attention
-from startrail_megatron.packing import pack_lengths
 
 HQ, HKV, D = 4, 2, 8
 
@@ -38,16 +38,15 @@ def _coverage(p, c, placement, causal, s_local, window):
     ch = s_local // 2
 
     def pos(team):
-        return [x * ch + i for x in _buffer_chunks(lay, team, causal) for i in range(ch)]
+        return [x * ch + i for x in buffer_chunks(lay, team, causal) for i in range(ch)]
 
     seen: dict = {}
     for r in range(p):
         team = lay.coord(r)[0]
         for step in range(lay.ring_size):
             qp, kp = pos(team), pos(lay.kv_team_at_step(r, step))
-            for ql, qh, kl, kh, lo, hi in startrail_step_window_rows(
-                lay, r, step, causal, s_local, window
-            ):
+            for call in startrail_step_window_rows(lay, r, step, causal, s_local, window):
+                ql, qh, kl, kh, (lo, hi) = call.q_lo, call.q_hi, call.kv_lo, call.kv_hi, call.band
                 rows, cols = set(), set()
                 for i in range(qh - ql):
                     for j in range(kh - kl):
@@ -103,7 +102,10 @@ def test_narrow_windows_skip_work():
         (b - a) * (d - cc)
         for r in range(p)
         for step in range(lay.ring_size)
-        for a, b, cc, d, _ in startrail_step_rows(lay, r, step, True, s_local)
+        for a, b, cc, d in (
+            (x.q_lo, x.q_hi, x.kv_lo, x.kv_hi)
+            for x in startrail_step_rows(lay, r, step, True, s_local)
+        )
     )
     for w, bound in ((n // 16, 0.35), (n // 4, 0.6)):
         calls = [
@@ -112,8 +114,8 @@ def test_narrow_windows_skip_work():
             for step in range(lay.ring_size)
             for call in startrail_step_window_rows(lay, r, step, True, s_local, (w - 1, None))
         ]
-        area = sum((b - a) * (d - cc) for a, b, cc, d, _, _ in calls)
-        pairs = sum(band_pairs(b - a, d - cc, lo, hi) for a, b, cc, d, lo, hi in calls)
+        area = sum(x.nq * x.nk for x in calls)
+        pairs = sum(band_pairs(x.nq, x.nk, *x.band) for x in calls)
         assert pairs == sum(min(i + 1, w) for i in range(n))  # exactly the window's pairs
         assert area <= 2.2 * pairs and area < bound * full, (w, area, pairs, full)
 
@@ -371,9 +373,8 @@ def _packed_coverage(p, c, placement, causal, lengths, window):
         team = lay.coord(r)[0]
         for step in range(lay.ring_size):
             qp, kp = pos(team), pos(lay.kv_team_at_step(r, step))
-            for ql, qh, kl, kh, lo, hi in startrail_step_packed_window_rows(
-                lay, r, step, causal, packed, window
-            ):
+            for call in startrail_step_packed_window_rows(lay, r, step, causal, packed, window):
+                ql, qh, kl, kh, (lo, hi) = call.q_lo, call.q_hi, call.kv_lo, call.kv_hi, call.band
                 for i in range(qh - ql):
                     for j in range(kh - kl):
                         if (lo is None or j - i >= lo) and (hi is None or j - i <= hi):
@@ -552,7 +553,7 @@ def test_idle_steps_are_skipped_and_their_kv_not_sent(p, c, placement, window):
     over the whole sequence, and each rank's ledger equals the accounting of the skipping
     schedule, which sends fewer messages than the full one (so the test fails with the
     skipping switched off)."""
-    from startrail_megatron.block_plan import startrail_active_steps
+    from startrail_megatron.schedule import startrail_active_steps
 
     s_local = 8
     lay = st.StarTrailLayout(p, c, placement)
@@ -609,7 +610,7 @@ def test_idle_steps_skipped_on_ranks(c, lengths, window):
     and with packed documents (the window inside each document); at C = 2 some sub-rings
     compute only their second step (the placement goes straight to its holders)."""
     from startrail_megatron.accounting import LocalShape
-    from startrail_megatron.block_plan import startrail_active_steps
+    from startrail_megatron.schedule import startrail_active_steps
 
     p = 8
     results = run_ranks(p, _skip_case, c, window, lengths)

@@ -68,13 +68,13 @@ class CommOptions:
     own_rows_first: bool | None = None
     """StarTrail (C > 1, dense, no dropout): True runs the first step's calls on the
     rank's own query rows before the team's queries (forward) and output gradients
-    (backward) are waited on (``block_plan.split_own_rows``): the same pairs in a few more
+    (backward) are waited on (``schedule.split_own_rows``): the same pairs in a few more
     calls, the gathers hidden behind them. False keeps that step's calls whole. None
     (default): the groups' setting (``StarTrailGroups.own_rows_first``: Megatron's
     ``--startrail-own-rows-first``, DeepSpeed's ``startrail.own_rows_first``) where set,
     else ``$STARTRAIL_OWN_ROWS_FIRST`` (``on``, ``off``) where set, else True where the
     gather would outlast the initial placement it starts beside
-    (``block_plan.own_rows_first_pays``)."""
+    (``schedule.own_rows_first_pays``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.overlap, bool):

@@ -12,7 +12,7 @@ Ring attention is ``startrail_attention`` with ``team_size=1``.
 Communication per rank and call: the table and the functions
 (``allgather_comm_bytes``, ``ulysses_comm_bytes``, their ``*_comm_calls``) are in
 ``accounting.py``, pure arithmetic; the tests check them against the ledger, and
-the planner uses them. Their kernel calls: ``block_plan.allgather_calls``.
+the planner uses them. Their kernel calls: ``schedule.allgather_calls``.
 """
 
 from .allgather import allgather_attention

@@ -2,7 +2,7 @@
 
 As TransformerEngine's ``AttnFuncWithCPAndKVAllGather``: all-gather K and V
 over the whole CP group, compute the local queries against the keys they need
-(``block_plan.allgather_calls``: every rank computes the same number of
+(``schedule.allgather_calls``: every rank computes the same number of
 (q, k) pairs), and in the backward all-gather K, V again and reduce-scatter
 dK, dV. Bytes and calls: ``accounting.allgather_comm_bytes`` /
 ``allgather_comm_calls``.
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..block_plan import allgather_calls
 from ..comm import CommLedger, CommOptions, TeamComm
 from ..kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
+from ..schedule import allgather_calls
 from ..validation import check_comm_options, validate_inputs
 from ..zigzag import inverse_order, reorder_chunks
 from .common import cp_rank_and_size, natural_order

@@ -16,7 +16,7 @@ import json
 import re
 import sys
 
-from ..block_plan import OWN_ROWS_FIRST_SETTINGS
+from ..schedule import OWN_ROWS_FIRST_SETTINGS
 from .cluster import CLUSTER_PRESETS, MODEL_PRESETS, ModelSpec
 from .plan import Plan, plan
 

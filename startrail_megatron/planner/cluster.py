@@ -55,7 +55,7 @@ class ClusterSpec:
     """StarTrail's first step runs its calls on the rank's own query rows before waiting the
     team gathers (a few more calls, the gathers hidden behind them) or not: the code's
     ``comm.CommOptions(own_rows_first=)``; None: its default rule
-    (``block_plan.own_rows_first_pays``)."""
+    (``schedule.own_rows_first_pays``)."""
     causal_tile_waste: float = 64.0
     """Masked (q, k) pairs a causal call still computes per query row (diagonal tiles;
     about half the kernel's key-block size: 64 for flash-attn's 128-key blocks)."""

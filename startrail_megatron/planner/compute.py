@@ -1,9 +1,9 @@
 """Kernel time: the kernel calls each rank makes, and what one call costs.
 
-The calls are those the implementations make (``block_plan.startrail_step_rows``
-on the StarTrail schedule, dense or per packed document, and
-``block_plan.allgather_calls``), so causal balance, the diagonal blocks and the
-calls skipped between documents are counted exactly. A call costs a fixed overhead plus its
+The calls are those the implementations make (``schedule.plan_step`` on the
+StarTrail schedule, dense or per packed document, and ``schedule.allgather_calls``), so
+causal balance, the diagonal blocks and the calls skipped between documents are counted
+exactly. A call costs a fixed overhead plus its
 (q, k) pairs at ``attn_flops`` (the masked part of causal diagonal tiles
 included), times ``attn_bwd_ratio`` in the backward, plus the K,V re-streaming of
 calls too long for the cache (``kv_stream_bytes``).
@@ -13,20 +13,16 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..block_plan import (
+from ..layout import StarTrailLayout
+from ..packing import PackedLayout
+from ..schedule import (
+    RowCall,
     allgather_calls,
     band_pairs,
     offset_band,
-    own_team_rows,
-    split_own_rows,
+    plan_step,
     startrail_active_steps,
-    startrail_step_packed_window_rows,
-    startrail_step_rows,
-    startrail_step_varlen,
-    startrail_step_window_rows,
 )
-from ..layout import StarTrailLayout
-from ..packing import PackedLayout
 from .cluster import ClusterSpec
 from .shape import AttnShape
 
@@ -47,37 +43,30 @@ CallShape = tuple
 pairs) for a windowed call whose band holds ``pairs`` of its q x kv pairs."""
 
 
-def _step_calls(lay, r, step, causal, s_local, packed, window) -> tuple:
-    """Rank r's ``RowCall`` / ``WindowCall`` tuple at ``step`` (``RankContext.step_calls``)."""
-    if window is None:
-        return startrail_step_rows(lay, r, step, causal, s_local, packed)
-    if packed is not None:
-        return startrail_step_packed_window_rows(lay, r, step, causal, packed, window)
-    return startrail_step_window_rows(lay, r, step, causal, s_local, window)
-
-
-def _shape(call: tuple) -> CallShape:
-    a, b, c, d = call[:4]
-    if len(call) == 6:
-        return (b - a, d - c, False, band_pairs(b - a, d - c, call[4], call[5]))
-    return (b - a, d - c, call[4])
+def _shape(call: RowCall) -> CallShape:
+    if call.band is not None:
+        return (call.nq, call.nk, False, call.pairs())
+    return (call.nq, call.nk, call.causal)
 
 
 @lru_cache(maxsize=256)
-def _first_splits(lay, causal, s_local, packed, window, own_first) -> tuple:
-    """[rank] -> (the first step it computes, its own-row calls, the other calls) where
-    the attention splits that step (``split_own_rows``: C > 1, dense, ``own_first``;
-    dropout, which the planner does not model, would keep it whole), else None."""
-    if not own_first or lay.team_size == 1 or packed is not None:
+def _first_steps(lay, causal, s_local, packed, window, own_first) -> tuple:
+    """[rank] -> the first step it computes where the attention splits it
+    (``own_first``: ``schedule.splits_first_step``, which never splits packed
+    documents), else None."""
+    if not own_first or packed is not None:
         return (None,) * lay.cp_size
     active = startrail_active_steps(lay, causal, s_local, window, None)
-    out = []
-    for r in range(lay.cp_size):
-        first = lay.computed_steps(r, active)[0]
-        calls = _step_calls(lay, r, first, causal, s_local, None, window)
-        own, rest = split_own_rows(calls, own_team_rows(lay, r, causal, s_local))
-        out.append((first, tuple(c for c, _ in own), rest))
-    return tuple(out)
+    return tuple(lay.computed_steps(r, active)[0] for r in range(lay.cp_size))
+
+
+def _plan(lay, r, step, causal, s_local, packed, window, own_first, varlen=False):
+    """Rank r's ``schedule.plan_step`` at ``step``, split where the attention splits it."""
+    first = _first_steps(lay, causal, s_local, packed, window, own_first)[r]
+    return plan_step(
+        lay, r, step, causal=causal, s_local=s_local, packed=packed, window=window,
+        varlen=varlen, own_first=step == first,
+    )  # fmt: skip
 
 
 @lru_cache(maxsize=256)
@@ -89,25 +78,21 @@ def startrail_call_shapes(
     window: tuple[int | None, int | None] | None = None,
     own_first: bool = False,
 ) -> tuple[tuple[tuple[CallShape, ...], ...], ...]:
-    """[step][rank] -> the calls the attention makes (``block_plan.startrail_step_rows``,
-    dense or per packed document; under a normalized ``window`` the banded calls of
-    ``startrail_step_window_rows`` with their pairs), in tokens. ``own_first`` (where the
-    attention's ``RankContext.split_first`` is true): the first step a rank computes is
-    split as the attention runs it, its own query rows first (``startrail_own_shapes``),
-    then the others (the same pairs, more calls)."""
-    splits = _first_splits(lay, causal, s_local, packed, window, own_first)
-    out = []
-    for step in range(lay.ring_size):
-        row = []
-        for r in range(lay.cp_size):
-            split = splits[r]
-            if split is not None and split[0] == step:
-                calls = split[1] + split[2]
-            else:
-                calls = _step_calls(lay, r, step, causal, s_local, packed, window)
-            row.append(tuple(_shape(c) for c in calls))
-        out.append(tuple(row))
-    return tuple(out)
+    """[step][rank] -> the row calls the attention makes (``schedule.plan_step``: dense or
+    per packed document; under a normalized ``window`` the banded calls with their
+    pairs), in tokens. ``own_first`` (where ``schedule.splits_first_step`` is true): the
+    first step a rank computes is split as the attention runs it, its own query rows
+    first (``startrail_own_shapes``), then the others (the same pairs, more calls)."""
+    return tuple(
+        tuple(
+            tuple(
+                _shape(c)
+                for c in _plan(lay, r, step, causal, s_local, packed, window, own_first).row_calls
+            )
+            for r in range(lay.cp_size)
+        )
+        for step in range(lay.ring_size)
+    )
 
 
 def startrail_own_shapes(
@@ -121,8 +106,16 @@ def startrail_own_shapes(
     """[rank] -> the calls of its first computed step on its own query rows, which run
     while the team's queries (forward) or output gradients (backward) are gathered
     (``attention.py``'s Note [overlap]); empty where the step is not split."""
-    splits = _first_splits(lay, causal, s_local, packed, window, own_first)
-    return tuple(() if x is None else tuple(_shape(c) for c in x[1]) for x in splits)
+    firsts = _first_steps(lay, causal, s_local, packed, window, own_first)
+    return tuple(
+        ()
+        if first is None
+        else tuple(
+            _shape(o.call)
+            for o in _plan(lay, r, first, causal, s_local, packed, window, own_first).own
+        )
+        for r, first in enumerate(firsts)
+    )
 
 
 def window_pairs(nq: int, nk: int, q0: int, k0: int, shape: AttnShape) -> int:
@@ -132,7 +125,7 @@ def window_pairs(nq: int, nk: int, q0: int, k0: int, shape: AttnShape) -> int:
 
 
 def allgather_call_shapes(rank: int, shape: AttnShape) -> tuple[CallShape, ...]:
-    """The calls of ``block_plan.allgather_calls``, in tokens; under a window each counts
+    """The calls of ``schedule.allgather_calls``, in tokens; under a window each counts
     the pairs inside it (a kernel with the window skips the rest)."""
     calls = allgather_calls(rank, shape.cp_size, shape.causal, shape.s_local)
     if shape.band is None:
@@ -182,7 +175,7 @@ def startrail_work(
 ) -> tuple:
     """[step][rank] -> ``call_work`` of that rank's calls at that step. ``varlen``: packed
     documents on a variable-length kernel, whose calls are the grouped ones
-    (``block_plan.startrail_step_varlen``: the same pairs in fewer calls); ``window``: a
+    (``StepPlan.varlen``: the same pairs in fewer calls); ``window``: a
     normalized sliding window (``AttnShape.band``); ``own_first``: the first step split as
     ``startrail_call_shapes`` says."""
     steps = startrail_call_shapes(lay, causal, s_local, packed, window, own_first)
@@ -192,7 +185,8 @@ def startrail_work(
         for r, calls in enumerate(row):
             pairs, n, shapes = call_work(calls)
             if varlen and packed is not None:
-                n = len(startrail_step_varlen(lay, r, step, causal, packed))
+                plan = _plan(lay, r, step, causal, s_local, packed, window, own_first, True)
+                n = len(plan.varlen)
             works.append((pairs, n, shapes))
         out.append(tuple(works))
     return tuple(out)

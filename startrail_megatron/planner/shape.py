@@ -32,7 +32,7 @@ class AttnShape:
     are charged as dense sequences (they take no document boundaries)."""
     window: tuple[int, int] | None = None
     """A sliding window ``(left, right)`` (``startrail_attention(window=)``): StarTrail's
-    compute counts the windowed calls (``block_plan.startrail_step_window_rows``, per
+    compute counts the windowed calls (``schedule.startrail_step_window_rows``, per
     document with ``packed``) at the pairs inside their band, and its bytes and ring steps
     only the sub-ring steps some rank computes (``active_steps``: K,V goes straight past
     idle ones). The all-gather and Ulysses peers are charged the window's pairs too (a
@@ -40,7 +40,7 @@ class AttnShape:
     varlen: bool = False
     """With ``packed``: the kernel takes all documents of one block-plan call at once
     (flash-attn's varlen functions, TE's THD format), so a step costs one call's overhead
-    per grouped call (``block_plan.startrail_step_varlen``), not one per document."""
+    per grouped call (``schedule.startrail_step_varlen``), not one per document."""
 
     def __post_init__(self) -> None:
         for f in ("cp_size", "s_local", "batch", "heads_q", "heads_kv", "head_dim", "elem_bytes"):
@@ -77,7 +77,7 @@ class AttnShape:
     @property
     def band(self) -> tuple[int | None, int | None] | None:
         """The window normalized for this sequence (``None``: it masks nothing)."""
-        from ..block_plan import normalize_window
+        from ..schedule import normalize_window
 
         return normalize_window(self.window, self.seq_len, self.causal)
 
@@ -87,8 +87,8 @@ class AttnShape:
 
     def active_steps(self, lay):
         """The sub-ring steps each sub-ring of ``lay`` computes under this shape's window
-        (``block_plan.startrail_active_steps``; ``None``: all)."""
-        from ..block_plan import startrail_active_steps
+        (``schedule.startrail_active_steps``; ``None``: all)."""
+        from ..schedule import startrail_active_steps
 
         return startrail_active_steps(lay, self.causal, self.s_local, self.band, self.packed)
 

@@ -8,7 +8,7 @@ run before the wait), initial KV placement: each member's K,V to the C first hol
 fan-out) (started together) + G ring steps (a pipeline with the schedule's dependencies,
 ``ring_pipeline``; with equal compute, step s: max(compute_s, send KV) with overlap,
 their sum without; under a window only the steps a sub-ring computes, the KV jumping past
-idle ones: ``block_plan.startrail_active_steps``) + team combine (lse all-gather, out
+idle ones: ``schedule.startrail_active_steps``) + team combine (lse all-gather, out
 reduce-scatter; per head group of the last step, all but the last group's hidden behind
 the next group's compute).
 Backward = max(dout and delta all-gathers less the own rows' calls, initial placement) + G
@@ -21,8 +21,8 @@ default.
 
 from __future__ import annotations
 
-from ..block_plan import own_rows_first_pays, tail_head_groups
 from ..layout import StarTrailLayout
+from ..schedule import splits_first_step, tail_head_groups
 from .cluster import ClusterSpec
 from .compute import (
     allgather_call_shapes,
@@ -101,9 +101,12 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     team_kv = lay.team_size * 2 * ukv
     kv_msg, dkv_msg = team_kv * e, team_kv * a
     key, orf = (lay, shape.causal, shape.s_local, shape.packed), cl.own_rows_first
-    if orf is None:  # the code's default (RankContext.split_first)
-        hosts = max(len({cl.node(r) for r in team}) for team in lay.all_team_ranks())
-        orf = own_rows_first_pays(lay, shape.heads_q, shape.heads_kv, hosts)
+    # the code's rule (``RankCall.splits_first_step``); the planner models no dropout
+    hosts = max(len({cl.node(r) for r in team}) for team in lay.all_team_ranks())
+    orf = splits_first_step(
+        lay, packed=shape.packed is not None, dropout=False, setting=orf,
+        heads_q=shape.heads_q, heads_kv=shape.heads_kv, team_hosts=hosts,
+    )  # fmt: skip
     work = startrail_work(*key, shape.varlen, shape.band, orf)
     g = lay.ring_size
 

@@ -42,7 +42,7 @@ def _startrail_bytes(args) -> dict:
     same shapes: each attention call's local length, as recorded by the attention (the
     tests check the accounting against ledgers), every sub-ring step sent (as ring
     attention without window-aware skipping sends; under a narrow window StarTrail skips
-    idle steps, ``block_plan.startrail_active_steps``).
+    idle steps, ``schedule.startrail_active_steps``).
     """
     from megatron.core import parallel_state
 

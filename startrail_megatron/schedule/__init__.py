@@ -1,0 +1,77 @@
+"""The StarTrail schedule: pure arithmetic (ints and dataclasses, no torch).
+
+- ``blocks``: the causal block plan of one (Q team, KV team) block (Note [causal balance]).
+- ``calls``: ``RowCall`` s on team-buffer rows (dense, per packed document) and
+  ``VarlenCall`` s grouped over documents; ``packed_team_order``.
+- ``windows``: sliding-window band calls and the idle steps they leave.
+- ``own_rows``: the rank's own query rows in its team's buffer, a step's calls cut there.
+- ``policies``: head groups of the last step, the own-rows-first rule and its settings.
+- ``step``: ``plan_step``, what rank r computes at step s: the attention and the planner
+  both call it.
+- ``allgather``: the all-gather-KV peer's calls.
+"""
+
+from .allgather import allgather_calls
+from .blocks import BlockCall, plan_block, startrail_step_calls, team_block_calls, team_chunk_len
+from .calls import (
+    RowCall,
+    VarlenCall,
+    band_pairs,
+    packed_team_order,
+    startrail_step_rows,
+    startrail_step_varlen,
+)
+from .own_rows import OwnCall, OwnRun, own_team_rows, restrict_rows, split_own_rows
+from .policies import (
+    ALL_HEADS,
+    OWN_ROWS_FIRST_SETTINGS,
+    check_own_rows_first,
+    own_rows_first_pays,
+    splits_first_step,
+    tail_head_groups,
+)
+from .step import StepPlan, plan_step
+from .windows import (
+    band_call,
+    buffer_chunks,
+    normalize_window,
+    offset_band,
+    startrail_active_steps,
+    startrail_step_packed_window_rows,
+    startrail_step_window_rows,
+)
+
+__all__ = [
+    "ALL_HEADS",
+    "OWN_ROWS_FIRST_SETTINGS",
+    "BlockCall",
+    "OwnCall",
+    "OwnRun",
+    "RowCall",
+    "StepPlan",
+    "VarlenCall",
+    "allgather_calls",
+    "band_call",
+    "band_pairs",
+    "buffer_chunks",
+    "check_own_rows_first",
+    "normalize_window",
+    "offset_band",
+    "own_rows_first_pays",
+    "own_team_rows",
+    "packed_team_order",
+    "plan_block",
+    "plan_step",
+    "restrict_rows",
+    "split_own_rows",
+    "splits_first_step",
+    "startrail_active_steps",
+    "startrail_step_calls",
+    "startrail_step_packed_window_rows",
+    "startrail_step_rows",
+    "startrail_step_varlen",
+    "startrail_step_window_rows",
+    "tail_head_groups",
+    "team_block_calls",
+    "team_chunk_len",
+]

@@ -1,0 +1,74 @@
+"""``plan_step``: the one answer to "what does rank r compute at sub-ring step s".
+
+The attention's forward and backward loops (``rank/``) and the planner's cost model
+(``planner/compute.py``) both ask this function and nothing else, so a variant (packed
+documents, windows, own rows first, varlen grouping) changes one place. Pure, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..layout import StarTrailLayout
+from ..packing import PackedLayout
+from .calls import RowCall, VarlenCall, startrail_step_rows, startrail_step_varlen
+from .own_rows import OwnCall, own_team_rows, split_own_rows
+from .windows import startrail_step_packed_window_rows, startrail_step_window_rows
+
+__all__ = ["StepPlan", "plan_step"]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A rank's kernel calls at one sub-ring step, at most one of ``varlen`` and
+    ``rows`` non-empty.
+
+    ``varlen``: packed documents on a kernel with variable-length methods, one grouped
+    call per block-plan call. ``rows``: one call per row block (dense, per document, or
+    banded under a window). ``own``: where the step is split (``own_first``), the calls
+    on the rank's own query rows, run first; ``rows`` then hold the other rows.
+    """
+
+    varlen: tuple[VarlenCall, ...] = ()
+    rows: tuple[RowCall, ...] = ()
+    own: tuple[OwnCall, ...] = ()
+
+    @property
+    def row_calls(self) -> tuple[RowCall, ...]:
+        """Every row call in the order they run: the own rows' first, then the rest."""
+        return tuple(o.call for o in self.own) + self.rows
+
+
+def plan_step(
+    layout: StarTrailLayout,
+    rank: int,
+    step: int,
+    *,
+    causal: bool,
+    s_local: int,
+    packed: PackedLayout | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    varlen: bool = False,
+    own_first: bool = False,
+) -> StepPlan:
+    """The calls ``rank`` makes at sub-ring ``step``.
+
+    ``window``: a normalized sliding window (``windows.normalize_window``); ``varlen``:
+    the kernel has variable-length methods (used for packed documents without a window);
+    ``own_first``: split the step's calls at the rank's own query rows
+    (``policies.splits_first_step`` decides it, for the first computed step only; dense
+    rows only). Not cached itself: the row calls it picks from are."""
+    if own_first and packed is not None:
+        raise ValueError("own_first splits dense rows only: packed documents keep whole calls")
+    if packed is not None and window is None and varlen:
+        return StepPlan(varlen=startrail_step_varlen(layout, rank, step, causal, packed))
+    if window is None:
+        calls = startrail_step_rows(layout, rank, step, causal, s_local, packed)
+    elif packed is not None:
+        calls = startrail_step_packed_window_rows(layout, rank, step, causal, packed, window)
+    else:
+        calls = startrail_step_window_rows(layout, rank, step, causal, s_local, window)
+    if not own_first:
+        return StepPlan(rows=calls)
+    own, rest = split_own_rows(calls, own_team_rows(layout, rank, causal, s_local))
+    return StepPlan(rows=rest, own=own)
