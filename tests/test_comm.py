@@ -333,3 +333,38 @@ def test_ledger_totals_exact_events_bounded():
     assert st.CommLedger(max_events=None).events.maxlen is None
     with pytest.raises(ValueError, match="max_events"):
         st.CommLedger(max_events=-1)
+
+
+def _op_order(rank, world):
+    """The ops each exchange hands ``batch_isend_irecv``, in order ("recv" / "send"), and
+    what arrived (the recording wrapper passes them on unchanged)."""
+    import torch.distributed as dist
+
+    real, order = dist.batch_isend_irecv, []
+
+    def recording(ops):
+        order.append(["recv" if o.op is dist.irecv else "send" for o in ops])
+        return real(ops)
+
+    p2p = comm.P2PComm(None, rank, None)
+    peer, nxt, prv = rank ^ 1, (rank + 1) % world, (rank - 1) % world
+    dist.batch_isend_irecv = recording
+    try:
+        one = p2p.exchange(torch.tensor([float(rank)]), nxt, prv, "x").wait()
+        many = p2p.exchange_many(
+            [(peer, torch.tensor([1.0 + rank])), (nxt, torch.tensor([2.0 + rank]))],
+            [peer, prv], torch.tensor([0.0]), "y",
+        ).wait()  # fmt: skip
+    finally:
+        dist.batch_isend_irecv = real
+    return order, one.tolist(), [t.tolist() for t in many]
+
+
+def test_exchanges_post_receives_before_sends():
+    """Note [receives first]: gloo runs a two-way exchange one direction after the other
+    when a send is posted before the receive (issue 27's measurement); every exchange
+    hands its receives first, and what arrives is unchanged."""
+    for r, (order, one, many) in enumerate(run_ranks(4, _op_order)):
+        assert order == [["recv", "send"], ["recv", "recv", "send", "send"]], order
+        assert one == [float((r - 1) % 4)]
+        assert many == [[1.0 + (r ^ 1)], [2.0 + (r - 1) % 4]]

@@ -187,7 +187,19 @@ class P2PHandle:
 
 
 class P2PComm:
-    """Point-to-point exchanges between CP ranks of one CP group."""
+    """Point-to-point exchanges between CP ranks of one CP group.
+
+    Note [receives first]
+    ~~~~~~~~~~~~~~~~~~~~~
+    Every exchange posts its receives before its sends in the one
+    ``batch_isend_irecv``. Gloo issues the ops one by one, and a gloo send goes out only
+    after the peer's ready-to-receive notice, which can queue behind a whole message on
+    the same connection: with the send posted first, both directions of a two-way
+    exchange wait on each other's notices and run one after the other (measured on an
+    emulated 200 Mbit/s link: 4.2 MB each way 0.348 s with sends first, 0.178 s with
+    receives first; issue 27). NCCL runs the batch as one group (``ncclGroupStart`` /
+    ``ncclGroupEnd``): the order inside it changes nothing there.
+    """
 
     def __init__(
         self,
@@ -230,7 +242,7 @@ class P2PComm:
         recv = receive_buffer(send, out)
         comm = group or self.group
         g_dst, g_src = self._global(dst), self._global(src)
-        ops = [dist.P2POp(dist.isend, send, g_dst, comm), dist.P2POp(dist.irecv, recv, g_src, comm)]
+        ops = [dist.P2POp(dist.irecv, recv, g_src, comm), dist.P2POp(dist.isend, send, g_dst, comm)]
         peers = (
             f", P2P {what!r} from CP rank {self.cp_rank} to CP rank {dst} (global {g_dst}), "
             f"from CP rank {src} (global {g_src})"
@@ -239,7 +251,9 @@ class P2PComm:
 
     def _start(self, ops: list, sent: list, result, comm, peers: str, what: str, device):
         """Issue ``ops`` as one ``batch_isend_irecv`` on ``comm``, record the ``sent``
-        ``(dst, tensor)`` pairs, and return the handle that gives ``result``."""
+        ``(dst, tensor)`` pairs, and return the handle that gives ``result``.
+
+        The receives come first in ``ops`` (Note [receives first])."""
 
         def failed(e: Exception) -> RuntimeError:
             return _failed("P2P exchange", comm, peers, e)
@@ -267,12 +281,14 @@ class P2PComm:
         the pieces stacked along dim 0 in ``srcs`` order (the handle then gives views of
         it; the piece to oneself is copied in)."""
         me = self.cp_rank
-        out = _many_buffers(me, sends, srcs, like, out)
+        out = receive_buffers(me, sends, srcs, like, out)
         sent = [(d, t.contiguous()) for d, t in sends if d != me]
-        ops = [dist.P2POp(dist.isend, t, self._global(d), self.group) for d, t in sent]
-        for s_, buf in zip(srcs, out):
-            if s_ != me:
-                ops.append(dist.P2POp(dist.irecv, buf, self._global(s_), self.group))
+        ops = [  # receives first: Note [receives first]
+            dist.P2POp(dist.irecv, buf, self._global(s_), self.group)
+            for s_, buf in zip(srcs, out)
+            if s_ != me
+        ]
+        ops += [dist.P2POp(dist.isend, t, self._global(d), self.group) for d, t in sent]
         if not ops:
             return P2PHandle([], out)
         peers = f", P2P {what!r} from CP rank {me} to CP ranks {[d for d, _ in sends]}, "
@@ -280,7 +296,7 @@ class P2PComm:
         return self._start(ops, sent, out, self.group, peers, what, like.device)
 
 
-def _many_buffers(me: int, sends, srcs, like: Tensor, out: Tensor | None) -> list:
+def receive_buffers(me: int, sends, srcs, like: Tensor, out: Tensor | None) -> list:
     """``exchange_many``'s checks and receive buffers (the piece to oneself filled in)."""
     srcs = list(srcs)
     mine = [t for d, t in sends if d == me]
