@@ -846,7 +846,7 @@ def test_launch_reads_configs_as_deepspeed_does(tmp_path, monkeypatch):
 
 
 def test_flash_varlen_kwargs_become_position_ids_or_are_refused():
-    from startrail_megatron.deepspeed.batches import _position_ids_from_flash_kwargs as conv
+    from startrail_megatron.deepspeed.batches import position_ids_from_flash_kwargs as conv
 
     ids = torch.zeros(1, 7, dtype=torch.long)
     cu = torch.tensor([0, 3, 3, 7])

@@ -34,7 +34,7 @@ from torch import Tensor
 from ..layout import StarTrailLayout
 from .ledger import CommLedger, nbytes
 from .overlap import DoneHandle, receive_buffer
-from .torch_dist import _many_buffers
+from .torch_dist import receive_buffers
 
 __all__ = [
     "Aborted",
@@ -241,7 +241,7 @@ class InProcessP2P:
     def exchange_many(self, sends, srcs, like: Tensor, what: str, out: Tensor | None = None):
         me = self.cp_rank
         srcs = list(srcs)
-        bufs = _many_buffers(me, sends, srcs, like, out)
+        bufs = receive_buffers(me, sends, srcs, like, out)
         sent = [(d, t) for d, t in sends if d != me]
         first = self._post(sent, what)
         info = (self.world.phase, "p2p", what, sum(nbytes(t) for _, t in sent))

@@ -6,7 +6,7 @@ transformers' flash-attention varlen kwargs), the per-document zigzag of
 ``packing.py``. Labels are shifted over the *global* sequence first (token i
 predicts label i+1; the last gets -100, and so does each document's last token
 and the padding). ``StarTrailDataLoaderAdapter`` does the same in a data loader;
-``_loss_normalizer`` counts the valid tokens of the global batch.
+``loss_normalizer`` counts the valid tokens of the global batch.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ _PACKED = (
 )
 
 
-def _check_consecutive(position_ids: Tensor, what: str) -> None:
+def check_consecutive(position_ids: Tensor, what: str) -> None:
     """Refuse position ids that do not step by one along the sequence (packed documents)."""
     if position_ids.shape[-1] > 1 and not bool((position_ids.diff(dim=-1) == 1).all()):
         raise ValueError(f"{what}: {_PACKED}")
@@ -64,7 +64,7 @@ def shard_causal_lm_batch(
     ``shard_inputs=True`` trains such rows (``HFHandle``). Returns ``input_ids``,
     ``position_ids`` and, with labels, ``shift_labels`` (all ``[b, S/P]``).
     """
-    shard, packed = _shard_batch(input_ids, labels, position_ids, sp_rank, sp_size)
+    shard, packed = shard_batch(input_ids, labels, position_ids, sp_rank, sp_size)
     if packed is not None:
         raise ValueError(
             f"position_ids: {_PACKED}; packed rows train when the model shards them "
@@ -102,7 +102,7 @@ def packed_row_layout(position_ids: Tensor | None, shape, cp_size: int) -> Packe
 _FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-def _position_ids_from_flash_kwargs(kwargs: dict, shape) -> Tensor | None:
+def position_ids_from_flash_kwargs(kwargs: dict, shape) -> Tensor | None:
     """The position ids of a packed row given as transformers' flash-attention varlen
     kwargs (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): the kwargs are
     taken out (StarTrail's attention gets the documents itself) and their boundaries become
@@ -132,7 +132,7 @@ def _position_ids_from_flash_kwargs(kwargs: dict, shape) -> Tensor | None:
     return pos.to(kwargs["input_ids"].device)
 
 
-def _shard_batch(input_ids, labels, position_ids, sp_rank: int, sp_size: int):
+def shard_batch(input_ids, labels, position_ids, sp_rank: int, sp_size: int):
     """(this rank's shard, the PackedLayout of a packed row or None): zigzag for one
     sequence per row; per-document zigzag for one row of documents whose position ids
     restart at 0 (``DataCollatorWithFlattening``), labels ``-100`` at each document's
@@ -170,7 +170,7 @@ def _shard_batch(input_ids, labels, position_ids, sp_rank: int, sp_size: int):
     return out, packed
 
 
-def _loss_normalizer(shift_labels: Tensor, mpu: StarTrailMPU) -> Tensor:
+def loss_normalizer(shift_labels: Tensor, mpu: StarTrailMPU) -> Tensor:
     """Valid tokens of the global batch (all replicas) / D, as DeepSpeed averages over D."""
     n = (shift_labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)  # exact count
     dist.all_reduce(n, group=mpu.sequence_data_parallel_group)
@@ -178,7 +178,7 @@ def _loss_normalizer(shift_labels: Tensor, mpu: StarTrailMPU) -> Tensor:
     return (n / mpu.data_parallel_size).clamp_min(1.0)[0].to(torch.float32)
 
 
-def _check_same_batch(input_ids: Tensor, group: dist.ProcessGroup) -> None:
+def check_same_batch(input_ids: Tensor, group: dist.ProcessGroup) -> None:
     """Every rank of a sequence group must pass the same full batch (one small all-reduce)."""
     w = torch.arange(1, input_ids.numel() + 1, dtype=torch.float64, device=input_ids.device)
     w = w.reshape(input_ids.shape)
@@ -215,7 +215,7 @@ class StarTrailDataLoaderAdapter:
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         mpu = self.mpu
         for batch in self.batches:
-            out, packed = _shard_batch(
+            out, packed = shard_batch(
                 batch["input_ids"],
                 batch.get("labels"),
                 batch.get("position_ids"),
@@ -225,5 +225,5 @@ class StarTrailDataLoaderAdapter:
             if packed is not None:
                 out[PACKED_KEY] = packed  # the prepared model's pre-hook takes it out
             if "shift_labels" in out:
-                out["num_items_in_batch"] = _loss_normalizer(out["shift_labels"], mpu)
+                out["num_items_in_batch"] = loss_normalizer(out["shift_labels"], mpu)
             yield out

@@ -52,11 +52,11 @@ from ..comm import CommLedger
 from ..packing import PackedLayout
 from .batches import (
     PACKED_KEY,
-    _check_consecutive,
-    _check_same_batch,
-    _loss_normalizer,
-    _position_ids_from_flash_kwargs,
-    _shard_batch,
+    check_consecutive,
+    check_same_batch,
+    loss_normalizer,
+    position_ids_from_flash_kwargs,
+    shard_batch,
 )
 from .mpu import StarTrailMPU
 
@@ -251,9 +251,9 @@ class HFHandle:
         self.packed = given
         if self.shard_inputs:
             ids = kwargs["input_ids"]
-            _check_same_batch(ids, mpu.sequence_parallel_group)
-            position_ids = _position_ids_from_flash_kwargs(kwargs, ids.shape)
-            shard, self.packed = _shard_batch(
+            check_same_batch(ids, mpu.sequence_parallel_group)
+            position_ids = position_ids_from_flash_kwargs(kwargs, ids.shape)
+            shard, self.packed = shard_batch(
                 ids,
                 kwargs.get("labels"),
                 position_ids,
@@ -266,7 +266,7 @@ class HFHandle:
         if kwargs.get("shift_labels") is not None:
             kwargs["labels"] = kwargs["shift_labels"]  # non-None so transformers computes the loss
             if kwargs.get("num_items_in_batch") is None:
-                kwargs["num_items_in_batch"] = _loss_normalizer(kwargs["shift_labels"], mpu)
+                kwargs["num_items_in_batch"] = loss_normalizer(kwargs["shift_labels"], mpu)
         elif kwargs.get("labels") is not None:
             raise ValueError(
                 "with shard_inputs=False pass shift_labels (StarTrailDataLoaderAdapter gives "
@@ -275,7 +275,7 @@ class HFHandle:
         if not self.shard_inputs and given is None and kwargs.get("position_ids") is not None:
             # A zigzag shard holds two runs (chunks r and 2P-1-r): each must step by one.
             for half in kwargs["position_ids"].chunk(2, dim=-1):
-                _check_consecutive(half, "position_ids (this rank's zigzag shard)")
+                check_consecutive(half, "position_ids (this rank's zigzag shard)")
         return args, kwargs
 
     def _post_hook(self, module, args, kwargs, output):

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from ..packing import PackedLayout
 from ..zigzag import shard_packed, unshard_packed, zigzag_shard, zigzag_unshard
-from .batches import _check_same_batch, packed_row_layout
+from .batches import check_same_batch, packed_row_layout
 from .config import StarTrailConfig
 from .hf import _ScaleGrad
 from .mpu import StarTrailMPU
@@ -166,7 +166,7 @@ class MegatronHandle:
         mpu = self.mpu
         p, r = mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank()
         ids = kwargs["input_ids"]
-        _check_same_batch(ids, mpu.sequence_parallel_group)
+        check_same_batch(ids, mpu.sequence_parallel_group)
         self.packed = packed_row_layout(kwargs.get("position_ids"), ids.shape, p)
         for name in ("input_ids", "position_ids", "labels"):
             if kwargs.get(name) is not None:
