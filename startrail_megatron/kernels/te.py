@@ -100,7 +100,7 @@ def _capturing(device: torch.device) -> bool:
 
 
 def _te_fixed_kwargs(
-    causal: bool, scale: float, device: torch.device, thd: bool = False, window=None
+    causal: bool, scale: float, cuda_graph: bool, thd: bool = False, window=None
 ) -> dict[str, Any]:
     """TE arguments shared by forward and backward: no bias, dropout, sink.
 
@@ -109,8 +109,8 @@ def _te_fixed_kwargs(
     derives from it when left ``None``. The window is ``(-1, 0)`` for causal, as
     TE's ``DotProductAttention`` passes it (``check_set_window_size``): TE >= 2.12
     with cuDNN 9.2 - 9.5 finds no backend for a causal mask with ``(-1, -1)``.
-    ``cuda_graph`` says whether the stream is being captured, as TE's own code does
-    (it changes which backward cuDNN may run). ``thd``: packed sequences
+    ``cuda_graph``: whether the stream is being captured (``_capturing``), passed on as
+    TE's own code does (it changes which backward cuDNN may run). ``thd``: packed sequences
     (``"thd_thd_thd"``), whose masks TE names ``"padding_causal"`` / ``"padding"``
     (top-left causal; TE refuses THD with any mask without padding). ``window``: TE's
     ``window_size`` ``(left, right)`` of a band call (``TEKernel._band_window``): no mask
@@ -133,7 +133,7 @@ def _te_fixed_kwargs(
         "softmax_type": "vanilla",
         "window_size": tuple(window),
         "bottom_right_diagonal": False,
-        "cuda_graph": _capturing(device),
+        "cuda_graph": bool(cuda_graph),
     }
 
 
@@ -197,14 +197,15 @@ class TEFusedAttnAPI:
         )
 
     def forward_kwargs(
-        self, q, k, v, cu_q, cu_kv, backend, dtype, *, causal, scale, rng_gen=None, thd=None,
-        window=None,
+        self, q, k, v, cu_q, cu_kv, backend, dtype, *, causal, scale, cuda_graph, rng_gen=None,
+        thd=None, window=None,
     ):  # fmt: skip
         """Keyword arguments of ``fused_attn_fwd`` for sbhd q, k, v. ``rng_gen``: the
         generator TE draws its (unused, dropout 0) Philox state from. ``thd``:
         ``(max_seqlen_q, max_seqlen_kv)`` of packed THD q, k, v (``cu_q``/``cu_kv``
         then the sequences' offsets, also passed as the padded ones: no gaps).
-        ``window``: TE's ``window_size`` of a band call (``_te_fixed_kwargs``)."""
+        ``window``: TE's ``window_size`` of a band call, ``cuda_graph``: whether the
+        stream is being captured (``_te_fixed_kwargs``)."""
         values = {
             "is_training": True,  # the softmax statistics come only with training
             "max_seqlen_q": q.shape[0] if thd is None else thd[0],
@@ -216,7 +217,7 @@ class TEFusedAttnAPI:
             "v": v,
             self.dtype_arg: dtype,
             "fused_attention_backend": backend,
-            **_te_fixed_kwargs(causal, scale, q.device, thd is not None, window),
+            **_te_fixed_kwargs(causal, scale, cuda_graph, thd is not None, window),
             "o_format": _TE_FORMAT if thd is None else "thd",
             "return_max_logit": False,
             "rng_gen": rng_gen,
@@ -226,10 +227,10 @@ class TEFusedAttnAPI:
 
     def backward_kwargs(
         self, d_o, q, k, v, o, aux, cu_q, cu_kv, backend, dtype, dqkv_dtype, *, causal, scale,
-        thd=None, window=None,
+        cuda_graph, thd=None, window=None,
     ):  # fmt: skip
-        """Keyword arguments of ``fused_attn_bwd`` (``thd`` as in ``forward_kwargs``); it
-        returns new dq, dk, dv."""
+        """Keyword arguments of ``fused_attn_bwd`` (``cuda_graph``, ``thd``, ``window`` as in
+        ``forward_kwargs``); it returns new dq, dk, dv."""
         fmt = _TE_FORMAT if thd is None else "thd"
         values = {
             "max_seqlen_q": q.shape[0] if thd is None else thd[0],
@@ -245,7 +246,7 @@ class TEFusedAttnAPI:
             "dqkv_dtype": dqkv_dtype,
             "aux_ctx_tensors": aux,
             "fused_attention_backend": backend,
-            **_te_fixed_kwargs(causal, scale, q.device, thd is not None, window),
+            **_te_fixed_kwargs(causal, scale, cuda_graph, thd is not None, window),
             "o_format": fmt,
             "do_format": fmt,
             "dqkv_layout": _TE_LAYOUT if thd is None else _TE_THD_LAYOUT,
@@ -413,10 +414,10 @@ def _cached_cu_seqlens(b: int, s: int, device: torch.device) -> Tensor:
     return torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device)
 
 
-def _full_cu_seqlens(b: int, s: int, device: torch.device) -> Tensor:
+def _full_cu_seqlens(b: int, s: int, device: torch.device, capturing: bool) -> Tensor:
     """[b + 1] int32 offsets of b unpadded sequences of s tokens (TE's full cu_seqlens);
     cached, except while a CUDA graph is captured (the cached tensor would be unfilled)."""
-    if _capturing(device):
+    if capturing:
         return torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device)
     return _cached_cu_seqlens(b, s, device)
 
@@ -592,15 +593,16 @@ class TEKernel:
         _check_te_inputs(q, k, v)
         sq, b, hq, _ = q.shape
         qc, kc, vc = (x.contiguous() for x in (q, k, v))  # no copy when already sbhd
-        cu_q = _full_cu_seqlens(b, sq, q.device)
-        cu_kv = _full_cu_seqlens(b, k.shape[0], q.device)
+        capturing = _capturing(q.device)
+        cu_q = _full_cu_seqlens(b, sq, q.device, capturing)
+        cu_kv = _full_cu_seqlens(b, k.shape[0], q.device, capturing)
         dtype, _ = self._dtypes(q.dtype)
         # A private generator keeps TE's (unused, dropout 0) Philox draw off the default
         # one; under CUDA graph capture only the default generator is registered, so None.
-        gen = None if _capturing(q.device) else self._generator(q.device)
+        gen = None if capturing else self._generator(q.device)
         kw = self.api.forward_kwargs(
             qc, kc, vc, cu_q, cu_kv, self._backend, dtype, causal=causal, scale=scale,
-            rng_gen=gen, window=window,
+            cuda_graph=capturing, rng_gen=gen, window=window,
         )  # fmt: skip
         res = self._fwd(**kw)
         out, aux = res[0], res[1]  # (out, [stats, rng_state, ...]) in every version
@@ -647,8 +649,9 @@ class TEKernel:
         # rng_state (int64 [2]), which no kernel reads without dropout.
         stats = lse.to(acc_dtype(q.dtype)).unsqueeze(-1).contiguous()
         rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
-        cu_q = _full_cu_seqlens(b, sq, q.device)
-        cu_kv = _full_cu_seqlens(b, k.shape[0], q.device)
+        capturing = _capturing(q.device)
+        cu_q = _full_cu_seqlens(b, sq, q.device, capturing)
+        cu_kv = _full_cu_seqlens(b, k.shape[0], q.device, capturing)
         dtype, dqkv_dtype = self._dtypes(q.dtype)
         aux = [stats, rng_state]
         kw = self.api.backward_kwargs(
@@ -665,6 +668,7 @@ class TEKernel:
             dqkv_dtype,
             causal=causal,
             scale=scale,
+            cuda_graph=capturing,
             window=window,
         )
         res = self._bwd(**kw)  # [dq, dk, dv, dbias, (d_softmax_offset)]
@@ -723,10 +727,11 @@ class TEKernel:
         _check_te_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
         qc, kc, vc = (x.contiguous() for x in (q, k, v))
         dtype, _ = self._dtypes(q.dtype)
-        gen = None if _capturing(q.device) else self._generator(q.device)
+        capturing = _capturing(q.device)
+        gen = None if capturing else self._generator(q.device)
         kw = self.api.forward_kwargs(
             qc, kc, vc, cu_q, cu_k, self._backend, dtype, causal=causal, scale=scale,
-            rng_gen=gen, thd=(int(max_q), int(max_k)),
+            cuda_graph=capturing, rng_gen=gen, thd=(int(max_q), int(max_k)),
         )  # fmt: skip
         out, aux = self._fwd(**kw)[:2]
         if tuple(out.shape) != tuple(q.shape):
@@ -747,6 +752,7 @@ class TEKernel:
         dtype, dqkv_dtype = self._dtypes(q.dtype)
         kw = self.api.backward_kwargs(
             doc, qc, kc, vc, oc, aux, cu_q, cu_k, self._backend, dtype, dqkv_dtype,
-            causal=causal, scale=scale, thd=(int(max_q), int(max_k)),
+            causal=causal, scale=scale, cuda_graph=_capturing(q.device),
+            thd=(int(max_q), int(max_k)),
         )  # fmt: skip
         return self._grads(self._bwd(**kw), q, k, v)
