@@ -29,6 +29,7 @@ from startrail_megatron.block_plan import (
 )
 from startrail_megatron.kernels import TorchKernel
 from startrail_megatron.kernels import te as kn_te
+from startrail_megatron.kernels.te import limits as kn_te_limits
 from startrail_megatron.one_process import one_process_attention
 from startrail_megatron.packing import pack_lengths
 
@@ -69,12 +70,12 @@ class _CpuTE:
     (restored after: workers are reused across tests)."""
 
     def __enter__(self):
-        self.saved = kn_te._TE_DEVICES, kn_te._TE_DTYPES
-        kn_te._TE_DEVICES = frozenset({"cuda", "cpu"})
-        kn_te._TE_DTYPES = kn_te._TE_DTYPES | {torch.float64}
+        self.saved = kn_te_limits._TE_DEVICES, kn_te_limits._TE_DTYPES
+        kn_te_limits._TE_DEVICES = frozenset({"cuda", "cpu"})
+        kn_te_limits._TE_DTYPES = kn_te_limits._TE_DTYPES | {torch.float64}
 
     def __exit__(self, *exc):
-        kn_te._TE_DEVICES, kn_te._TE_DTYPES = self.saved
+        kn_te_limits._TE_DEVICES, kn_te_limits._TE_DTYPES = self.saved
 
 
 def _te_kernel(version, thd=True):

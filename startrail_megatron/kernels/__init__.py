@@ -10,7 +10,7 @@ Modules (imports run down this list, never back up):
               ``"sdpa_cudnn"``, ``"sdpa_efficient"`` (CUDA)
   flash_attn  ``"flash_attn"``: flash-attn 2 (imported lazily)
   te          ``"te"``: Transformer Engine's fused attention (imported lazily)
-  select      names, availability, ``choose_kernel``, ``build_kernel``,
+  choice      names, availability, ``choose_kernel``, ``build_kernel``,
               ``get_kernel``, ``resolve_kernel``, the ``$STARTRAIL_KERNEL`` override
 
 ``get_kernel("auto")`` picks the fastest available for the inputs;
@@ -19,19 +19,7 @@ Modules (imports run down this list, never back up):
 
 from __future__ import annotations
 
-from .contract import (
-    AttentionKernel,
-    Dropout,
-    VarlenAttentionKernel,
-    acc_dtype,
-    has_varlen,
-    lse_to_bhs,
-    merge_partial,
-)
-from .flash_attn import FlashAttnAPI, FlashAttnKernel, detect_flash_attn_api
-from .reference import TorchKernel, dropout_keep
-from .sdpa import SdpaCudnnKernel, SdpaEfficientKernel, SdpaFlashKernel, SdpaKernel
-from .select import (
+from .choice import (
     AUTO_ORDER,
     BACKENDS,
     KERNEL_ENV,
@@ -45,6 +33,18 @@ from .select import (
     resolve_kernel,
     unsupported_reason,
 )
+from .contract import (
+    AttentionKernel,
+    Dropout,
+    VarlenAttentionKernel,
+    acc_dtype,
+    has_varlen,
+    lse_to_bhs,
+    merge_partial,
+)
+from .flash_attn import FlashAttnAPI, FlashAttnKernel, detect_flash_attn_api
+from .reference import TorchKernel, dropout_keep
+from .sdpa import SdpaCudnnKernel, SdpaEfficientKernel, SdpaFlashKernel, SdpaKernel
 from .te import TEFusedAttnAPI, TEKernel, detect_te_api
 
 __all__ = [
