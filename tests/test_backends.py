@@ -20,6 +20,7 @@ The CUDA kernels cannot run here. What can be checked is checked:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import sys
 import types
@@ -35,7 +36,6 @@ from startrail_megatron.kernels import sdpa as kn_sdpa
 from startrail_megatron.kernels import signatures as kn_signatures
 from startrail_megatron.kernels import te as kn_te
 from startrail_megatron.kernels.te import kernel as kn_te_kernel
-from startrail_megatron.kernels.te import limits as kn_te_limits
 
 CUDA_H100 = dict(device_type="cuda", capability=(9, 0), cudnn_version=90100)
 
@@ -445,11 +445,11 @@ def test_custom_op_parameters_come_from_its_function_or_schema():
     ns = _v27_custom_op()
     op = ns._flash_attn_forward
     assert type(op).__name__ == "CustomOpDef"  # what flash-attn 2.7+ exposes
-    names, required = kn_signatures._param_names(op)
+    names, required = kn_signatures.param_names(op)
     assert names[6:8] == ("window_size_left", "window_size_right")
-    schema_names, _ = kn_signatures._param_names(torch.ops.startrail_test.flash_fwd)
+    schema_names, _ = kn_signatures.param_names(torch.ops.startrail_test.flash_fwd)
     assert schema_names == names
-    bwd_names, bwd_required = kn_signatures._param_names(torch.ops.startrail_test.flash_bwd.default)
+    bwd_names, bwd_required = kn_signatures.param_names(torch.ops.startrail_test.flash_bwd.default)
     assert "rng_state" in bwd_names and "rng_state" not in bwd_required
 
 
@@ -931,10 +931,9 @@ def te_install(monkeypatch):
         for name, mod in te.modules.items():
             monkeypatch.setitem(sys.modules, name, mod)
         if cpu:
-            monkeypatch.setattr(kn_te_limits, "_TE_DEVICES", frozenset({"cuda", "cpu"}))
-            monkeypatch.setattr(
-                kn_te_limits, "_TE_DTYPES", kn_te_limits._TE_DTYPES | {torch.float64}
-            )
+            spec = kn.TEKernel.spec
+            wide = dict(devices=frozenset({"cuda", "cpu"}), dtypes=spec.dtypes | {torch.float64})
+            monkeypatch.setattr(kn.TEKernel, "spec", dataclasses.replace(spec, **wide))
         return te
 
     kn_choice._instance.cache_clear()

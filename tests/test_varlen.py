@@ -13,6 +13,8 @@ per-document calls), and none of the dense functions is called.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from common import rel_err
@@ -29,7 +31,6 @@ from startrail_megatron.block_plan import (
 )
 from startrail_megatron.kernels import TorchKernel
 from startrail_megatron.kernels import te as kn_te
-from startrail_megatron.kernels.te import limits as kn_te_limits
 from startrail_megatron.one_process import one_process_attention
 from startrail_megatron.packing import pack_lengths
 
@@ -70,12 +71,12 @@ class _CpuTE:
     (restored after: workers are reused across tests)."""
 
     def __enter__(self):
-        self.saved = kn_te_limits._TE_DEVICES, kn_te_limits._TE_DTYPES
-        kn_te_limits._TE_DEVICES = frozenset({"cuda", "cpu"})
-        kn_te_limits._TE_DTYPES = kn_te_limits._TE_DTYPES | {torch.float64}
+        self.saved = spec = kn_te.TEKernel.spec
+        wide = dict(devices=frozenset({"cuda", "cpu"}), dtypes=spec.dtypes | {torch.float64})
+        kn_te.TEKernel.spec = dataclasses.replace(spec, **wide)
 
     def __exit__(self, *exc):
-        kn_te_limits._TE_DEVICES, kn_te_limits._TE_DTYPES = self.saved
+        kn_te.TEKernel.spec = self.saved
 
 
 def _te_kernel(version, thd=True):

@@ -5,7 +5,7 @@ Calls ``transformer_engine.pytorch.cpp_extensions.fused_attn.fused_attn_fwd`` /
 ring (``AttnFuncWithCPAndKVP2P``) calls; they return and take the softmax
 log-sum-exp (``aux_ctx_tensors[0]``, ``[b, h, sq, 1]`` fp32). Their
 parameters changed in almost every minor release, so the adapter reads
-parameter names (``signatures._param_names``) and refuses any parameter it
+parameter names (``signatures.param_names``) and refuses any parameter it
 does not know, or a missing one it needs. Layout ``"sbhd_sbhd_sbhd"`` takes
 our ``[s, b, h, d]`` tensors as they are (made contiguous: TE reads a pointer
 and a shape); GQA natively. Transformer Engine is imported only when

@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..signatures import _param_names
-from .limits import _TE_BAND_MIN_RELEASE, _te_release
+from ..signatures import param_names
+from .limits import TE_SUPPORTED, te_band_release_unsupported_reason
 
-_TE_SUPPORTED = "Transformer Engine 1.9 - 2.18"
+__all__ = ["TEFusedAttnAPI", "detect_te_api"]
+
 _TE_LAYOUT = "sbhd_sbhd_sbhd"  # our [s, b, h, d] tensors, each in its own buffer
 _TE_FORMAT = "sbhd"
 _TE_THD_LAYOUT = "thd_thd_thd"  # packed sequences: [tokens, h, d] each, int32 cu_seqlens
@@ -69,11 +70,11 @@ def _te_fixed_kwargs(
     derives from it when left ``None``. The window is ``(-1, 0)`` for causal, as
     TE's ``DotProductAttention`` passes it (``check_set_window_size``): TE >= 2.12
     with cuDNN 9.2 - 9.5 finds no backend for a causal mask with ``(-1, -1)``.
-    ``cuda_graph``: whether the stream is being captured (``_capturing``), passed on as
+    ``cuda_graph``: whether the stream is being captured (``TEKernel`` reads it), passed on as
     TE's own code does (it changes which backward cuDNN may run). ``thd``: packed sequences
     (``"thd_thd_thd"``), whose masks TE names ``"padding_causal"`` / ``"padding"``
     (top-left causal; TE refuses THD with any mask without padding). ``window``: TE's
-    ``window_size`` ``(left, right)`` of a band call (``TEKernel._band_window``): no mask
+    ``window_size`` ``(left, right)`` of a band call (``bands.piece_mask``): no mask
     and the top-left diagonal, so query i sees keys ``i - left .. i + right``.
     """
     if thd:
@@ -128,33 +129,16 @@ class TEFusedAttnAPI:
         if missing:
             raise NotImplementedError(
                 f"Transformer Engine {self.version}: {which} requires {missing}, which this "
-                f"adapter does not provide (supported: {_TE_SUPPORTED})"
+                f"adapter does not provide (supported: {TE_SUPPORTED})"
             )
         return {n: values[n] for n in params if n in values}
 
     @property
     def band_unsupported_reason(self) -> str | None:
-        """Why this TE release cannot run a window band, or ``None``. A band goes as
-        ``window_size`` (left, right) with no mask on the top-left diagonal
-        (``bottom_right_diagonal=False``). TE's backend table (``fused_attn.cpp``,
-        ``nvte_get_fused_attn_backend``) takes no-mask windows with a right side only from
-        2.16 (before it, (left, right) only beside padding or bottom-right causal masks,
-        and (left, 0) beside a causal one). The signatures of 2.12 - 2.15 and 2.16 cannot
-        tell them apart, so the release is read from ``version``. cuDNN's part is
+        """Why this TE release cannot run a window band, or ``None``
+        (``limits.te_band_release_unsupported_reason``). cuDNN's part is
         ``TEKernel.band_unsupported_reason``."""
-        have = _te_release(self.version)
-        ok = have is not None and have >= _TE_BAND_MIN_RELEASE
-        if (
-            ok
-            and "bottom_right_diagonal" in self.fwd_params
-            and "bottom_right_diagonal" in set(self.bwd_params)
-        ):
-            return None
-        want = ".".join(map(str, _TE_BAND_MIN_RELEASE))
-        return (
-            f"window bands (left, right) without a mask need Transformer Engine >= {want} "
-            f"(its backend table), got {self.version}"
-        )
+        return te_band_release_unsupported_reason(self.version, self.fwd_params, self.bwd_params)
 
     def forward_kwargs(
         self, q, k, v, cu_q, cu_kv, backend, dtype, *, causal, scale, cuda_graph, rng_gen=None,
@@ -227,15 +211,15 @@ def detect_te_api(fwd: Any, bwd: Any, version: str = "?") -> TEFusedAttnAPI:
     Raises ``NotImplementedError`` naming the TE version for any parameter the
     adapter does not know, or a missing one it needs.
     """
-    fp, freq = _param_names(fwd)
-    bp, breq = _param_names(bwd)
+    fp, freq = param_names(fwd)
+    bp, breq = param_names(bwd)
     checks = (("fused_attn_fwd", fp, _TE_FWD_KNOWN), ("fused_attn_bwd", bp, _TE_BWD_KNOWN))
     for which, params, known in checks:
         unknown = [n for n in params if n not in known]
         if unknown:
             raise NotImplementedError(
                 f"Transformer Engine {version}: {which} has parameters {unknown} this adapter "
-                f"does not know (supported: {_TE_SUPPORTED}); parameters: {list(params)}"
+                f"does not know (supported: {TE_SUPPORTED}); parameters: {list(params)}"
             )
     fset, bset = set(fp), set(bp)
     dtype_args = [a for a in ("qkv_dtype", "fake_dtype") if a in fset]
@@ -245,6 +229,6 @@ def detect_te_api(fwd: Any, bwd: Any, version: str = "?") -> TEFusedAttnAPI:
     if problems:
         raise NotImplementedError(
             f"Transformer Engine {version}: fused_attn_fwd{fp} / fused_attn_bwd{bp} lack "
-            f"{problems} (supported: {_TE_SUPPORTED})"
+            f"{problems} (supported: {TE_SUPPORTED})"
         )
     return TEFusedAttnAPI(fp, bp, freq, breq, dtype_args[0], "dqkv_dtype" in bset, version)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 
+__all__ = ["BandPiece", "piece_mask", "te_band_pieces"]
+
 BandPiece = tuple[int, int, int, int, int, int]
 """(q_lo, q_hi, kv_lo, kv_hi, left, right): one TE call on rows [q_lo, q_hi) x keys
 [kv_lo, kv_hi) with ``window_size=(left, right)`` on the top-left diagonal (-1: unbounded)."""
@@ -50,7 +52,7 @@ def te_band_pieces(sq: int, sk: int, lo: int | None, hi: int | None) -> tuple[Ba
     return tuple(out)
 
 
-def _as_mask(left: int, right: int) -> tuple[bool, tuple[int, int] | None]:
+def piece_mask(left: int, right: int) -> tuple[bool, tuple[int, int] | None]:
     """(causal, window) of a piece's ``window_size``: TE's own causal call for (-1, 0) and
     the plain one for (-1, -1), as ``DotProductAttention`` passes them; a band otherwise."""
     if (left, right) == (-1, 0):

@@ -11,16 +11,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..contract import acc_dtype, varlen_lse_packed, varlen_lse_padded
-from .api import _TE_SUPPORTED, detect_te_api
-from .bands import _as_mask, te_band_pieces
+from ..contract import acc_dtype
+from ..spec import HALF, BackendSpec
+from .api import detect_te_api
+from .bands import piece_mask, te_band_pieces
 from .limits import (
-    _TE_BAND_BAD_CUDNN,
-    _TE_BAND_MIN_CUDNN,
-    _check_te_inputs,
+    TE_SUPPORTED,
+    check_te_inputs,
+    te_band_cudnn_unsupported_reason,
+    te_query_unsupported_reason,
     te_thd_unsupported_reason,
 )
-from .thd_stats import te_max_tokens
+from .thd_stats import te_max_tokens, thd_stats_from_packed, thd_stats_to_packed
+
+__all__ = ["TEKernel"]
 
 
 def _capturing(device: torch.device) -> bool:
@@ -71,7 +75,16 @@ class TEKernel:
     """
 
     name = "te"
-    supports_softcap = False  # fused_attn has no logit soft-capping
+    # no dropout, no logit soft-capping in fused_attn; windows: TE 2.16+ and cuDNN 9.6+,
+    # checked by the kernel object (``supports_band``)
+    spec = BackendSpec(
+        name, frozenset({"cuda"}), HALF, "transformer_engine", 256, 8, (8, 0), 90000,
+        dropout=False, window=True, limits=te_query_unsupported_reason,
+    )  # fmt: skip
+    """What ``"te"`` runs; ``check_te_inputs`` reads its devices and dtypes (only the
+    tests widen them, to run stand-ins on CPU)."""
+    supports_dropout = spec.dropout
+    supports_softcap = spec.softcap
 
     def __init__(
         self,
@@ -96,7 +109,7 @@ class TEKernel:
         if not isinstance(backends, Mapping) or "F16_arbitrary_seqlen" not in backends:
             raise NotImplementedError(
                 f"Transformer Engine {version}: cpp_extensions.fused_attn has no "
-                f"FusedAttnBackend['F16_arbitrary_seqlen'] (supported: {_TE_SUPPORTED})"
+                f"FusedAttnBackend['F16_arbitrary_seqlen'] (supported: {TE_SUPPORTED})"
             )
         self._backend = backends["F16_arbitrary_seqlen"]  # what TE's CP code passes for F16
         if te_dtype is None and self.api.needs_te_dtype:
@@ -117,17 +130,7 @@ class TEKernel:
             return why
         if self._cudnn is None:
             self._cudnn = self._runtime_cudnn()
-        if self._cudnn is None or self._cudnn < _TE_BAND_MIN_CUDNN:
-            return (
-                f"Transformer Engine window bands (left, right) need cuDNN >= "
-                f"{_TE_BAND_MIN_CUDNN}, got {self._cudnn}"
-            )
-        if self._cudnn in _TE_BAND_BAD_CUDNN:
-            return (
-                f"Transformer Engine takes no window without a causal mask over more than 1024 "
-                f"keys on cuDNN {self._cudnn}; use another cuDNN or kernel"
-            )
-        return None
+        return te_band_cudnn_unsupported_reason(self._cudnn)
 
     def _runtime_cudnn(self) -> int | None:
         """The cuDNN runtime version TE's backend table compares (TE's
@@ -145,7 +148,7 @@ class TEKernel:
     @property
     def supports_band(self) -> bool:
         """Whether sliding windows run here (``band_unsupported_reason`` is ``None``)."""
-        return self.band_unsupported_reason is None
+        return self.spec.window and self.band_unsupported_reason is None
 
     @property
     def varlen_available(self) -> bool:
@@ -197,10 +200,10 @@ class TEKernel:
         if band is None:
             return self._forward(q, k, v, causal, scale)
         self._band_check(band, causal)
-        _check_te_inputs(q, k, v)
+        check_te_inputs(q, k, v, self.spec)
         outs, lses = [], []
         for a, e, c0, c1, left, right in te_band_pieces(q.shape[0], k.shape[0], *band):
-            causal, window = _as_mask(left, right)
+            causal, window = piece_mask(left, right)
             o, lse = self._forward(q[a:e], k[c0:c1], v[c0:c1], causal, scale, window)
             outs.append(o)
             lses.append(lse)
@@ -209,7 +212,7 @@ class TEKernel:
         return torch.cat(outs), torch.cat(lses, dim=-1)
 
     def _forward(self, q, k, v, causal, scale, window=None):
-        _check_te_inputs(q, k, v)
+        check_te_inputs(q, k, v, self.spec)
         sq, b, hq, _ = q.shape
         qc, kc, vc = (x.contiguous() for x in (q, k, v))  # no copy when already sbhd
         capturing = _capturing(q.device)
@@ -236,17 +239,17 @@ class TEKernel:
         if band is None:
             return self._backward(dout, q, k, v, out, lse, causal, scale)
         self._band_check(band, causal)
-        _check_te_inputs(q, k, v)
+        check_te_inputs(q, k, v, self.spec)
         pieces = te_band_pieces(q.shape[0], k.shape[0], *band)
         if len(pieces) == 1:
-            causal, window = _as_mask(*pieces[0][4:])
+            causal, window = piece_mask(*pieces[0][4:])
             return self._backward(dout, q, k, v, out, lse, causal, scale, window)
         acc = acc_dtype(q.dtype)
         dqs = []
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         for a, e, c0, c1, left, right in pieces:
-            causal, window = _as_mask(left, right)
+            causal, window = piece_mask(left, right)
             g_q, g_k, g_v = self._backward(
                 dout[a:e], q[a:e], k[c0:c1], v[c0:c1], out[a:e], lse[..., a:e], causal, scale,
                 window,
@@ -257,7 +260,7 @@ class TEKernel:
         return torch.cat(dqs), dk.to(k.dtype), dv.to(v.dtype)
 
     def _backward(self, dout, q, k, v, out, lse, causal, scale, window=None):
-        _check_te_inputs(q, k, v)
+        check_te_inputs(q, k, v, self.spec)
         sq, b, hq, _ = q.shape
         if tuple(lse.shape) != (b, hq, sq):
             raise ValueError(f"lse {tuple(lse.shape)} != [{b}, {hq}, {sq}]")
@@ -306,44 +309,19 @@ class TEKernel:
 
     # ---- packed sequences (THD) -------------------------------------------------------
     def _thd_stats_to_packed(self, stats: Tensor, cu_q: Tensor, t: int, h: int, dtype) -> Tensor:
-        """TE's THD softmax statistics -> ``[h, t]``. Three forms, by TE release, cuDNN and
-        GPU: ``[n_seqs, h, max_seqlen_q, 1]`` (padded per sequence; TE 1.9 - 1.12, cuDNN
-        < 9.6, sm120), ``[te_max_tokens(t), h, 1]`` (TE 1.13 - 2.10 round the rows up) and
-        ``[t, h, 1]`` (2.11+). The form is kept for the backward; anything else raises."""
-        n = cu_q.shape[0] - 1
-        if stats.dim() == 4 and tuple(stats.shape[:2]) == (n, h) and stats.shape[3] == 1:
-            form, packed = "padded", varlen_lse_packed(stats.squeeze(-1), cu_q, t)
-        elif stats.dim() == 3 and tuple(stats.shape[1:]) == (h, 1) and stats.shape[0] >= t:
-            rows = stats.shape[0]
-            form = "exact" if rows == t else "bucketed"
-            if form == "bucketed" and rows != te_max_tokens(t):
-                raise RuntimeError(
-                    f"Transformer Engine {self.api.version}: THD softmax statistics of "
-                    f"{rows} rows for {t} tokens; expected {t} or {te_max_tokens(t)}"
-                )
-            packed = stats[:t, :, 0].transpose(0, 1)
-        else:
-            raise RuntimeError(
-                f"Transformer Engine {self.api.version}: THD softmax statistics of shape "
-                f"{tuple(stats.shape)}; expected [{n}, {h}, max_seqlen_q, 1] or [>= {t}, {h}, 1]"
-            )
+        """TE's THD softmax statistics -> ``[h, t]`` (``thd_stats.thd_stats_to_packed``);
+        their form is kept for the backward."""
+        packed, form = thd_stats_to_packed(stats, cu_q, t, h, dtype, self.api.version)
         if form != self._thd_stats_form and not (form == "exact" and t == te_max_tokens(t)):
             self._thd_stats_form = form  # (t equal to its bucket cannot tell the two apart)
-        return packed.to(acc_dtype(dtype))
+        return packed
 
     def _thd_stats_from_packed(self, lse: Tensor, cu_q: Tensor, max_q: int, dtype) -> Tensor:
         """``[h, t]`` -> the form this kernel's forward returns."""
-        h, t = lse.shape
-        form = self._thd_stats_form or "exact"
-        lse = lse.to(acc_dtype(dtype))
-        if form == "padded":
-            return varlen_lse_padded(lse, cu_q, max_q).unsqueeze(-1)
-        stats = lse.new_zeros(te_max_tokens(t) if form == "bucketed" else t, h, 1)
-        stats[:t, :, 0] = lse.transpose(0, 1)
-        return stats
+        return thd_stats_from_packed(lse, cu_q, max_q, dtype, self._thd_stats_form or "exact")
 
     def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale):
-        _check_te_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
+        check_te_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), self.spec)
         qc, kc, vc = (x.contiguous() for x in (q, k, v))
         dtype, _ = self._dtypes(q.dtype)
         capturing = _capturing(q.device)
@@ -361,7 +339,7 @@ class TEKernel:
         return out, self._thd_stats_to_packed(aux[0], cu_q, q.shape[0], q.shape[1], q.dtype)
 
     def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal, scale):
-        _check_te_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
+        check_te_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), self.spec)
         if tuple(lse.shape) != (q.shape[1], q.shape[0]):
             raise ValueError(f"lse {tuple(lse.shape)} != [{q.shape[1]}, {q.shape[0]}]")
         qc, kc, vc = (x.contiguous() for x in (q, k, v))
