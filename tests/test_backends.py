@@ -20,6 +20,7 @@ The CUDA kernels cannot run here. What can be checked is checked:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import sys
 import types
@@ -30,10 +31,11 @@ import torch
 import startrail_megatron as st
 from startrail_megatron import kernels as kn
 from startrail_megatron.kernels import TorchKernel
+from startrail_megatron.kernels import choice as kn_choice
 from startrail_megatron.kernels import sdpa as kn_sdpa
-from startrail_megatron.kernels import select as kn_select
 from startrail_megatron.kernels import signatures as kn_signatures
 from startrail_megatron.kernels import te as kn_te
+from startrail_megatron.kernels.te import kernel as kn_te_kernel
 
 CUDA_H100 = dict(device_type="cuda", capability=(9, 0), cudnn_version=90100)
 
@@ -129,7 +131,7 @@ def test_auto_skips_a_backend_whose_import_fails(monkeypatch):
     def broken():
         raise ImportError("flash_attn_2_cuda: undefined symbol")
 
-    monkeypatch.setitem(kn_select._CONSTRUCTORS, "flash_attn", broken)
+    monkeypatch.setitem(kn_choice._CONSTRUCTORS, "flash_attn", broken)
     h100 = kn.KernelQuery(dtype=torch.bfloat16, head_dim=128, **CUDA_H100)
     ker = kn.build_kernel("auto", query=h100, installed=_all, env={})
     assert ker.name == "sdpa_flash"
@@ -443,11 +445,11 @@ def test_custom_op_parameters_come_from_its_function_or_schema():
     ns = _v27_custom_op()
     op = ns._flash_attn_forward
     assert type(op).__name__ == "CustomOpDef"  # what flash-attn 2.7+ exposes
-    names, required = kn_signatures._param_names(op)
+    names, required = kn_signatures.param_names(op)
     assert names[6:8] == ("window_size_left", "window_size_right")
-    schema_names, _ = kn_signatures._param_names(torch.ops.startrail_test.flash_fwd)
+    schema_names, _ = kn_signatures.param_names(torch.ops.startrail_test.flash_fwd)
     assert schema_names == names
-    bwd_names, bwd_required = kn_signatures._param_names(torch.ops.startrail_test.flash_bwd.default)
+    bwd_names, bwd_required = kn_signatures.param_names(torch.ops.startrail_test.flash_bwd.default)
     assert "rng_state" in bwd_names and "rng_state" not in bwd_required
 
 
@@ -929,13 +931,14 @@ def te_install(monkeypatch):
         for name, mod in te.modules.items():
             monkeypatch.setitem(sys.modules, name, mod)
         if cpu:
-            monkeypatch.setattr(kn_te, "_TE_DEVICES", frozenset({"cuda", "cpu"}))
-            monkeypatch.setattr(kn_te, "_TE_DTYPES", kn_te._TE_DTYPES | {torch.float64})
+            spec = kn.TEKernel.spec
+            wide = dict(devices=frozenset({"cuda", "cpu"}), dtypes=spec.dtypes | {torch.float64})
+            monkeypatch.setattr(kn.TEKernel, "spec", dataclasses.replace(spec, **wide))
         return te
 
-    kn_select._instance.cache_clear()
+    kn_choice._instance.cache_clear()
     yield install
-    kn_select._instance.cache_clear()
+    kn_choice._instance.cache_clear()
 
 
 @pytest.mark.parametrize("version", list(TE_VERSIONS))
@@ -1054,7 +1057,7 @@ def test_te_under_cuda_graph_capture(te_install, monkeypatch):
     ker._fwd = fwd
     x = torch.randn(4, 1, 2, 8, dtype=torch.float64)
     ker.forward(x, x, x, causal=True, scale=1.0)  # not capturing
-    monkeypatch.setattr(kn_te, "_capturing", lambda device: True)
+    monkeypatch.setattr(kn_te_kernel, "_capturing", lambda device: True)
     ker.forward(x, x, x, causal=True, scale=1.0)
     free, captured = seen
     assert isinstance(free["rng_gen"], torch.Generator) and free["cuda_graph"] is False

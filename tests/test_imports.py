@@ -90,7 +90,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read():
     g = _graph()
-    assert "startrail_megatron.kernels.select" in g["startrail_megatron.kernels"]
+    assert "startrail_megatron.kernels.choice" in g["startrail_megatron.kernels"]
     assert "startrail_megatron.schedule" in g["startrail_megatron.rank.forward"]
     # a lazy import inside a function counts
     assert "startrail_megatron.megatron.attention" in g["startrail_megatron.deepspeed.megatron_gpt"]

@@ -13,6 +13,8 @@ per-document calls), and none of the dense functions is called.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from common import rel_err
@@ -69,12 +71,12 @@ class _CpuTE:
     (restored after: workers are reused across tests)."""
 
     def __enter__(self):
-        self.saved = kn_te._TE_DEVICES, kn_te._TE_DTYPES
-        kn_te._TE_DEVICES = frozenset({"cuda", "cpu"})
-        kn_te._TE_DTYPES = kn_te._TE_DTYPES | {torch.float64}
+        self.saved = spec = kn_te.TEKernel.spec
+        wide = dict(devices=frozenset({"cuda", "cpu"}), dtypes=spec.dtypes | {torch.float64})
+        kn_te.TEKernel.spec = dataclasses.replace(spec, **wide)
 
     def __exit__(self, *exc):
-        kn_te._TE_DEVICES, kn_te._TE_DTYPES = self.saved
+        kn_te.TEKernel.spec = self.saved
 
 
 def _te_kernel(version, thd=True):

@@ -501,24 +501,24 @@ def test_softcap_with_dropout_never_reaches_flash_attn(monkeypatch):
     kernel instead; flash-attn 2.5 (no softcap) likewise."""
     from test_backends import FLASH_VERSIONS
 
-    from startrail_megatron.kernels import select
+    from startrail_megatron.kernels import choice
 
     q = torch.zeros(4, 1, 2, 16, dtype=torch.bfloat16)
     flash = kn_flash(FLASH_VERSIONS["2.6"]())
     with pytest.raises(NotImplementedError, match="softcap together with dropout_p > 0"):
-        select.resolve_kernel(q, flash, None, dropout=True, softcap=True)
-    assert select.resolve_kernel(q, flash, None, softcap=True)[0] is flash
+        choice.resolve_kernel(q, flash, None, dropout=True, softcap=True)
+    assert choice.resolve_kernel(q, flash, None, softcap=True)[0] is flash
     old = kn_flash(FLASH_VERSIONS["2.5"]())
-    real = select.get_kernel
+    real = choice.get_kernel
     for instance, kw in ((flash, dict(dropout=True, softcap=True)), (old, dict(softcap=True))):
 
         def fake(name, *a, _i=instance, **k):
             return _i if name == "auto" else real(name, *a, **k)
 
-        monkeypatch.setattr(select, "get_kernel", fake)
-        assert select.resolve_kernel(q, "auto", None, **kw)[0].name == "torch"
+        monkeypatch.setattr(choice, "get_kernel", fake)
+        assert choice.resolve_kernel(q, "auto", None, **kw)[0].name == "torch"
         with pytest.raises(NotImplementedError, match="'flash_attn' does not run"):
-            select.resolve_kernel(q, instance, None, **kw)
+            choice.resolve_kernel(q, instance, None, **kw)
 
 
 def kn_flash(ns):

@@ -5,7 +5,7 @@ flash-attn is imported only when ``FlashAttnKernel`` is built. It wants
 view) and returns lse ``[b, h, sq]``.
 
 Its private API changed twice in 2.5 - 2.8, so the adapter reads parameter
-names (``signatures._param_names``), never counts outputs:
+names (``signatures.param_names``), never counts outputs:
 
   2.5.x  fwd(q, k, v, dropout_p, softmax_scale, causal, window_size,
              alibi_slopes, return_softmax)
@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from .contract import acc_dtype, lse_to_bhs, varlen_lse_packed, varlen_lse_padded
-from .signatures import _param_names
+from .signatures import param_names
+from .spec import HALF, BackendSpec
 
 __all__ = ["FlashAttnAPI", "FlashAttnKernel", "detect_flash_attn_api"]
 
@@ -229,8 +230,8 @@ def _varlen_values(varlen) -> dict[str, Any]:
 
 def detect_flash_attn_api(fwd: Any, bwd: Any, version: str = "?") -> FlashAttnAPI:
     """Read flash-attn's forward/backward conventions from their parameters."""
-    fp, freq = _param_names(fwd)
-    bp, breq = _param_names(bwd)
+    fp, freq = param_names(fwd)
+    bp, breq = param_names(bwd)
     fset, bset = set(fp), set(bp)
     if {"window_size_left", "window_size_right"} <= fset:
         split, lse_index = True, 1
@@ -263,8 +264,13 @@ class FlashAttnKernel:
     """
 
     name = "flash_attn"
-    supports_dropout = True  # its own Philox dropout; rng_state kept per call
-    supports_band = True  # sliding windows through window_size (``_window``)
+    # dropout: its own Philox, rng_state kept per call; sliding windows through
+    # window_size (``_window``); softcap: 2.6+, ``supports_softcap`` of the instance
+    spec = BackendSpec(
+        name, frozenset({"cuda"}), HALF, "flash_attn", 256, 8, (8, 0), window=True, softcap=True
+    )
+    supports_dropout = spec.dropout
+    supports_band = spec.window
     softcap_with_dropout = False  # flash-attn: "Softcapping does not support dropout for now"
 
     def __init__(self, interface: ModuleType | Any | None = None):
@@ -277,7 +283,7 @@ class FlashAttnKernel:
         self._bwd = interface._flash_attn_backward
         self.api = detect_flash_attn_api(self._fwd, self._bwd, version)
         # soft-capping arrived in 2.6 (``softcap``, forward and backward)
-        self.supports_softcap = "softcap" in self.api.fwd_params
+        self.supports_softcap = self.spec.softcap and "softcap" in self.api.fwd_params
         self._vfwd = getattr(interface, "_flash_attn_varlen_forward", None)
         self._vbwd = getattr(interface, "_flash_attn_varlen_backward", None)
         self.varlen_api = None

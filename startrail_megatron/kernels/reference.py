@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .contract import Dropout, acc_dtype
+from .spec import ALL_FLOAT, BackendSpec
 
 __all__ = ["TorchKernel", "dropout_keep"]
 
@@ -44,9 +45,13 @@ class TorchKernel:
     """Pure-PyTorch attention in the accumulation dtype: the reference kernel."""
 
     name = "torch"
-    supports_dropout = True
-    supports_band = True  # sliding windows: ``band=(lo, hi)``, pairs with lo <= j - i <= hi
-    supports_softcap = True
+    # sliding windows: ``band=(lo, hi)``, pairs with lo <= j - i <= hi
+    spec = BackendSpec(
+        name, frozenset({"cpu", "cuda", "meta"}), ALL_FLOAT, window=True, softcap=True
+    )
+    supports_dropout = spec.dropout
+    supports_band = spec.window
+    supports_softcap = spec.softcap
 
     @staticmethod
     def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, band=None, softcap=0.0):

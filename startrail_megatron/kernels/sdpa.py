@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .contract import AttentionKernel, acc_dtype, lse_to_bhs
+from .spec import ALL_FLOAT, HALF, BackendSpec
 
 __all__ = ["SdpaCudnnKernel", "SdpaEfficientKernel", "SdpaFlashKernel", "SdpaKernel"]
 
@@ -34,7 +35,9 @@ class SdpaKernel:
     """
 
     name = "sdpa"
-    supports_dropout = False  # the CPU op returns no RNG state to rebuild a mask from
+    # no dropout: the CPU op returns no RNG state to rebuild a mask from
+    spec = BackendSpec(name, frozenset({"cpu", "cuda"}), ALL_FLOAT, dropout=False)
+    supports_dropout = spec.dropout
 
     @staticmethod
     def _bhsd(x: Tensor) -> Tensor:
@@ -137,7 +140,8 @@ class SdpaFlashKernel:
     """``aten._scaled_dot_product_flash_attention``: PyTorch's flash kernel, GQA natively."""
 
     name = "sdpa_flash"
-    supports_dropout = True
+    spec = BackendSpec(name, frozenset({"cuda"}), HALF, None, 256, 8, (8, 0))
+    supports_dropout = spec.dropout
 
     def forward(self, q, k, v, *, causal, scale, dropout=None):
         sq, b, hq, _ = q.shape
@@ -180,7 +184,14 @@ class SdpaEfficientKernel:
     """``aten._scaled_dot_product_efficient_attention`` (memory-efficient); KV expanded."""
 
     name = "sdpa_efficient"
-    supports_dropout = True
+    spec = BackendSpec(
+        name,
+        frozenset({"cuda"}),
+        frozenset({torch.float32, torch.float16, torch.bfloat16}),
+        head_dim_multiple=8,
+        min_capability=(5, 0),
+    )
+    supports_dropout = spec.dropout
 
     def forward(self, q, k, v, *, causal, scale, dropout=None):
         sq, b, hq, _ = q.shape
@@ -224,7 +235,8 @@ class SdpaCudnnKernel:
     """``aten._scaled_dot_product_cudnn_attention`` (cuDNN >= 9); KV expanded, dense inputs."""
 
     name = "sdpa_cudnn"
-    supports_dropout = True
+    spec = BackendSpec(name, frozenset({"cuda"}), HALF, None, 128, 8, (8, 0), 90000)
+    supports_dropout = spec.dropout
 
     def forward(self, q, k, v, *, causal, scale, dropout=None):
         sq, b, hq, _ = q.shape

@@ -7,7 +7,7 @@ import inspect
 from typing import Any
 
 
-def _param_names(fn: Any) -> tuple[tuple[str, ...], frozenset[str]]:
+def param_names(fn: Any) -> tuple[tuple[str, ...], frozenset[str]]:
     """(parameter names, those without a default) of a function, custom op or torch op.
 
     ``torch.library.custom_op`` objects show ``(*args, **kwargs)``; their Python
