@@ -165,7 +165,7 @@ def _check_unsupported(seq_len: int, kwargs: dict) -> None:
             )
 
 
-class _ScaleGrad(torch.autograd.Function):
+class ScaleGrad(torch.autograd.Function):
     """Identity forward; multiplies the incoming gradient by ``factor``."""
 
     @staticmethod
@@ -297,7 +297,7 @@ class HFHandle:
         if self.grad_scale != 1.0:
             for k, v in items.items():
                 if isinstance(v, Tensor) and v.requires_grad:
-                    items[k] = _ScaleGrad.apply(v, self.grad_scale)
+                    items[k] = ScaleGrad.apply(v, self.grad_scale)
         if isinstance(output, Mapping):
             for k, v in items.items():
                 output[k] = v

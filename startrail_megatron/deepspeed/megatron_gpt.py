@@ -36,7 +36,7 @@ from ..packing import PackedLayout
 from ..zigzag import shard_packed, unshard_packed, zigzag_shard, zigzag_unshard
 from .batches import check_same_batch, packed_row_layout
 from .config import StarTrailConfig
-from .hf import _ScaleGrad
+from .hf import ScaleGrad
 from .mpu import StarTrailMPU
 
 __all__ = ["is_megatron_gpt", "megatron_mpu", "prepare_megatron_gpt"]
@@ -194,7 +194,7 @@ class MegatronHandle:
             mpu.get_sequence_parallel_world_size(),
             packed,
         )
-        return _ScaleGrad.apply(out, self.grad_scale) if self.grad_scale != 1.0 else out
+        return ScaleGrad.apply(out, self.grad_scale) if self.grad_scale != 1.0 else out
 
 
 def prepare_megatron_gpt(model: nn.Module, mpu: StarTrailMPU) -> MegatronHandle:

@@ -186,7 +186,7 @@ def _window(sq: int, sk: int, band) -> tuple[int, int]:
     """flash-attn's ``window_size`` for the band ``lo <= j - i <= hi`` of an sq x sk call.
 
     flash-attn aligns its window to the bottom-right corner: query i sees keys
-    ``i + sk - sq - left .. i + sk - sq + right`` (-1: unbounded). ``block_plan`` trims
+    ``i + sk - sq - left .. i + sk - sq + right`` (-1: unbounded). ``schedule.windows`` trims
     band calls so every row and key has a pair, which makes both sizes >= 0.
     """
     lo, hi = band

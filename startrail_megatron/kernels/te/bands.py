@@ -15,7 +15,7 @@ BandPiece = tuple[int, int, int, int, int, int]
 @functools.lru_cache(maxsize=4096)
 def te_band_pieces(sq: int, sk: int, lo: int | None, hi: int | None) -> tuple[BandPiece, ...]:
     """TE calls for a band call ``lo <= j - i <= hi`` of ``sq`` queries and ``sk`` keys
-    (``block_plan``'s trimmed band calls: every row and key has a pair, so lo <= 0 <= hi).
+    (``schedule.windows``' trimmed band calls: every row and key has a pair, so lo <= 0 <= hi).
 
     TE takes a window only with ``max_seqlen_q <= max_seqlen_kv`` (its backend table), so a
     call with more rows than keys is cut into runs of rows, each with no more rows than
