@@ -110,3 +110,18 @@ def test_the_core_never_imports_an_adapter():
     for m in core:
         bad = {t for t in g[m] if t.startswith((f"{PKG}.megatron", f"{PKG}.deepspeed"))}
         assert not bad, (m, bad)
+
+
+def test_no_private_name_crosses_a_module():
+    """``from .x import _y`` between our modules: a private name is that module's own
+    (make it public, or move it, where another module needs it)."""
+    bad = []
+    for mod, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            ours = node.level > 0 or (node.module or "").startswith(PKG)
+            names = [a.name for a in node.names if a.name.startswith("_")]
+            if ours and names and node.module != "__future__":
+                bad.append((mod, node.module, names))
+    assert bad == []
