@@ -14,7 +14,7 @@ import torch
 from harness import run_ranks
 
 from startrail_megatron.dit import DiTConfig
-from startrail_megatron.dit.train import TrainArgs, reference_run, run_training
+from startrail_megatron.dit.loop import TrainArgs, reference_run, run_training
 
 REL = 1e-5
 

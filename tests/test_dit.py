@@ -27,7 +27,8 @@ from startrail_megatron.dit import (
     check_replicated,
     wrap_attention,
 )
-from startrail_megatron.dit.train import ReplicaBatches, TrainArgs, reference_run, run_training
+from startrail_megatron.dit.data import ReplicaBatches
+from startrail_megatron.dit.loop import TrainArgs, reference_run, run_training
 
 TOL = 1e-9
 STEPS = 3
@@ -95,7 +96,7 @@ def _check_parity(results, args: TrainArgs, replicas: int = 1) -> None:
 
 
 def _init_params(args):
-    from startrail_megatron.dit.train import build_model
+    from startrail_megatron.dit.loop import build_model
 
     return {k: v.detach().clone() for k, v in build_model(args).named_parameters()}
 
@@ -138,7 +139,7 @@ def _on_off_case(rank, world, args):
     """One forward of the same batch with StarTrail on, then off (attention unwrapped: each
     rank's SDPA over its own tokens only), gathered to the whole token sequence."""
     from startrail_megatron.dit import parallelize_dit, unwrap_attention
-    from startrail_megatron.dit.train import build_model
+    from startrail_megatron.dit.loop import build_model
 
     model = build_model(args)
     handle = parallelize_dit(model, groups_for(2), kernel="torch")
@@ -155,7 +156,7 @@ def test_parity_fails_when_attention_sees_only_local_tokens(text):
     """The same forward with StarTrail switched off differs from one device, with it on it
     matches: the parity checks above can fail."""
     args = _args((6, 10), text)  # 15 tokens on P = 4: padded
-    from startrail_megatron.dit.train import build_model
+    from startrail_megatron.dit.loop import build_model
 
     model = build_model(args)
     batch = ReplicaBatches(args.model, args.seed, 0, 2, torch.float64).next()
