@@ -6,6 +6,8 @@ it checks: ``cli.py``). One idea per module:
   sizes      the backends checked and timed, each mode's sizes, the peers' tolerances
   dense      ``check_backend``: one backend's dense forward and backward against float64
   features   ``check_features``: the attention variants (packed, window+softcap, sinks, dropout)
+  case       ``FeatureCase``: one backend's variant case (its rows, errors, zigzag run)
+  packed     ``check_packed``: packed documents (the varlen / THD path) against float64
   timing     ``time_backend``: StarTrail's per-rank compute against one whole-sequence call
   report     the environment, the ``Report`` written as the JSON, the printed lines
   suite      ``run``: the checks, then the timings, within a time budget

@@ -13,26 +13,30 @@ from ..testing import make_inputs
 from ..zigzag import zigzag_shard
 from .sizes import Sizes
 
-__all__ = ["device_clock", "time_backend"]
+__all__ = ["DeviceClock", "time_backend"]
 
 
-def device_clock(device: torch.device):
-    """start() -> token; stop(token) -> seconds, synchronizing the device once."""
-    if device.type == "cuda":
+class DeviceClock:
+    """``start()`` -> a token; ``stop(token)`` -> seconds since, synchronizing the device
+    once (CUDA events on a CUDA device, else the host's ``perf_counter``)."""
 
-        def start():
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
 
-        def stop(ev):
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            end.synchronize()
-            return ev.elapsed_time(end) / 1e3
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
 
-        return start, stop
-    return time.perf_counter, lambda t0: time.perf_counter() - t0
+    def stop(self, started) -> float:
+        if not self.cuda:
+            return time.perf_counter() - started
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return started.elapsed_time(end) / 1e3
 
 
 def time_backend(
@@ -44,15 +48,15 @@ def time_backend(
     kernel = build_kernel(name, dtype, device=device, head_dim=d)
     q, k, v, do = make_inputs(1, n, b, hq, hkv, d, dtype=dtype, device=device)
     scale = d**-0.5
-    start, stop = device_clock(device)
+    clock = DeviceClock(device)
     whole_f, whole_b = [], []
     for it in range(sizes.warmup + sizes.reps):
-        t0 = start()
+        t0 = clock.start()
         out, lse = kernel.forward(q, k, v, causal=True, scale=scale)
-        tf = stop(t0)
-        t0 = start()
+        tf = clock.stop(t0)
+        t0 = clock.start()
         kernel.backward(do, q, k, v, out, lse, causal=True, scale=scale)
-        tb = stop(t0)
+        tb = clock.stop(t0)
         del out, lse
         if it >= sizes.warmup:
             whole_f.append(tf)
