@@ -108,3 +108,11 @@ def test_the_core_never_imports_an_adapter():
     for m in core:
         bad = {t for t in g[m] if t.startswith((f"{PKG}.megatron", f"{PKG}.deepspeed"))}
         assert not bad, (m, bad)
+
+
+def test_no_command_line_imports_another():
+    """A flag several commands share is defined once outside them (``cli_options``)."""
+    g = _graph()
+    commands = {m for m in g if m.endswith(".cli")} | {f"{PKG}.dit.train"}
+    for m in sorted(commands):
+        assert not g[m] & commands, (m, sorted(g[m] & commands))

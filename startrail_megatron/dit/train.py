@@ -24,8 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..cli_options import add_own_rows_first
 from ..layout import PLACEMENTS
-from ..planner.cli import add_own_rows_first
 from .loop import DTYPES, TrainArgs, run_training
 from .model import DiTConfig
 
