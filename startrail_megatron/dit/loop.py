@@ -6,13 +6,16 @@ and label drop from the replica's generator (``data.ReplicaBatches``; checked ea
 ``check_replicated``); replicas draw different ones. Each rank's loss is its part of the
 replica's mean squared error over real tokens; gradients are summed over the world and
 divided by D (plain PyTorch), or reduced by DeepSpeed (``deepspeed_config`` with a
-``"startrail"`` section). ``reference_run``: the same training in one process.
+``"startrail"`` section; that path lives in ``deepspeed/dit.py``, which hands this loop a
+``prepare`` hook: dit/ never imports deepspeed/). ``reference_run``: the same training in
+one process.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -27,7 +30,20 @@ from .data import ReplicaBatches
 from .model import DiT, DiTConfig, patchify
 from .parallel import DiTHandle, check_replicated, diffusion_loss, parallelize_dit
 
-__all__ = ["DTYPES", "TrainArgs", "TrainResult", "build_model", "reference_run", "run_training"]
+__all__ = [
+    "DTYPES",
+    "TrainArgs",
+    "TrainResult",
+    "TrainSetup",
+    "build_model",
+    "build_optimizer",
+    "create_groups",
+    "plain_setup",
+    "reduce_gradients",
+    "reference_run",
+    "run_training",
+    "training_device",
+]
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -90,7 +106,8 @@ def build_model(args: TrainArgs) -> DiT:
     return model
 
 
-def _optimizer(model, args: TrainArgs):
+def build_optimizer(model, args: TrainArgs):
+    """``args.optimizer`` (AdamW or SGD) over ``model``'s parameters."""
     if args.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -104,7 +121,7 @@ def reference_run(args: TrainArgs, replicas: int = 1) -> tuple[list[float], dict
     """One process, no sequence parallelism: the replicas' batches side by side (their mean
     loss is the mean of the replicas' losses). Losses and final parameters."""
     model = build_model(args)
-    opt = _optimizer(model, args)
+    opt = build_optimizer(model, args)
     streams = [
         ReplicaBatches(args.model, args.seed, d, args.micro_batch_size, DTYPES[args.dtype])
         for d in range(replicas)
@@ -132,7 +149,28 @@ class TrainResult:
     engine: object = None  # the DeepSpeed engine, if any
 
 
-def _groups(args: TrainArgs) -> tuple[StarTrailGroups, int, int]:
+@dataclass
+class TrainSetup:
+    """What ``run_training`` trains, made by ``plain_setup`` or a ``prepare`` hook (the
+    DeepSpeed path: ``deepspeed.dit.deepspeed_setup``).
+
+    ``step_model``: what the batch goes through (the model, or a DeepSpeed engine);
+    ``handle``: ``parallelize_dit``'s; ``replica`` of ``replicas``: this rank's data-parallel
+    replica; ``grad_scale``: the loss factor (``diffusion_loss``'s ``scale``). A step is
+    ``engine.backward(loss); engine.step()`` where ``engine`` is set, else backward, the
+    gradients summed over the world and divided by ``replicas``, and ``optimizer``'s step.
+    """
+
+    step_model: torch.nn.Module
+    handle: DiTHandle
+    replica: int
+    replicas: int
+    grad_scale: float = 1.0
+    optimizer: torch.optim.Optimizer | None = None
+    engine: object = None
+
+
+def create_groups(args: TrainArgs) -> tuple[StarTrailGroups, int, int]:
     """(StarTrail groups over this rank's CP group, replica d, replicas D); every rank
     creates every CP group in the same order."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -154,42 +192,44 @@ def _groups(args: TrainArgs) -> tuple[StarTrailGroups, int, int]:
     return groups, rank // p, world // p
 
 
+def plain_setup(model: DiT, args: TrainArgs, groups: StarTrailGroups | None) -> TrainSetup:
+    """Plain PyTorch: ``groups`` (else new ones over ``cp_size`` ranks per replica,
+    ``create_groups``), the model parallelized on them, ``args``' optimizer."""
+    if groups is None:
+        groups, replica, replicas = create_groups(args)
+    else:
+        replicas = dist.get_world_size() // groups.cp_size
+        replica = dist.get_rank() // groups.cp_size
+    handle = parallelize_dit(model, groups, kernel=args.kernel)
+    return TrainSetup(model, handle, replica, replicas, optimizer=build_optimizer(model, args))
+
+
 def run_training(
     args: TrainArgs,
     groups: StarTrailGroups | None = None,
     batches: ReplicaBatches | None = None,
     log=print,
+    prepare: Callable[[DiT, TrainArgs], TrainSetup] | None = None,
 ) -> TrainResult:
-    """Train on the initialized process group; every rank calls it. With
-    ``deepspeed_config`` the groups are the ``"startrail"`` section's (DeepSpeed's mpu);
-    else ``groups`` or new ones over ``cp_size`` ranks per replica."""
+    """Train on the initialized process group; every rank calls it. ``prepare(model, args)``
+    makes the ``TrainSetup`` where given (the DeepSpeed path,
+    ``deepspeed.dit.run_training``, which ``deepspeed_config`` needs); else
+    ``plain_setup`` with ``groups`` or new ones over ``cp_size`` ranks per replica."""
+    if prepare is None and args.deepspeed_config is not None:
+        raise ValueError(
+            "run_training: deepspeed_config needs the DeepSpeed path: call "
+            "startrail_megatron.deepspeed.dit.run_training (python -m "
+            "startrail_megatron.dit.train --deepspeed-config picks it)"
+        )
+    if prepare is not None and groups is not None:
+        raise ValueError("run_training: with prepare= the groups come from it; pass groups=None")
     dtype = DTYPES[args.dtype]
-    device = _device()
+    device = training_device()
     model = build_model(args).to(device)
-    if args.deepspeed_config is not None:
-        if groups is not None:
-            raise ValueError("run_training: with deepspeed_config the groups come from DeepSpeed")
-        engine, handle = _deepspeed_engine(model, args)
-        handle.sdpa.kernel = args.kernel  # the section gives P, C and placement; --kernel is ours
-        step_model, scale = engine, handle.grad_scale
-        mpu = engine.startrail_mpu
-        replica, replicas = mpu.data_parallel_rank, mpu.data_parallel_size
-        if args.cp_size not in (None, mpu.startrail.cp_size):
-            raise ValueError(
-                f"--cp-size {args.cp_size} differs from the DeepSpeed config's "
-                f"startrail.sequence_parallel_size {mpu.startrail.cp_size}: give one of them"
-            )
-    else:
-        if groups is None:
-            groups, replica, replicas = _groups(args)
-        else:
-            replicas = dist.get_world_size() // groups.cp_size
-            replica = dist.get_rank() // groups.cp_size
-        handle = parallelize_dit(model, groups, kernel=args.kernel)
-        engine, step_model, scale = None, model, 1.0
-        opt = _optimizer(model, args)
+    setup = plain_setup(model, args, groups) if prepare is None else prepare(model, args)
+    handle, replicas, scale, engine = setup.handle, setup.replicas, setup.grad_scale, setup.engine
     if batches is None:
-        batches = ReplicaBatches(args.model, args.seed, replica, args.micro_batch_size, dtype)
+        batches = ReplicaBatches(args.model, args.seed, setup.replica, args.micro_batch_size, dtype)
     groups = handle.groups
     tokens, p = handle.tokens, groups.cp_size
     losses, t0, log_rows = [], time.perf_counter(), []
@@ -199,7 +239,7 @@ def run_training(
             groups.cp_group, noise=batch["noise"], timesteps=batch["t"], labels=batch["y"],
             **({} if batch["context"] is None else {"context": batch["context"]}),
         )  # fmt: skip
-        pred = _forward(step_model, batch)
+        pred = _forward(setup.step_model, batch)
         target = tokens.shard(patchify(batch["noise"], args.model.patch_size))
         loss = diffusion_loss(pred, target, tokens, scale)
         if engine is not None:
@@ -207,9 +247,9 @@ def run_training(
             engine.step()
         else:
             loss.backward()
-            _reduce_gradients(model, replicas)
-            opt.step()
-            opt.zero_grad()
+            reduce_gradients(model, replicas)
+            setup.optimizer.step()
+            setup.optimizer.zero_grad()
         part = (loss.detach() / scale).to(torch.float64).reshape(1)
         mse = all_reduce_sum(part, None, "loss").item() / replicas  # replicas' mean MSE
         losses.append(mse)
@@ -227,24 +267,20 @@ def run_training(
                 )
     if args.json_log and dist.get_rank() == 0:
         with open(args.json_log, "w") as f:
-            json.dump({"args": _jsonable(args), "log": log_rows, "losses": losses}, f, indent=1)
+            json.dump({"args": asdict(args), "log": log_rows, "losses": losses}, f, indent=1)
     el = time.perf_counter() - t0
     tps = args.steps * args.micro_batch_size * replicas * tokens.num_tokens / el
     return TrainResult(losses, model, handle, tps, engine)
 
 
-def _jsonable(args: TrainArgs) -> dict:
-    return asdict(args)
-
-
-def _device() -> torch.device:
+def training_device() -> torch.device:
     """This rank's CUDA device under NCCL, else the CPU."""
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _reduce_gradients(model: torch.nn.Module, replicas: int) -> None:
+def reduce_gradients(model: torch.nn.Module, replicas: int) -> None:
     """Sum every gradient over the world (the CP ranks' parts, the replicas) and divide by
     the replicas: the mean over replicas of each replica's whole gradient."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -254,13 +290,3 @@ def _reduce_gradients(model: torch.nn.Module, replicas: int) -> None:
     for g in grads:
         g.copy_(flat[at : at + g.numel()].view_as(g))
         at += g.numel()
-
-
-def _deepspeed_engine(model, args: TrainArgs):
-    from .. import deepspeed as st_ds
-
-    with open(args.deepspeed_config) as f:
-        cfg = json.load(f)
-    opt = _optimizer(model, args)
-    engine, _, _, _ = st_ds.initialize(model=model, optimizer=opt, config=cfg)
-    return engine, engine.startrail_handle

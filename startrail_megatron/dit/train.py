@@ -12,6 +12,10 @@ DeepSpeed (``--deepspeed-config`` with a ``"startrail"`` section).
     python -m startrail_megatron.dit.train --nproc 8 --team-size 2 --steps 30
     python -m startrail_megatron.dit.train --nproc 4 --team-size 2 --text-tokens 8 \\
         --image-size 14 --deepspeed-config ds.json
+
+This module is the command line only (the data: ``data.py``; the settings and the loop:
+``loop.py``; the DeepSpeed path: ``deepspeed/dit.py``). It is an entry point above both
+``dit/`` and ``deepspeed/`` (``tests/test_imports.py``): nothing in the package imports it.
 """
 
 from __future__ import annotations
@@ -86,8 +90,18 @@ def args_from_cli(argv=None) -> tuple[TrainArgs, argparse.Namespace]:
     return args, ns
 
 
+def _trainer(args: TrainArgs):
+    """``run_training`` of the plain loop, or of the DeepSpeed path for ``--deepspeed-config``
+    (imported here: this command sits above ``dit/`` and ``deepspeed/``)."""
+    if args.deepspeed_config is None:
+        return run_training
+    from ..deepspeed.dit import run_training as run_deepspeed_training
+
+    return run_deepspeed_training
+
+
 def _rank_main(rank: int, world: int, args: TrainArgs) -> None:
-    res = run_training(args)
+    res = _trainer(args)(args)
     if rank == 0:
         h = res.handle
         led = h.sdpa.ledger
