@@ -13,8 +13,9 @@ import pytest
 import torch
 from harness import run_ranks
 
+from startrail_megatron.deepspeed.dit import run_training
 from startrail_megatron.dit import DiTConfig
-from startrail_megatron.dit.train import TrainArgs, reference_run, run_training
+from startrail_megatron.dit.loop import TrainArgs, reference_run
 
 REL = 1e-5
 

@@ -6,7 +6,8 @@ with even and uneven token counts, gives the losses and parameters of one proces
 several AdamW steps. The adaLN-Zero layers are re-randomised first so every parameter has
 a gradient (else most of a block would pass vacuously). Each run proves StarTrail ran
 (attention calls, K,V bytes, local token counts) and the reference differs from a run
-whose attention sees only its own tokens. The group RNG check fails on purpose; the
+whose attention sees only its own tokens. The group RNG check fails on purpose, and the
+trainer runs it every step (a draw that differs at the last step only stops it); the
 wrapper refuses a module that does not call SDPA; bad settings are refused by name.
 """
 
@@ -27,7 +28,9 @@ from startrail_megatron.dit import (
     check_replicated,
     wrap_attention,
 )
-from startrail_megatron.dit.train import ReplicaBatches, TrainArgs, reference_run, run_training
+from startrail_megatron.dit.data import ReplicaBatches
+from startrail_megatron.dit.loop import TrainArgs, reference_run, run_training
+from startrail_megatron.layout import StarTrailLayout
 
 TOL = 1e-9
 STEPS = 3
@@ -65,6 +68,7 @@ def _train_case(rank, world, args: TrainArgs, new_groups: bool = False):
         "s_local": h.tokens.s_local,
         "padded": h.tokens.padded,
         "own_row_calls": sum(made),
+        "cp_rank": h.groups.cp_rank,
     }
     h.remove()
     return res.losses, params, proof
@@ -72,6 +76,7 @@ def _train_case(rank, world, args: TrainArgs, new_groups: bool = False):
 
 def _check_parity(results, args: TrainArgs, replicas: int = 1) -> None:
     want_losses, want_params = reference_run(args, replicas)
+    p = args.cp_size or len(results)
     for rank, (losses, params, proof) in enumerate(results):
         for a, b in zip(losses, want_losses):
             assert abs(a - b) <= TOL * abs(b), (rank, losses, want_losses)
@@ -80,8 +85,7 @@ def _check_parity(results, args: TrainArgs, replicas: int = 1) -> None:
             assert err <= TOL, (rank, k, err.item())
         # StarTrail ran: every block's attention, on this rank's share of the tokens
         assert proof["calls"] == STEPS * args.model.depth, proof
-        assert proof["kv_bytes"] > 0 or results[0][2]["kv_bytes"] == 0
-        p = args.cp_size or len(results)
+        assert proof["kv_bytes"] == _kv_bytes_to_send(args, p, proof), (rank, proof)
         n = args.model.num_tokens
         assert proof["s_local"] == -(-n // (2 * p)) * 2, proof
         assert proof["padded"] == (n % (2 * p) != 0)
@@ -94,8 +98,21 @@ def _check_parity(results, args: TrainArgs, replicas: int = 1) -> None:
     assert len(moved) == len(init), sorted(set(init) - set(moved))
 
 
+def _kv_bytes_to_send(args: TrainArgs, p: int, proof: dict) -> int:
+    """The K,V bytes CP rank ``proof["cp_rank"]`` must send in the whole run: per attention
+    call, forward and backward, its placement pieces and its team-sized sub-ring hops
+    (``StarTrailLayout.p2p_sends``; the sizes as in ``accounting.startrail_comm_bytes``)."""
+    cfg = args.model
+    lay = StarTrailLayout(p, args.team_size, args.placement)
+    sends = lay.p2p_sends(proof["cp_rank"], backward=True)
+    head_dim = cfg.hidden_size // cfg.num_heads
+    local_kv = 2 * proof["s_local"] * args.micro_batch_size * cfg.num_heads * head_dim * 8
+    per_pass = sends["kv_place"] * local_kv + sends["kv"] * args.team_size * local_kv
+    return 2 * per_pass * STEPS * cfg.depth
+
+
 def _init_params(args):
-    from startrail_megatron.dit.train import build_model
+    from startrail_megatron.dit.loop import build_model
 
     return {k: v.detach().clone() for k, v in build_model(args).named_parameters()}
 
@@ -138,7 +155,7 @@ def _on_off_case(rank, world, args):
     """One forward of the same batch with StarTrail on, then off (attention unwrapped: each
     rank's SDPA over its own tokens only), gathered to the whole token sequence."""
     from startrail_megatron.dit import parallelize_dit, unwrap_attention
-    from startrail_megatron.dit.train import build_model
+    from startrail_megatron.dit.loop import build_model
 
     model = build_model(args)
     handle = parallelize_dit(model, groups_for(2), kernel="torch")
@@ -155,7 +172,7 @@ def test_parity_fails_when_attention_sees_only_local_tokens(text):
     """The same forward with StarTrail switched off differs from one device, with it on it
     matches: the parity checks above can fail."""
     args = _args((6, 10), text)  # 15 tokens on P = 4: padded
-    from startrail_megatron.dit.train import build_model
+    from startrail_megatron.dit.loop import build_model
 
     model = build_model(args)
     batch = ReplicaBatches(args.model, args.seed, 0, 2, torch.float64).next()
@@ -181,6 +198,49 @@ def test_rng_check_fails_when_ranks_draw_different_noise():
     for msg in run_ranks(4, _rng_case, True):
         assert msg is not None and "disagree on noise (" in msg and "timesteps (" not in msg
         assert "per data-parallel replica" in msg
+
+
+class _LastStepDiffers:
+    """A replica's batches, except that on CP rank 1 ``field`` differs from the other ranks'
+    at the last step only; ``drawn`` counts the steps drawn."""
+
+    def __init__(self, args: TrainArgs, rank: int, field: str):
+        self.batches = ReplicaBatches(
+            args.model, args.seed, 0, args.micro_batch_size, torch.float64
+        )
+        self.rank, self.field, self.classes, self.drawn = rank, field, args.model.num_classes, 0
+
+    def next(self) -> dict:
+        batch = self.batches.next()
+        self.drawn += 1
+        if self.drawn == STEPS and self.rank == 1:
+            x = batch[self.field]
+            batch[self.field] = (x + 1) % self.classes if self.field == "y" else x + 1
+        return batch
+
+
+def _last_step_case(rank, world, args: TrainArgs):
+    out = {}
+    for field, name in (("noise", "noise"), ("t", "timesteps"), ("y", "labels"),
+                        ("context", "context")):  # fmt: skip
+        batches = _LastStepDiffers(args, rank, field)
+        try:
+            run_training(args, groups=groups_for(1), batches=batches, log=lambda *_: None)
+            out[name] = (None, batches.drawn)
+        except ValueError as e:
+            out[name] = (str(e), batches.drawn)
+    return out
+
+
+def test_trainer_checks_the_ranks_draws_every_step():
+    """The trainer checks every step that the ranks of a replica drew the same noise,
+    timesteps, labels and text (``check_replicated``): a draw that differs on one rank at
+    the last step only stops the training there, on every rank, naming what differs."""
+    args = _args((4, 4), 2)
+    for out in run_ranks(2, _last_step_case, args):
+        for name, (msg, drawn) in out.items():
+            assert msg is not None and f"disagree on {name} (" in msg, (name, msg)
+            assert drawn == STEPS, (name, drawn)
 
 
 def _misuse_case(rank, world):
@@ -213,12 +273,12 @@ def _misuse_case(rank, world):
         }
     )
     fused_err = value_errors({"fused": lambda: fused(q)}, RuntimeError)["fused"]
-    return errs, fused_err, gathered, sdpa.calls, F.scaled_dot_product_attention is sdpa
+    return errs, fused_err, gathered, sdpa.calls, F.scaled_dot_product_attention is sdpa, x
 
 
 def test_wrapper_refuses_what_it_cannot_run_and_restores_sdpa():
     results = run_ranks(4, _misuse_case)
-    for errs, fused_err, gathered, calls, still_swapped in results:
+    for errs, fused_err, gathered, calls, still_swapped, _ in results:
         assert "attn_mask" in errs["mask"] and "is_causal" in errs["causal"]
         assert "s_local" in errs["length"] and "joint_tokens" in errs["joint"]
         assert "already wrapped" in errs["again"]
@@ -229,6 +289,12 @@ def test_wrapper_refuses_what_it_cannot_run_and_restores_sdpa():
     torch.manual_seed(0)
     for r in results[1:]:
         assert torch.equal(r[2], results[0][2])
+    x = results[0][5]
+    assert all(torch.equal(r[5], x) for r in results)  # every rank sharded the same tokens
+    full = x.view(2, 15, 2, 4).transpose(1, 2)  # [B, H, 15, D]: no padding on one device
+    want = F.scaled_dot_product_attention(full, full, full).transpose(1, 2).reshape(2, 15, 8)
+    for r in results:
+        assert (r[2] - want).abs().max() <= 1e-5 * want.abs().max(), (r[2] - want).abs().max()
 
 
 def test_train_args_refuse_bad_settings_by_name():

@@ -100,13 +100,39 @@ def test_no_import_circle():
     assert _cycles(_graph()) == []
 
 
+ENTRY_POINTS = (f"{PKG}.launch", f"{PKG}.pretrain_gpt", f"{PKG}.dit.train")
+"""Commands above the packages: two shims, and the DiT trainer's command line, which picks
+the plain loop (``dit.loop``) or the DeepSpeed path (``deepspeed.dit``) for
+``--deepspeed-config``. Nothing in the package imports one."""
+
+COMMAND_LINE_NAMES = {"main", "args_from_cli", "build_parser"}
+"""The public names an entry point may define: its command line, nothing a library needs."""
+
+
+def _public_definitions(path: Path) -> set[str]:
+    """The module's public top-level functions and classes, and what its ``__all__`` lists."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if not node.name.startswith("_"):
+                names.add(node.name)
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            names.update(ast.literal_eval(node.value))
+    return names
+
+
+def _package(mod: str) -> str:
+    """The package a module counts in: its subpackage of ours, or itself if top-level."""
+    return ".".join(mod.split(".")[:2])
+
+
 def test_the_core_never_imports_an_adapter():
     g = _graph()
     core = [m for m in g if not m.startswith((f"{PKG}.megatron", f"{PKG}.deepspeed"))]
-    # shims, and the DiT trainer: an entry point above the adapters (--deepspeed-config)
-    core = [
-        m for m in core if m not in (f"{PKG}.launch", f"{PKG}.pretrain_gpt", f"{PKG}.dit.train")
-    ]
+    # shims, and the DiT trainer's command line: entry points above the adapters
+    core = [m for m in core if m not in ENTRY_POINTS]
     for m in core:
         bad = {t for t in g[m] if t.startswith((f"{PKG}.megatron", f"{PKG}.deepspeed"))}
         assert not bad, (m, bad)
@@ -125,3 +151,38 @@ def test_no_private_name_crosses_a_module():
             if ours and names and node.module != "__future__":
                 bad.append((mod, node.module, names))
     assert bad == []
+
+
+def test_entry_points_hold_only_their_command_line():
+    """An entry point defines its command line only and nothing imports it, so the code it
+    runs sits in the packages, where the package-level check below sees its imports."""
+    g, mods = _graph(), _modules()
+    for entry in ENTRY_POINTS:
+        importers = sorted(m for m in g if entry in g[m])
+        assert not importers, (entry, importers)
+        extra = _public_definitions(mods[entry]) - COMMAND_LINE_NAMES
+        assert not extra, (entry, sorted(extra))
+
+
+def test_no_package_level_import_circle():
+    """Packages import each other one way (e.g. deepspeed/ imports dit/, never back),
+    counting every module in its package (``_package``), lazy imports too. Only an entry
+    point that holds nothing but its command line sits above the packages on its own."""
+    g, mods = _graph(), _modules()
+    above = {e for e in ENTRY_POINTS if not _public_definitions(mods[e]) - COMMAND_LINE_NAMES}
+
+    def node(m: str) -> str:
+        return m if m in above else _package(m)
+
+    packages: dict[str, set[str]] = {node(m): set() for m in g}
+    for m, targets in g.items():
+        packages[node(m)].update(node(t) for t in targets if node(t) != node(m))
+    assert _cycles(packages) == []
+
+
+def test_no_command_line_imports_another():
+    """A flag several commands share is defined once outside them (``cli_options``)."""
+    g = _graph()
+    commands = {m for m in g if m.endswith(".cli")} | {f"{PKG}.dit.train"}
+    for m in sorted(commands):
+        assert not g[m] & commands, (m, sorted(g[m] & commands))

@@ -45,7 +45,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..planner.cli import add_own_rows_first
+from ..cli_options import add_own_rows_first
 from ..planner.strategies import candidate_strategies
 from ..spawn import spawn_local_ranks
 from .memory import PeakMemory

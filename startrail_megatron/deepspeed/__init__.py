@@ -9,6 +9,8 @@ Entry points:
   prepare_hf_model / StarTrailDataLoaderAdapter / shard_causal_lm_batch
                                        transformers causal LMs and their data
   patch.patch / patch.unpatch          the opt-in, reversible ``deepspeed.initialize`` patch
+  dit.run_training                     the DiT trainer's DeepSpeed path (``python -m
+                                       startrail_megatron.dit.train --deepspeed-config``)
 """
 
 from . import patch

@@ -1,6 +1,7 @@
 """Diffusion transformers on StarTrail: a small DiT / MMDiT (``model``), token sharding,
 the attention wrapper, the group RNG check and the loss scale (``parallel``), and the
-trainer (``python -m startrail_megatron.dit.train``). Plain PyTorch; DeepSpeed optional."""
+trainer: its data (``data``), settings and training loop (``loop``) and command line
+(``python -m startrail_megatron.dit.train``). Plain PyTorch; DeepSpeed optional."""
 
 from .model import DiT, DiTConfig, patchify, unpatchify
 from .parallel import (

@@ -12,337 +12,30 @@ DeepSpeed (``--deepspeed-config`` with a ``"startrail"`` section).
     python -m startrail_megatron.dit.train --nproc 8 --team-size 2 --steps 30
     python -m startrail_megatron.dit.train --nproc 4 --team-size 2 --text-tokens 8 \\
         --image-size 14 --deepspeed-config ds.json
+
+This module is the command line only (the data: ``data.py``; the settings and the loop:
+``loop.py``; the DeepSpeed path: ``deepspeed/dit.py``). It is an entry point above both
+``dit/`` and ``deepspeed/`` (``tests/test_imports.py``): nothing in the package imports it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
-from ..comm import all_reduce_sum
-from ..groups import StarTrailGroups
+from ..cli_options import add_own_rows_first
 from ..layout import PLACEMENTS
-from ..planner.cli import add_own_rows_first
-from ..validation import own_rows_first_setting
-from .model import DiT, DiTConfig, patchify
-from .parallel import DiTHandle, check_replicated, diffusion_loss, parallelize_dit
+from .loop import DTYPES, TrainArgs, run_training
+from .model import DiTConfig
 
-__all__ = ["ReplicaBatches", "TrainArgs", "main", "reference_run", "run_training"]
-
-_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+__all__ = ["args_from_cli", "main"]
 
 
-@dataclass(frozen=True)
-class TrainArgs:
-    model: DiTConfig = field(default_factory=DiTConfig)
-    steps: int = 20
-    micro_batch_size: int = 2
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    optimizer: str = "adamw"
-    seed: int = 0
-    team_size: int = 1
-    placement: str = "team"
-    cp_size: int | None = None  # None: the whole world
-    dtype: str = "fp32"
-    kernel: str = "auto"
-    own_rows_first: str = "auto"  # auto | on | off: StarTrailGroups.own_rows_first
-    deepspeed_config: str | None = None
-    log_interval: int = 10
-    json_log: str | None = None
-    randomize_zero_init: bool = False  # tests: adaLN-Zero gives most blocks no gradient
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"--dtype {self.dtype!r} is not supported; allowed: {list(_DTYPES)}")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"--optimizer {self.optimizer!r}; allowed: ['adamw', 'sgd']")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"--placement {self.placement!r}; allowed: {list(PLACEMENTS)}")
-        orf = own_rows_first_setting(self.own_rows_first, "--own-rows-first")
-        if self.deepspeed_config is not None and orf is not None:
-            raise ValueError(
-                f"--own-rows-first {self.own_rows_first} with --deepspeed-config: give it as the "
-                "config's startrail.own_rows_first instead; allowed here: 'auto'"
-            )
-        for name in ("steps", "micro_batch_size", "team_size", "log_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
-
-
-# ---- data ------------------------------------------------------------------------------
-def alphas_cumprod(steps: int = 1000) -> Tensor:
-    """DDPM's linear beta schedule (1e-4 .. 0.02), cumulative products, float64."""
-    return torch.cumprod(1 - torch.linspace(1e-4, 0.02, steps, dtype=torch.float64), 0)
-
-
-def synthetic_images(cfg: DiTConfig, seed: int, per_class: int = 4) -> tuple[Tensor, Tensor]:
-    """(images ``[K*per_class, C, (F,) H, W]``, labels): each class a smooth pattern of its
-    own frequencies, each image a shifted copy plus a little noise (float64)."""
-    g = torch.Generator().manual_seed(seed)
-    k = cfg.num_classes
-    yy, xx = torch.meshgrid(
-        torch.linspace(0, 1, cfg.height, dtype=torch.float64),
-        torch.linspace(0, 1, cfg.width, dtype=torch.float64),
-        indexing="ij",
-    )
-    freq = 1 + 3 * torch.rand(k, cfg.in_channels, 2, generator=g, dtype=torch.float64)
-    imgs, labels = [], []
-    for c in range(k):
-        for _ in range(per_class):
-            ph = 6.28 * torch.rand(cfg.in_channels, 1, 1, generator=g, dtype=torch.float64)
-            img = torch.sin(
-                6.28 * (freq[c, :, 0, None, None] * xx + freq[c, :, 1, None, None] * yy) + ph
-            )
-            if cfg.frames > 1:
-                img = torch.stack([img.roll(f, dims=-1) for f in range(cfg.frames)], dim=1)
-            imgs.append(img + 0.05 * torch.randn(img.shape, generator=g, dtype=torch.float64))
-            labels.append(c)
-    return torch.stack(imgs), torch.tensor(labels)
-
-
-class ReplicaBatches:
-    """One replica's stream of diffusion inputs: per step (x_t, t, y, context, noise).
-
-    Drawn from a generator seeded by (seed, replica): the same on every rank of the
-    replica, different across replicas. ``context``: per-class text embeddings (fixed
-    from ``seed``) with ``text_tokens`` tokens, or ``None``."""
-
-    def __init__(self, cfg: DiTConfig, seed: int, replica: int, batch: int, dtype: torch.dtype):
-        self.cfg, self.batch, self.dtype = cfg, batch, dtype
-        self.images, self.labels = synthetic_images(cfg, seed)
-        self.abar = alphas_cumprod()
-        g = torch.Generator().manual_seed(seed + 7919)
-        self.text = (
-            torch.randn(
-                cfg.num_classes + 1, cfg.text_tokens, cfg.text_dim, generator=g, dtype=torch.float64
-            )
-            if cfg.text_tokens
-            else None
-        )
-        self.gen = torch.Generator().manual_seed(seed * 1_000_003 + 17 * replica + 1)
-
-    def next(self) -> dict[str, Tensor]:
-        g, cfg = self.gen, self.cfg
-        idx = torch.randint(0, len(self.images), (self.batch,), generator=g)
-        t = torch.randint(0, len(self.abar), (self.batch,), generator=g)
-        x0 = self.images[idx]
-        noise = torch.randn(x0.shape, generator=g, dtype=torch.float64)
-        drop = torch.rand(self.batch, generator=g, dtype=torch.float64) < cfg.class_dropout_prob
-        y = torch.where(drop, torch.full_like(self.labels[idx], cfg.num_classes), self.labels[idx])
-        ab = self.abar[t].view(-1, *[1] * (x0.dim() - 1))
-        xt = ab.sqrt() * x0 + (1 - ab).sqrt() * noise
-        out = {"x": xt.to(self.dtype), "t": t, "y": y, "noise": noise.to(self.dtype)}
-        out["context"] = None if self.text is None else self.text[y].to(self.dtype)
-        return out
-
-
-# ---- the model -------------------------------------------------------------------------
-def build_model(args: TrainArgs) -> DiT:
-    """The DiT, seeded (the same on every rank); with ``randomize_zero_init`` the adaLN-Zero
-    and output layers get small random weights so that every parameter has a gradient."""
-    torch.manual_seed(args.seed)
-    model = DiT(args.model).to(_DTYPES[args.dtype])
-    if args.randomize_zero_init:
-        g = torch.Generator().manual_seed(args.seed + 1)
-        with torch.no_grad():
-            for m in model.modules():
-                lin = m.adaLN_modulation[-1] if hasattr(m, "adaLN_modulation") else None
-                for x in () if lin is None else (lin.weight, lin.bias):
-                    x.copy_(0.05 * torch.randn(x.shape, generator=g, dtype=torch.float64))
-            for x in (model.final_layer.linear.weight, model.final_layer.linear.bias):
-                x.copy_(0.05 * torch.randn(x.shape, generator=g, dtype=torch.float64))
-    return model
-
-
-def _optimizer(model, args: TrainArgs):
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-
-
-def _forward(model, batch) -> Tensor:
-    return model(batch["x"], batch["t"], batch["y"], batch["context"])
-
-
-def reference_run(args: TrainArgs, replicas: int = 1) -> tuple[list[float], dict[str, Tensor]]:
-    """One process, no sequence parallelism: the replicas' batches side by side (their mean
-    loss is the mean of the replicas' losses). Losses and final parameters."""
-    model = build_model(args)
-    opt = _optimizer(model, args)
-    streams = [
-        ReplicaBatches(args.model, args.seed, d, args.micro_batch_size, _DTYPES[args.dtype])
-        for d in range(replicas)
-    ]
-    losses = []
-    for _ in range(args.steps):
-        bs = [s.next() for s in streams]
-        batch = {k: None if bs[0][k] is None else torch.cat([b[k] for b in bs]) for k in bs[0]}
-        pred = _forward(model, batch)
-        loss = ((pred - patchify(batch["noise"], args.model.patch_size)) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-# ---- distributed training --------------------------------------------------------------
-@dataclass
-class TrainResult:
-    losses: list[float]
-    model: torch.nn.Module
-    handle: DiTHandle
-    tokens_per_s: float = 0.0
-    engine: object = None  # the DeepSpeed engine, if any
-
-
-def _groups(args: TrainArgs) -> tuple[StarTrailGroups, int, int]:
-    """(StarTrail groups over this rank's CP group, replica d, replicas D); every rank
-    creates every CP group in the same order."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    p = args.cp_size or world
-    if world % p:
-        raise ValueError(f"--cp-size {p} must divide the world size {world}")
-    mine = None
-    if p != world:
-        for d in range(world // p):
-            g = dist.new_group(list(range(d * p, (d + 1) * p)))
-            if d == rank // p:
-                mine = g
-    groups = StarTrailGroups.create(
-        args.team_size,
-        cp_group=mine,
-        placement=args.placement,
-        own_rows_first=own_rows_first_setting(args.own_rows_first, "--own-rows-first"),
-    )
-    return groups, rank // p, world // p
-
-
-def run_training(
-    args: TrainArgs,
-    groups: StarTrailGroups | None = None,
-    batches: ReplicaBatches | None = None,
-    log=print,
-) -> TrainResult:
-    """Train on the initialized process group; every rank calls it. With
-    ``deepspeed_config`` the groups are the ``"startrail"`` section's (DeepSpeed's mpu);
-    else ``groups`` or new ones over ``cp_size`` ranks per replica."""
-    dtype = _DTYPES[args.dtype]
-    device = _device()
-    model = build_model(args).to(device)
-    if args.deepspeed_config is not None:
-        if groups is not None:
-            raise ValueError("run_training: with deepspeed_config the groups come from DeepSpeed")
-        engine, handle = _deepspeed_engine(model, args)
-        handle.sdpa.kernel = args.kernel  # the section gives P, C and placement; --kernel is ours
-        step_model, scale = engine, handle.grad_scale
-        mpu = engine.startrail_mpu
-        replica, replicas = mpu.data_parallel_rank, mpu.data_parallel_size
-        if args.cp_size not in (None, mpu.startrail.cp_size):
-            raise ValueError(
-                f"--cp-size {args.cp_size} differs from the DeepSpeed config's "
-                f"startrail.sequence_parallel_size {mpu.startrail.cp_size}: give one of them"
-            )
-    else:
-        if groups is None:
-            groups, replica, replicas = _groups(args)
-        else:
-            replicas = dist.get_world_size() // groups.cp_size
-            replica = dist.get_rank() // groups.cp_size
-        handle = parallelize_dit(model, groups, kernel=args.kernel)
-        engine, step_model, scale = None, model, 1.0
-        opt = _optimizer(model, args)
-    if batches is None:
-        batches = ReplicaBatches(args.model, args.seed, replica, args.micro_batch_size, dtype)
-    groups = handle.groups
-    tokens, p = handle.tokens, groups.cp_size
-    losses, t0, log_rows = [], time.perf_counter(), []
-    for it in range(1, args.steps + 1):
-        batch = {k: None if v is None else v.to(device) for k, v in batches.next().items()}
-        check_replicated(
-            groups.cp_group, noise=batch["noise"], timesteps=batch["t"], labels=batch["y"],
-            **({} if batch["context"] is None else {"context": batch["context"]}),
-        )  # fmt: skip
-        pred = _forward(step_model, batch)
-        target = tokens.shard(patchify(batch["noise"], args.model.patch_size))
-        loss = diffusion_loss(pred, target, tokens, scale)
-        if engine is not None:
-            engine.backward(loss)
-            engine.step()
-        else:
-            loss.backward()
-            _reduce_gradients(model, replicas)
-            opt.step()
-            opt.zero_grad()
-        part = (loss.detach() / scale).to(torch.float64).reshape(1)
-        mse = all_reduce_sum(part, None, "loss").item() / replicas  # replicas' mean MSE
-        losses.append(mse)
-        if it % args.log_interval == 0 or it == args.steps:
-            el = time.perf_counter() - t0
-            tps = it * args.micro_batch_size * replicas * tokens.num_tokens / el
-            row = {"iteration": it, "loss": mse, "tokens_per_s": tps, "elapsed_s": el}
-            log_rows.append(row)
-            if dist.get_rank() == 0:
-                log(
-                    f"iteration {it}/{args.steps} | loss {mse:.6f} | {tps:,.0f} tokens/s | "
-                    f"{el:.1f} s | P = {p}, C = {groups.layout.team_size}, "
-                    f"{tokens.num_tokens} tokens ({tokens.s_local} per rank"
-                    f"{', padded' if tokens.padded else ''})"
-                )
-    if args.json_log and dist.get_rank() == 0:
-        with open(args.json_log, "w") as f:
-            json.dump({"args": _jsonable(args), "log": log_rows, "losses": losses}, f, indent=1)
-    el = time.perf_counter() - t0
-    tps = args.steps * args.micro_batch_size * replicas * tokens.num_tokens / el
-    return TrainResult(losses, model, handle, tps, engine)
-
-
-def _jsonable(args: TrainArgs) -> dict:
-    return asdict(args)
-
-
-def _device() -> torch.device:
-    """This rank's CUDA device under NCCL, else the CPU."""
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _reduce_gradients(model: torch.nn.Module, replicas: int) -> None:
-    """Sum every gradient over the world (the CP ranks' parts, the replicas) and divide by
-    the replicas: the mean over replicas of each replica's whole gradient."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    all_reduce_sum(flat, None, "gradients").div_(replicas)
-    at = 0
-    for g in grads:
-        g.copy_(flat[at : at + g.numel()].view_as(g))
-        at += g.numel()
-
-
-def _deepspeed_engine(model, args: TrainArgs):
-    from .. import deepspeed as st_ds
-
-    with open(args.deepspeed_config) as f:
-        cfg = json.load(f)
-    opt = _optimizer(model, args)
-    engine, _, _, _ = st_ds.initialize(model=model, optimizer=opt, config=cfg)
-    return engine, engine.startrail_handle
-
-
-# ---- command line ----------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m startrail_megatron.dit.train",
@@ -365,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--depth", type=int, default=2)
     ap.add_argument("--num-heads", type=int, default=4)
     ap.add_argument("--text-tokens", type=int, default=0, help="> 0: MMDiT joint attention")
-    ap.add_argument("--dtype", default="fp32", choices=list(_DTYPES))
+    ap.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     ap.add_argument("--kernel", default="auto")
     add_own_rows_first(ap)
     ap.add_argument(
@@ -397,8 +90,18 @@ def args_from_cli(argv=None) -> tuple[TrainArgs, argparse.Namespace]:
     return args, ns
 
 
+def _trainer(args: TrainArgs):
+    """``run_training`` of the plain loop, or of the DeepSpeed path for ``--deepspeed-config``
+    (imported here: this command sits above ``dit/`` and ``deepspeed/``)."""
+    if args.deepspeed_config is None:
+        return run_training
+    from ..deepspeed.dit import run_training as run_deepspeed_training
+
+    return run_deepspeed_training
+
+
 def _rank_main(rank: int, world: int, args: TrainArgs) -> None:
-    res = run_training(args)
+    res = _trainer(args)(args)
     if rank == 0:
         h = res.handle
         led = h.sdpa.ledger

@@ -1,0 +1,7 @@
+"""``python -m startrail_megatron.gpu_check``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
