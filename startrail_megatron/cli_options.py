@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .block_plan import OWN_ROWS_FIRST_SETTINGS
+from .schedule import OWN_ROWS_FIRST_SETTINGS
 
 __all__ = ["add_own_rows_first"]
 

@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 from ..comm import CommLedger, CommOptions
 from ..planner.calibrate import fit_cluster
-from ..planner.cli import OWN_ROWS_FIRST
 from ..planner.cluster import ClusterSpec
 from ..planner.prediction import predict
 from ..planner.shape import AttnShape
 from ..planner.strategies import Strategy, attention_fn, candidate_strategies, comm_bytes
+from ..schedule import OWN_ROWS_FIRST_SETTINGS
 from ..testing import make_inputs, reference_attention, rel_err, shard, unshard
 from .memory import PeakMemory
 from .micro import cache_bytes_per_core, micro_record, micro_tasks
@@ -103,7 +103,7 @@ def _max_rel_error(mine: list, ref, rank: int, world: int, causal: bool) -> floa
 
 def comm_options(args, **kw) -> CommOptions:
     """The transfers' options of every timed call: ``--own-rows-first`` and ``kw``."""
-    orf = OWN_ROWS_FIRST[getattr(args, "own_rows_first", "auto")]
+    orf = OWN_ROWS_FIRST_SETTINGS[getattr(args, "own_rows_first", "auto")]
     return CommOptions(own_rows_first=orf, **kw)
 
 

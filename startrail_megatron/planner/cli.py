@@ -16,6 +16,7 @@ import json
 import re
 import sys
 
+from ..cli_options import add_own_rows_first
 from ..schedule import OWN_ROWS_FIRST_SETTINGS
 from .cluster import CLUSTER_PRESETS, MODEL_PRESETS, ModelSpec
 from .plan import Plan, plan
@@ -35,24 +36,6 @@ _CLUSTER_OVERRIDES = {
     "causal_tile_waste": ("causal_tile_waste", 1.0),
 }
 _MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
-
-
-OWN_ROWS_FIRST = OWN_ROWS_FIRST_SETTINGS
-"""``--own-rows-first`` (``startrail-plan``, ``startrail-bench``) -> ``comm.CommOptions(
-own_rows_first=)`` / ``ClusterSpec.own_rows_first``."""
-
-
-def add_own_rows_first(p: argparse.ArgumentParser) -> None:
-    """The ``--own-rows-first auto|on|off`` option."""
-    p.add_argument(
-        "--own-rows-first",
-        choices=tuple(OWN_ROWS_FIRST),
-        default="auto",
-        help="StarTrail's first step: its own query rows' calls before the team gathers are "
-        "waited on (on), its calls whole (off), or the code's default rule (auto: on only "
-        "where the team spans hosts and the gather outweighs the placement; "
-        "comm.CommOptions(own_rows_first=))",
-    )
 
 
 def parse_size(text: str) -> int:
@@ -149,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_overlap:
         changes["overlap"] = False
     if args.own_rows_first != "auto":
-        changes["own_rows_first"] = OWN_ROWS_FIRST[args.own_rows_first]
+        changes["own_rows_first"] = OWN_ROWS_FIRST_SETTINGS[args.own_rows_first]
     base = MODEL_PRESETS[args.model]
     mchanges = {f: getattr(args, f) for f in _MODEL_FIELDS if getattr(args, f) is not None}
     if args.gated_mlp is not None:
