@@ -22,10 +22,10 @@ from __future__ import annotations
 import dataclasses
 from unittest import mock
 
-from startrail_megatron.layout import StarTrailLayout, valid_team_sizes
 from startrail_megatron.planner import CLUSTER_PRESETS
 from startrail_megatron.planner import times as T
 from startrail_megatron.planner.shape import AttnShape
+from startrail_megatron.schedule.layout import StarTrailLayout, valid_team_sizes
 
 CLUSTERS = ("h100-ib", "a100-eth")
 HEADS = ((32, 32), (32, 8), (32, 4), (32, 1), (64, 8))

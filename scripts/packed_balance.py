@@ -22,9 +22,9 @@ import math
 import random
 
 from startrail_megatron.accounting import LocalShape, startrail_comm_bytes
-from startrail_megatron.layout import StarTrailLayout, valid_team_sizes
-from startrail_megatron.packing import pack_lengths
 from startrail_megatron.schedule import startrail_step_rows, startrail_step_varlen
+from startrail_megatron.schedule.layout import StarTrailLayout, valid_team_sizes
+from startrail_megatron.schedule.packing import pack_lengths
 
 
 def long_tailed_lengths(n_docs: int, tokens: int, seed: int) -> list[int]:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 
 from startrail_megatron.accounting import LocalShape, startrail_comm_bytes
-from startrail_megatron.layout import StarTrailLayout, valid_team_sizes
 from startrail_megatron.schedule import (
     startrail_active_steps,
     startrail_step_rows,
     startrail_step_window_rows,
 )
+from startrail_megatron.schedule.layout import StarTrailLayout, valid_team_sizes
 
 
 def work(lay: StarTrailLayout, s_local: int, window):

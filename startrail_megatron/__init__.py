@@ -20,9 +20,9 @@ from .comm import CommEvent, CommLedger
 from .groups import StarTrailGroups
 from .joint import joint_attention
 from .kernels import get_kernel, merge_partial
-from .layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
-from .packing import PackedLayout, pack_lengths
 from .peers import allgather_attention, ulysses_attention
+from .schedule.layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
+from .schedule.packing import PackedLayout, pack_lengths
 from .zigzag import shard_packed, unshard_packed, zigzag_shard, zigzag_unshard
 
 __version__ = "0.1.0"

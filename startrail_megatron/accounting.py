@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .layout import ActiveSteps, StarTrailLayout
+from .schedule.layout import ActiveSteps, StarTrailLayout
 
 __all__ = [
     "LocalShape",

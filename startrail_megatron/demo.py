@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .attention import startrail_attention
 from .comm import CommLedger
 from .groups import StarTrailGroups
-from .layout import StarTrailLayout
+from .schedule.layout import StarTrailLayout
 from .spawn import spawn_local_ranks
 from .testing import make_inputs, reference_attention, rel_err
 from .zigzag import zigzag_shard, zigzag_unshard

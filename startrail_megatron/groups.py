@@ -11,8 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .layout import Placement, StarTrailLayout
 from .schedule import check_own_rows_first
+from .schedule.layout import Placement, StarTrailLayout
 
 __all__ = ["StarTrailGroups"]
 

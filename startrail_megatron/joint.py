@@ -41,8 +41,8 @@ from .attention import startrail_attention
 from .comm import CommLedger, TeamComm, check_agreement
 from .groups import StarTrailGroups
 from .kernels import AttentionKernel, acc_dtype, resolve_kernel
-from .packing import PackedLayout
 from .rank import real_rows
+from .schedule.packing import PackedLayout
 from .validation import check_softcap, packed_layout
 
 __all__ = ["joint_attention", "replicated_query_attention"]

@@ -32,8 +32,8 @@ from torch.autograd.function import once_differentiable
 from .comm import CommLedger, CommOptions
 from .comm.in_process import Baton, InProcessP2P, InProcessTeam, InProcessWorld
 from .kernels import AttentionKernel, resolve_kernel
-from .layout import Placement, StarTrailLayout
 from .rank import RankCall, startrail_rank_backward, startrail_rank_forward
+from .schedule.layout import Placement, StarTrailLayout
 from .validation import check_comm_options, check_options, packed_layout, validate_inputs
 
 __all__ = ["RankTimer", "one_process_attention"]

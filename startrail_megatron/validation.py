@@ -21,9 +21,9 @@ from torch import Tensor
 from .comm import DEFAULT_COMM, CommOptions, check_agreement
 from .comm.overlap import refuse_device_delay
 from .groups import StarTrailGroups
-from .layout import PLACEMENTS
-from .packing import PackedLayout
 from .schedule import OWN_ROWS_FIRST_SETTINGS, normalize_window
+from .schedule.layout import PLACEMENTS
+from .schedule.packing import PackedLayout
 
 __all__ = [
     "AttnOptions",

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .packing import PackedLayout
+from .schedule.packing import PackedLayout
 
 __all__ = [
     "inverse_order",

@@ -16,9 +16,9 @@ from harness import run_ranks
 
 import startrail_megatron.deepspeed as sds  # after ds_common, which sets DS_ACCELERATOR
 from startrail_megatron.accounting import LocalShape, startrail_comm_bytes, startrail_comm_calls
-from startrail_megatron.layout import StarTrailLayout
-from startrail_megatron.packing import pack_lengths
 from startrail_megatron.schedule import tail_head_groups
+from startrail_megatron.schedule.layout import StarTrailLayout
+from startrail_megatron.schedule.packing import pack_lengths
 
 REL = 1e-5
 

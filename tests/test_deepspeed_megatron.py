@@ -283,7 +283,7 @@ def test_packed_row_through_deepspeed_matches_documents_one_by_one():
     """Per-token losses (padding dropped) and every rank's parameters after one step equal
     Megatron's own attention on each document at CP = 1 (1e-5)."""
     ref, ref_params = run_ranks(1, _packed_reference)[0]
-    from startrail_megatron.packing import pack_lengths
+    from startrail_megatron.schedule.packing import pack_lengths
 
     s_local = pack_lengths(DOC_LENGTHS, 4).s_local
     for per_token, lengths, params in run_ranks(4, _packed_deepspeed):

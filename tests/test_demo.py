@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from startrail_megatron.accounting import LocalShape, startrail_comm_bytes
-from startrail_megatron.layout import StarTrailLayout
+from startrail_megatron.schedule.layout import StarTrailLayout
 
 
 def _demo(*args):

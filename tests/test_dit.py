@@ -30,7 +30,7 @@ from startrail_megatron.dit import (
 )
 from startrail_megatron.dit.data import ReplicaBatches
 from startrail_megatron.dit.loop import TrainArgs, reference_run, run_training
-from startrail_megatron.layout import StarTrailLayout
+from startrail_megatron.schedule.layout import StarTrailLayout
 
 TOL = 1e-9
 STEPS = 3

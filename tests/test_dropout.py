@@ -24,9 +24,9 @@ import startrail_megatron as st
 from startrail_megatron import kernels as kn
 from startrail_megatron.kernels import Dropout, TorchKernel, dropout_keep
 from startrail_megatron.one_process import one_process_attention
-from startrail_megatron.packing import pack_lengths
 from startrail_megatron.rank import TeamOrder
 from startrail_megatron.schedule import startrail_step_rows
+from startrail_megatron.schedule.packing import pack_lengths
 
 B, HQ, HKV, D = 2, 4, 2, 8
 P_DROP = 0.3

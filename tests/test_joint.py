@@ -19,7 +19,7 @@ from harness import run_ranks
 
 import startrail_megatron as st
 from startrail_megatron.joint import joint_attention, replicated_query_attention
-from startrail_megatron.packing import pack_lengths
+from startrail_megatron.schedule.packing import pack_lengths
 from startrail_megatron.zigzag import shard_packed, unshard_packed
 
 HQ, HKV, D, B, T = 4, 2, 8, 2, 5

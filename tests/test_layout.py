@@ -6,7 +6,6 @@ from collections import Counter
 
 import pytest
 
-from startrail_megatron.layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
 from startrail_megatron.schedule import (
     BlockCall,
     RowCall,
@@ -20,6 +19,7 @@ from startrail_megatron.schedule import (
     startrail_step_window_rows,
     team_chunk_len,
 )
+from startrail_megatron.schedule.layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
 
 ALL = [(p, c, pl) for p in range(1, 65) for c in valid_team_sizes(p) for pl in PLACEMENTS]
 

@@ -20,8 +20,8 @@ from harness import run_ranks
 import startrail_megatron as st
 from startrail_megatron.accounting import LocalShape
 from startrail_megatron.one_process import one_process_attention
-from startrail_megatron.packing import PackedLayout, pack_lengths
 from startrail_megatron.schedule import packed_team_order, startrail_step_rows
+from startrail_megatron.schedule.packing import PackedLayout, pack_lengths
 
 B, HQ, HKV, D = 1, 4, 2, 16
 

@@ -478,8 +478,8 @@ def test_startrail_prediction_counts_each_ranks_own_sum():
     """P = 8, C = 2: each rank holds its own team's causal diagonal at one of the two
     steps; with free links the forward kernel time is one rank's sum, below the sum of
     per-step maxima."""
-    from startrail_megatron.layout import StarTrailLayout
     from startrail_megatron.planner.compute import kernel_time, startrail_work
+    from startrail_megatron.schedule.layout import StarTrailLayout
 
     cl = CLUSTER_PRESETS["h100-ib"].with_(
         intra_latency=0.0, inter_latency=0.0, intra_bw=1e30, inter_bw=1e30, inter_bw_per_gpu=1e30
@@ -500,9 +500,9 @@ def test_own_rows_first_priced_as_the_code_runs_it():
     counts the split's calls and hides the team gather behind the own rows' calls, and its
     default follows the code's rule (``own_rows_first_pays``: the team across nodes, the
     gather larger than the placement)."""
-    from startrail_megatron.layout import StarTrailLayout
     from startrail_megatron.planner.compute import startrail_own_shapes, startrail_work
     from startrail_megatron.planner.times import startrail_times
+    from startrail_megatron.schedule.layout import StarTrailLayout
 
     base = CLUSTER_PRESETS["h100-ib"]
     on, off = base.with_(own_rows_first=True), base.with_(own_rows_first=False)
@@ -656,7 +656,6 @@ def test_registry_declares_every_kind_once():
 
 PURE = [
     "accounting",
-    "layout",
     "planner",
     "planner.autotune",
     "planner.buffers",
@@ -675,6 +674,8 @@ PURE = [
     "schedule",
     "schedule.allgather",
     "schedule.blocks",
+    "schedule.layout",
+    "schedule.packing",
     "schedule.calls",
     "schedule.own_rows",
     "schedule.policies",
@@ -714,8 +715,8 @@ print(planner.predict.__module__)
 
 # ---- packed documents: the cost model counts the per-document calls ---------------------------
 def test_cost_model_counts_packed_documents():
-    from startrail_megatron.packing import pack_lengths
     from startrail_megatron.planner.compute import startrail_work
+    from startrail_megatron.schedule.packing import pack_lengths
 
     lengths = [24000, 320, 5600, 88, 32000, 2000]  # long enough for compute to dominate
     packed = pack_lengths(lengths, 8)
@@ -744,9 +745,9 @@ def test_cost_model_counts_packed_documents():
 def test_cost_model_charges_varlen_kernels_per_grouped_call():
     """Short documents: one kernel call per document and block costs more overhead than
     the grouped (varlen / THD) calls of the same pairs."""
-    from startrail_megatron.packing import pack_lengths
     from startrail_megatron.planner.compute import startrail_work
     from startrail_megatron.schedule import startrail_step_varlen
+    from startrail_megatron.schedule.packing import pack_lengths
 
     packed = pack_lengths([8000, 4000, 2500, 900, 300, 100], 8)
     h100 = CLUSTER_PRESETS["h100-ib"]

@@ -27,12 +27,12 @@ from startrail_megatron import kernels as kn
 from startrail_megatron.kernels import TorchKernel
 from startrail_megatron.kernels import te as kn_te
 from startrail_megatron.one_process import one_process_attention
-from startrail_megatron.packing import pack_lengths
 from startrail_megatron.schedule import (
     startrail_step_rows,
     startrail_step_varlen,
     tail_head_groups,
 )
+from startrail_megatron.schedule.packing import pack_lengths
 
 
 class _Counting:

@@ -19,7 +19,6 @@ from harness import run_ranks
 
 import startrail_megatron as st
 from startrail_megatron.one_process import one_process_attention
-from startrail_megatron.packing import pack_lengths
 from startrail_megatron.schedule import (
     band_pairs,
     buffer_chunks,
@@ -28,6 +27,7 @@ from startrail_megatron.schedule import (
     startrail_step_rows,
     startrail_step_window_rows,
 )
+from startrail_megatron.schedule.packing import pack_lengths
 
 HQ, HKV, D = 4, 2, 8
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ..layout import StarTrailLayout
+from ..schedule.layout import StarTrailLayout
 from .ledger import CommLedger, nbytes
 from .overlap import DoneHandle, receive_buffer
 from .torch_dist import receive_buffers

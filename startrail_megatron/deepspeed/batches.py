@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..packing import PackedLayout, lengths_from_position_ids, pack_lengths
+from ..schedule.packing import PackedLayout, lengths_from_position_ids, pack_lengths
 from ..zigzag import shard_packed, zigzag_shard
 from .mpu import StarTrailMPU
 

@@ -26,8 +26,8 @@ from typing import Any, Literal
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationError, model_validator
 
-from ..layout import PLACEMENTS, valid_team_sizes
 from ..schedule import OWN_ROWS_FIRST_SETTINGS
+from ..schedule.layout import PLACEMENTS, valid_team_sizes
 
 __all__ = ["STARTRAIL_KEY", "ZERO_MAPPINGS", "StarTrailConfig"]
 

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from ..attention import startrail_attention
 from ..comm import CommLedger
-from ..packing import PackedLayout
+from ..schedule.packing import PackedLayout
 from .batches import (
     PACKED_KEY,
     check_consecutive,

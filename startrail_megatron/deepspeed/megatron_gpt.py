@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..packing import PackedLayout
+from ..schedule.packing import PackedLayout
 from ..zigzag import shard_packed, unshard_packed, zigzag_shard, zigzag_unshard
 from .batches import check_same_batch, packed_row_layout
 from .config import StarTrailConfig

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..comm import all_reduce_sum
 from ..groups import StarTrailGroups
-from ..layout import PLACEMENTS
+from ..schedule.layout import PLACEMENTS
 from ..validation import own_rows_first_setting
 from .data import ReplicaBatches
 from .model import DiT, DiTConfig, patchify

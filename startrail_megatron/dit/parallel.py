@@ -52,7 +52,7 @@ from ..comm import CommLedger, TeamComm, check_agreement
 from ..groups import StarTrailGroups
 from ..joint import joint_attention
 from ..kernels import AttentionKernel
-from ..packing import PackedLayout, pack_lengths
+from ..schedule.packing import PackedLayout, pack_lengths
 from ..zigzag import shard_packed, unshard_packed
 
 __all__ = [

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..cli_options import add_own_rows_first
-from ..layout import PLACEMENTS
+from ..schedule.layout import PLACEMENTS
 from .loop import DTYPES, TrainArgs, run_training
 from .model import DiTConfig
 

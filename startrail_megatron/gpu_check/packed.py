@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..one_process import one_process_attention
-from ..packing import pack_lengths
+from ..schedule.packing import pack_lengths
 from ..testing import make_inputs, reference_attention
 from ..zigzag import shard_packed, unshard_packed
 from .case import FeatureCase

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..layout import PLACEMENTS, valid_team_sizes
 from ..schedule import OWN_ROWS_FIRST_SETTINGS
+from ..schedule.layout import PLACEMENTS, valid_team_sizes
 from ..validation import own_rows_first_setting
 from .hooks import install
 from .refusals import REFUSED_FLAGS

@@ -18,8 +18,8 @@ import functools
 import inspect
 from datetime import timedelta
 
-from ..layout import PLACEMENTS, Placement
 from ..schedule import check_own_rows_first
+from ..schedule.layout import PLACEMENTS, Placement
 from .registry import create_startrail_groups, release_all_startrail_groups
 from .spec import apply_startrail_spec
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..comm import CommLedger
 from ..groups import StarTrailGroups
-from ..layout import Placement
+from ..schedule.layout import Placement
 
 __all__ = [
     "StarTrailMegatronState",

@@ -24,8 +24,8 @@ on team buffers (C times the local size); Ulysses copies each all-to-all'd tenso
 
 from __future__ import annotations
 
-from ..layout import StarTrailLayout
-from ..packing import PackedLayout
+from ..schedule.layout import StarTrailLayout
+from ..schedule.packing import PackedLayout
 from .cluster import ClusterSpec
 from .compute import allgather_call_shapes, startrail_call_shapes
 from .shape import AttnShape

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..layout import StarTrailLayout
-from ..packing import PackedLayout
 from ..schedule import (
     RowCall,
     allgather_calls,
@@ -23,6 +21,8 @@ from ..schedule import (
     plan_step,
     startrail_active_steps,
 )
+from ..schedule.layout import StarTrailLayout
+from ..schedule.packing import PackedLayout
 from .cluster import ClusterSpec
 from .shape import AttnShape
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..accounting import LocalShape
-from ..packing import PackedLayout
+from ..schedule.packing import PackedLayout
 from .cluster import ModelSpec
 
 __all__ = ["AttnShape"]

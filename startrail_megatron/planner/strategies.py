@@ -24,8 +24,8 @@ from ..accounting import (
     ulysses_comm_calls,
     ulysses_supported,
 )
-from ..layout import PLACEMENTS, Placement, StarTrailLayout, valid_team_sizes
 from ..schedule import tail_head_groups
+from ..schedule.layout import PLACEMENTS, Placement, StarTrailLayout, valid_team_sizes
 from . import buffers, memory, times
 from .cluster import ClusterSpec, ModelSpec
 from .shape import AttnShape

@@ -21,8 +21,8 @@ default.
 
 from __future__ import annotations
 
-from ..layout import StarTrailLayout
 from ..schedule import splits_first_step, tail_head_groups
+from ..schedule.layout import StarTrailLayout
 from .cluster import ClusterSpec
 from .compute import (
     allgather_call_shapes,

@@ -25,9 +25,9 @@ from ..comm import (
 )
 from ..groups import StarTrailGroups
 from ..kernels import AttentionKernel, Dropout, has_varlen
-from ..layout import ActiveSteps, StarTrailLayout
-from ..packing import PackedLayout
 from ..schedule import StepPlan, plan_step, splits_first_step, startrail_active_steps
+from ..schedule.layout import ActiveSteps, StarTrailLayout
+from ..schedule.packing import PackedLayout
 from ..validation import NO_OPTIONS, AttnOptions
 
 __all__ = ["DropoutRecords", "RankCall"]

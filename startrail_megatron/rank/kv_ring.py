@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from torch import Tensor
 
 from ..comm import Handle
-from ..layout import ActiveSteps
+from ..schedule.layout import ActiveSteps
 from .call import RankCall
 from .team_order import TeamOrder
 

@@ -15,9 +15,9 @@ from functools import cached_property, lru_cache
 import torch
 from torch import Tensor
 
-from ..layout import StarTrailLayout
-from ..packing import PackedLayout
 from ..schedule import packed_team_order
+from ..schedule.layout import StarTrailLayout
+from ..schedule.packing import PackedLayout
 from ..zigzag import inverse_order, reorder_chunks
 
 __all__ = ["TeamOrder", "index_tensor", "real_rows"]

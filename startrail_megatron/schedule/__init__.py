@@ -1,5 +1,8 @@
 """The StarTrail schedule: pure arithmetic (ints and dataclasses, no torch).
 
+- ``layout``: ``StarTrailLayout``, teams, sub-rings, placements, the peer of every P2P
+  (Note [the StarTrail schedule]).
+- ``packing``: ``PackedLayout``, packed documents (Note [packed documents under StarTrail]).
 - ``blocks``: the causal block plan of one (Q team, KV team) block (Note [causal balance]).
 - ``calls``: ``RowCall`` s on team-buffer rows (dense, per packed document) and
   ``VarlenCall`` s grouped over documents; ``packed_team_order``.
@@ -21,7 +24,9 @@ from .calls import (
     startrail_step_rows,
     startrail_step_varlen,
 )
+from .layout import PLACEMENTS, ActiveSteps, Placement, StarTrailLayout, valid_team_sizes
 from .own_rows import OwnCall, OwnRun, own_team_rows, restrict_rows, split_own_rows
+from .packing import PackedLayout, pack_lengths
 from .policies import (
     ALL_HEADS,
     OWN_ROWS_FIRST_SETTINGS,
@@ -42,6 +47,13 @@ from .windows import (
 )
 
 __all__ = [
+    "PLACEMENTS",
+    "ActiveSteps",
+    "PackedLayout",
+    "Placement",
+    "StarTrailLayout",
+    "pack_lengths",
+    "valid_team_sizes",
     "ALL_HEADS",
     "OWN_ROWS_FIRST_SETTINGS",
     "BlockCall",

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..layout import StarTrailLayout
+from .layout import StarTrailLayout
 
 __all__ = [
     "BlockCall",

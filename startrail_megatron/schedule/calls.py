@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..layout import StarTrailLayout
-from ..packing import PackedLayout
 from .blocks import startrail_step_calls, team_block_calls, team_chunk_len
+from .layout import StarTrailLayout
+from .packing import PackedLayout
 
 __all__ = [
     "RowCall",

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..layout import StarTrailLayout
 from .calls import RowCall
+from .layout import StarTrailLayout
 from .windows import band_call
 
 __all__ = ["OwnCall", "OwnRun", "own_team_rows", "restrict_rows", "split_own_rows"]

@@ -12,7 +12,7 @@ Pure arithmetic, no torch.
 
 from __future__ import annotations
 
-from ..layout import StarTrailLayout
+from .layout import StarTrailLayout
 
 __all__ = [
     "ALL_HEADS",

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layout import StarTrailLayout
-from ..packing import PackedLayout
 from .calls import RowCall, VarlenCall, startrail_step_rows, startrail_step_varlen
+from .layout import StarTrailLayout
 from .own_rows import OwnCall, own_team_rows, split_own_rows
+from .packing import PackedLayout
 from .windows import startrail_step_packed_window_rows, startrail_step_window_rows
 
 __all__ = ["StepPlan", "plan_step"]

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..layout import ActiveSteps, StarTrailLayout
-from ..packing import PackedLayout
 from .calls import RowCall
+from .layout import ActiveSteps, StarTrailLayout
+from .packing import PackedLayout
 
 __all__ = [
     "band_call",

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ...accounting import LocalShape, startrail_comm_bytes
-from ...layout import StarTrailLayout
+from ...schedule.layout import StarTrailLayout
 from ..registry import get_startrail_state
 from .autotune import autotune_team_size
 from .checkpoint import load_checkpoint, save_checkpoint

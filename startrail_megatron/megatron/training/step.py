@@ -36,7 +36,7 @@ def pack_micro_batch(batch: dict, eod: int) -> tuple[dict, object]:
     """
     from megatron.core import parallel_state
 
-    from ...packing import pack_lengths
+    from ...schedule.packing import pack_lengths
     from ...zigzag import shard_packed
     from ..attention import packed_seq_params
 
