@@ -186,3 +186,45 @@ def test_no_command_line_imports_another():
     commands = {m for m in g if m.endswith(".cli")} | {f"{PKG}.dit.train"}
     for m in sorted(commands):
         assert not g[m] & commands, (m, sorted(g[m] & commands))
+
+
+LAYERS = [
+    ["schedule", "accounting"],
+    ["kernels"],
+    ["zigzag"],
+    ["comm"],
+    ["groups"],
+    ["validation"],
+    ["rank"],
+    ["attention", "joint", "one_process"],
+    ["peers"],
+    ["testing"],
+    ["bench", "planner", "gpu_check", "demo", "spawn", "cli_options"],
+    ["dit"],
+    ["megatron"],
+    ["deepspeed"],
+    ["pretrain_gpt", "launch"],
+]
+"""The layers of ``docs/architecture.md``, bottom up: each imports only its own layer and
+those listed before it."""
+
+
+def test_layers_import_downward():
+    """Every import goes to the importer's layer or one listed before it; the one exception
+    is the DiT trainer's command line, which reaches the DeepSpeed adapter (above it) for
+    ``--deepspeed-config`` (``test_entry_points_hold_only_their_command_line``)."""
+
+    def layer(m: str) -> int:
+        top = m[len(PKG) + 1 :].split(".")[0]
+        found = [i for i, names in enumerate(LAYERS) if top in names]
+        assert found, f"{m}: in no layer of docs/architecture.md"
+        return found[0]
+
+    bad = []
+    for m, targets in _graph().items():
+        if m == PKG:
+            continue
+        for t in targets - {PKG}:
+            if layer(t) > layer(m) and m not in ENTRY_POINTS:
+                bad.append((m, t))
+    assert bad == []
