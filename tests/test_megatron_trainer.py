@@ -195,6 +195,7 @@ def _data_run(p, c, corpus, extra=()):
 def test_data_path_matches_cp1_with_startrail(corpus, c):
     ref = _data_run(1, 1, corpus)
     got = _data_run(4, c, corpus)
+    assert len(got) == len(ref) == 3, (got, ref)
     for a, b in zip(got, ref):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (got, ref)
     assert abs(got[-1]["val_loss"] - ref[-1]["val_loss"]) <= 1e-5 * ref[-1]["val_loss"]
@@ -320,6 +321,7 @@ def test_blend_and_packed_documents_on_real_data_match_cp1(corpus):
              "--reset-position-ids", "--eod-mask-loss"]  # fmt: skip
     ref = _data_run(1, 1, corpus, [*extra, "--context-parallel-impl", "startrail"])  # packed
     got = _data_run(4, 2, corpus, extra)
+    assert len(got) == len(ref) == 3, (got, ref)
     for a, b in zip(got, ref):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (got, ref)
     assert got[0]["startrail"]["p2p"] > 0
