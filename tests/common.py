@@ -13,7 +13,18 @@ from startrail_megatron.testing import make_inputs, rel_err, shard, unshard
 from startrail_megatron.testing import reference_attention as reference
 from startrail_megatron.validation import OWN_ROWS_FIRST_ENV
 
-__all__ = ["TOL", "groups_for", "make_inputs", "reference", "rel_err", "shard", "unshard"]
+__all__ = [
+    "TOL",
+    "assert_padding_rows_zero",
+    "groups_for",
+    "make_inputs",
+    "noisy_packed_shards",
+    "padding_rows",
+    "reference",
+    "rel_err",
+    "shard",
+    "unshard",
+]
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 _GROUPS: dict = {}
@@ -93,3 +104,46 @@ def own_rows_first_env(value: str | None):
             os.environ.pop(OWN_ROWS_FIRST_ENV, None)
         else:
             os.environ[OWN_ROWS_FIRST_ENV] = old
+
+
+# ---- packed documents: the padding rows ----------------------------------------------------
+def padding_rows(lengths, p: int, rank: int) -> torch.Tensor:
+    """``[s_local]`` bool: which of ``rank``'s local rows are padding in
+    ``pack_lengths(lengths, p)``'s layout, worked out here from the layout's definition (each
+    document padded to the next multiple of 2P; the rank holds, per document, its chunks
+    ``rank`` and ``2P-1-rank``; padding at each document's end), not from ``PackedLayout``."""
+    rows: list[bool] = []
+    for n in lengths:
+        c = -(-n // (2 * p))  # one chunk of the padded document
+        for j in (rank, 2 * p - 1 - rank):
+            rows += [j * c + i >= n for i in range(c)]
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+def noisy_packed_shards(xs, lengths, p: int, rank: int, dtype=torch.float64) -> list:
+    """``rank``'s ``st.shard_packed`` of each of ``xs`` (real tokens one after another), in
+    ``dtype``, with random values instead of zeros on the padding rows, as a real batch may
+    hold there: a kernel call that reads a padding row then changes the result."""
+    from startrail_megatron.packing import pack_lengths
+
+    packed, pad = pack_lengths(lengths, p), padding_rows(lengths, p, rank)
+    out = []
+    for seed, x in enumerate(xs):
+        shard = st.shard_packed(x, packed, rank)
+        g = torch.Generator().manual_seed(seed * 1009 + rank)
+        noise = torch.randn((int(pad.sum()), *shard.shape[1:]), generator=g, dtype=x.dtype)
+        shard[pad] = noise + 1.0
+        out.append(shard.to(dtype))
+    return out
+
+
+def assert_padding_rows_zero(per_rank, lengths, p: int) -> None:
+    """``per_rank[r]``: rank r's local tensors (out, dq, dk, dv): each exactly zero on the
+    padding rows (the padding rows are in no kernel call)."""
+    assert len(per_rank) == p
+    pads = [padding_rows(lengths, p, r) for r in range(p)]
+    assert any(pad.any() for pad in pads), "a layout without padding proves nothing here"
+    for r, (tensors, pad) in enumerate(zip(per_rank, pads)):
+        for what, x in zip(("out", "dq", "dk", "dv"), tensors, strict=True):
+            assert x.shape[0] == pad.shape[0], (what, tuple(x.shape))
+            assert (x[pad] == 0).all(), f"rank {r}: {what} is not zero on a padding row"

@@ -79,6 +79,7 @@ def test_deepspeed_dit_matches_one_process(tmp_path, stage, p, c, text):
     results = run_ranks(world, _case, args, stage)
     want_losses, want_params = reference_run(_args(None, text, c), replicas=world // p)
     for rank, (losses, params, (calls, nbytes, s_local, scale)) in enumerate(results):
+        assert len(losses) == len(want_losses) > 0, (rank, losses, want_losses)
         for a, b in zip(losses, want_losses):
             assert abs(a - b) <= REL * abs(b), (rank, losses, want_losses)
         for k, v in params.items():

@@ -123,6 +123,7 @@ def test_model_trains_like_one_process_eager(name, p, c):
     for losses, params, (attn, lengths, ledger) in run_ranks(p, _run, name, c):
         assert attn == "startrail" and lengths == [SEQ // p]
         assert ledger["fwd_p2p_bytes"] + ledger["fwd_collective_bytes"] > 0
+        assert len(losses) == len(ref_losses) > 0, (losses, ref_losses)
         for a, b in zip(losses, ref_losses):
             assert abs(a - b) <= 1e-5 * abs(b), (losses, ref_losses)
         worst = max(_rel(params[k].float(), ref_params[k].float()) for k in ref_params)

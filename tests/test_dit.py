@@ -78,6 +78,7 @@ def _check_parity(results, args: TrainArgs, replicas: int = 1) -> None:
     want_losses, want_params = reference_run(args, replicas)
     p = args.cp_size or len(results)
     for rank, (losses, params, proof) in enumerate(results):
+        assert len(losses) == len(want_losses) > 0, (rank, losses, want_losses)
         for a, b in zip(losses, want_losses):
             assert abs(a - b) <= TOL * abs(b), (rank, losses, want_losses)
         for k, v in params.items():

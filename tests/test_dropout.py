@@ -14,6 +14,8 @@ meta tensors; kernels without dropout are refused by name before any transfer.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from common import groups_for, rel_err, value_errors
@@ -33,7 +35,8 @@ P_DROP = 0.3
 
 
 class Recording:
-    """A kernel that records each forward call's ``Dropout`` record, in call order."""
+    """A kernel that records each forward call's ``Dropout`` record and its q and k shapes,
+    in call order (``backward_records``, ``backward_shapes``: the same of the backward)."""
 
     name = "recording"
     supports_dropout = True
@@ -42,14 +45,18 @@ class Recording:
         self.inner = inner or TorchKernel()
         self.records: list = []
         self.shapes: list = []
+        self.backward_records: list = []
+        self.backward_shapes: list = []
 
     def forward(self, q, k, v, **kw):
         self.records.append(kw.get("dropout"))
         self.shapes.append((q.shape, k.shape))
         return self.inner.forward(q, k, v, **kw)
 
-    def backward(self, *a, **kw):
-        return self.inner.backward(*a, **kw)
+    def backward(self, dout, q, k, *a, **kw):
+        self.backward_records.append(kw.get("dropout"))
+        self.backward_shapes.append((q.shape, k.shape))
+        return self.inner.backward(dout, q, k, *a, **kw)
 
 
 def _team_positions(lay, team, causal, s_local, packed, local_pos):
@@ -233,6 +240,39 @@ def test_startrail_dropout_on_flash_attn_is_exact(version):
     returned rebuilds its mask in the backward and in the reference."""
     results = run_ranks(4, _startrail_case, 2, "team", True, None, 3, f"flash:{version}")
     _check(results, 4, 2, "team", True, None, tol=1e-6)  # flash's lse is fp32
+
+
+# ---- one mask per kernel call ----------------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True])
+def test_each_kernel_call_draws_its_own_mask_and_its_backward_reuses_it(causal):
+    """P = 4, C = 1 in one process (16 or 22 kernel calls, 4 or more per rank of one shape):
+    the masks rebuilt from the records' saved RNG states differ between any two forward calls
+    of one shape (p = 0.3 over 144 or more entries: equal by chance with probability below
+    1e-30), and the backward calls rebuild exactly the forward calls' masks, one each."""
+    p, total = 4, 24 if not causal else 48
+    torch.manual_seed(5)
+    q, k, v, do = _inputs(total, b=1)
+    shards = [
+        [st.testing.shard(x, r, p, causal).requires_grad_() for r in range(p)] for x in (q, k, v)
+    ]
+    ker = Recording()
+    outs = one_process_attention(*shards, 1, kernel=ker, dropout_p=P_DROP, causal=causal)
+    torch.autograd.backward(outs, [st.testing.shard(do, r, p, causal) for r in range(p)])
+
+    def masks(records, shapes):
+        """(sq, sk, mask bytes) of each call, the mask rebuilt from the record's state."""
+        got = []
+        for rec, (qs, ks) in zip(records, shapes, strict=True):
+            shape = (1, HKV, HQ // HKV, qs[0], ks[0])
+            keep = dropout_keep(Dropout(rec.p, state=rec.state), shape, "cpu")
+            got.append((qs[0], ks[0], keep.numpy().tobytes()))
+        return got
+
+    fwd = masks(ker.records, ker.shapes)
+    bwd = masks(ker.backward_records, ker.backward_shapes)
+    assert len(fwd) >= 16 and max(Counter(m[:2] for m in fwd).values()) >= 4
+    assert len(set(fwd)) == len(fwd), "two kernel calls drew the same dropout mask"
+    assert sorted(bwd) == sorted(fwd), "a backward call's mask is not its forward call's"
 
 
 # ---- statistics ----------------------------------------------------------------------------

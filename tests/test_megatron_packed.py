@@ -157,7 +157,7 @@ def test_entry_point_trains_packed_documents_alike_at_every_cp_size():
     assert docs >= 6, docs  # the rows hold several documents
     dense = run_ranks(1, _train_packed, TRAIN + _st(1, 1))[0][0]
     # the document boundaries change the losses far beyond the tolerance (the check can fail)
-    assert max(abs(a - b) / b for a, b in zip(dense, ref_losses)) > 20 * TOL
+    assert max(abs(a - b) / b for a, b in zip(dense, ref_losses, strict=True)) > 20 * TOL
     for cp, team in [(2, 1), (4, 1), (4, 2), (8, 2)]:
         for losses, _, lengths, sent in run_ranks(
             cp, _train_packed, TRAIN + PACKED_FLAGS + _st(cp, team)
@@ -174,8 +174,9 @@ def test_entry_point_trains_packed_documents_with_a_window():
     win = ["--window-size", "7,0"]
     ref = run_ranks(1, _train_packed, TRAIN + PACKED_FLAGS + win + _st(1, 1))[0][0]
     plain = run_ranks(1, _train_packed, TRAIN + PACKED_FLAGS + _st(1, 1))[0][0]
-    assert max(abs(a - b) / b for a, b in zip(plain, ref)) > 20 * TOL
+    assert max(abs(a - b) / b for a, b in zip(plain, ref, strict=True)) > 20 * TOL
     for losses, _, _, _ in run_ranks(4, _train_packed, TRAIN + PACKED_FLAGS + win + _st(4, 2)):
+        assert len(losses) == len(ref) > 0, (losses, ref)
         for a, b in zip(losses, ref):
             assert abs(a - b) <= TOL * abs(b), (losses, ref)
 

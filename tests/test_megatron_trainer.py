@@ -195,6 +195,7 @@ def _data_run(p, c, corpus, extra=()):
 def test_data_path_matches_cp1_with_startrail(corpus, c):
     ref = _data_run(1, 1, corpus)
     got = _data_run(4, c, corpus)
+    assert len(got) == len(ref) == 3, (got, ref)
     for a, b in zip(got, ref):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (got, ref)
     assert abs(got[-1]["val_loss"] - ref[-1]["val_loss"]) <= 1e-5 * ref[-1]["val_loss"]
@@ -320,6 +321,7 @@ def test_blend_and_packed_documents_on_real_data_match_cp1(corpus):
              "--reset-position-ids", "--eod-mask-loss"]  # fmt: skip
     ref = _data_run(1, 1, corpus, [*extra, "--context-parallel-impl", "startrail"])  # packed
     got = _data_run(4, 2, corpus, extra)
+    assert len(got) == len(ref) == 3, (got, ref)
     for a, b in zip(got, ref):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (got, ref)
     assert got[0]["startrail"]["p2p"] > 0
@@ -345,13 +347,19 @@ def test_init_method_std_and_exit_duration():
 
 
 def test_bf16_trains_on_cpu_ranks_close_to_cp1():
-    """--bf16 on CPU ranks: CP = 2 with StarTrail within bf16's tolerance of CP = 1."""
+    """--bf16 on CPU ranks: CP = 2 with StarTrail within bf16's tolerance of CP = 1.
+
+    Measured (largest over the 4 iterations, relative to the loss): correct code 4.5e-5 to
+    5.1e-5; attention over each CP rank's own tokens only (StarTrail's result replaced by
+    local causal attention) 5.7e-4 to 7.7e-4. The bound 2e-4 separates them (2e-2 let the
+    local-only attention pass)."""
     argv = [*MODEL, "--seq-length", "32", "--micro-batch-size", "2", "--mock-data", "--bf16",
             "--train-iters", "4", "--log-interval", "100"]  # fmt: skip
     ref = run_ranks(1, _train, argv)[0]
     got = run_ranks(2, _train, argv + _cp(2, 1))[0]
-    for a, b in zip(got, ref):
-        assert abs(a["loss"] - b["loss"]) <= 2e-2 * b["loss"], (got, ref)
+    assert len(got) == len(ref) == 4
+    worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(got, ref))
+    assert worst <= 2e-4, (worst, got, ref)
     assert got[0]["startrail"]["p2p"] > 0
 
 

@@ -6,7 +6,8 @@ Adapters: THD out, lse and dq, dk, dv against float64 attention per sequence (GQ
 sequence, q and k of different lengths without the mask), for every generation's lse form
 (flash-attn 2.5's padded [n, h, max_q] and 2.6+'s [h, t]; TE's [n, h, max_q, 1], bucketed
 [rows >= t, h, 1] and exact [t, h, 1]). StarTrail: packed documents on those kernels against
-float64 per document, one process (P = 4 - 16) and gloo ranks, proving the grouped calls ran:
+float64 per document (padding rows, random in the inputs, exactly zero in out, dq, dk, dv),
+one process (P = 4 - 16) and gloo ranks, proving the grouped calls ran:
 every kernel call is a varlen/THD call, one per call of the team block plan (fewer than the
 per-document calls), and none of the dense functions is called.
 """
@@ -17,7 +18,7 @@ import dataclasses
 
 import pytest
 import torch
-from common import rel_err
+from common import assert_padding_rows_zero, noisy_packed_shards, rel_err
 from harness import run_ranks
 from test_backends import FLASH_VERSIONS, TE_VERSIONS, _te_stand_in
 from test_packed import _reference_per_document
@@ -259,7 +260,8 @@ def test_startrail_packed_on_varlen_kernels(kernel, p, c, placement, causal):
     family, version = kernel.split(":")
     packed = pack_lengths(LENGTHS, p)
     q, k, v, do = _packed_inputs(LENGTHS, B)
-    leaves = [[st.shard_packed(x, packed, r).requires_grad_() for r in range(p)] for x in (q, k, v)]
+    shards = [noisy_packed_shards((q, k, v, do), LENGTHS, p, r) for r in range(p)]
+    leaves = [[shards[r][i].requires_grad_() for r in range(p)] for i in range(3)]
     with _CpuTE():
         if family == "flash":
             ker, counts = _flash_kernel(version)
@@ -269,12 +271,13 @@ def test_startrail_packed_on_varlen_kernels(kernel, p, c, placement, causal):
             *leaves, c, placement=placement, causal=causal, kernel=ker,
             cu_seqlens=packed.cu_seqlens, cu_seqlens_padded=packed.cu_seqlens_padded,
         )  # fmt: skip
-        torch.autograd.backward(outs, [st.shard_packed(do, packed, r) for r in range(p)])
+        torch.autograd.backward(outs, [shards[r][3] for r in range(p)])
     ref = [torch.cat(x, dim=1) for x in zip(*(
         _reference_per_document(LENGTHS, causal, *(t[:, i : i + 1] for t in (q, k, v, do)))
         for i in range(B)
     ))]  # fmt: skip
     got = [outs, *([x.grad for x in xs] for xs in leaves)]
+    assert_padding_rows_zero([[t[r].detach() for t in got] for r in range(p)], LENGTHS, p)
     for i, what in enumerate(("out", "dq", "dk", "dv")):
         full = st.unshard_packed([t.detach() for t in got[i]], packed)
         assert rel_err(full, ref[i]) <= 1e-10, what
@@ -297,8 +300,8 @@ def test_startrail_packed_on_varlen_kernels(kernel, p, c, placement, causal):
 def _multi_rank_case(rank, world, kernel, c, lengths):
     family, version = kernel.split(":")
     packed = pack_lengths(lengths, world)
-    q, k, v, do = _packed_inputs(lengths, 1)
-    local = [st.shard_packed(x, packed, rank).requires_grad_() for x in (q, k, v)]
+    *local, d_out = noisy_packed_shards(_packed_inputs(lengths, 1), lengths, world, rank)
+    local = [x.requires_grad_() for x in local]
     from common import groups_for
 
     with _CpuTE():
@@ -307,7 +310,7 @@ def _multi_rank_case(rank, world, kernel, c, lengths):
             *local, groups_for(c, "team"), causal=True, kernel=ker,
             cu_seqlens=packed.cu_seqlens, cu_seqlens_padded=packed.cu_seqlens_padded,
         )  # fmt: skip
-        out.backward(st.shard_packed(do, packed, rank))
+        out.backward(d_out)
     if family == "flash":
         n_calls = (log["_flash_attn_varlen_forward"], log["_flash_attn_varlen_backward"])
     else:
@@ -321,6 +324,7 @@ def test_startrail_packed_varlen_on_ranks(kernel):
     results = run_ranks(p, _multi_rank_case, kernel, c, lengths)
     packed = pack_lengths(lengths, p)
     ref = _reference_per_document(lengths, True, *_packed_inputs(lengths, 1))
+    assert_padding_rows_zero([res[0] for res in results], lengths, p)
     for i in range(4):
         got = st.unshard_packed([res[0][i] for res in results], packed)
         assert rel_err(got, ref[i]) <= 1e-10
@@ -335,7 +339,8 @@ def test_packed_falls_back_to_one_call_per_document(kernel):
     p, c, causal = 4, 2, True
     packed = pack_lengths(LENGTHS, p)
     q, k, v, do = _packed_inputs(LENGTHS, 1)
-    leaves = [[st.shard_packed(x, packed, r).requires_grad_() for r in range(p)] for x in (q, k, v)]
+    shards = [noisy_packed_shards((q, k, v, do), LENGTHS, p, r) for r in range(p)]
+    leaves = [[shards[r][i].requires_grad_() for r in range(p)] for i in range(3)]
     with _CpuTE():
         if kernel.startswith("flash"):
             ns = FLASH_VERSIONS["2.8-custom-op"]()
@@ -348,9 +353,10 @@ def test_packed_falls_back_to_one_call_per_document(kernel):
             *leaves, c, causal=causal, kernel=ker,
             cu_seqlens=packed.cu_seqlens, cu_seqlens_padded=packed.cu_seqlens_padded,
         )  # fmt: skip
-        torch.autograd.backward(outs, [st.shard_packed(do, packed, r) for r in range(p)])
+        torch.autograd.backward(outs, [shards[r][3] for r in range(p)])
     ref = _reference_per_document(LENGTHS, causal, q, k, v, do)
     got = [outs, *([x.grad for x in xs] for xs in leaves)]
+    assert_padding_rows_zero([[t[r].detach() for t in got] for r in range(p)], LENGTHS, p)
     tol = 1e-6 if kernel.startswith("flash") else 1e-10  # the dense adapter's lse is fp32
     for i in range(4):
         assert rel_err(st.unshard_packed([t.detach() for t in got[i]], packed), ref[i]) <= tol
