@@ -124,7 +124,7 @@ def noisy_packed_shards(xs, lengths, p: int, rank: int, dtype=torch.float64) -> 
     """``rank``'s ``st.shard_packed`` of each of ``xs`` (real tokens one after another), in
     ``dtype``, with random values instead of zeros on the padding rows, as a real batch may
     hold there: a kernel call that reads a padding row then changes the result."""
-    from startrail_megatron.packing import pack_lengths
+    from startrail_megatron.schedule.packing import pack_lengths
 
     packed, pad = pack_lengths(lengths, p), padding_rows(lengths, p, rank)
     out = []

@@ -141,7 +141,7 @@ def _inputs(lengths, seed=0):
     return [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
 
 
-def _reference_per_document(lengths, causal, q, k, v, do):
+def reference_per_document(lengths, causal, q, k, v, do):
     outs = [[], [], [], []]
     at = 0
     for n in lengths:
@@ -172,7 +172,7 @@ def _packed_case(rank, world, c, placement, causal, lengths, dtype):
 
 def _check_packed(results, p, c, placement, causal, lengths, dtype, tol):
     packed = pack_lengths(lengths, p)
-    ref = _reference_per_document(lengths, causal, *_inputs(lengths))
+    ref = reference_per_document(lengths, causal, *_inputs(lengths))
     # zero output and zero gradients on the padding rows (random in the inputs)
     assert_padding_rows_zero([res[0] for res in results], lengths, p)
     for i, what in enumerate(("out", "dq", "dk", "dv")):
@@ -212,7 +212,7 @@ def _p16_case():
     rng = random.Random(7)
     lengths = [rng.choice([0, 1, 5, 33, 100, 257]) for _ in range(6)] + [4093, 127]
     inputs = _inputs(lengths, seed=3)
-    return lengths, inputs, _reference_per_document(lengths, True, *inputs)
+    return lengths, inputs, reference_per_document(lengths, True, *inputs)
 
 
 @pytest.mark.parametrize("p, c", [(16, 1), (16, 2), (16, 4)])
@@ -246,7 +246,7 @@ def test_bf16_no_worse_than_one_device_bf16():
     results = run_ranks(p, _packed_case, 2, "team", True, lengths, torch.bfloat16)
     packed = pack_lengths(lengths, p)
     rounded = [x.to(torch.bfloat16).double() for x in _inputs(lengths)]
-    ref = _reference_per_document(lengths, True, *rounded)
+    ref = reference_per_document(lengths, True, *rounded)
     one = [[], [], [], []]
     at = 0
     for n in lengths:

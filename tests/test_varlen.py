@@ -21,7 +21,7 @@ import torch
 from common import assert_padding_rows_zero, noisy_packed_shards, rel_err
 from harness import run_ranks
 from test_backends import FLASH_VERSIONS, TE_VERSIONS, _te_stand_in
-from test_packed import _reference_per_document
+from test_packed import reference_per_document
 
 import startrail_megatron as st
 from startrail_megatron import kernels as kn
@@ -273,7 +273,7 @@ def test_startrail_packed_on_varlen_kernels(kernel, p, c, placement, causal):
         )  # fmt: skip
         torch.autograd.backward(outs, [shards[r][3] for r in range(p)])
     ref = [torch.cat(x, dim=1) for x in zip(*(
-        _reference_per_document(LENGTHS, causal, *(t[:, i : i + 1] for t in (q, k, v, do)))
+        reference_per_document(LENGTHS, causal, *(t[:, i : i + 1] for t in (q, k, v, do)))
         for i in range(B)
     ))]  # fmt: skip
     got = [outs, *([x.grad for x in xs] for xs in leaves)]
@@ -323,7 +323,7 @@ def test_startrail_packed_varlen_on_ranks(kernel):
     p, c, lengths = 4, 2, [2039, 1013, 509, 3]
     results = run_ranks(p, _multi_rank_case, kernel, c, lengths)
     packed = pack_lengths(lengths, p)
-    ref = _reference_per_document(lengths, True, *_packed_inputs(lengths, 1))
+    ref = reference_per_document(lengths, True, *_packed_inputs(lengths, 1))
     assert_padding_rows_zero([res[0] for res in results], lengths, p)
     for i in range(4):
         got = st.unshard_packed([res[0][i] for res in results], packed)
@@ -354,7 +354,7 @@ def test_packed_falls_back_to_one_call_per_document(kernel):
             cu_seqlens=packed.cu_seqlens, cu_seqlens_padded=packed.cu_seqlens_padded,
         )  # fmt: skip
         torch.autograd.backward(outs, [shards[r][3] for r in range(p)])
-    ref = _reference_per_document(LENGTHS, causal, q, k, v, do)
+    ref = reference_per_document(LENGTHS, causal, q, k, v, do)
     got = [outs, *([x.grad for x in xs] for xs in leaves)]
     assert_padding_rows_zero([[t[r].detach() for t in got] for r in range(p)], LENGTHS, p)
     tol = 1e-6 if kernel.startswith("flash") else 1e-10  # the dense adapter's lse is fp32
