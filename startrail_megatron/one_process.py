@@ -1,7 +1,7 @@
 """All CP ranks in one process: the StarTrail schedule on one device, no torch.distributed.
 
 ``one_process_attention(q_shards, k_shards, v_shards, team_size)`` runs every
-rank's forward (and, through autograd, backward) of ``attention.py`` on one
+rank's forward (and, through autograd, backward) of ``rank/`` on one
 device, in one process: the team collectives and sub-ring P2P exchanges are
 the in-process transport (``comm/in_process.py``: tensor copies between ranks
 run as cooperative threads, one at a time). It exists to check and time the

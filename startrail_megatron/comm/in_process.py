@@ -3,7 +3,7 @@
 ``InProcessTeam`` and ``InProcessP2P`` implement ``TeamCollectives`` and
 ``PeerExchange`` (``protocols.py``) between ranks that run as cooperative
 threads of one process (``Baton``), so ``one_process.py`` can run the
-unchanged per-rank schedule of ``attention.py`` for all ranks on one device.
+unchanged per-rank schedule of ``rank/`` for all ranks on one device.
 
 Scheduling: each rank runs in its own Python thread, but the threads are
 coroutines: ``Baton.run`` hands a baton to one rank at a time, in rank order,

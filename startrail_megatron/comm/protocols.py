@@ -1,9 +1,9 @@
 """The communication seam: what the StarTrail schedule needs from a transport.
 
-``attention.py`` runs one rank's forward and backward against two objects:
+``rank/`` runs one rank's forward and backward against two objects:
 
-* ``TeamCollectives`` over the C ranks of a team (the all-gathers of q and of
-  k, v and the reduce-scatters of the output and gradients), each available
+* ``TeamCollectives`` over the C ranks of a team (the all-gathers of q, lse, dout
+  and delta, the reduce-scatters of the output and dq), each available
   asynchronously (``*_start`` -> ``Handle``); the all-gather-KV peer
   uses the same interface over the whole CP group;
 * ``PeerExchange`` for the P2P steps: the sub-ring steps (``exchange``), and the

@@ -26,17 +26,19 @@ def _elems(shape: AttnShape) -> tuple[int, int, int]:
 
 def startrail_buffers(team_size: int, shape: AttnShape) -> dict[str, int]:
     """Bytes of each buffer StarTrail (ring: C = 1) holds at its peak, a kernel call of a
-    backward sub-ring step, by its name in ``attention.startrail_rank_backward``.
+    backward sub-ring step, named after ``rank.backward.startrail_rank_backward``'s
+    tensors (``do_team``: its ``dout_team``; ``kv_cur``: the K,V ``KVRing.held`` gives;
+    ``next KV in flight``: the ring's receive buffer).
 
     The caller's q, k, v, out and dout are not counted (with C = 1, ``q_team`` and
     ``do_team`` are q and dout themselves). What the forward keeps (``(saved)``): the
     team's q and this rank's own K,V, with the output (C + 3) A; the paper keeps the
     team's K,V, (3C + 1) A, but the placement here sends each member's K,V straight
-    from the member (``layout.py``'s Note). The rest is the backward's working set:
+    from the member (``schedule/layout.py``'s Note). The rest is the backward's working set:
     what double-buffering both directions of the sub-ring needs (``G > 1``) and fp32
     where sums accumulate over calls and steps: a step's dK/dV is added straight into the
-    partial sum received for it (``attention._StepDkv``). ``kernel call`` is the largest call's gradients (at most the
-    whole team block); the kernel's own workspace comes on top (``tests/test_memory.py``
+    partial sum received for it (``rank.dkv.StepDkvSum``). ``kernel call`` is the largest
+    call's gradients (at most the whole team block); the kernel's own workspace comes on top (``tests/test_memory.py``
     measures it).
     """
     c, g = team_size, shape.cp_size // team_size**2

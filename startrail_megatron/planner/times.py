@@ -52,13 +52,13 @@ def ring_pipeline(
 
     ``comp[s][r]``: rank r's kernel time at step s; ``prev[r]``: its ring predecessor.
     A transfer completes ``x`` after both its ends have posted it, and a rank's wait
-    covers its send and its receive (``P2PHandle.wait``). Forward (``attention.startrail_rank_forward``):
+    covers its send and its receive (``P2PHandle.wait``). Forward (``rank.forward.startrail_rank_forward``):
     rank r posts the next KV exchange when it starts step s-1, and starts step s once it
     has finished step s-1 and that exchange (KV to its successor, from its predecessor)
     is done. Backward (``x_dkv > 0``, ``startrail_rank_backward``): KV travels as in the forward; after
     computing step s, rank r waits for the dK/dV exchange it posted when it ended step
     s-1 (its partial to the successor, the predecessor's to it), adds it, and posts the
-    next (``attention._StepDkv``: the step's gradients are kept until then and added into
+    next (``rank.dkv.StepDkvSum``: the step's gradients are kept until then and added into
     what it received). Ranks thus do not meet at every step: a rank that holds a causal diagonal
     block at one step and full blocks at the others pays its own sum, not the per-step
     maximum over ranks. Without ``cl.overlap`` the transfers take the ranks' own time
@@ -181,20 +181,21 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
             for pr, nc, sh in own
         )
 
-    # Forward: place = initial_placement(kv_local); q_h = all_gather_start(q); the own
-    # rows' calls (step_calls(own_first=True)); q_h.wait() ...
+    # Forward: ring.start_placement(kv_local); q_gather = all_gather_start(q); the own
+    # rows' calls (plan.own); q_gather.wait() ...
     fwd = first(gather(c1 * uq * e), False)
     fwd += pipeline(comp_f, jump(kv_msg) if g > 1 else 0.0)
-    # lse all-gather, out reduce-scatter: per head group of the last step (_TailCombine);
+    # lse all-gather, out reduce-scatter: per head group of the last step (TeamCombine);
     # all but the last group's travel while the next group computes (tail_head_groups)
     fwd += tail(gather(c1 * lay.team_size * rows * a) + scatter(c1 * uq * a), comp_f)
-    # Backward: do_h, delta_h = all_gather_start(...); place = initial_placement(kv_local);
-    # the own rows' calls with local dout and delta; do_h.wait(), delta_h.wait() ...
+    # Backward: dout_gather, delta_gather = all_gather_start(...);
+    # ring.start_placement(kv_local); the own rows' calls with local dout and delta;
+    # dout_gather.wait(), delta_gather.wait() ...
     bwd = first(gather(c1 * (uq * e + rows * a)), True)
     x = jump(kv_msg + dkv_msg) if g > 1 else 0.0  # KV and dK/dV share the link
     bwd += pipeline(comp_b, x, x)
     home = fan(lambda r: lay.dkv_home_targets(r, active), 2 * ukv * a)
-    # dq's reduce-scatter per head group of the last step (dq_hs in the backward): all but
+    # dq's reduce-scatter per head group of the last step (dq_scatters in the backward): all but
     # the last group's travel while the next group computes, the rest beside the parts
     bwd += both(tail(scatter(c1 * uq * a), comp_b), home)
     return fwd, bwd

@@ -46,7 +46,7 @@ Example P = 8, C = 2 (G = 2, T = 4, team placement), KV team held per step:
   6    (3,0) |   2    |   0
   7    (3,1) |   3    |   1
 
-The backward (``attention.py``) replays the same KV schedule; the KV copy
+The backward (``rank/backward.py``) replays the same KV schedule; the KV copy
 carries its running dK/dV along, and after step G-1 it goes home: the paper returns
 the copy to the rank that sent it in step 2 (``dkv_return_peers``) and reduce-scatters
 dK/dV in the team; here each member's rows go straight to that member
