@@ -58,3 +58,13 @@ def assert_startrail_ran(proof: dict) -> None:
     for what in ("local_lengths", "bytes", "calls"):
         got, want = proof[what]
         assert got == want, (what, got, want)
+
+
+def entry_point_train(rank: int, world: int, argv: list[str]) -> None:
+    """What each rank of ``python -m startrail_megatron.pretrain_gpt --nproc N`` runs
+    (``training.train`` on the parsed flags), on a pool rank: the same training without
+    spawning and importing N new interpreters (``test_megatron.py::test_readme_main_command``
+    and the Ctrl-C test run the spawn itself)."""
+    from startrail_megatron.megatron.training import parse_args, train
+
+    train(parse_args(argv))

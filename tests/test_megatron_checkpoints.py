@@ -1,6 +1,8 @@
-"""Checkpoints through the real entry point (issue 11, item 2).
+"""Checkpoints through the entry point's training (issue 11, item 2).
 
-``python -m startrail_megatron.pretrain_gpt --nproc N`` as a user runs it: a StarTrail run
+``python -m startrail_megatron.pretrain_gpt --nproc N``'s per-rank training
+(``megatron_common.entry_point_train``: its flags, its loop, its ``--save`` / ``--load`` /
+``--log-json``, on N pool ranks instead of N spawned interpreters): a StarTrail run
 (CP = 4, C = 2) saves at iteration 2; the checkpoint is loaded at CP = 1, at CP = 2 with
 C = 1 and at CP = 8 with C = 2, and a CP = 1 checkpoint is loaded into StarTrail; each
 continues with Adam (its state restored from the checkpoint) to iteration 5. Losses and
@@ -22,11 +24,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+from harness import run_ranks
+from megatron_common import entry_point_train
 
 ARGS = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -40,18 +42,18 @@ LOSS_TOL, PARAM_TOL = 1e-5, 1e-5
 
 def _layout(cp: int, team: int | None) -> list[str]:
     if cp == 1:
-        return ["--nproc", "1"]
-    flags = ["--nproc", str(cp), "--context-parallel-size", str(cp)]
+        return []
+    flags = ["--context-parallel-size", str(cp)]
     return flags + ["--context-parallel-impl", "startrail", "--startrail-team-size", str(team)]
 
 
 def _pretrain(tmp, name: str, cp: int, team: int | None, *extra: str) -> dict:
-    """One run of the entry point; its per-iteration log and final parameters."""
+    """One run of the entry point's training on ``cp`` ranks; its per-iteration log and
+    final parameters."""
     log, save = tmp / f"{name}.json", tmp / f"{name}_ckpt"
-    cmd = [sys.executable, "-m", "startrail_megatron.pretrain_gpt", *ARGS, *_layout(cp, team)]
-    cmd += ["--train-iters", str(ITERS), "--log-json", str(log), "--save", str(save), *extra]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
+    argv = [*ARGS, *_layout(cp, team)]
+    argv += ["--train-iters", str(ITERS), "--log-json", str(log), "--save", str(save), *extra]
+    run_ranks(cp, entry_point_train, argv, timeout=600)
     entries = json.loads(log.read_text())
     return {
         "iterations": [e["iteration"] for e in entries],

@@ -6,8 +6,9 @@ give bitwise the same losses and gradients, another ``--seed`` different ones, a
 attention dropout off (hidden dropout kept) changes them too, so the attention's masks were
 used; every layer's StarTrail attention ran dropout (``dropout_calls``) and moved exactly
 the bytes of the run without it. Through the real entry point
-(``python -m startrail_megatron.pretrain_gpt``): the default flags are accepted and two runs
-log bitwise the same losses, with dropout calls recorded.
+(``python -m startrail_megatron.pretrain_gpt --nproc 4``): the default flags are accepted,
+and its logged losses are bitwise those of a second run of the same training (the entry
+point's per-rank ``train`` on pool ranks), with dropout calls recorded.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 
 import torch
 from harness import run_ranks
-from megatron_common import assert_startrail_ran
+from megatron_common import assert_startrail_ran, entry_point_train
 from test_megatron import BASE, _train, st_flags
 
 DROP = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
@@ -44,18 +45,21 @@ def test_dropout_training_is_reproducible_and_uses_the_masks():
         assert no_attn[r][2]["dropout_calls"] == 0
 
 
-def _entry_point(tmp_path, name):
+def _entry_point(tmp_path, name, spawn: bool):
+    """The entry point spawned as a user runs it, or its per-rank training on pool ranks."""
     log = tmp_path / f"{name}.json"
-    cmd = [
-        sys.executable, "-m", "startrail_megatron.pretrain_gpt", *BASE, *DROP, *st_flags(4, 2),
-        "--nproc", "4", "--train-iters", "3", "--log-json", str(log),
-    ]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
+    argv = [*BASE, *DROP, *st_flags(4, 2), "--train-iters", "3", "--log-json", str(log)]
+    if spawn:
+        cmd = [sys.executable, "-m", "startrail_megatron.pretrain_gpt", *argv, "--nproc", "4"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-4000:]
+    else:
+        run_ranks(4, entry_point_train, argv)
     return json.loads(log.read_text())
 
 
 def test_entry_point_accepts_megatron_default_dropout(tmp_path):
-    first, second = _entry_point(tmp_path, "a"), _entry_point(tmp_path, "b")
+    first, second = _entry_point(tmp_path, "a", True), _entry_point(tmp_path, "b", False)
+    assert len(first) == len(second) == 3
     assert [e["loss"] for e in first] == [e["loss"] for e in second]
     assert all(e["startrail"]["dropout_calls"] > 0 for e in first)
