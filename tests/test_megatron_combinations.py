@@ -64,11 +64,28 @@ def _checkpoint_params(ckpt) -> dict:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and "_extra" not in k}
 
 
-def _reference(tmp_path, gbs: int):
-    ckpt = tmp_path / "reference"
-    argv = BASE + ["--global-batch-size", str(gbs)]
-    losses = run_ranks(1, _run, argv, str(ckpt))[0][0]
-    return losses, _checkpoint_params(ckpt)
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """The one-rank runs, each made once for the module: the reference of a global batch
+    size (``reference(gbs)``) and the parameters at initialisation (``init()``)."""
+    tmp, refs, init = tmp_path_factory.mktemp("one_rank"), {}, []
+
+    def reference(gbs: int):
+        if gbs not in refs:
+            ckpt = tmp / f"reference{gbs}"
+            argv = BASE + ["--global-batch-size", str(gbs)]
+            losses = run_ranks(1, _run, argv, str(ckpt))[0][0]
+            refs[gbs] = losses, _checkpoint_params(ckpt)
+        return refs[gbs]
+
+    def at_init():
+        if not init:
+            ckpt = tmp / "init"
+            run_ranks(1, _init, str(ckpt))
+            init.append(_checkpoint_params(ckpt))
+        return init[0]
+
+    return reference, at_init
 
 
 @pytest.mark.slow
@@ -77,12 +94,13 @@ def _reference(tmp_path, gbs: int):
     [(2, 4, 2, "team"), (2, 2, 1, "team"), (1, 8, 2, "ring")],
     ids=["tp2-cp4-c2", "dp2-cp2-tp2-ring", "cp8-c2-ring-placement"],
 )
-def test_layout_on_8_ranks_matches_one_rank(tmp_path, tp, cp, team, placement):
+def test_layout_on_8_ranks_matches_one_rank(tmp_path, one_rank, tp, cp, team, placement):
     dp = 8 // (tp * cp)
     argv = BASE + ["--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp)]
     argv += ["--context-parallel-impl", "startrail", "--startrail-team-size", str(team)]
     argv += ["--startrail-placement", placement, "--global-batch-size", str(2 * dp)]
-    ref_losses, ref_params = _reference(tmp_path, 2 * dp)
+    reference, at_init = one_rank
+    ref_losses, ref_params = reference(2 * dp)
     ckpt = tmp_path / "run"
     results = run_ranks(8, _run, argv, str(ckpt))
     by_tp: dict[int, dict] = {}
@@ -101,7 +119,7 @@ def test_layout_on_8_ranks_matches_one_rank(tmp_path, tp, cp, team, placement):
         err = ((got[k] - r).abs().max() / r.abs().max()).item()
         assert err <= TOL, f"{k}: {err:.2e}"
     # the steps moved the parameters far beyond the tolerance: the comparison can fail
-    init = _checkpoint_params_at_init(tmp_path)
+    init = at_init()
     assert (
         max(((ref_params[k] - init[k]).abs().max() / init[k].abs().max()).item() for k in init)
         > 1e3 * TOL
@@ -115,10 +133,3 @@ def _init(rank, world, ckpt):
         T.save_checkpoint(ckpt, T.build_model(args), STEPS)
     finally:
         T.teardown()
-
-
-def _checkpoint_params_at_init(tmp_path) -> dict:
-    ckpt = tmp_path / "init"
-    if not ckpt.exists():
-        run_ranks(1, _init, str(ckpt))
-    return _checkpoint_params(ckpt)
