@@ -74,11 +74,10 @@ class RankCall:
     options: AttnOptions = NO_OPTIONS
     own_rows_first: bool | None = None
     team_hosts: int = 1
-    dropouts: DropoutRecords = field(default=None, compare=False)  # type: ignore[assignment]
+    dropouts: DropoutRecords = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.dropouts is None:
-            object.__setattr__(self, "dropouts", DropoutRecords(self.options.dropout_p))
+        object.__setattr__(self, "dropouts", DropoutRecords(self.options.dropout_p))
 
     @classmethod
     def over_groups(

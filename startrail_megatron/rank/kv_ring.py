@@ -46,6 +46,8 @@ class KVRing:
     def _wait_placement(self) -> Tensor:
         """The team's K,V in team order (C = 1: the one piece itself); the member-order
         buffer it arrived in is dropped."""
+        if self._placement is None:
+            raise RuntimeError("KVRing.held before start_placement: the placement is not sent")
         handle, buf = self._placement
         self._placement = None
         pieces = handle.wait()
