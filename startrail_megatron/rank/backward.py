@@ -16,7 +16,6 @@ from .dkv import StepDkvSum
 from .joint_keys import joint_backward
 from .kernel_calls import kernel_options, row_backward, varlen_backward
 from .kv_ring import KVRing
-from .team_order import TeamOrder
 
 __all__ = ["RankGrads", "delta_stand_in", "startrail_rank_backward"]
 
@@ -69,7 +68,7 @@ def startrail_rank_backward(
     n, hkv = C * s, kv_local.shape[3]
     acc = acc_dtype(dout.dtype)
     softcap = rc.options.softcap
-    order = TeamOrder(rc.layout, rc.team, rc.member, rc.causal, rc.packed)
+    order = rc.team_order
     # Team rows' dout and D = rowsum(dout * out), gathered in team order, while K,V
     # travels to its first holder (Note [overlap]).
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [s, b, hq]

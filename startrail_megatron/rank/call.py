@@ -29,6 +29,7 @@ from ..schedule import StepPlan, plan_step, splits_first_step, startrail_active_
 from ..schedule.layout import ActiveSteps, StarTrailLayout
 from ..schedule.packing import PackedLayout
 from ..validation import NO_OPTIONS, AttnOptions
+from .team_order import TeamOrder
 
 __all__ = ["DropoutRecords", "RankCall"]
 
@@ -112,6 +113,11 @@ class RankCall:
     @cached_property
     def member(self) -> int:
         return self.layout.coord(self.rank)[1]
+
+    @cached_property
+    def team_order(self) -> TeamOrder:
+        """Member order <-> this rank's team-buffer order, shared by forward and backward."""
+        return TeamOrder(self.layout, self.team, self.member, self.causal, self.packed)
 
     def active_steps(self, s_local: int) -> ActiveSteps | None:
         """The steps each sub-ring computes (``schedule.startrail_active_steps``): all G

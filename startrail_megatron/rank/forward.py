@@ -13,7 +13,6 @@ from .combine import TeamCombine
 from .joint_keys import joint_forward
 from .kernel_calls import kernel_options, row_forward, varlen_forward
 from .kv_ring import KVRing
-from .team_order import TeamOrder
 
 __all__ = ["startrail_rank_forward"]
 
@@ -40,7 +39,7 @@ def startrail_rank_forward(
     C = rc.layout.team_size
     s, b, hq, d = q.shape
     softcap = rc.options.softcap
-    order = TeamOrder(rc.layout, rc.team, rc.member, rc.causal, rc.packed)
+    order = rc.team_order
     # 1-2. The initial K,V placement (each member's K,V straight to its team's C first
     # holders) and the team all-gather of q, in flight together (Note [overlap]).
     kv_local = torch.stack((k, v), dim=1)  # [s, 2, b, hkv, d]: kept for the backward
