@@ -472,7 +472,7 @@ def _install_hooks(rank, world, timeout_kw):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from startrail_megatron.megatron import cpu_support, hooks, registry
+    from startrail_megatron.megatron import cpu_support, hooks, registry, versions
 
     seen = []
     create = registry.StarTrailGroups.create
@@ -501,11 +501,11 @@ def _install_hooks(rank, world, timeout_kw):
         model = GPTModel(cfg, local, 128, 32, mtp_block_spec=mtp, position_embedding_type="rope")
         decoder = [type(layer.self_attention.core_attention) for layer in model.decoder.layers]
         mtp_layers = [
-            type(layer.transformer_layer.self_attention.core_attention)
+            type(versions.mtp_layer(layer).self_attention.core_attention)
             for layer in model.mtp.layers
         ]
         # the caller's specs are not mutated
-        assert _core_attentions(mtp.layer_specs[0].submodules.transformer_layer) == [
+        assert _core_attentions(versions.mtp_layer(mtp.layer_specs[0].submodules)) == [
             _core_attentions(local)[0]
         ]
         tokens = torch.randint(0, 128, (2, 32))

@@ -13,10 +13,14 @@ Tolerances: the same run resumed at the same layout is bitwise the uninterrupted
 change of CP layout changes fp32 summation order (~1e-7); Adam turns such noise in
 near-zero gradients into updates of up to ``lr``, so the cross-layout runs use
 ``--adam-eps 1e-4`` (updates linear in such noise) and compare losses to 1e-5 and
-parameters to 1e-5 relative to each tensor's largest entry (measured: 2e-6 between the
-uninterrupted CP = 1 and StarTrail runs, < 5e-7 after a resume). With a fresh Adam state
-after loading (the state not carried over) the parameters differ by about 1
-(``test_a_fresh_optimizer_state_is_detected``), so the comparison can fail.
+parameters to 1e-4 relative to each tensor's largest entry. Measured between the
+uninterrupted CP = 1 and StarTrail runs: 2e-6 on megatron-core 0.16; on 0.19, up to
+2.7e-5, always in the attention output projection's bias, whose largest entry is only
+2.6e-3 (1.2e-7 absolute, as in every other tensor; CP = 2 and CP = 4 with ring attention,
+C = 1, give 1.9e-5 and 7.7e-6 there: layout noise, not StarTrail's). After a resume:
+< 5e-7. With a fresh Adam state after loading (the state not carried over) the parameters
+differ by about 1 (``test_a_fresh_optimizer_state_is_detected``), so the comparison can
+fail.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ ARGS = [
     "--optimizer", "adam", "--lr", "1e-3", "--adam-eps", "1e-4", "--log-interval", "100",
 ]  # fmt: skip
 ITERS, AT = 5, 2
-LOSS_TOL, PARAM_TOL = 1e-5, 1e-5
+LOSS_TOL, PARAM_TOL = 1e-5, 1e-4
 
 
 def _layout(cp: int, team: int | None) -> list[str]:

@@ -2,7 +2,9 @@
 
 megatron-core assumes CUDA in a few places (``torch.cuda.current_device()``
 for buffers and RoPE frequencies, ``torch.cuda.synchronize()`` in the
-checkpoint writer, a CUDA causal mask, ``pin_memory`` in RoPE's CP slicing,
+checkpoint writer, ``torch.cuda.current_stream()`` in the DDP's gradient
+sync from 0.19, the hybrid stack's final norm that is always Transformer
+Engine's in 0.19, a CUDA causal mask, ``pin_memory`` in RoPE's CP slicing,
 the CUDA RNG tracker). On a machine without CUDA we point those at the CPU;
 nothing is patched when CUDA is available, and nothing on import.
 
@@ -84,6 +86,22 @@ class _CpuRNGTracker:
         finally:
             self.states_[name] = torch.get_rng_state()
             torch.set_rng_state(orig)
+
+
+class _CpuStream:
+    """``torch.cuda.current_stream()`` on the CPU: one in-order stream, nothing to wait on."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CPU_STREAM = _CpuStream()
 
 
 def _cpu_causal_mask(sq: int) -> torch.Tensor:
@@ -171,11 +189,19 @@ def _apply_patches() -> None:
 
     _patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
     _patch(torch.cuda, "synchronize", lambda device=None: None)  # checkpoint writer; no device
+    _patch(torch.cuda, "current_stream", lambda device=None: _CPU_STREAM)  # DDP grad sync (0.19)
     for mod in (tutils, fused_softmax):
         _patch(mod, "get_default_causal_mask", _cpu_causal_mask)
         if hasattr(mod, "get_sliding_window_causal_mask"):
             _patch(mod, "get_sliding_window_causal_mask", _cpu_sliding_window_causal_mask)
     for mod in (rope_utils, rotary):
         _patch(mod, "get_pos_emb_on_this_cp_rank", _cpu_pos_emb_on_this_cp_rank)
+    try:  # megatron-core >= 0.19: HybridStack's final norm is TENorm whatever the spec
+        import megatron.core.models.hybrid.hybrid_block as hybrid_block
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    except ImportError:
+        hybrid_block = None
+    if hybrid_block is not None:
+        _patch(hybrid_block, "TENorm", WrappedTorchNorm)
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", _CpuRNGTracker())
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)

@@ -64,8 +64,8 @@ def forward_backward(
     ``--calculate-per-token-loss``); gradients left in ``main_grad``. ``backward=False``:
     the loss alone, no graph (the evaluation); ``return_tokens``: (loss, token count)."""
     from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
+    from ..versions import batch_on_this_cp_rank
     from .data import eod_id
 
     dev = rank_device()  # also of every reduced tensor: NCCL groups take CUDA tensors only
@@ -84,7 +84,8 @@ def forward_backward(
         if args.reset_attention_mask:  # packed documents: per-document zigzag, THD
             batch, psp = pack_micro_batch(batch, eod_id(args))
         else:
-            batch, psp = get_batch_on_this_cp_rank(batch), None
+            cp = parallel_state.get_context_parallel_group()
+            batch, psp = batch_on_this_cp_rank(batch, cp), None
         with torch.set_grad_enabled(backward):
             losses = model(
                 batch["tokens"],
