@@ -6,10 +6,14 @@ included, gets the StarTrail groups (``registry.create_startrail_groups``)
 right after Megatron's, with the same ``distributed_timeout_minutes`` as
 Megatron's groups; wraps ``destroy_model_parallel`` to release them first
 (``registry.release_all_startrail_groups``: entries dropped, their
-communicators destroyed); and rewrites the layer spec and the
-multi-token-prediction block spec given to ``GPTModel``
-(``spec.apply_startrail_spec``). ``uninstall()`` restores the three
-attributes; nothing is installed on import.
+communicators destroyed); and wraps the model builders: the layer spec and
+the multi-token-prediction block spec given to ``GPTModel``, and the hybrid
+stack spec given to ``HybridModel`` (megatron-core 0.19; its MTP block spec
+is inside it) are rewritten (``spec.apply_startrail_spec``), and the built
+model is checked (``spec.check_startrail_model``: a layer that would mix
+tokens other than through StarTrail on CP ranks is refused by name).
+``uninstall()`` restores every wrapped attribute; nothing is installed on
+import.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from datetime import timedelta
 from ..schedule import check_own_rows_first
 from ..schedule.layout import PLACEMENTS, Placement
 from .registry import create_startrail_groups, release_all_startrail_groups
-from .spec import apply_startrail_spec
+from .spec import apply_startrail_spec, check_startrail_model
 
 __all__ = ["install", "installed_config", "uninstall"]
 
@@ -92,22 +96,38 @@ def install(
     if spec_hook:
         from megatron.core.models.gpt import gpt_model
 
-        orig_gpt_init = gpt_model.GPTModel.__init__
-
-        gpt_sig = inspect.signature(orig_gpt_init)
-
-        @functools.wraps(orig_gpt_init)
-        def gpt_init(self, *args, **kwargs):
-            bound = gpt_sig.bind(self, *args, **kwargs)
-            # the decoder's layers and the multi-token-prediction (--mtp-num-layers) layers
-            for name in ("transformer_layer_spec", "mtp_block_spec"):
-                if bound.arguments.get(name) is not None:
-                    bound.arguments[name] = apply_startrail_spec(bound.arguments[name])
-            return orig_gpt_init(*bound.args, **bound.kwargs)
-
-        gpt_model.GPTModel.__init__ = gpt_init
-        undo.append(lambda: setattr(gpt_model.GPTModel, "__init__", orig_gpt_init))
+        # the decoder's layers and the multi-token-prediction (--mtp-num-layers) layers
+        undo.append(_wrap_builder(gpt_model.GPTModel, ("transformer_layer_spec", "mtp_block_spec")))
+        try:
+            from megatron.core.models.hybrid import hybrid_model
+        except ImportError:  # megatron-core < 0.19: no HybridModel
+            hybrid_model = None
+        if hybrid_model is not None:
+            undo.append(_wrap_builder(hybrid_model.HybridModel, ("hybrid_stack_spec",)))
     _INSTALLED["undo"] = undo
+
+
+def _wrap_builder(cls: type, spec_args: tuple[str, ...]):
+    """Wrap ``cls.__init__``: the named spec arguments rewritten for StarTrail, the built
+    model checked; returns the undo."""
+    from megatron.core import parallel_state
+
+    orig = cls.__init__
+    sig = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def init(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        for name in spec_args:
+            if bound.arguments.get(name) is not None:
+                bound.arguments[name] = apply_startrail_spec(bound.arguments[name])
+        orig(*bound.args, **bound.kwargs)
+        cp = getattr(getattr(self, "pg_collection", None), "cp", None)
+        size = cp.size() if cp is not None else parallel_state.get_context_parallel_world_size()
+        check_startrail_model(self, size)
+
+    cls.__init__ = init
+    return lambda: setattr(cls, "__init__", orig)
 
 
 def _megatron_timeout(sig: inspect.Signature, args, kwargs) -> timedelta | None:
