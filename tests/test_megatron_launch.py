@@ -319,8 +319,22 @@ def test_launcher_bad_flag_names_it(fake_megatron_lm):
     assert "--seq-length 60 must be divisible by 2 * --context-parallel-size = 8" in res.stderr
 
 
-def test_patch_targets_pretrain_gpt():
+@pytest.mark.parametrize(
+    "name, call",
+    [
+        ("megatron-lm-core_r0.16.0-to-core_r0.17.0-startrail.patch", "forward_step,"),
+        ("megatron-lm-core_r0.18.0-to-main-startrail.patch", "parse_and_validate_args("),
+    ],
+)
+def test_patch_targets_pretrain_gpt(name, call):
+    """Each patch chains StarTrail's provider into the call that parses Megatron-LM's
+    arguments in its releases (``pretrain(..., forward_step, ...)`` up to core_r0.17.0,
+    from core_r0.18.0 ``parse_and_validate_args(...)``); that they apply is checked against the releases'
+    checkouts by hand (README, "Upstream Megatron-LM"): no Megatron-LM source is here."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    patch = open(os.path.join(here, "patches", "megatron-lm-core_r0.16.0-startrail.patch")).read()
-    assert "+++ b/pretrain_gpt.py" in patch
-    assert "startrail_megatron.megatron.arguments import extra_args_provider" in patch
+    patch = open(os.path.join(here, "patches", name)).read()
+    assert patch.count("+++ b/pretrain_gpt.py") == 1
+    assert "+from startrail_megatron.megatron.arguments import extra_args_provider" in patch
+    assert "+        extra_args_provider=partial(" in patch
+    hunk = patch[patch.index("extra_args_provider=partial(") - 400 :]
+    assert call in hunk.split("extra_args_provider=partial(")[0], hunk
