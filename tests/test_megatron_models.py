@@ -10,7 +10,8 @@ The HybridModel case: a stack of attention layers (pattern ``*-*``: attention, M
 attention) at CP = 4 with StarTrail C = 2 against the same model at CP = 1, loss and every
 parameter gradient in float32 to 1e-5 relative. Proof that StarTrail ran: each attention
 layer's core attention is ``StarTrailCoreAttention`` and its K,V P2P bytes are recorded.
-Tests marked ``megatron_min`` need that megatron-core and are deselected (and counted in the
+With an MTP depth (``*-/*``) the MTP layers, built from the same rewritten hybrid stack,
+hold StarTrail too. Tests marked ``megatron_min`` need that megatron-core and are deselected (and counted in the
 summary) on an older one: the Python 3.11 lane has 0.16, the 3.12 lane 0.19.
 """
 
@@ -220,3 +221,59 @@ def test_gpt_layer_the_rewrite_does_not_reach_is_refused_on_cp_ranks():
         assert msg.startswith("ValueError") and "OwnAttn with core attention" in msg, msg
         assert "decoder.layers.0.self_attention" in msg, msg
     assert run_ranks(1, _gpt_with_own_attention) == ["built"]
+
+
+def _hybrid_with_mtp(rank, world):
+    """HybridModel with one MTP depth ('*-/*'): its MTP layers are built from the same
+    (rewritten) hybrid stack, so their attention is StarTrail's too."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    mtp_layer = MultiTokenPredictionLayerSubmodules(
+        enorm=WrappedTorchNorm,
+        hnorm=WrappedTorchNorm,
+        eh_proj=ColumnParallelLinear,
+        mtp_model_layer=None,  # built from the hybrid stack's submodules
+        layer_norm=WrappedTorchNorm,
+    )
+    stack = _hybrid_stack()
+    stack.submodules.mtp_block_spec = ModuleSpec(
+        module=MultiTokenPredictionBlock,
+        submodules=MultiTokenPredictionBlockSubmodules(
+            layer_specs=[ModuleSpec(module=MultiTokenPredictionLayer, submodules=mtp_layer)]
+        ),
+    )
+
+    def build():
+        cfg = _config(2, world)
+        cfg.mtp_num_layers = 1
+        model = HybridModel(
+            cfg, stack, vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern="*-/*"
+        )
+        return sorted(
+            (name, type(m.core_attention).__name__)
+            for name, m in model.named_modules()
+            if hasattr(m, "core_attention")
+        )
+
+    return _on_ranks(world, 1, build)
+
+
+@pytest.mark.megatron_min(0, 19)
+def test_hybrid_model_mtp_layers_get_startrail():
+    assert _megatron_has_hybrid_model()
+    for built in run_ranks(2, _hybrid_with_mtp):
+        assert isinstance(built, list), built
+        names = [name for name, _ in built]
+        assert any(n.startswith("mtp.") for n in names) and any(
+            n.startswith("decoder.") for n in names
+        ), names
+        assert {kind for _, kind in built} == {"StarTrailCoreAttention"}, built
