@@ -12,11 +12,16 @@ Design (measured on the 2-core CI machines): fork (0.1 s for 4 ranks, against
 forked child deadlocks on its first multithreaded op once the parent ran one);
 file:// rendezvous in a temp dir (no port races); a gloo timeout below the task
 deadline so a hung collective fails by itself too. Only one pool lives at a
-time: 2 cores.
+time: 2 cores. The heavy third-party modules the tests import inside their rank
+functions (megatron-core, DeepSpeed, transformers) are imported once in the parent
+before the first fork (``PRELOAD``), so that each new pool's ranks inherit them
+instead of importing them again whenever the pool's size changes.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import multiprocessing as mp
 import os
 import shutil
@@ -36,8 +41,37 @@ _SECONDARY = (
 )
 
 
+PRELOAD = (
+    "megatron.core.models.gpt",
+    "megatron.core.datasets.gpt_dataset",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "deepspeed",
+    "transformers",
+)
+
+
+_preloaded = False
+
+
 class MultiRankError(AssertionError):
     pass
+
+
+def _preload() -> None:
+    """Import ``PRELOAD`` here, once; one that fails to import is left to the test that
+    needs it, which then fails on its own import."""
+    global _preloaded
+    if _preloaded or os.environ.get("STARTRAIL_TEST_PRELOAD") == "0":  # 0: measure without
+        return
+    _preloaded = True
+    for name in PRELOAD:
+        if importlib.util.find_spec(name.split(".")[0]) is None:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
 
 
 def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> None:
@@ -76,6 +110,7 @@ class RankPool:
     def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT):
         self.world_size = world_size
         self.tmp = tempfile.mkdtemp(prefix="startrail_pool_")
+        _preload()
         ctx = mp.get_context("fork")
         self.conns, self.procs = [], []
         for r in range(world_size):
