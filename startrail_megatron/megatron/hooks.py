@@ -22,10 +22,13 @@ import functools
 import inspect
 from datetime import timedelta
 
+import torch
+
 from ..schedule import check_own_rows_first
 from ..schedule.layout import PLACEMENTS, Placement
 from .registry import create_startrail_groups, release_all_startrail_groups
 from .spec import apply_startrail_spec, check_startrail_model
+from .versions import cp_group_from
 
 __all__ = ["install", "installed_config", "uninstall"]
 
@@ -110,8 +113,6 @@ def install(
 def _wrap_builder(cls: type, spec_args: tuple[str, ...]):
     """Wrap ``cls.__init__``: the named spec arguments rewritten for StarTrail, the built
     model checked; returns the undo."""
-    from megatron.core import parallel_state
-
     orig = cls.__init__
     sig = inspect.signature(orig)
 
@@ -122,9 +123,8 @@ def _wrap_builder(cls: type, spec_args: tuple[str, ...]):
             if bound.arguments.get(name) is not None:
                 bound.arguments[name] = apply_startrail_spec(bound.arguments[name])
         orig(*bound.args, **bound.kwargs)
-        cp = getattr(getattr(self, "pg_collection", None), "cp", None)
-        size = cp.size() if cp is not None else parallel_state.get_context_parallel_world_size()
-        check_startrail_model(self, size)
+        cp = cp_group_from(getattr(self, "pg_collection", None))
+        check_startrail_model(self, torch.distributed.get_world_size(cp))
 
     cls.__init__ = init
     return lambda: setattr(cls, "__init__", orig)
