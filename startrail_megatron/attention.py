@@ -98,10 +98,12 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .comm import CommLedger, CommOptions
-from .groups import StarTrailGroups
+from .comm import CommLedger, CommOptions, TeamComm
+from .groups import StarTrailGroups, UlyssesStarTrailGroups
 from .kernels import AttentionKernel, resolve_kernel
 from .rank import RankCall, startrail_rank_backward, startrail_rank_forward
+from .rank.ulysses import HeadsToSeq, SeqToHeads
+from .schedule.ulysses import kv_repeat, ring_segments
 from .validation import (
     agree_once,
     check_comm_options,
@@ -153,7 +155,7 @@ def startrail_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    groups: StarTrailGroups,
+    groups: StarTrailGroups | UlyssesStarTrailGroups,
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
@@ -173,7 +175,11 @@ def startrail_attention(
     Args:
         q: ``[s_local, b, heads_q, head_dim]``, this CP rank's tokens.
         k, v: ``[s_local, b, heads_kv, head_dim]``; heads_q % heads_kv == 0.
-        groups: from ``StarTrailGroups.create`` (same on every CP rank).
+        groups: from ``StarTrailGroups.create`` (same on every CP rank), or from
+            ``UlyssesStarTrailGroups.create``: the 2-D split (``schedule/ulysses.py``'s
+            Note), which takes everything below except ``dropout_p`` and ``joint_kv``
+            (refused by name) and needs ``heads_q`` divisible by U and ``heads_kv`` and
+            U dividing one another.
         causal: causal mask over the global sequence; the inputs must then be
             in Megatron's zigzag layout (CP rank r holds chunks r and 2P-1-r
             of 2P, as ``zigzag_shard`` / ``get_batch_on_this_cp_rank`` give).
@@ -228,13 +234,19 @@ def startrail_attention(
     Returns:
         out ``[s_local, b, heads_q, head_dim]`` in q's dtype.
     """
-    if not isinstance(groups, StarTrailGroups):
+    if not isinstance(groups, (StarTrailGroups, UlyssesStarTrailGroups)):
         raise ValueError(
-            f"groups must be a StarTrailGroups (StarTrailGroups.create), got {type(groups).__name__}"
+            "groups must be a StarTrailGroups or UlyssesStarTrailGroups (their .create), got "
+            f"{type(groups).__name__}"
         )
     validate_inputs(q, k, v, groups.cp_size, causal)
     packed = packed_layout(groups.cp_size, q.shape[0], cu_seqlens, cu_seqlens_padded)
     opts = check_options(q, groups.cp_size, causal, dropout_p, window, softcap, sinks)
+    if isinstance(groups, UlyssesStarTrailGroups):
+        return _ulysses_startrail(
+            q, k, v, groups, causal, softmax_scale, kernel, ledger, packed, opts, sinks,
+            joint_kv, comm_options, window, softcap,
+        )  # fmt: skip
     jk, jv = check_joint_kv(joint_kv, k, causal, opts)
     comm_options = check_comm_options(comm_options, q, groups.own_rows_first)
     kern, scale = resolve_kernel(q, kernel, softmax_scale, **opts.kernel_needs)
@@ -246,3 +258,50 @@ def startrail_attention(
         q, k, v, sinks, jk, jv, groups, bool(causal), scale, kern, ledger, packed, opts,
         comm_options,
     )  # fmt: skip
+
+
+def _ulysses_startrail(
+    q, k, v, groups, causal, softmax_scale, kernel, ledger, packed, opts, sinks, joint_kv,
+    comm_options, window, softcap,
+):  # fmt: skip
+    """The 2-D split (``schedule/ulysses.py``'s Note): all-to-all to head shards over the
+    Ulysses group, StarTrail over the ring group, all-to-all back; checked (the same
+    ``ValueError`` on every rank) before any transfer."""
+    u = groups.ulysses_size
+    refused = {"dropout_p > 0": opts.dropout_p > 0, "joint_kv": joint_kv is not None}
+    for what, bad in refused.items():
+        if bad:
+            raise ValueError(
+                f"{what} is not supported with ulysses_size > 1 (ulysses_size={u}) yet: use "
+                "StarTrailGroups (no Ulysses split) for it"
+            )
+    repeat = kv_repeat(u, q.shape[2], k.shape[2])
+    comm_options = check_comm_options(comm_options, q, groups.own_rows_first)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    agree_once(groups, q, k, bool(causal), packed, opts, sinks is not None)
+    if packed is not None:
+        docs = tuple(2 * packed.chunk_len(d) for d in range(packed.num_docs))
+    elif causal or opts.window is not None:
+        docs = (q.shape[0],)
+    else:
+        docs = None  # full attention: any token order
+    runs = ring_segments(u, docs)
+    comm = TeamComm(groups.ulysses_group, u, ledger, comm_options)
+    if repeat > 1:  # GQA with fewer KV heads than U: each member gets one (Note, GQA)
+        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+    names = ("q (ulysses)", "k (ulysses)", "v (ulysses)")
+    qh, kh, vh = SeqToHeads.apply(comm, runs, ledger, names, q, k, v)
+    if sinks is not None:
+        per = q.shape[2] // u
+        sinks = sinks[groups.ulysses_rank * per : (groups.ulysses_rank + 1) * per]
+    cu = cu_pad = None
+    if packed is not None:
+        cu, cu_pad = list(packed.cu_seqlens), list(packed.cu_seqlens_padded)
+    out = startrail_attention(
+        qh, kh, vh, groups.startrail, causal=causal, softmax_scale=softmax_scale,
+        kernel=kernel, ledger=ledger, cu_seqlens=cu, cu_seqlens_padded=cu_pad,
+        window=window, softcap=softcap,
+        sinks=sinks, comm_options=comm_options,
+    )  # fmt: skip
+    return HeadsToSeq.apply(comm, runs, ledger, "out (ulysses)", out)

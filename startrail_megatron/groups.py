@@ -1,4 +1,5 @@
-"""StarTrail's process groups, built from the pure layout over a CP group."""
+"""StarTrail's process groups, built from the pure layout over a CP group (and the 2-D
+split's: ``UlyssesStarTrailGroups``)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import torch.distributed as dist
 
 from .schedule import check_own_rows_first
 from .schedule.layout import Placement, StarTrailLayout
+from .schedule.ulysses import UlyssesLayout
 
-__all__ = ["StarTrailGroups"]
+__all__ = ["StarTrailGroups", "UlyssesStarTrailGroups"]
 
 
 @functools.cache
@@ -218,3 +220,114 @@ class StarTrailGroups:
             _warm_up(g)
         hosts = {gathered[mine[r]][3] for r in layout.team_ranks(team)}
         return cls(layout, cp_group, cp_rank, team_group, subring_group, len(hosts), own_rows_first)
+
+
+@dataclass(frozen=True)
+class UlyssesStarTrailGroups:
+    """The groups of the 2-D split (``schedule/ulysses.py``'s Note [the 2-D split]):
+    head-parallel all-to-all over U consecutive CP ranks, StarTrail over the R = P / U
+    ranks holding the same heads. ``startrail_attention`` takes it in place of a
+    ``StarTrailGroups``.
+
+    Attributes:
+        layout: the pure rank arithmetic (P, U, C, placement).
+        cp_group: the context-parallel group (``None`` = the default world).
+        cp_rank: this rank's index in ``cp_group``.
+        ulysses_group: the U ranks of this rank's Ulysses group, member order.
+        startrail: StarTrail's groups over this rank's ring group (R ranks).
+        agreed: the call settings the CP ranks were checked to agree on.
+    """
+
+    layout: UlyssesLayout
+    cp_group: dist.ProcessGroup | None
+    cp_rank: int
+    ulysses_group: dist.ProcessGroup | None
+    startrail: StarTrailGroups
+    agreed: set = field(default_factory=set, repr=False, compare=False)
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp_size
+
+    @property
+    def team_size(self) -> int:
+        return self.layout.team_size
+
+    @property
+    def ulysses_size(self) -> int:
+        return self.layout.ulysses_size
+
+    @property
+    def ulysses_rank(self) -> int:
+        """This rank's member index in its Ulysses group (its head shard)."""
+        return self.layout.coord(self.cp_rank)[1]
+
+    @property
+    def own_rows_first(self) -> bool | None:
+        return self.startrail.own_rows_first
+
+    @classmethod
+    def create(
+        cls,
+        ulysses_size: int,
+        team_size: int,
+        cp_group: dist.ProcessGroup | None = None,
+        placement: Placement = "team",
+        *,
+        timeout: timedelta | None = None,
+        own_rows_first: bool | None = None,
+    ) -> UlyssesStarTrailGroups:
+        """Build the Ulysses and ring groups over ``cp_group``, then StarTrail's groups over
+        the ring group (a collective call, as ``StarTrailGroups.create``: every rank of the
+        default world calls it with the same arguments at the same point). A bad setting
+        is a ``ValueError`` before any communication; ranks that pass different settings
+        all raise the same ``ValueError``."""
+        check_own_rows_first(own_rows_first)
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "UlyssesStarTrailGroups.create needs torch.distributed to be initialized"
+            )
+        cp_size = dist.get_world_size(cp_group)
+        layout = UlyssesLayout(cp_size, ulysses_size, team_size, placement)  # ValueError
+        cp_rank = dist.get_rank(cp_group)
+        if timeout is None:
+            timeout = _group_timeout(cp_group)
+        if cp_group is None:
+            mine = tuple(range(cp_size))
+        else:
+            mine = tuple(dist.get_global_rank(cp_group, r) for r in range(cp_size))
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (mine, ulysses_size, team_size, placement))
+        if any(len(g[0]) != cp_size for g in gathered):
+            raise ValueError(
+                f"every rank's cp_group must have the same size; got sizes "
+                f"{sorted({len(g[0]) for g in gathered})}"
+            )
+        settings = sorted({g[1:] for g in gathered})
+        if len(settings) > 1:
+            raise ValueError(
+                "the ranks disagree on (ulysses_size, team_size, placement): "
+                f"{settings}; every rank must pass the same"
+            )
+        ring_rank, member = layout.coord(cp_rank)
+        ring_group = ulysses_group = None
+        for cp_ranks in sorted({g[0] for g in gathered}):
+            ours = cp_ranks == mine
+            for u in range(layout.ulysses_size):
+                g = _new_group(
+                    [cp_ranks[r] for r in layout.ring_ranks(u)], timeout, f"startrail_ring_{u}"
+                )
+                if ours and u == member:
+                    ring_group = g
+            for r in range(layout.ring_size):
+                g = _new_group(
+                    [cp_ranks[x] for x in layout.ulysses_ranks(r)], timeout, f"ulysses_{r}"
+                )
+                if ours and r == ring_rank:
+                    ulysses_group = g
+        if layout.ulysses_size > 1:
+            _warm_up(ulysses_group)
+        startrail = StarTrailGroups.create(
+            team_size, ring_group, placement, timeout=timeout, own_rows_first=own_rows_first
+        )
+        return cls(layout, cp_group, cp_rank, ulysses_group, startrail)

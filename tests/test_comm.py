@@ -368,3 +368,35 @@ def test_exchanges_post_receives_before_sends():
         assert order == [["recv", "send"], ["recv", "recv", "send", "send"]], order
         assert one == [float((r - 1) % 4)]
         assert many == [[1.0 + (r ^ 1)], [2.0 + (r - 1) % 4]]
+
+
+def _all_to_all(rank, world):
+    """``TeamComm.all_to_all`` (``all_to_all_single``) against the list form
+    ``dist.all_to_all`` on the same data, its ledger record, and its refusals."""
+    import torch.distributed as dist
+
+    x = torch.arange(world * 3 * 2, dtype=torch.float32).view(world * 3, 2) + 100 * rank
+    ledger = st.CommLedger()
+    tc = comm.TeamComm(None, world, ledger)
+    got = tc.all_to_all(x, "x")
+    outs = [torch.empty(3, 2) for _ in range(world)]
+    dist.all_to_all(outs, list(x.chunk(world)))
+    one = comm.TeamComm(None, 1, ledger).all_to_all(x, "one")  # a group of one: no transfer
+    try:
+        tc.all_to_all_start(x[:5], "bad")
+        bad = None
+    except ValueError as e:
+        bad = str(e)
+    return got, torch.cat(outs), one is x, [(e.op, e.what, e.nbytes) for e in ledger.events], bad
+
+
+def test_all_to_all_both_call_shapes():
+    for rank, (got, listed, one, events, bad) in enumerate(run_ranks(4, _all_to_all)):
+        assert torch.equal(got, listed)
+        # rows j*3 .. of the result came from rank j, its rows rank*3 ..
+        want = torch.cat(
+            [torch.arange(24.0).view(12, 2)[3 * rank : 3 * rank + 3] + 100 * j for j in range(4)]
+        )
+        assert torch.equal(got, want)
+        assert one and events == [("all_to_all", "x", 3 * 24 * 4 // 4)]
+        assert "5 rows do not split over 4 ranks" in bad

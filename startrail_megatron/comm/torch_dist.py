@@ -101,10 +101,10 @@ def all_reduce_sum(x: Tensor, group: dist.ProcessGroup | None, what: str) -> Ten
 
 
 class TeamComm:
-    """All-gather / reduce-scatter over one process group of ``size`` ranks.
+    """All-gather / reduce-scatter / all-to-all over one process group of ``size`` ranks.
 
     StarTrail uses it over a team (C ranks); the all-gather-KV peer over the
-    whole CP group (P ranks). ``*_start`` returns at once with a handle (the
+    whole CP group (P ranks); the 2-D split's all-to-alls over a Ulysses group. ``*_start`` returns at once with a handle (the
     collective runs while the caller computes); the plain forms wait.
     """
 
@@ -154,6 +154,22 @@ class TeamComm:
             _reduce_scatter, "reduce_scatter", out, x, what, sent, op=dist.ReduceOp.SUM
         )
 
+    def all_to_all_start(self, x: Tensor, what: str):
+        """Start an even all-to-all: rows ``j*n .. (j+1)*n`` of ``[size*n, ...]`` go to
+        member j; the handle gives ``[size*n, ...]`` whose rows ``j*n ..`` came from member
+        j (``all_to_all_single``, which NCCL and gloo both take; the Ulysses groups of
+        ``UlyssesStarTrailGroups``). Sends (size-1)/size of ``x``."""
+        if self.size == 1:
+            return DoneHandle(x)
+        if x.shape[0] % self.size:
+            raise ValueError(
+                f"all-to-all of {what!r}: {x.shape[0]} rows do not split over {self.size} ranks"
+            )
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        sent = (self.size - 1) * nbytes(x) // self.size
+        return self._start(dist.all_to_all_single, "all_to_all", out, x, what, sent)
+
     def all_gather(self, x: Tensor, what: str) -> Tensor:
         """[n, ...] on each rank -> [size*n, ...], member order."""
         return self.all_gather_start(x, what).wait()
@@ -161,6 +177,10 @@ class TeamComm:
     def reduce_scatter(self, x: Tensor, what: str) -> Tensor:
         """[size*n, ...] on each rank -> the sum's n rows of this member."""
         return self.reduce_scatter_start(x, what).wait()
+
+    def all_to_all(self, x: Tensor, what: str) -> Tensor:
+        """``all_to_all_start(x, what).wait()``."""
+        return self.all_to_all_start(x, what).wait()
 
 
 class P2PHandle:

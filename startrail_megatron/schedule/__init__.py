@@ -12,6 +12,8 @@
 - ``step``: ``plan_step``, what rank r computes at step s: the attention and the planner
   both call it.
 - ``allgather``: the all-gather-KV peer's calls.
+- ``ulysses``: ``UlyssesLayout``, the 2-D split with head-parallel all-to-all
+  (Note [the 2-D split]).
 """
 
 from .allgather import allgather_calls
