@@ -29,6 +29,14 @@ The peers (``peers/``)
                     reduce-scatter dK,dV     (P-1) 2 u_kv acc
   Ulysses      fwd  all-to-all q, k, v, out  (P-1)/P (2 u_q + 2 u_kv) elem
                bwd  dout, dq, dk, dv         (P-1)/P (2 u_q + 2 u_kv) elem
+
+StarTrail x Ulysses (P = U x R; ``schedule/ulysses.py``'s Note [the 2-D split]):
+the all-to-alls of Ulysses over U ranks (K,V repeated to U heads when ``heads_kv`` < U:
+u_kv' = u_kv * max(1, U / h_kv)), plus StarTrail over R ranks on the shape after the
+all-to-all, ``[U*s, b, h_q/U, h_kv'/U, d]`` (the same elements per tensor as before it):
+
+  fwd  collective  (U-1)/U (2 u_q + 2 u_kv') elem  + StarTrail(R, C) on that shape
+  bwd  collective  (U-1)/U (2 u_q + 2 u_kv') elem  + StarTrail(R, C) on that shape
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .schedule.layout import ActiveSteps, StarTrailLayout
+from .schedule.ulysses import UlyssesLayout, kv_repeat
 
 __all__ = [
     "LocalShape",
@@ -44,6 +53,9 @@ __all__ = [
     "allgather_comm_calls",
     "startrail_comm_bytes",
     "startrail_comm_calls",
+    "split_comm_bytes",
+    "split_comm_calls",
+    "split_ring_shape",
     "ulysses_comm_bytes",
     "ulysses_comm_calls",
     "ulysses_supported",
@@ -167,3 +179,46 @@ def ulysses_comm_calls(cp_size: int) -> dict[str, int]:
 def ulysses_supported(cp_size: int, heads_q: int, heads_kv: int) -> bool:
     """Ulysses shards heads: both head counts must be multiples of the CP size."""
     return heads_q % cp_size == 0 and heads_kv % cp_size == 0
+
+
+# ---- StarTrail x Ulysses -----------------------------------------------------------
+def split_ring_shape(layout: UlyssesLayout, shape: LocalShape) -> LocalShape:
+    """The shape StarTrail's ring group sees after the all-to-all: ``U*s`` tokens, the
+    query heads / U, the (repeated when fewer than U) KV heads / U."""
+    u = layout.ulysses_size
+    hkv = shape.heads_kv * kv_repeat(u, shape.heads_q, shape.heads_kv)
+    return LocalShape(
+        shape.s_local * u, shape.batch, shape.heads_q // u, hkv // u, shape.head_dim,
+        shape.elem_bytes, shape.acc_bytes,
+    )  # fmt: skip
+
+
+def split_comm_bytes(
+    layout: UlyssesLayout, cp_rank: int, shape: LocalShape, active: ActiveSteps | None = None
+) -> dict[str, int]:
+    """Bytes CP rank ``cp_rank`` sends in one forward and backward of the 2-D split: each
+    all-to-all (U-1)/U of its tensor (rounded down per tensor, as sent), plus StarTrail's
+    over its ring group on ``split_ring_shape`` (``active``: its sub-ring steps)."""
+    u, ring = layout.ulysses_size, split_ring_shape(layout, shape)
+    q_t = shape.q_elems * shape.elem_bytes
+    kv_t = shape.tokens * ring.heads_kv * u * shape.head_dim * shape.elem_bytes
+    a2a = 2 * ((u - 1) * q_t // u) + 2 * ((u - 1) * kv_t // u)  # q, out (dout, dq); k, v
+    inner = startrail_comm_bytes(layout.ring, layout.coord(cp_rank)[0], ring, active)
+    inner["fwd_collective"] += a2a
+    inner["bwd_collective"] += a2a
+    return inner
+
+
+def split_comm_calls(
+    layout: UlyssesLayout, cp_rank: int, tail_groups: int = 1, active: ActiveSteps | None = None
+) -> dict[str, int]:
+    """Calls of one forward and backward of the 2-D split: 4 all-to-alls each way (with
+    U > 1) and StarTrail's over the ring group (``tail_groups``: as
+    ``startrail_comm_calls``, over the ring shape's heads)."""
+    ring_rank = layout.coord(cp_rank)[0]
+    sends = layout.ring.p2p_sends(ring_rank, backward=True, active=active)
+    calls = startrail_comm_calls(layout.team_size, sends, tail_groups)
+    n = 4 * int(layout.ulysses_size > 1)
+    calls["fwd_collective"] += n
+    calls["bwd_collective"] += n
+    return calls

@@ -19,11 +19,15 @@ def startrail_proof(args, model, steps: int) -> dict | None:
 
     from startrail_megatron.accounting import (
         LocalShape,
+        split_comm_bytes,
+        split_comm_calls,
+        split_ring_shape,
         startrail_comm_bytes,
         startrail_comm_calls,
     )
     from startrail_megatron.megatron.registry import get_startrail_state
     from startrail_megatron.schedule import tail_head_groups
+    from startrail_megatron.schedule.ulysses import UlyssesLayout
 
     state = get_startrail_state(ps.get_context_parallel_group())
     lay, r = state.groups.layout, state.groups.cp_rank
@@ -38,15 +42,26 @@ def startrail_proof(args, model, steps: int) -> dict | None:
     )
     micro = args.global_batch_size // (args.micro_batch_size * ps.get_data_parallel_world_size())
     n = steps * args.num_layers * micro
-    want = {k: n * v for k, v in startrail_comm_bytes(lay, r, shape).items()}
     dropout = bool(getattr(args, "attention_dropout", 0.0))
-    tail = len(tail_head_groups(lay, shape.heads_q, shape.heads_kv, dropout))
-    calls = startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True), tail)
+    if isinstance(lay, UlyssesLayout):  # the 2-D split: the all-to-alls and StarTrail over R
+        ring = split_ring_shape(lay, shape)
+        want = {k: n * v for k, v in split_comm_bytes(lay, r, shape).items()}
+        tail = len(tail_head_groups(lay.ring, ring.heads_q, ring.heads_kv, dropout))
+        calls = split_comm_calls(lay, r, tail)
+    else:
+        want = {k: n * v for k, v in startrail_comm_bytes(lay, r, shape).items()}
+        tail = len(tail_head_groups(lay, shape.heads_q, shape.heads_kv, dropout))
+        calls = startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True), tail)
     led = state.ledger.summary()
     return {
         "attention": sum(isinstance(m, StarTrailCoreAttention) for m in model.modules()),
         "layers": args.num_layers,
         "local_lengths": (sorted(state.local_lengths), [shape.s_local]),
+        # the 2-D split in use exactly when asked for (its U), not plain StarTrail over P
+        "ulysses_size": (
+            getattr(lay, "ulysses_size", 1),
+            getattr(args, "startrail_ulysses_size", 1),
+        ),
         "bytes": ({k: led[f"{k}_bytes"] for k in want}, want),
         "calls": ({k: led[f"{k}_calls"] for k in want}, {k: n * v for k, v in calls.items()}),
         "dropout_calls": state.dropout_calls,
@@ -55,7 +70,7 @@ def startrail_proof(args, model, steps: int) -> dict | None:
 
 def assert_startrail_ran(proof: dict) -> None:
     assert proof["attention"] == proof["layers"], proof  # StarTrail's module on every layer
-    for what in ("local_lengths", "bytes", "calls"):
+    for what in ("local_lengths", "ulysses_size", "bytes", "calls"):
         got, want = proof[what]
         assert got == want, (what, got, want)
 

@@ -355,6 +355,29 @@ def test_module_level_spec_object():
             "--attention-dropout 1.0: StarTrail needs 0 <= it < 1",
         ),
         (["--startrail-placement", "node"], "--startrail-placement: invalid choice: 'node'"),
+        (
+            st_flags(8, 1) + ["--startrail-ulysses-size", "3"],
+            "--startrail-ulysses-size 3 does not fit --context-parallel-size 8: it must divide "
+            "it; allowed: [1, 2, 4, 8]",
+        ),
+        (
+            st_flags(8, 2) + ["--startrail-ulysses-size", "4"],
+            "--startrail-team-size 2 does not fit the 2 ranks per ring group "
+            "(--context-parallel-size 8 / --startrail-ulysses-size 4)",
+        ),
+        (
+            st_flags(8, 1) + ["--startrail-ulysses-size", "8", "--num-attention-heads", "4"],
+            "--startrail-ulysses-size 8 with --num-attention-heads 4, --num-query-groups 4 and "
+            "--tensor-model-parallel-size 1: ulysses_size=8 must divide the query heads (4)",
+        ),
+        (
+            st_flags(8, 1) + ["--startrail-ulysses-size", "2", "--attention-dropout", "0.1"],
+            "--attention-dropout 0.1 is not supported with --startrail-ulysses-size 2 yet",
+        ),
+        (
+            st_flags(8, "auto") + ["--startrail-ulysses-size", "2"],
+            "--startrail-team-size auto is not supported with --startrail-ulysses-size > 1",
+        ),
         (["--context-parallel-size", "4"], "--context-parallel-impl te needs Transformer Engine"),
     ],
 )

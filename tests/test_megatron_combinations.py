@@ -1,5 +1,6 @@
 """Parallel layouts users run, against one rank without CP (issue 11, item 3): TP = 2 with
-C = 2, DP x CP x TP on 8 ranks, P = 8 with C = 2.
+C = 2, DP x CP x TP on 8 ranks, P = 8 with C = 2; the 2-D split (issue 29): CP = 8 with
+U = 2 and C = 2, TP = 2 x CP = 4 with U = 2.
 
 Each run trains 3 SGD steps with the entry point's own pieces and saves its final
 distributed checkpoint. Checked: the losses (1e-5), the final parameters of the whole
@@ -90,15 +91,22 @@ def one_rank(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "tp, cp, team, placement",
-    [(2, 4, 2, "team"), (2, 2, 1, "team"), (1, 8, 2, "ring")],
-    ids=["tp2-cp4-c2", "dp2-cp2-tp2-ring", "cp8-c2-ring-placement"],
+    "tp, cp, team, placement, ulysses",
+    [
+        (2, 4, 2, "team", 1),
+        (2, 2, 1, "team", 1),
+        (1, 8, 2, "ring", 1),
+        (1, 8, 2, "team", 2),  # the 2-D split: KV heads sharded over U = 2
+        (2, 4, 1, "team", 2),  # TP = 2 x the 2-D split: one KV head per TP rank, repeated
+    ],
+    ids=["tp2-cp4-c2", "dp2-cp2-tp2-ring", "cp8-c2-ring-placement", "cp8-u2-c2", "tp2-cp4-u2"],
 )
-def test_layout_on_8_ranks_matches_one_rank(tmp_path, one_rank, tp, cp, team, placement):
+def test_layout_on_8_ranks_matches_one_rank(tmp_path, one_rank, tp, cp, team, placement, ulysses):
     dp = 8 // (tp * cp)
     argv = BASE + ["--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp)]
     argv += ["--context-parallel-impl", "startrail", "--startrail-team-size", str(team)]
     argv += ["--startrail-placement", placement, "--global-batch-size", str(2 * dp)]
+    argv += ["--startrail-ulysses-size", str(ulysses)]
     reference, at_init = one_rank
     ref_losses, ref_params = reference(2 * dp)
     ckpt = tmp_path / "run"

@@ -28,7 +28,7 @@ from common import (
 from harness import run_ranks
 
 import startrail_megatron as st
-from startrail_megatron.accounting import LocalShape
+from startrail_megatron.accounting import LocalShape, split_comm_bytes, split_comm_calls
 from startrail_megatron.schedule.packing import PackedLayout, pack_lengths
 from startrail_megatron.schedule.ulysses import UlyssesLayout, kv_repeat, ring_segments
 
@@ -153,6 +153,24 @@ def _check_ledger(results, u, c, placement, shape, dtype, active=None):
         assert {e.op for e in a2a} == {"all_to_all"} and len(a2a) == 8
         ring_rank = lay.coord(p)[0]
         assert_startrail_ledger(rest, lay.ring, ring_rank, inner, active)
+        # the totals are the accounting's (what the planner and the benchmark charge)
+        led, shape_p = (
+            st.CommLedger.from_events(events),
+            LocalShape(s, b, hq, hkv, d, el, max(el, 4)),
+        )
+        want_bytes = split_comm_bytes(lay, p, shape_p, active)
+        for ph in ("fwd", "bwd"):
+            for kind in ("p2p", "collective"):
+                assert led.bytes(kind, ph) == want_bytes[f"{ph}_{kind}"], (p, ph, kind)
+        calls = split_comm_calls(lay, p, _tail_groups(lay, inner), active)
+        assert led.calls("collective", "fwd") == calls["fwd_collective"], p
+        assert led.calls("collective", "bwd") == calls["bwd_collective"], p
+
+
+def _tail_groups(lay, inner):
+    from startrail_megatron.schedule import tail_head_groups
+
+    return len(tail_head_groups(lay.ring, inner.heads_q, inner.heads_kv, False))
 
 
 def _check(results, causal, shape, dtype, kw, use_sinks):

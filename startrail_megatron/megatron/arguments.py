@@ -5,6 +5,9 @@
     --startrail-placement {team,ring}
     --startrail-own-rows-first {auto,on,off} the first step's own query rows before the
                                              team gathers are waited on (auto: the rule)
+    --startrail-ulysses-size U               the 2-D split: head-parallel all-to-all over
+                                             U consecutive CP ranks, StarTrail over the
+                                             CP / U ranks holding the same heads
 
 ``add_startrail_args(parser)`` adds them (returns the parser, so it can be
 Megatron-LM's ``extra_args_provider``); ``validate_startrail_args(args)``
@@ -23,6 +26,7 @@ import argparse
 
 from ..schedule import OWN_ROWS_FIRST_SETTINGS
 from ..schedule.layout import PLACEMENTS, valid_team_sizes
+from ..schedule.ulysses import kv_repeat
 from ..validation import own_rows_first_setting
 from .hooks import install
 from .refusals import REFUSED_FLAGS
@@ -82,7 +86,52 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "$STARTRAIL_OWN_ROWS_FIRST where set, else on only where the team spans hosts and "
         "the gather outweighs the K,V placement; docs/performance.md section 11).",
     )
+    group.add_argument(
+        "--startrail-ulysses-size",
+        type=int,
+        default=1,
+        help="The 2-D split: all-to-all of heads over U consecutive CP ranks (a node's fast "
+        "links), StarTrail over the CP/U ranks holding the same heads; U divides "
+        "--context-parallel-size and the attention heads per TP rank, team size squared "
+        "divides CP/U (default 1: StarTrail over the whole CP group).",
+    )
     return parser
+
+
+def _check_ulysses(args: argparse.Namespace, cp: int, c) -> int:
+    """R = CP / U after checking ``--startrail-ulysses-size`` (``ValueError`` naming it)."""
+    u = getattr(args, "startrail_ulysses_size", 1)
+    if not isinstance(u, int) or u < 1 or cp % u != 0:
+        allowed = [d for d in range(1, cp + 1) if cp % d == 0]
+        raise ValueError(
+            f"--startrail-ulysses-size {u} does not fit --context-parallel-size {cp}: it must "
+            f"divide it; allowed: {allowed}"
+        )
+    if u == 1:
+        return cp
+    if c == "auto":
+        raise ValueError(
+            "--startrail-team-size auto is not supported with --startrail-ulysses-size > 1 yet: "
+            "give an integer team size (startrail-plan searches both)"
+        )
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    heads = getattr(args, "num_attention_heads", None)
+    groups = getattr(args, "num_query_groups", None) or heads
+    if heads is not None:
+        try:
+            kv_repeat(u, heads // tp, max(groups // tp, 1))
+        except ValueError as e:
+            raise ValueError(
+                f"--startrail-ulysses-size {u} with --num-attention-heads {heads}, "
+                f"--num-query-groups {groups} and --tensor-model-parallel-size {tp}: {e}"
+            ) from None
+    drop = getattr(args, "attention_dropout", 0.0)
+    if drop:
+        raise ValueError(
+            f"--attention-dropout {drop} is not supported with --startrail-ulysses-size {u} yet: "
+            "pass --attention-dropout 0"
+        )
+    return cp // u
 
 
 def _autotuner_available(args: argparse.Namespace) -> bool:
@@ -119,13 +168,20 @@ def validate_startrail_args(
     cp = getattr(args, "context_parallel_size", 1) or 1
     c = args.startrail_team_size
     auto_ok = _autotuner_available(args) if allow_auto is None else allow_auto
+    ring = _check_ulysses(args, cp, c)
     if c == "auto":
         if not auto_ok:
             raise _refuse_auto()
-    elif not isinstance(c, int) or c < 1 or cp % (c * c) != 0:
+    elif not isinstance(c, int) or c < 1 or ring % (c * c) != 0:
+        over = (
+            f"--context-parallel-size {cp}"
+            if ring == cp
+            else f"the {ring} ranks per ring group (--context-parallel-size {cp} / "
+            f"--startrail-ulysses-size {cp // ring})"
+        )
         raise ValueError(
-            f"--startrail-team-size {c} does not fit --context-parallel-size {cp}: its "
-            f"square must divide it; allowed: {valid_team_sizes(cp)}" + (" or 'auto'" * auto_ok)
+            f"--startrail-team-size {c} does not fit {over}: its "
+            f"square must divide it; allowed: {valid_team_sizes(ring)}" + (" or 'auto'" * auto_ok)
         )
     packed_ok = auto_ok if allow_packed is None else allow_packed
     packed = bool(getattr(args, "reset_attention_mask", False))
@@ -179,7 +235,12 @@ def install_from_args(args: argparse.Namespace, team_size: int | None = None) ->
         if not _autotuner_available(args):
             raise _refuse_auto()
         c = 1  # placeholder until the entry point's autotuner picks one
-    install(int(c), args.startrail_placement, own_rows_first=own_rows_first_arg(args))
+    install(
+        int(c),
+        args.startrail_placement,
+        own_rows_first=own_rows_first_arg(args),
+        ulysses_size=getattr(args, "startrail_ulysses_size", 1),
+    )
 
 
 def extra_args_provider(parser: argparse.ArgumentParser, *, chain=None) -> argparse.ArgumentParser:

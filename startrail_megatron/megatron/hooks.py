@@ -36,7 +36,8 @@ _INSTALLED: dict[str, object] = {}
 
 
 def installed_config() -> dict | None:
-    """The (team_size, placement, kernel, own_rows_first) of ``install``, or None."""
+    """The (team_size, placement, kernel, own_rows_first, ulysses_size) of ``install``, or
+    None."""
     cfg = _INSTALLED.get("config")
     return dict(cfg) if cfg else None
 
@@ -48,17 +49,21 @@ def install(
     *,
     spec_hook: bool = True,
     own_rows_first: bool | None = None,
+    ulysses_size: int = 1,
 ) -> None:
     """Make Megatron create StarTrail groups and build StarTrail attention. Reversible.
 
     ``own_rows_first``: the groups' setting (``StarTrailGroups.own_rows_first``;
-    ``--startrail-own-rows-first``): True, False, or None (auto)."""
+    ``--startrail-own-rows-first``): True, False, or None (auto). ``ulysses_size``: U of
+    the 2-D split (``--startrail-ulysses-size``; 1: StarTrail over the whole CP group)."""
     from megatron.core import parallel_state
 
     if placement not in PLACEMENTS:
         raise ValueError(f"placement={placement!r} is not known; allowed: {list(PLACEMENTS)}")
     if not isinstance(team_size, int) or team_size < 1:
         raise ValueError(f"team_size must be an integer >= 1, got {team_size!r}")
+    if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
+        raise ValueError(f"ulysses_size must be an integer >= 1, got {ulysses_size!r}")
     check_own_rows_first(own_rows_first)
     uninstall()
     _INSTALLED["config"] = {
@@ -66,6 +71,7 @@ def install(
         "placement": placement,
         "kernel": kernel,
         "own_rows_first": own_rows_first,
+        "ulysses_size": ulysses_size,
     }
     orig_init = parallel_state.initialize_model_parallel
     orig_destroy = parallel_state.destroy_model_parallel
@@ -82,6 +88,7 @@ def install(
             cfg["kernel"],
             timeout=_megatron_timeout(init_sig, args, kwargs),
             own_rows_first=cfg["own_rows_first"],
+            ulysses_size=cfg["ulysses_size"],
         )
         return out
 

@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..comm import CommLedger
-from ..groups import StarTrailGroups
+from ..groups import StarTrailGroups, UlyssesStarTrailGroups
 from ..schedule.layout import Placement
 
 __all__ = [
@@ -48,7 +48,7 @@ __all__ = [
 class StarTrailMegatronState:
     """What the attention modules of one CP group share."""
 
-    groups: StarTrailGroups
+    groups: StarTrailGroups | UlyssesStarTrailGroups
     kernel: str = "auto"
     ledger: CommLedger = field(default_factory=CommLedger)
     """Every transfer the attention of this CP group made on this rank."""
@@ -76,20 +76,22 @@ def create_startrail_groups(
     kernel: str = "auto",
     timeout: timedelta | None = None,
     own_rows_first: bool | None = None,
+    ulysses_size: int = 1,
 ) -> StarTrailMegatronState:
     """Build and register StarTrail's groups for ``cp_group`` (collective over it).
 
     An entry already registered for ``cp_group`` is released first (its groups
     destroyed). ``timeout``: of the new groups (default: the default process group's).
-    ``own_rows_first``: ``StarTrailGroups.own_rows_first``."""
+    ``own_rows_first``: ``StarTrailGroups.own_rows_first``. ``ulysses_size`` > 1: the 2-D
+    split's groups (``UlyssesStarTrailGroups``; ``--startrail-ulysses-size``)."""
     release_startrail_groups(cp_group)
-    groups = StarTrailGroups.create(
-        team_size,
-        cp_group=cp_group,
-        placement=placement,
-        timeout=timeout,
-        own_rows_first=own_rows_first,
-    )
+    kw = dict(cp_group=cp_group, placement=placement, timeout=timeout)
+    if ulysses_size > 1:
+        groups = UlyssesStarTrailGroups.create(
+            ulysses_size, team_size, own_rows_first=own_rows_first, **kw
+        )
+    else:
+        groups = StarTrailGroups.create(team_size, own_rows_first=own_rows_first, **kw)
     state = StarTrailMegatronState(groups, kernel)
     _REGISTRY[_key(cp_group)] = state
     return state
@@ -129,8 +131,12 @@ def release_all_startrail_groups() -> None:
         release_startrail_groups(next(iter(_REGISTRY)))
 
 
-def _destroy_groups(groups: StarTrailGroups) -> None:
-    for g in (groups.team_group, groups.subring_group):
+def _destroy_groups(groups: StarTrailGroups | UlyssesStarTrailGroups) -> None:
+    made = []
+    if isinstance(groups, UlyssesStarTrailGroups):  # its ring group and Ulysses group too
+        made = [groups.ulysses_group, groups.startrail.cp_group]
+        groups = groups.startrail
+    for g in (groups.team_group, groups.subring_group, *made):
         if g is None:
             continue
         try:
