@@ -322,6 +322,22 @@ def test_launcher_runs_unmodified_script(tmp_path):
             r"startrail\.sequence_parallel_size=4\.0",
         ),
         (_st(4, 2), {"training_data": [1, 2]}, r"training_data with startrail"),
+        (
+            _st(4, 1, ulysses_size=3),
+            {},
+            r"startrail\.ulysses_size=3 .*: ulysses_size=3 does not fit .*allowed: \[1, 2, 4\]",
+        ),
+        (
+            _st(8, 2, ulysses_size=4),
+            {},
+            r"startrail\.ulysses_size=4 .*leaves R = 2 ranks per ring group .*team_size=2",
+        ),
+        (
+            _st(4, 1, ulysses_size=2, zero_mapping="hpz_team"),
+            {"stage": 3},
+            r"startrail\.zero_mapping='hpz_team' is not supported with startrail\.ulysses_size=2",
+        ),
+        ({**_st(4, 1), "ulysses_size": "2"}, {}, r"startrail\.ulysses_size='2'.*valid integer"),
     ],
 )
 def test_invalid_sections_fail_before_anything(section, zero, match):

@@ -83,7 +83,7 @@ def _reference(rank, world, dp):
         T.teardown()
 
 
-def _deepspeed(rank, world, stage, team, dp):
+def _deepspeed(rank, world, stage, team, dp, ulysses=1):
     import os
 
     import deepspeed
@@ -93,15 +93,14 @@ def _deepspeed(rank, world, stage, team, dp):
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
     )
     argv = ARGV + ["--context-parallel-size", "4", "--context-parallel-impl", "startrail"]
-    argv += ["--startrail-team-size", str(team)]
+    argv += ["--startrail-team-size", str(team), "--startrail-ulysses-size", str(ulysses)]
     model = _model(argv)
     try:
         from megatron.core import parallel_state as ps
 
         d = ps.get_data_parallel_rank()
-        cfg = ds_config(
-            stage, dp, {"enabled": True, "sequence_parallel_size": 4, "team_size": team}
-        )
+        section = {"enabled": True, "sequence_parallel_size": 4, "team_size": team}
+        cfg = ds_config(stage, dp, {**section, "ulysses_size": ulysses})
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         engine, _, _, _ = sds.initialize(model=model, optimizer=opt, config=cfg)
         losses = []
@@ -137,13 +136,18 @@ def _deepspeed(rank, world, stage, team, dp):
 
 
 @pytest.mark.parametrize(
-    "stage, team, dp",
-    [(1, 2, 1), (3, 2, 1), (2, 1, 1), (0, 2, 1), pytest.param(1, 2, 2, marks=pytest.mark.slow)],
-)
-def test_megatron_gpt_through_deepspeed_matches_single_rank(stage, team, dp):
+    "stage, team, dp, ulysses",
+    [
+        (1, 2, 1, 1), (3, 2, 1, 1), (2, 1, 1, 1), (0, 2, 1, 1),
+        pytest.param(1, 2, 2, 1, marks=pytest.mark.slow),
+        (1, 1, 1, 2),  # the 2-D split: Ulysses over 2 ranks, StarTrail (ring) over 2
+    ],
+)  # fmt: skip
+def test_megatron_gpt_through_deepspeed_matches_single_rank(stage, team, dp, ulysses):
     """Every rank's final parameters and the global batch's losses equal one rank's."""
     ref_losses, ref_params = run_ranks(1, _reference, dp)[0]
-    for losses, params, packed_error, proof in run_ranks(4 * dp, _deepspeed, stage, team, dp):
+    runs = run_ranks(4 * dp, _deepspeed, stage, team, dp, ulysses)
+    for losses, params, packed_error, proof in runs:
         assert_startrail_ran(proof)
         assert packed_error is not None and "position_ids[5] = 10 after 4" in packed_error
         assert len(losses) == len(ref_losses)

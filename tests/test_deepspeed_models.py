@@ -77,12 +77,12 @@ def reference(name: str, plain: bool = False):
     return reference_run(1, build(name, plain))
 
 
-def _run(rank, world, name, c):
+def _run(rank, world, name, c, ulysses=1):
     _ds_env(rank, world)
     model = build(name)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     engine, _, _, _ = sds.initialize(
-        model=model, optimizer=opt, config=make_cfg(1, 1, _st(world, c))
+        model=model, optimizer=opt, config=make_cfg(1, 1, _st(world, c, ulysses_size=ulysses))
     )
     losses = []
     for ids, labels in global_batches(1):
@@ -95,6 +95,7 @@ def _run(rank, world, name, c):
         model.config._attn_implementation,
         sorted(handle.local_lengths),
         handle.ledger.summary(),
+        getattr(engine.startrail_mpu.startrail.layout, "ulysses_size", 1),
     )
     params = _full_params(engine, 1)
     _teardown(engine)
@@ -104,24 +105,26 @@ def _run(rank, world, name, c):
 _REFS: dict = {}
 
 
-@pytest.mark.parametrize(
-    "name, p, c",
-    [
-        ("mistral", 4, 2), ("mistral", 8, 1),
-        ("qwen2", 4, 1), ("qwen2", 8, 2),
-        ("gemma2", 4, 2), ("gemma2", 8, 1), ("gemma2", 8, 2), ("gemma2", 4, 1),
-        ("gemma3", 4, 2), ("gemma3", 8, 1),
-        ("gpt_oss", 4, 2), ("gpt_oss", 8, 1), ("gpt_oss", 8, 2), ("gpt_oss", 4, 1),
-    ],
-)  # fmt: skip
-def test_model_trains_like_one_process_eager(name, p, c):
+NO_SPLIT = [
+    ("mistral", 4, 2), ("mistral", 8, 1),
+    ("qwen2", 4, 1), ("qwen2", 8, 2),
+    ("gemma2", 4, 2), ("gemma2", 8, 1), ("gemma2", 8, 2), ("gemma2", 4, 1),
+    ("gemma3", 4, 2), ("gemma3", 8, 1),
+    ("gpt_oss", 4, 2), ("gpt_oss", 8, 1), ("gpt_oss", 8, 2), ("gpt_oss", 4, 1),
+]  # fmt: skip
+# the 2-D split (``startrail.ulysses_size``): sinks, windows and soft-capping, KV heads sharded
+SPLIT = [("gpt_oss", 8, 2, 2), ("gemma2", 4, 1, 2)]
+
+
+@pytest.mark.parametrize("name, p, c, ulysses", [(*x, 1) for x in NO_SPLIT] + SPLIT)
+def test_model_trains_like_one_process_eager(name, p, c, ulysses):
     if name not in _REFS:
         _REFS[name] = reference(name)
         plain = reference(name, plain=True)
         assert abs(plain[0][0] - _REFS[name][0][0]) > 1e-4  # the window/cap/sinks matter
     ref_losses, ref_params = _REFS[name]
-    for losses, params, (attn, lengths, ledger) in run_ranks(p, _run, name, c):
-        assert attn == "startrail" and lengths == [SEQ // p]
+    for losses, params, (attn, lengths, ledger, u) in run_ranks(p, _run, name, c, ulysses):
+        assert attn == "startrail" and lengths == [SEQ // p] and u == ulysses
         assert ledger["fwd_p2p_bytes"] + ledger["fwd_collective_bytes"] > 0
         assert len(losses) == len(ref_losses) > 0, (losses, ref_losses)
         for a, b in zip(losses, ref_losses):

@@ -9,7 +9,8 @@ section is still a valid plain DeepSpeed config::
         "team_size": 2,
         "placement": "team",
         "zero_mapping": "none",
-        "own_rows_first": "auto"
+        "own_rows_first": "auto",
+        "ulysses_size": 1
     }
 
 The model follows DeepSpeed's own config models (``DeepSpeedConfigModel``:
@@ -28,6 +29,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from ..schedule import OWN_ROWS_FIRST_SETTINGS
 from ..schedule.layout import PLACEMENTS, valid_team_sizes
+from ..schedule.ulysses import UlyssesLayout
 
 __all__ = ["STARTRAIL_KEY", "ZERO_MAPPINGS", "StarTrailConfig"]
 
@@ -66,10 +68,30 @@ class StarTrailConfig(DeepSpeedConfigModel):
     ``$STARTRAIL_OWN_ROWS_FIRST`` where set, else on only where the team spans hosts and
     the gather outweighs the K,V placement (docs/performance.md, section 11)."""
 
+    ulysses_size: int = Field(1, ge=1, strict=True)
+    """U of the 2-D split (``schedule/ulysses.py``'s Note [the 2-D split]): all-to-all of
+    heads over U consecutive sequence-parallel ranks, StarTrail (``team_size``) over the
+    P / U ranks holding the same heads. U divides P and the attention heads; 1 (default):
+    StarTrail over all P ranks. No attention dropout and no ``hpz_team`` with U > 1 yet."""
+
     @model_validator(mode="after")
     def _check(self) -> StarTrailConfig:
-        p, c = self.sequence_parallel_size, self.team_size
-        if p % (c * c) != 0:
+        p, c, u = self.sequence_parallel_size, self.team_size, self.ulysses_size
+        if u > 1:
+            try:
+                UlyssesLayout(p, u, c, self.placement)
+            except ValueError as e:
+                raise ValueError(
+                    f"startrail.ulysses_size={u} with startrail.sequence_parallel_size={p} and "
+                    f"startrail.team_size={c}: {e}"
+                ) from None
+            if self.zero_mapping == "hpz_team":
+                raise ValueError(
+                    "startrail.zero_mapping='hpz_team' is not supported with "
+                    f"startrail.ulysses_size={u} > 1 yet (the teams are not contiguous ranks); "
+                    "allowed: 'none'"
+                )
+        elif p % (c * c) != 0:
             raise ValueError(
                 f"startrail.team_size={c} does not fit startrail.sequence_parallel_size={p}: "
                 f"team_size**2 must divide it; allowed team_size values: {valid_team_sizes(p)}"
@@ -122,6 +144,7 @@ _FIELD_HINTS = {
     "placement": f"one of {list(PLACEMENTS)}",
     "zero_mapping": f"one of {list(ZERO_MAPPINGS)}",
     "own_rows_first": f"one of {list(OWN_ROWS_FIRST_SETTINGS)}",
+    "ulysses_size": "an integer >= 1 dividing sequence_parallel_size",
 }
 
 

@@ -105,7 +105,12 @@ def _maybe_install_megatron_hooks(args: list[str]) -> bool:
         return False
     from startrail_megatron.megatron import install
 
-    install(st.team_size, st.placement, own_rows_first=st.own_rows_first_value)
+    install(
+        st.team_size,
+        st.placement,
+        own_rows_first=st.own_rows_first_value,
+        ulysses_size=st.ulysses_size,
+    )
     return True
 
 

@@ -80,11 +80,14 @@ def megatron_mpu(config: StarTrailConfig) -> StarTrailMPU:
     cp_group = parallel_state.get_context_parallel_group()
     groups = get_startrail_state(cp_group).groups
     lay = groups.layout
-    if (lay.team_size, lay.placement) != (config.team_size, config.placement):
+    ulysses = getattr(lay, "ulysses_size", 1)
+    want = (config.team_size, config.placement, config.ulysses_size)
+    if (lay.team_size, lay.placement, ulysses) != want:
         raise ValueError(
-            f"startrail.team_size={config.team_size}, placement={config.placement!r} differ from "
-            f"the Megatron StarTrail groups (team_size={lay.team_size}, "
-            f"placement={lay.placement!r}); build both from the same setting"
+            f"startrail.team_size={config.team_size}, placement={config.placement!r}, "
+            f"ulysses_size={config.ulysses_size} differ from the Megatron StarTrail groups "
+            f"(team_size={lay.team_size}, placement={lay.placement!r}, ulysses_size={ulysses}); "
+            "build both from the same setting"
         )
     if config.own_rows_first != "auto" and groups.own_rows_first != config.own_rows_first_value:
         raise ValueError(

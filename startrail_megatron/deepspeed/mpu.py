@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..groups import StarTrailGroups
+from ..groups import StarTrailGroups, UlyssesStarTrailGroups
 from .config import StarTrailConfig
 
 __all__ = ["StarTrailMPU"]
@@ -37,7 +37,8 @@ class StarTrailMPU:
         config: the validated ``"startrail"`` section.
         sequence_parallel_group: this rank's StarTrail CP group (P ranks).
         sequence_data_parallel_group: the ZeRO group, sequence x data (all ranks).
-        startrail: the team / sub-ring groups over ``sequence_parallel_group``.
+        startrail: the team / sub-ring groups over ``sequence_parallel_group`` (with
+            ``startrail.ulysses_size`` > 1 the 2-D split's ``UlyssesStarTrailGroups``).
         data_parallel_rank, data_parallel_size: this rank's replica d and D
             (use them to shard data over replicas; the P ranks of a replica
             need the same batch).
@@ -46,7 +47,7 @@ class StarTrailMPU:
     config: StarTrailConfig
     sequence_parallel_group: dist.ProcessGroup
     sequence_data_parallel_group: dist.ProcessGroup
-    startrail: StarTrailGroups
+    startrail: StarTrailGroups | UlyssesStarTrailGroups
     data_parallel_rank: int
     data_parallel_size: int
 
@@ -67,12 +68,12 @@ class StarTrailMPU:
             if d == rank // p:
                 mine = g
         seq_data = dist.new_group(list(range(world)), group_desc="startrail_sp_dp")
-        groups = StarTrailGroups.create(
-            config.team_size,
-            cp_group=mine,
-            placement=config.placement,
-            own_rows_first=config.own_rows_first_value,
-        )
+        kw = dict(cp_group=mine, placement=config.placement)
+        kw["own_rows_first"] = config.own_rows_first_value
+        if config.ulysses_size > 1:
+            groups = UlyssesStarTrailGroups.create(config.ulysses_size, config.team_size, **kw)
+        else:
+            groups = StarTrailGroups.create(config.team_size, **kw)
         return cls(config, mine, seq_data, groups, rank // p, world // p)
 
     # ---- DeepSpeed's sequence-parallel mpu interface ------------------------
