@@ -29,7 +29,7 @@ def test_bench_tiny_all_strategies(tmp_path):
     assert all(r is None for r in reports[1:])
     report = reports[0]
     names = [r["strategy"] for r in report["results"]]
-    assert names == ["ring", "startrail-C2-team", "allgather", "ulysses"]
+    assert names == ["ring", "startrail-C2-team", "ring+ulysses2", "allgather", "ulysses"]
     for r in report["results"]:
         assert r["max_rel_error"] <= 1e-5, r
         assert len(r["times_s"]) == 2 and r["min_s"] <= r["median_s"] <= r["max_s"]
@@ -72,7 +72,7 @@ def test_bench_dit_workload_full_attention():
     report = run_ranks(4, _bench_rank, args)[0]
     assert report["config"]["workload"] == "dit" and report["config"]["causal"] is False
     names = [r["strategy"] for r in report["results"]]
-    assert names == ["ring", "startrail-C2-team", "allgather", "ulysses"]
+    assert names == ["ring", "startrail-C2-team", "ring+ulysses2", "allgather", "ulysses"]
     for r in report["results"]:
         assert r["max_rel_error"] <= 1e-5, r
     assert "dit workload" in bench.format_table(report) and "full" in bench.format_table(report)

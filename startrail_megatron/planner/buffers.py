@@ -33,6 +33,7 @@ from .shape import AttnShape
 __all__ = [
     "allgather_buffer_bytes",
     "buffer_time",
+    "split_a2a_bytes",
     "startrail_buffer_bytes",
     "ulysses_buffer_bytes",
 ]
@@ -137,3 +138,12 @@ def ulysses_buffer_bytes(shape: AttnShape, rs_via_allreduce: bool) -> tuple[int,
 
 def buffer_time(cl: ClusterSpec, nbytes: int) -> float:
     return nbytes / cl.mem_bw if cl.mem_bw > 0 else 0.0
+
+
+def split_a2a_bytes(ring: AttnShape) -> int:
+    """The 2-D split's copies around its four all-to-alls of one direction
+    (``rank/ulysses.py``): each tensor permuted into the send buffer and the received rows
+    put in ring order, read and written once each: 4 times q, out, and the (repeated) k,
+    v. ``ring``: the shape after the all-to-all (the same elements per tensor)."""
+    _, _, uq, ukv, _, _ = _sizes(ring)
+    return 4 * (2 * uq + 2 * ukv) * ring.elem_bytes

@@ -89,13 +89,13 @@ def format_plan(pl: Plan) -> str:
         f"{pl.cluster.gpu_memory / gib:.0f} GiB each)",
         f"model: {m.name} ({m.layers} layers, hidden {m.hidden}, {m.heads} heads, "
         f"{m.kv_heads} kv heads), seq {pl.seq_len}, batch {pl.batch}, CP {pl.cp_size}",
-        f"{'strategy':22s}{'attn ms':>9s}{'layer ms':>10s}{'step s':>8s}"
+        f"{'strategy':28s}{'attn ms':>9s}{'layer ms':>10s}{'step s':>8s}"
         f"{'P2P MiB':>10s}{'coll MiB':>10s}{'mem GiB':>9s}  fits",
     ]
     for r in pl.rows:
         mark = " <- recommended" if pl.recommended is r else ""
         lines.append(
-            f"{r.strategy:22s}{r.attn_s * 1e3:9.2f}{r.layer_s * 1e3:10.2f}{r.step_s:8.2f}"
+            f"{r.strategy:28s}{r.attn_s * 1e3:9.2f}{r.layer_s * 1e3:10.2f}{r.step_s:8.2f}"
             f"{r.p2p_bytes / mib:10.0f}{r.collective_bytes / mib:10.0f}"
             f"{r.memory_bytes / gib:9.1f}  {'yes' if r.fits else 'NO'}{mark}"
         )
@@ -105,7 +105,7 @@ def format_plan(pl: Plan) -> str:
     elif ring is not None:
         lines.append(
             f"recommended: {pl.recommended.strategy} (C={pl.recommended.team_size}, "
-            f"placement {pl.recommended.placement}), predicted "
+            f"placement {pl.recommended.placement}, U={pl.recommended.ulysses_size}), predicted "
             f"{ring.layer_s / pl.recommended.layer_s:.2f}x ring's layer throughput, "
             f"{ring.step_s / pl.recommended.step_s:.2f}x its iteration throughput"
         )

@@ -12,6 +12,7 @@ from .shape import AttnShape
 __all__ = [
     "allgather_attention_work",
     "memory_breakdown",
+    "split_a2a_work",
     "startrail_attention_work",
     "startrail_buffers",
     "ulysses_attention_work",
@@ -66,6 +67,14 @@ def startrail_attention_work(team_size: int, shape: AttnShape) -> int:
     """StarTrail's (and ring's) working set at its peak (the backward), bytes: the sum of
     ``startrail_buffers``."""
     return sum(startrail_buffers(team_size, shape).values())
+
+
+def split_a2a_work(ring: AttnShape) -> int:
+    """The 2-D split's all-to-all buffers on top of StarTrail's over its ring group: the
+    send and receive buffers of q, k, v (``rank/ulysses.py``; freed before the backward's,
+    which are the same sizes). ``ring``: the shape after the all-to-all."""
+    _, uq, ukv = _elems(ring)
+    return 2 * (uq + 2 * ukv) * ring.elem_bytes
 
 
 def allgather_attention_work(shape: AttnShape) -> int:

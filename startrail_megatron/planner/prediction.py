@@ -32,6 +32,8 @@ class Prediction:
     strategy: str
     team_size: int
     placement: str
+    ulysses_size: int
+    """U of the 2-D split (1: none)."""
     attn_fwd_s: float
     attn_bwd_s: float
     attn_s: float
@@ -147,6 +149,7 @@ def predict(
         strategy=strategy.name,
         team_size=strategy.team_size,
         placement=strategy.placement_label,
+        ulysses_size=strategy.ulysses_size,
         attn_fwd_s=fwd,
         attn_bwd_s=bwd,
         attn_s=attn,

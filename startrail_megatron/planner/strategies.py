@@ -1,7 +1,8 @@
 """The strategies compared: one registry entry per kind, the one place that says what each is.
 
 A ``Strategy`` is a kind and, for StarTrail, a team size C (1 = ring attention)
-and a placement. ``KINDS`` maps each kind to its ``KindSpec``: its candidates,
+and a placement; for the 2-D split (kind ``"split"``: Ulysses over U ranks, StarTrail over
+P / U, ``schedule/ulysses.py``) also U. ``KINDS`` maps each kind to its ``KindSpec``: its candidates,
 when it can run, its name, its bytes and calls per rank (from ``accounting``),
 its pieces of the cost model (attention time, buffer work, attention working
 set: functions of ``times``, ``buffers``, ``memory``) and, imported only when
@@ -12,12 +13,15 @@ benchmark. A new kind is one entry here and its pieces there.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from ..accounting import (
     allgather_comm_bytes,
     allgather_comm_calls,
+    split_comm_bytes,
+    split_comm_calls,
+    split_ring_shape,
     startrail_comm_bytes,
     startrail_comm_calls,
     ulysses_comm_bytes,
@@ -26,6 +30,8 @@ from ..accounting import (
 )
 from ..schedule import tail_head_groups
 from ..schedule.layout import PLACEMENTS, Placement, StarTrailLayout, valid_team_sizes
+from ..schedule.packing import PackedLayout
+from ..schedule.ulysses import UlyssesLayout, kv_repeat
 from . import buffers, memory, times
 from .cluster import ClusterSpec, ModelSpec
 from .shape import AttnShape
@@ -42,10 +48,11 @@ __all__ = [
     "comm_bytes",
     "comm_calls",
     "memory_bytes",
+    "split_parts",
 ]
 
 
-StrategyKind = Literal["startrail", "allgather", "ulysses"]
+StrategyKind = Literal["startrail", "split", "allgather", "ulysses"]
 """The kinds of ``KINDS``, for type checkers."""
 
 
@@ -58,12 +65,19 @@ class Strategy:
     """StarTrail's C (1 = ring attention); 1 for the peers."""
     placement: Placement = "team"
     """StarTrail's placement; ignored by the peers."""
+    ulysses_size: int = 1
+    """U of the 2-D split (kind ``"split"``, U > 1); 1 for every other kind."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"strategy kind={self.kind!r} is not known; allowed: {STRATEGY_KINDS}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} is not known; allowed: {PLACEMENTS}")
+        u = self.ulysses_size
+        if not isinstance(u, int) or u < 1 or (u > 1) != (self.kind == "split"):
+            raise ValueError(
+                f"ulysses_size={u!r}: the 'split' kind takes an integer > 1, the others 1"
+            )
 
     @property
     def spec(self) -> KindSpec:
@@ -82,6 +96,10 @@ class Strategy:
     def layout(self, cp_size: int) -> StarTrailLayout:
         """StarTrail's rank arithmetic for this C and placement on ``cp_size`` ranks."""
         return StarTrailLayout(cp_size, self.team_size, self.placement)
+
+    def split_layout(self, cp_size: int) -> UlyssesLayout:
+        """The 2-D split's rank arithmetic (kind ``"split"``) on ``cp_size`` ranks."""
+        return UlyssesLayout(cp_size, self.ulysses_size, self.team_size, self.placement)
 
 
 Bytes = list[dict[str, int]]
@@ -116,6 +134,8 @@ class KindSpec:
     attention: Callable[[Strategy, bool], AttentionFn]
     """Its attention as ``fn(q, k, v, ledger)`` for causal or not; imports torch (lazily)
     and may create process groups (a collective: every rank, in the same order)."""
+    variant_supported: Callable[[Strategy, int, int], bool] = lambda st, hq, hkv: True
+    """Whether one of its variants runs for (heads_q, heads_kv) (the split's U and heads)."""
 
 
 def _always(cp_size: int, heads_q: int, heads_kv: int) -> bool:
@@ -186,6 +206,84 @@ def _startrail_attention(st: Strategy, causal: bool) -> AttentionFn:
     )
 
 
+# ---- StarTrail x Ulysses (the 2-D split) -------------------------------------------
+def _split_variants(cp_size: int) -> list[Strategy]:
+    """Every U with 1 < U < P dividing P, then every valid C over R = P / U and distinct
+    placement (U = P is the Ulysses peer)."""
+    out: list[Strategy] = []
+    for u in range(2, cp_size):
+        if cp_size % u == 0:
+            for st in _startrail_variants(cp_size // u):
+                out.append(Strategy("split", st.team_size, st.placement, u))
+    return out
+
+
+def _split_supported(st: Strategy, heads_q: int, heads_kv: int) -> bool:
+    try:
+        kv_repeat(st.ulysses_size, heads_q, heads_kv)
+    except ValueError:
+        return False
+    return True
+
+
+def _split_name(st: Strategy) -> str:
+    return f"{_startrail_name(st)}+ulysses{st.ulysses_size}"
+
+
+def split_parts(st: Strategy, shape: AttnShape) -> tuple[UlyssesLayout, AttnShape]:
+    """The split's layout and the shape its ring groups run (``U*s`` tokens, heads / U,
+    K,V heads repeated up to U; packed documents laid out for R ranks)."""
+    lay = st.split_layout(shape.cp_size)
+    ring = split_ring_shape(lay, shape.local)
+    packed = shape.packed
+    if packed is not None:
+        packed = PackedLayout.create(lay.ring_size, packed.cu_seqlens, packed.cu_seqlens_padded)
+    return lay, replace(
+        shape, cp_size=lay.ring_size, s_local=ring.s_local, heads_q=ring.heads_q,
+        heads_kv=ring.heads_kv, packed=packed,
+    )  # fmt: skip
+
+
+def _split_comm_bytes(st: Strategy, shape: AttnShape) -> Bytes:
+    lay, ring = split_parts(st, shape)
+    active = ring.active_steps(lay.ring)
+    return [split_comm_bytes(lay, r, shape.local, active) for r in range(shape.cp_size)]
+
+
+def _split_comm_calls(st: Strategy, shape: AttnShape) -> Bytes:
+    lay, ring = split_parts(st, shape)
+    active = ring.active_steps(lay.ring)
+    tail = len(tail_head_groups(lay.ring, ring.heads_q, ring.heads_kv, False))
+    return [split_comm_calls(lay, r, tail, active) for r in range(shape.cp_size)]
+
+
+def _split_times(st: Strategy, cl: ClusterSpec, shape: AttnShape):
+    lay, ring = split_parts(st, shape)
+    return times.split_times(lay, cl, shape, ring)
+
+
+def _split_buffers(st: Strategy, shape: AttnShape, rs_via_allreduce: bool):
+    lay, ring = split_parts(st, shape)
+    f, b = buffers.startrail_buffer_bytes(lay.ring, ring, rs_via_allreduce)
+    a2a = buffers.split_a2a_bytes(ring)
+    return f + a2a, b + a2a
+
+
+def _split_work(st: Strategy, shape: AttnShape) -> int:
+    _, ring = split_parts(st, shape)
+    return memory.startrail_attention_work(st.team_size, ring) + memory.split_a2a_work(ring)
+
+
+def _split_attention(st: Strategy, causal: bool) -> AttentionFn:
+    from ..attention import startrail_attention
+    from ..groups import UlyssesStarTrailGroups
+
+    groups = UlyssesStarTrailGroups.create(st.ulysses_size, st.team_size, placement=st.placement)
+    return lambda q, k, v, ledger, comm=None: startrail_attention(
+        q, k, v, groups, causal=causal, ledger=ledger, comm_options=comm
+    )
+
+
 # ---- the peers -------------------------------------------------------------------
 def _peer_attention(name: str) -> Callable[[Strategy, bool], AttentionFn]:
     """A peer of ``peers/`` by name, on the whole CP group (the default group)."""
@@ -217,6 +315,21 @@ KINDS: dict[str, KindSpec] = {
             buffer_bytes=_startrail_buffers,
             attention_work=_startrail_work,
             attention=_startrail_attention,
+        ),
+        KindSpec(
+            kind="split",
+            teams=True,
+            variants=_split_variants,
+            supported=_always,
+            requirement="",
+            name=_split_name,
+            comm_bytes=_split_comm_bytes,
+            comm_calls=_split_comm_calls,
+            times=_split_times,
+            buffer_bytes=_split_buffers,
+            attention_work=_split_work,
+            attention=_split_attention,
+            variant_supported=_split_supported,
         ),
         KindSpec(
             kind="allgather",
@@ -254,14 +367,18 @@ STRATEGY_KINDS: tuple[str, ...] = tuple(KINDS)
 
 # ---- per strategy, through the registry --------------------------------------------
 def candidate_strategies(cp_size: int, heads_q: int, heads_kv: int) -> list[Strategy]:
-    """StarTrail for every valid C and distinct placement (C = 1 is ring), then the peers.
+    """StarTrail for every valid C and distinct placement (C = 1 is ring), the 2-D split
+    for every U (1 < U < P) its heads allow and every C and placement over P / U, then the
+    peers.
 
     A placement is listed once when both give the same rank map (C = 1 and C*C = P).
     """
     out: list[Strategy] = []
     for spec in KINDS.values():
         if spec.supported(cp_size, heads_q, heads_kv):
-            out += spec.variants(cp_size)
+            out += [
+                st for st in spec.variants(cp_size) if spec.variant_supported(st, heads_q, heads_kv)
+            ]
     return out
 
 

@@ -35,7 +35,14 @@ from .compute import (
 from .links import all_to_all, collective, p2p_fan, p2p_step, reduce_scatter_extra
 from .shape import AttnShape
 
-__all__ = ["allgather_times", "ring_pipeline", "startrail_times", "ulysses_times"]
+__all__ = [
+    "allgather_times",
+    "ring_cluster",
+    "ring_pipeline",
+    "split_times",
+    "startrail_times",
+    "ulysses_times",
+]
 
 Bytes = list[dict[str, int]]
 """Per rank: the ``accounting`` byte counts (``strategies.comm_bytes``)."""
@@ -243,3 +250,38 @@ def ulysses_times(cl: ClusterSpec, shape: AttnShape, byts: Bytes):
     bwd = all_to_all(cl, p, b["bwd_collective"], 4)
     bwd += kernel_time(cl, local, pairs, calls, True, whole)
     return fwd, bwd
+
+
+def ring_cluster(cl: ClusterSpec, ulysses_size: int) -> ClusterSpec:
+    """The cluster one ring group of the 2-D split sees (``schedule/ulysses.py``'s Note):
+    ring rank j is CP rank ``j*U + u``, so a node holds ``max(1, gpus_per_node // U)`` of
+    its ranks, consecutive; the U ring groups of a node send off-node at once, so each
+    gets that share of the node's ``inter_bw``. (U and gpus_per_node are taken to divide
+    one another, as in every preset.)"""
+    gpn = cl.gpus_per_node
+    per_node = max(1, gpn // ulysses_size)
+    return cl.with_(
+        gpus_per_node=per_node,
+        num_nodes=cl.num_nodes * (gpn // per_node),
+        inter_bw=cl.inter_bw * per_node / gpn,
+    )
+
+
+def split_times(lay, cl: ClusterSpec, shape: AttnShape, ring_shape: AttnShape):
+    """(fwd, bwd) seconds of the 2-D split (``lay``: a ``UlyssesLayout``): its four
+    all-to-alls over U consecutive ranks each way, exposed (started together and waited on
+    before StarTrail starts: ``attention._ulysses_startrail``), plus StarTrail over R ranks
+    on ``ring_shape`` (the shape after the all-to-all) and ``ring_cluster``."""
+    u = lay.ulysses_size
+    fwd, bwd = startrail_times(lay.ring, ring_cluster(cl, u), ring_shape, [])
+    a2a = all_to_all(cl, u, _split_a2a_bytes(u, shape, ring_shape), 4)
+    return fwd + a2a, bwd + a2a
+
+
+def _split_a2a_bytes(u: int, shape: AttnShape, ring_shape: AttnShape) -> int:
+    """Bytes one rank sends in the four all-to-alls of one direction: (U-1)/U of q, out
+    and the (repeated) k, v."""
+    e = shape.elem_bytes
+    q = shape.s_local * shape.batch * shape.heads_q * shape.head_dim * e
+    kv = ring_shape.s_local * shape.batch * ring_shape.heads_kv * shape.head_dim * e
+    return 2 * ((u - 1) * q // u) + 2 * ((u - 1) * kv // u)
