@@ -85,6 +85,10 @@ groups carry a setting (``StarTrailGroups.own_rows_first``: Megatron's
 ``$STARTRAIL_OWN_ROWS_FIRST`` says ``on`` or ``off`` (``validation.check_comm_options``).
 It is rank-local: ranks that differ still exchange the same transfers.
 
+The 2-D split (``UlyssesStarTrailGroups``) adds its all-to-alls around all this: q, k and
+v start together and are waited on before StarTrail starts, the output's after it, the
+backward's likewise; nothing overlaps them (as in DeepSpeed-Ulysses).
+
 The planner charges exactly this (``planner/times.py``); nothing overlaps the
 QKV projection, since q, k, v reach the attention after it. With
 ``comm.CommOptions(overlap=False)`` every transfer is waited on as it starts,

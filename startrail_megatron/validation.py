@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .comm import DEFAULT_COMM, CommOptions, check_agreement
 from .comm.overlap import refuse_device_delay
-from .groups import StarTrailGroups
+from .groups import StarTrailGroups, UlyssesStarTrailGroups
 from .schedule import OWN_ROWS_FIRST_SETTINGS, normalize_window
 from .schedule.layout import PLACEMENTS
 from .schedule.packing import PackedLayout
@@ -230,7 +230,7 @@ def check_sinks(sinks, q: Tensor) -> None:
 
 
 def agree_once(
-    groups: StarTrailGroups,
+    groups: StarTrailGroups | UlyssesStarTrailGroups,
     q: Tensor,
     k: Tensor,
     causal: bool,
@@ -243,7 +243,7 @@ def agree_once(
     """Check, the first time this rank sees a call setting, that every CP rank has the same.
 
     Ranks that disagree on the local length, batch, heads, head_dim, dtype,
-    causal, dropout_p, window, softcap, sinks, joint tokens or the packed documents (or on C, placement, P through their groups)
+    causal, dropout_p, window, softcap, sinks, joint tokens or the packed documents (or on C, placement, P, U through their groups)
     would post mismatched
     transfers and hang until the group's timeout; instead every rank raises the
     same ``ValueError`` naming what differs. One tiny all-reduce, and one device
@@ -266,6 +266,7 @@ def agree_once(
         "cp_size": lay.cp_size,
         "team_size": lay.team_size,
         "placement": PLACEMENTS.index(lay.placement),
+        "ulysses_size": getattr(lay, "ulysses_size", 1),
         "documents": packed.num_docs if packed is not None else 0,
         "cu_seqlens": packed.fingerprint() if packed is not None else 0,
         "dropout_p (1e-9)": round(options.dropout_p * 1e9),

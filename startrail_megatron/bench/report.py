@@ -14,7 +14,7 @@ def format_table(report: dict) -> str:
         f"{c['heads']} q / {c['kv_heads']} kv heads, head_dim {c['head_dim']}, {c['dtype']}, "
         f"{'causal' if c['causal'] else 'full'}; {c['repeats']} repeats after {c['warmup']} warm-up"
         f"; own rows first: {c.get('own_rows_first', 'auto')}",
-        f"{'strategy':22s}{'median ms':>10s}{'IQR ms':>8s}{'fwd P2P':>10s}{'fwd coll':>10s}"
+        f"{'strategy':28s}{'median ms':>10s}{'IQR ms':>8s}{'fwd P2P':>10s}{'fwd coll':>10s}"
         f"{'bwd P2P':>10s}{'bwd coll':>10s}{'calls':>7s}{'peak MiB':>9s}{'max err':>9s}"
         f"{'min ms':>9s}{'model ms':>9s}{'mod/min':>9s}{'model med':>10s}{'mod/med':>9s}"
         f"{'hidden %':>11s}{'kept A':>11s}",
@@ -25,7 +25,7 @@ def format_table(report: dict) -> str:
         calls = sum(v for k, v in led.items() if k.endswith("_calls"))
         err = "-" if r["max_rel_error"] is None else f"{r['max_rel_error']:.1e}"
         lines.append(
-            f"{r['strategy']:22s}{r['median_s'] * 1e3:10.2f}{r['iqr_s'] * 1e3:8.2f}"
+            f"{r['strategy']:28s}{r['median_s'] * 1e3:10.2f}{r['iqr_s'] * 1e3:8.2f}"
             f"{led['fwd_p2p_bytes'] / mib:10.2f}{led['fwd_collective_bytes'] / mib:10.2f}"
             f"{led['bwd_p2p_bytes'] / mib:10.2f}{led['bwd_collective_bytes'] / mib:10.2f}"
             f"{calls:7d}{r['peak_memory_bytes'] / mib:9.1f}{err:>9s}"
@@ -70,7 +70,7 @@ def _delay_table(report: dict) -> list[str]:
     lines = [
         "",
         f"every transfer slowed to at least {slow} (median ms over the same rounds):",
-        f"{'strategy':22s}{'no delay':>10s}{'overlap':>10s}{'no overlap':>12s}{'hidden ms':>11s}"
+        f"{'strategy':28s}{'no delay':>10s}{'overlap':>10s}{'no overlap':>12s}{'hidden ms':>11s}"
         f"{'hidden %':>11s}{'exposed ms':>12s}",
     ]
     for r in report["results"]:
@@ -80,7 +80,7 @@ def _delay_table(report: dict) -> list[str]:
         ov, no = dl["overlap_median_s"], dl["no_overlap_median_s"]
         exp = dl["overlap"]["exposed_s_per_rank"] if dl["overlap"] else None
         lines.append(
-            f"{r['strategy']:22s}{r['median_s'] * 1e3:10.1f}{ov * 1e3:10.1f}{no * 1e3:12.1f}"
+            f"{r['strategy']:28s}{r['median_s'] * 1e3:10.1f}{ov * 1e3:10.1f}{no * 1e3:12.1f}"
             f"{(no - ov) * 1e3:11.1f}{_hidden_range(dl['overlap']):>11s}"
             f"{'-' if exp is None else f'{max(exp) * 1e3:.1f}':>12s}"
         )
