@@ -848,17 +848,19 @@ def test_launch_reads_configs_as_deepspeed_does(tmp_path, monkeypatch):
     monkeypatch.setattr(
         stm,
         "install",
-        lambda c, placement, own_rows_first: calls.append((c, placement, own_rows_first)),
+        lambda c, placement, own_rows_first, ulysses_size: calls.append(
+            (c, placement, own_rows_first, ulysses_size)
+        ),
     )
     path = tmp_path / "ds.json"
     path.write_text(
         "{\n  // DeepSpeed reads its config with hjson: comments are allowed\n"
         '  "train_batch_size": 1,\n'
-        '  "startrail": {"enabled": true, "sequence_parallel_size": 4, "team_size": 2,\n'
-        '                "own_rows_first": "off"}\n}\n'
+        '  "startrail": {"enabled": true, "sequence_parallel_size": 8, "team_size": 2,\n'
+        '                "own_rows_first": "off", "ulysses_size": 2}\n}\n'
     )
     assert launch._maybe_install_megatron_hooks(["--deepspeed_config", str(path)])
-    assert calls == [(2, "team", False)]
+    assert calls == [(2, "team", False, 2)]
 
 
 def test_flash_varlen_kwargs_become_position_ids_or_are_refused():

@@ -121,6 +121,7 @@ def test_extra_args_provider_validates_and_installs():
             "placement": "ring",
             "kernel": "auto",
             "own_rows_first": True,
+            "ulysses_size": 1,
         }
     finally:
         hooks.uninstall()
@@ -232,6 +233,7 @@ def test_launcher_runs_script_with_hooks(fake_megatron_lm):
             "placement": "team",
             "kernel": "auto",
             "own_rows_first": None,
+            "ulysses_size": 1,
         },
     }
 
