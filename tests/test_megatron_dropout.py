@@ -6,7 +6,8 @@ give bitwise the same losses and gradients, another ``--seed`` different ones, a
 attention dropout off (hidden dropout kept) changes them too, so the attention's masks were
 used; every layer's StarTrail attention ran dropout (``dropout_calls``) and moved exactly
 the bytes of the run without it. Through the real entry point
-(``python -m startrail_megatron.pretrain_gpt --nproc 4``): the default flags are accepted,
+(``python -m startrail_megatron.pretrain_gpt --nproc 2``, CP = 2: the spawn is what this
+adds; CP = 4, C = 2 with dropout is the in-process test's): the default flags are accepted,
 and its logged losses are bitwise those of a second run of the same training (the entry
 point's per-rank ``train`` on pool ranks), with dropout calls recorded.
 """
@@ -48,13 +49,13 @@ def test_dropout_training_is_reproducible_and_uses_the_masks():
 def _entry_point(tmp_path, name, spawn: bool):
     """The entry point spawned as a user runs it, or its per-rank training on pool ranks."""
     log = tmp_path / f"{name}.json"
-    argv = [*BASE, *DROP, *st_flags(4, 2), "--train-iters", "3", "--log-json", str(log)]
+    argv = [*BASE, *DROP, *st_flags(2, 1), "--train-iters", "3", "--log-json", str(log)]
     if spawn:
-        cmd = [sys.executable, "-m", "startrail_megatron.pretrain_gpt", *argv, "--nproc", "4"]
+        cmd = [sys.executable, "-m", "startrail_megatron.pretrain_gpt", *argv, "--nproc", "2"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-4000:]
     else:
-        run_ranks(4, entry_point_train, argv)
+        run_ranks(2, entry_point_train, argv)
     return json.loads(log.read_text())
 
 

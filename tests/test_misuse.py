@@ -109,7 +109,7 @@ def _changes_setting_later(rank, world):
     """The documented gap: ranks 1-3 reuse a setting they checked, rank 0 changes its own.
     Not caught by the agreement check; the transfers then fail at the groups' timeout,
     naming the group."""
-    groups = st.StarTrailGroups.create(2, timeout=timedelta(seconds=5))
+    groups = st.StarTrailGroups.create(2, timeout=timedelta(seconds=2))
     x = torch.randn(4, 2, 4, D, dtype=torch.float64)
     st.startrail_attention(x, x, x, groups)
     if rank == 0:
