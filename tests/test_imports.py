@@ -199,7 +199,7 @@ LAYERS = [
     ["attention", "joint", "one_process"],
     ["peers"],
     ["testing"],
-    ["bench", "planner", "gpu_check", "demo", "spawn", "cli_options"],
+    ["bench", "planner", "gpu_check", "demo", "spawn", "cli_options", "emulate"],
     ["dit"],
     ["megatron"],
     ["deepspeed"],

@@ -30,7 +30,10 @@ StarTrail's first-step split (``CommOptions(own_rows_first=)``) for a comparison
 
 Outputs: a table on stdout, ``--json`` (all numbers), ``--png`` (time and
 bytes per strategy). Runs on CPU with gloo (spawns ``--nproc`` ranks), or
-under ``torchrun`` (NCCL on GPUs, one rank per GPU).
+under ``torchrun`` (NCCL on GPUs, one rank per GPU), or on an emulated multi-node
+cluster: ``--emulate NODESxRANKS --inter-node RATE [--intra-node RATE]`` (root; network
+namespaces joined by rate-limited links, ``bench/emulated.py``), which adds the link
+probe and the cost model's prediction for that cluster beside each measured median.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import tempfile
 from datetime import timedelta
 
@@ -46,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..cli_options import add_own_rows_first
+from ..emulate import EmulationSpec, check_can_emulate
 from ..planner.strategies import candidate_strategies
 from ..spawn import spawn_local_ranks
 from .memory import PeakMemory
@@ -118,6 +123,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", nargs="*", help="only these names (e.g. ring startrail-C2-team)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--emulate",
+        metavar="NODESxRANKS",
+        help="run on an emulated cluster of NODES network namespaces with RANKS ranks each "
+        "(root; replaces --nproc), e.g. 4x2",
+    )
+    p.add_argument(
+        "--inter-node",
+        metavar="RATE",
+        default="200mbit",
+        help="with --emulate: each node's link, each direction (kbit, mbit, gbit)",
+    )
+    p.add_argument(
+        "--intra-node",
+        metavar="RATE",
+        default=None,
+        help="with --emulate: a limit on the links inside a node (default: none)",
+    )
     p.add_argument("--timeout", type=float, default=600, help="per-collective timeout, s")
     p.add_argument("--json", default="bench_attention.json", help="output JSON ('' = none)")
     p.add_argument("--png", default="bench_attention.png", help="output chart ('' = none)")
@@ -148,6 +171,16 @@ def run(argv: list[str] | None = None) -> dict:
     args = resolve_workload(p.parse_args(argv))
     under_torchrun = "RANK" in os.environ
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    spec = None
+    if args.emulate:
+        if under_torchrun:
+            p.error("--emulate starts its own ranks: run it without torchrun")
+        try:
+            spec = EmulationSpec.parse(args.emulate, args.inter_node, args.intra_node)
+            check_can_emulate()
+        except (ValueError, RuntimeError) as e:
+            p.error(str(e))
+        world = spec.world_size
     args.cuda = under_torchrun and torch.cuda.is_available()
     for name in ("warmup", "threads"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
@@ -176,7 +209,13 @@ def run(argv: list[str] | None = None) -> dict:
         if bad:
             p.error(f"--strategies {bad} not valid here; allowed: {sorted(known)}")
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.cuda else "cpu")
-    if under_torchrun:
+    if spec is not None:
+        from .emulated import format_emulation, run_emulated
+
+        given = list(sys.argv[1:] if argv is None else argv)
+        report = run_emulated(spec, given, 4 * args.timeout)  # rank 0 printed its table
+        print(format_emulation(report))
+    elif under_torchrun:
         if args.cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if args.cuda else "gloo")
@@ -199,7 +238,8 @@ def run(argv: list[str] | None = None) -> dict:
             )
             with open(out_file) as f:
                 report = json.load(f)
-    print(format_table(report))
+    if spec is None:
+        print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -1,0 +1,156 @@
+"""``startrail-bench --emulate NODESxRANKS --inter-node RATE``: the benchmark on an emulated
+multi-node cluster (``emulate/``'s Note [the emulated cluster]).
+
+The parent (root) builds the cluster, runs the link probe in it (``emulate.probe``: one
+inside-node and one between-node exchange, timed), then the benchmark's ranks inside their
+nodes (each is ``startrail-bench`` under torchrun's variables: every strategy side by side
+in one run, as without emulation), and removes the cluster, also on failure. The report
+gains ``emulation``: the topology and rates, the probe's times and rates, and per strategy
+the cost model's prediction for the emulated cluster (the run's own kernel and buffer
+calibration; links: ranks per node, the node's shared link at the set rate in each
+direction, the inside-node rate the probe measured; no overlap: gloo's transfers share
+the cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+from ..emulate import EmulatedCluster, EmulationSpec
+from ..planner.calibrate import fit_cluster
+from ..planner.cluster import ClusterSpec
+from ..planner.prediction import predict
+from ..planner.shape import AttnShape
+from ..planner.strategies import candidate_strategies
+
+__all__ = ["EMULATION_FLAGS", "emulated_cluster_spec", "rank_argv", "run_emulated"]
+
+EMULATION_FLAGS = ("--emulate", "--inter-node", "--intra-node")
+"""The parent's flags, taken out of the ranks' command line."""
+
+
+def rank_argv(argv: list[str], out_json: str) -> list[str]:
+    """The benchmark's command line for the ranks: the emulation flags and the outputs
+    removed, the report written to ``out_json``."""
+    drop = set(EMULATION_FLAGS) | {"--json", "--png", "--nproc"}
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in drop:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return [*out, "--json", out_json, "--png", ""]
+
+
+def emulated_cluster_spec(
+    spec: EmulationSpec, probe: dict, micro: dict, memory_bytes: float, backend: str = "gloo"
+) -> ClusterSpec:
+    """The cost model's cluster for the emulation: compute and buffers fitted on the run's
+    own microbenchmarks (``fit_cluster``), links from the emulation (inter-node: the set
+    rate per node and direction, one rank alone reaching all of it; inside a node: the
+    probe's rate; latencies: the probe's small-message floor is not measured, 0)."""
+    base = fit_cluster(micro, num_ranks=spec.world_size, memory_bytes=memory_bytes, backend=backend)
+    nbytes, secs = probe["bytes"], probe["seconds"]
+    inter = spec.inter_bps / 8
+    intra = nbytes / secs["intra_node"] if "intra_node" in secs else base.intra_bw
+    return base.with_(
+        name=f"emulated {spec.nodes}x{spec.ranks_per_node} at {spec.inter_bps / 1e6:g} Mbit/s",
+        gpus_per_node=spec.ranks_per_node,
+        num_nodes=spec.nodes,
+        intra_bw=intra,
+        intra_latency=0.0,
+        inter_bw=inter,
+        inter_bw_per_gpu=inter,
+        inter_latency=0.0,
+        overlap=False,
+    )
+
+
+def _shape(config: dict) -> AttnShape:
+    elem = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}[config["dtype"]]
+    p = config["nproc"]
+    return AttnShape(
+        p, config["seq_len"] // p, config["batch"], config["heads"], config["kv_heads"],
+        config["head_dim"], elem_bytes=elem, acc_bytes=8 if elem == 8 else 4,
+        causal=config["causal"],
+    )  # fmt: skip
+
+
+def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:
+    """Build the cluster, probe its links, run the benchmark's ranks in it, remove it;
+    the rank 0 report with ``emulation`` added."""
+    with tempfile.TemporaryDirectory() as tmp:
+        probe_json, bench_json = os.path.join(tmp, "probe.json"), os.path.join(tmp, "bench.json")
+        py = [sys.executable, "-m"]
+        with EmulatedCluster(spec) as cl:
+            cl.run([*py, "startrail_megatron.emulate.probe", probe_json], timeout=timeout)
+            cl.run([*py, "startrail_megatron.bench", *rank_argv(argv, bench_json)], timeout)
+        with open(probe_json) as f:
+            probe = json.load(f)
+        with open(bench_json) as f:
+            report = json.load(f)
+    cfg = report["config"]
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cluster = emulated_cluster_spec(spec, probe, report["calibration"]["microbenchmarks"], mem)
+    cluster_med = emulated_cluster_spec(
+        spec, probe, report["calibration"]["microbenchmarks_median"], mem
+    )
+    shape = _shape(cfg)
+    by_name = {s.name: s for s in candidate_strategies(cfg["nproc"], cfg["heads"], cfg["kv_heads"])}
+    rows = []
+    for r in report["results"]:
+        st = by_name[r["strategy"]]
+        pred = predict(st, cluster_med, shape).attn_s
+        rows.append({
+            "strategy": r["strategy"],
+            "median_s": r["median_s"],
+            "predicted_median_s": pred,
+            "predicted_over_median": pred / r["median_s"],
+            "predicted_min_s": predict(st, cluster, shape).attn_s,
+        })  # fmt: skip
+    ring = next((r["median_s"] for r in report["results"] if r["strategy"] == "ring"), None)
+    for row in rows:
+        row["median_over_ring"] = row["median_s"] / ring if ring else None
+    secs = probe["seconds"]
+    report["emulation"] = {
+        **spec.as_dict(),
+        "probe": {
+            **probe,
+            "rates_bits_per_s": {k: 8 * probe["bytes"] / v for k, v in secs.items()},
+        },
+        "cluster_median": cluster_med.__dict__,
+        "rows": rows,
+        "median_prediction_error": statistics.median(
+            abs(r["predicted_over_median"] - 1) for r in rows
+        ),
+    }
+    return report
+
+
+def format_emulation(report: dict) -> str:
+    """The emulation's lines of the table: link rates and, per strategy, the measured
+    median against ring's and the model's prediction for the emulated cluster."""
+    em = report["emulation"]
+    rates = em["probe"]["rates_bits_per_s"]
+    lines = [
+        f"emulated {em['nodes']} nodes x {em['ranks_per_node']} ranks, inter-node "
+        f"{em['inter_node_bits_per_s'] / 1e6:g} Mbit/s each way per node"
+        + (f", intra-node {em['intra_node_bits_per_s'] / 1e6:g} Mbit/s" if em["intra_node_bits_per_s"] else "")
+        + "; probe: "
+        + ", ".join(f"{k} {v / 1e6:.0f} Mbit/s" for k, v in rates.items()),
+        f"{'strategy':28s}{'median ms':>10s}{'/ ring':>8s}{'model ms':>10s}{'mod/med':>9s}",
+    ]  # fmt: skip
+    for r in em["rows"]:
+        lines.append(
+            f"{r['strategy']:28s}{r['median_s'] * 1e3:10.1f}{r['median_over_ring'] or 0:8.2f}"
+            f"{r['predicted_median_s'] * 1e3:10.1f}{r['predicted_over_median']:9.2f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""The emulated multi-node cluster (issue 27): network namespaces joined by tbf-limited links.
+
+Pure: the topology and rate flags, and the benchmark ranks' command line. As root (this
+machine and CI): a 2 x 2 cluster's link probe, between nodes within 25% of the set rate
+and inside a node far faster, each node with its own hostname; nothing left behind
+(namespaces, processes), also after a failing rank; the refusal without root, by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from startrail_megatron.bench.emulated import rank_argv
+from startrail_megatron.emulate import EmulatedCluster, EmulationSpec, parse_rate, parse_topology
+from startrail_megatron.emulate.cluster import check_can_emulate, leftovers
+
+PROBE = [sys.executable, "-m", "startrail_megatron.emulate.probe"]
+
+
+def test_flags_parse_and_refuse_by_name():
+    assert parse_topology("4x2") == (4, 2) and parse_rate("200mbit") == 200e6
+    assert parse_rate("1.5gbit") == 1.5e9 and parse_rate("64kbit") == 64e3
+    with pytest.raises(ValueError, match="--emulate '4-2' must be NODESxRANKS"):
+        parse_topology("4-2")
+    with pytest.raises(ValueError, match="--emulate '0x2'"):
+        parse_topology("0x2")
+    with pytest.raises(ValueError, match="--inter-node '25mbps' must be a positive number with"):
+        EmulationSpec.parse("2x2", "25mbps")
+    spec = EmulationSpec.parse("3x2", "100mbit", "1gbit")
+    assert spec.world_size == 6 and [spec.node_of(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert spec.intra_bps == 1e9
+
+
+def test_rank_argv_drops_the_parents_flags():
+    argv = ["--emulate", "2x4", "--inter-node=50mbit", "--seq-len", "512", "--json", "a.json",
+            "--png", "a.png", "--nproc", "3", "--intra-node", "1gbit", "--repeats", "2"]  # fmt: skip
+    got = rank_argv(argv, "/tmp/x.json")
+    assert got == ["--seq-len", "512", "--repeats", "2", "--json", "/tmp/x.json", "--png", ""]
+
+
+def _probe(tmp_path, tag, rate="100mbit", fail_rank=-1):
+    out = tmp_path / f"{tag}.json"
+    pids = []
+    with EmulatedCluster(EmulationSpec.parse("2x2", rate), tag=tag) as cl:
+        assert sorted(leftovers(tag)) == [f"{tag}-n0", f"{tag}-n1", f"{tag}-sw"]
+        cmd = [*PROBE, str(out), "--mib", "2", "--fail-rank", str(fail_rank)]
+        try:
+            cl.run(cmd, timeout=180)
+        finally:
+            pids = [p.pid for p in cl.procs]
+    return (json.loads(out.read_text()) if out.exists() else None), pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_two_nodes_links_at_the_set_rate_and_nothing_left(tmp_path):
+    probe, pids = _probe(tmp_path, "stt1")
+    set_rate = 100e6
+    inter = 8 * probe["bytes"] / probe["seconds"]["inter_node"]
+    intra = 8 * probe["bytes"] / probe["seconds"]["intra_node"]
+    assert abs(inter - set_rate) <= 0.25 * set_rate, inter
+    assert intra > 5 * set_rate, intra  # inside a node: the node's own stack, unlimited
+    assert [h[1] for h in probe["hosts"]] == [0, 0, 1, 1]
+    names = [h[0] for h in probe["hosts"]]
+    assert names[0] == names[1] != names[2] == names[3]  # a hostname per node
+    assert leftovers("stt1") == [] and len(pids) == 4 and not any(_alive(p) for p in pids)
+
+
+def test_a_failing_rank_is_named_and_everything_removed(tmp_path):
+    with pytest.raises(RuntimeError, match=r"emulated rank 1 \(node 0\) exited with code 3"):
+        _probe(tmp_path, "stt2", fail_rank=1)
+    assert leftovers("stt2") == []
+    out = subprocess.run(["pgrep", "-f", "stt2.json"], capture_output=True, text=True)
+    assert out.stdout.strip() == ""  # no rank process left
+
+
+def test_refused_without_root(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(RuntimeError, match="the emulated cluster needs root"):
+        check_can_emulate()
+    from startrail_megatron import bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--emulate", "2x2", "--inter-node", "100mbit"])
+    assert "the emulated cluster needs root" in capsys.readouterr().err
