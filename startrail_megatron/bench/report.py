@@ -107,7 +107,12 @@ def write_png(report: dict, path: str) -> None:
     hi = [r["max_s"] * 1e3 - m for m, r in zip(med, res)]
     ax1.bar(x, med, yerr=[lo, hi], capsize=3, label="measured (median, min-max)")
     ax1.plot(x, [r["min_s"] * 1e3 for r in res], "k_", markersize=14, label="measured (min)")
-    ax1.plot(x, [r["predicted_median_s"] * 1e3 for r in res], "rx", label="model (medians)")
+    em = report.get("emulation")
+    if em is not None:  # the model of the emulated cluster, not of one host
+        pred = {r["strategy"]: r["predicted_median_s"] for r in em["rows"]}
+        ax1.plot(x, [pred[n] * 1e3 for n in names], "rx", label="model of the emulated cluster")
+    else:
+        ax1.plot(x, [r["predicted_median_s"] * 1e3 for r in res], "rx", label="model (medians)")
     ax1.set_ylabel("forward + backward, ms")
     ax1.legend(fontsize=7)
     mib = 2**20
@@ -132,9 +137,13 @@ def write_png(report: dict, path: str) -> None:
         ax.set_xticks(list(x))
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
     c = report["config"]
-    fig.suptitle(
-        f"P={c['nproc']}, seq {c['seq_len']}, {c['dtype']}, {report['environment']['device']}"
-    )
+    where = report["environment"]["device"]
+    if em is not None:
+        where = (
+            f"emulated {em['nodes']} nodes x {em['ranks_per_node']} ranks, "
+            f"{em['inter_node_bits_per_s'] / 1e6:g} Mbit/s per node"
+        )
+    fig.suptitle(f"P={c['nproc']}, seq {c['seq_len']}, {c['dtype']}, {where}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
