@@ -94,3 +94,28 @@ def test_refused_without_root(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--emulate", "2x2", "--inter-node", "100mbit"])
     assert "the emulated cluster needs root" in capsys.readouterr().err
+
+
+def test_the_runner_starts_a_command_per_rank_in_its_node(tmp_path):
+    """``python -m startrail_megatron.emulate``: torchrun's variables and the node's
+    hostname per rank, exit 0; a failing rank gives exit 1 naming it; nothing left."""
+    show = (
+        "import os, socket, sys; "
+        f"open(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w').write("
+        "' '.join([os.environ[k] for k in ('WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', "
+        "'GLOO_SOCKET_IFNAME')] + [socket.gethostname()])); "
+        "sys.exit(5 if os.environ['RANK'] == os.environ.get('FAIL') else 0)"
+    )
+
+    run = [sys.executable, "-m", "startrail_megatron.emulate", "--emulate", "2x2", "--tag",
+           "sttrun", "--"]  # fmt: skip
+    res = subprocess.run([*run, sys.executable, "-c", show], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    seen = [(tmp_path / str(r)).read_text().split() for r in range(4)]
+    assert [s[:4] for s in seen] == [["4", str(r % 2), "10.77.0.1", "eth0"] for r in range(4)]
+    assert seen[0][4] == seen[1][4] != seen[2][4] == seen[3][4]
+    env = dict(os.environ, FAIL="2")
+    res = subprocess.run([*run, sys.executable, "-c", show], capture_output=True, text=True,
+                         env=env)  # fmt: skip
+    assert res.returncode == 1 and "emulated rank 2 (node 1) exited with code 5" in res.stderr
+    assert leftovers("sttrun") == []
