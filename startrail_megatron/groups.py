@@ -64,6 +64,30 @@ def _group_timeout(group: dist.ProcessGroup | None) -> timedelta | None:
     return None
 
 
+def _agree_on_setting(
+    cp_group: dist.ProcessGroup | None, cp_size: int, setting: tuple, what: str
+) -> tuple[tuple[int, ...], list]:
+    """Every rank's CP group (global ranks), setting and hostname, by one small all-gather
+    over the world: ranks that disagree would create different groups and hang, so they
+    all raise the same ``ValueError`` instead (naming ``what``). Returns this rank's CP
+    group's global ranks and, per world rank, ``(cp ranks, setting, hostname)``."""
+    if cp_group is None:
+        mine = tuple(range(cp_size))
+    else:
+        mine = tuple(dist.get_global_rank(cp_group, r) for r in range(cp_size))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (mine, setting, socket.gethostname()))
+    if any(len(g[0]) != cp_size for g in gathered):
+        raise ValueError(
+            f"every rank's cp_group must have the same size; got sizes "
+            f"{sorted({len(g[0]) for g in gathered})}"
+        )
+    settings = sorted({g[1] for g in gathered})
+    if len(settings) > 1:
+        raise ValueError(f"the ranks disagree on {what}: {settings}; every rank must pass the same")
+    return mine, gathered
+
+
 def _warm_up_device(
     backend: str, cuda_available: bool, bound: torch.device | None = None, current: int = 0
 ) -> str:
@@ -171,25 +195,9 @@ class StarTrailGroups:
         cp_rank = dist.get_rank(cp_group)
         if timeout is None:
             timeout = _group_timeout(cp_group)
-        if cp_group is None:
-            mine = tuple(range(cp_size))
-        else:
-            mine = tuple(dist.get_global_rank(cp_group, r) for r in range(cp_size))
-        # Every rank's CP group and setting (one small all-gather): ranks that disagree
-        # would create different groups and hang; they get the same ValueError instead.
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (mine, team_size, placement, socket.gethostname()))
-        if any(len(g[0]) != cp_size for g in gathered):
-            raise ValueError(
-                f"every rank's cp_group must have the same size; got sizes "
-                f"{sorted({len(g[0]) for g in gathered})}"
-            )
-        settings = sorted({(g[1], g[2]) for g in gathered})
-        if len(settings) > 1:
-            raise ValueError(
-                "the ranks disagree on StarTrail's (team_size, placement): "
-                f"{settings}; every rank must pass the same"
-            )
+        mine, gathered = _agree_on_setting(
+            cp_group, cp_size, (team_size, placement), "StarTrail's (team_size, placement)"
+        )
         all_cp = sorted({g[0] for g in gathered})
 
         team, member = layout.coord(cp_rank)
@@ -218,7 +226,7 @@ class StarTrailGroups:
         used += [g for g in (team_group, subring_group) if g is not None]
         for g in used:
             _warm_up(g)
-        hosts = {gathered[mine[r]][3] for r in layout.team_ranks(team)}
+        hosts = {gathered[mine[r]][2] for r in layout.team_ranks(team)}
         return cls(layout, cp_group, cp_rank, team_group, subring_group, len(hosts), own_rows_first)
 
 
@@ -292,23 +300,10 @@ class UlyssesStarTrailGroups:
         cp_rank = dist.get_rank(cp_group)
         if timeout is None:
             timeout = _group_timeout(cp_group)
-        if cp_group is None:
-            mine = tuple(range(cp_size))
-        else:
-            mine = tuple(dist.get_global_rank(cp_group, r) for r in range(cp_size))
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (mine, ulysses_size, team_size, placement))
-        if any(len(g[0]) != cp_size for g in gathered):
-            raise ValueError(
-                f"every rank's cp_group must have the same size; got sizes "
-                f"{sorted({len(g[0]) for g in gathered})}"
-            )
-        settings = sorted({g[1:] for g in gathered})
-        if len(settings) > 1:
-            raise ValueError(
-                "the ranks disagree on (ulysses_size, team_size, placement): "
-                f"{settings}; every rank must pass the same"
-            )
+        mine, gathered = _agree_on_setting(
+            cp_group, cp_size, (ulysses_size, team_size, placement),
+            "(ulysses_size, team_size, placement)",
+        )  # fmt: skip
         ring_rank, member = layout.coord(cp_rank)
         ring_group = ulysses_group = None
         for cp_ranks in sorted({g[0] for g in gathered}):

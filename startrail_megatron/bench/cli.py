@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..cli_options import add_own_rows_first
-from ..emulate import EmulationSpec, check_can_emulate
+from ..emulate import EmulationSpec
 from ..planner.strategies import candidate_strategies
 from ..spawn import spawn_local_ranks
 from .memory import PeakMemory
@@ -175,11 +175,7 @@ def run(argv: list[str] | None = None) -> dict:
     if args.emulate:
         if under_torchrun:
             p.error("--emulate starts its own ranks: run it without torchrun")
-        try:
-            spec = EmulationSpec.parse(args.emulate, args.inter_node, args.intra_node)
-            check_can_emulate()
-        except (ValueError, RuntimeError) as e:
-            p.error(str(e))
+        spec = EmulationSpec.from_flags(p, args.emulate, args.inter_node, args.intra_node)
         world = spec.world_size
     args.cuda = under_torchrun and torch.cuda.is_available()
     for name in ("warmup", "threads"):

@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 
-from .cluster import EmulatedCluster, EmulationSpec, check_can_emulate
+from .cluster import EmulatedCluster, EmulationSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,11 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not cmd:
         p.error("give the command to run after --")
-    try:
-        spec = EmulationSpec.parse(args.emulate, args.inter_node, args.intra_node)
-        check_can_emulate()
-    except (ValueError, RuntimeError) as e:
-        p.error(str(e))
+    spec = EmulationSpec.from_flags(p, args.emulate, args.inter_node, args.intra_node)
     with EmulatedCluster(spec, tag=args.tag) as cl:
         try:
             if args.probe:

@@ -88,6 +88,17 @@ class EmulationSpec:
             None if intra is None else parse_rate(intra, "--intra-node"),
         )
 
+    @classmethod
+    def from_flags(cls, parser, topology: str, inter: str, intra: str | None) -> EmulationSpec:
+        """``parse`` and ``check_can_emulate`` for a command line: ``parser.error`` (exit 2,
+        the message naming the flag or what is missing) where either fails."""
+        try:
+            spec = cls.parse(topology, inter, intra)
+            check_can_emulate()
+        except (ValueError, RuntimeError) as e:
+            parser.error(str(e))
+        return spec
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
