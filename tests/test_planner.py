@@ -285,6 +285,38 @@ def test_cli_errors(argv, msg, capsys):
     assert msg.replace("\\", "") in capsys.readouterr().err
 
 
+def test_cli_loads_a_saved_cluster_and_takes_a_dtype(tmp_path, capsys):
+    """``--cluster-json``: a ClusterSpec's fields, or a benchmark report's emulated cluster
+    (docs/bench_emulated_4x2.json, the 4 x 2 emulation of docs/performance.md section 13),
+    whose predictions are the report's own; ``--dtype`` sets the element size."""
+    saved = tmp_path / "cl.json"
+    saved.write_text(json.dumps(CLUSTER_PRESETS["a100-eth"].__dict__))
+    base = ["--model", "gpt-7b", "--seq-len", "64K", "--cp-size", "32", "--json"]
+    assert cli.main(["--cluster-json", str(saved), *base]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert cli.main(["--cluster", "a100-eth", *base]) == 0
+    assert from_file == json.loads(capsys.readouterr().out)
+    assert cli.main(["--cluster", "a100-eth", *base, "--dtype", "fp32"]) == 0
+    fp32 = json.loads(capsys.readouterr().out)
+    ring = [next(r for r in d["rows"] if r["strategy"] == "ring") for d in (from_file, fp32)]
+    assert ring[1]["fwd_p2p_bytes"] == 2 * ring[0]["fwd_p2p_bytes"]  # K,V in the input dtype
+    report_path = os.path.join(os.path.dirname(__file__), "..", "docs", "bench_emulated_4x2.json")
+    with open(report_path) as f:
+        report = json.load(f)
+    argv = ["--cluster-json", report_path, "--layers", "2", "--hidden", "512", "--heads", "8",
+            "--kv-heads", "8", "--seq-len", "4096", "--cp-size", "8", "--dtype", "fp32",
+            "--json"]  # fmt: skip
+    assert cli.main(argv) == 0
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    for r in report["emulation"]["rows"]:
+        assert rows[r["strategy"]]["attn_s"] == pytest.approx(r["predicted_median_s"], rel=1e-9)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "x"}')
+    with pytest.raises(SystemExit):
+        cli.main(["--cluster-json", str(bad), *base])
+    assert "not a cluster description" in capsys.readouterr().err
+
+
 def test_parse_size():
     assert cli.parse_size("64K") == 65536 and cli.parse_size("1m") == 2**20
     with pytest.raises(Exception, match="not a size"):

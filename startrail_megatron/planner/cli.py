@@ -6,7 +6,10 @@
         --heads 32 --kv-heads 8 --layers 32 --ffn-hidden 14336 --seq-len 256K --cp-size 64
 
 Presets are starting points; every number can be overridden. Bandwidths in
-GB/s (1e9 bytes), latencies in microseconds, throughputs in TFLOP/s.
+GB/s (1e9 bytes), latencies in microseconds, throughputs in TFLOP/s. ``--cluster-json
+FILE`` starts from a saved cluster instead: a ``ClusterSpec``'s fields as JSON, or a
+benchmark report (``startrail-bench --json``), whose emulated cluster (``--emulate``) or
+else calibrated one is taken. ``--dtype`` sets the element size (default bf16).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 
 from ..cli_options import add_own_rows_first
 from ..schedule import OWN_ROWS_FIRST_SETTINGS
-from .cluster import CLUSTER_PRESETS, MODEL_PRESETS, ModelSpec
+from .cluster import CLUSTER_PRESETS, MODEL_PRESETS, ClusterSpec, ModelSpec
 from .plan import Plan, plan
 
 _CLUSTER_OVERRIDES = {
@@ -38,6 +41,25 @@ _CLUSTER_OVERRIDES = {
 _MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
 
 
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def load_cluster(path: str) -> ClusterSpec:
+    """A ``ClusterSpec`` from ``path``: its fields as JSON, or a ``startrail-bench`` report
+    (the emulated cluster's ``emulation.cluster_median``, else ``calibration.cluster_median``).
+    ``ValueError`` naming the file and what is missing otherwise."""
+    with open(path) as f:
+        data = json.load(f)
+    if "emulation" in data:
+        data = data["emulation"]["cluster_median"]
+    elif "calibration" in data:
+        data = data["calibration"]["cluster_median"]
+    try:
+        return ClusterSpec(**data)
+    except TypeError as e:
+        raise ValueError(f"--cluster-json {path}: not a cluster description ({e})") from None
+
+
 def parse_size(text: str) -> int:
     """``65536``, ``64K``, ``1M`` -> tokens (K = 1024)."""
     m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
@@ -53,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--cluster", choices=sorted(CLUSTER_PRESETS), default="h100-ib")
+    p.add_argument(
+        "--cluster-json",
+        metavar="FILE",
+        help="a saved cluster (ClusterSpec fields) or a startrail-bench report to start from",
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     for flag in _CLUSTER_OVERRIDES:
         kind = int if flag in ("gpus_per_node", "nodes") else float
         p.add_argument(f"--{flag.replace('_', '-')}", type=kind, help="override the preset")
@@ -124,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     cluster = CLUSTER_PRESETS[args.cluster]
+    if args.cluster_json:
+        try:
+            cluster = load_cluster(args.cluster_json)
+        except (OSError, ValueError) as e:
+            p.error(str(e))
     changes = {}
     for flag, (field, scale) in _CLUSTER_OVERRIDES.items():
         v = getattr(args, flag)
@@ -149,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             args.seq_len,
             args.cp_size,
             batch=args.batch,
+            elem_bytes=DTYPE_BYTES[args.dtype],
             recompute=not args.no_recompute,
             window=args.window,
         )
