@@ -74,6 +74,27 @@ def _preload() -> None:
             pass
 
 
+def _children(pid: int) -> list:
+    """The live descendants of ``pid`` (psutil, where installed: megatron-core needs it)."""
+    try:
+        import psutil
+
+        return psutil.Process(pid).children(recursive=True)
+    except Exception:  # no psutil, or the process is gone
+        return []
+
+
+def _exit(code: int) -> None:
+    """End a pool rank without leaving its own children behind: ``os._exit`` runs no
+    finalizers, so a multiprocessing child the rank started (megatron-core 0.19's
+    checkpoint writer starts a ``Manager`` server process per process) would live on as
+    an orphan holding its memory."""
+    for child in mp.active_children():
+        child.kill()
+        child.join(1)
+    os._exit(code)
+
+
 def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> None:
     import torch
 
@@ -90,15 +111,15 @@ def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> N
         )
     except BaseException:
         conn.send(("err", traceback.format_exc()))
-        os._exit(1)
+        _exit(1)
     conn.send(("ready", None))
     while True:
         try:
             msg = conn.recv()
         except EOFError:
-            os._exit(0)
+            _exit(0)
         if msg is None:
-            os._exit(0)
+            _exit(0)
         fn, args = msg
         try:
             conn.send(("ok", fn(rank, world, *args)))
@@ -182,7 +203,9 @@ class RankPool:
                 pass
         for p in self.procs:
             p.join(0.5)
-            if p.is_alive():
+            if p.is_alive():  # a hung rank: its own children too, or they outlive it
+                for child in _children(p.pid):
+                    child.kill()
                 p.kill()
                 p.join(1)
         self.procs, self.conns = [], []
