@@ -53,6 +53,7 @@ __all__ = [
     "allgather_comm_calls",
     "startrail_comm_bytes",
     "startrail_comm_calls",
+    "split_all_to_all_bytes",
     "split_comm_bytes",
     "split_comm_calls",
     "split_ring_shape",
@@ -193,16 +194,24 @@ def split_ring_shape(layout: UlyssesLayout, shape: LocalShape) -> LocalShape:
     )  # fmt: skip
 
 
+def split_all_to_all_bytes(layout: UlyssesLayout, shape: LocalShape) -> int:
+    """Bytes one rank sends in the split's four all-to-alls of one direction: (U-1)/U of q
+    and out (forward; dout and dq backward) and of the (repeated) k, v, rounded down per
+    tensor, as sent."""
+    u, ring = layout.ulysses_size, split_ring_shape(layout, shape)
+    q_t = shape.q_elems * shape.elem_bytes
+    kv_t = shape.tokens * ring.heads_kv * u * shape.head_dim * shape.elem_bytes
+    return 2 * ((u - 1) * q_t // u) + 2 * ((u - 1) * kv_t // u)
+
+
 def split_comm_bytes(
     layout: UlyssesLayout, cp_rank: int, shape: LocalShape, active: ActiveSteps | None = None
 ) -> dict[str, int]:
     """Bytes CP rank ``cp_rank`` sends in one forward and backward of the 2-D split: each
     all-to-all (U-1)/U of its tensor (rounded down per tensor, as sent), plus StarTrail's
     over its ring group on ``split_ring_shape`` (``active``: its sub-ring steps)."""
-    u, ring = layout.ulysses_size, split_ring_shape(layout, shape)
-    q_t = shape.q_elems * shape.elem_bytes
-    kv_t = shape.tokens * ring.heads_kv * u * shape.head_dim * shape.elem_bytes
-    a2a = 2 * ((u - 1) * q_t // u) + 2 * ((u - 1) * kv_t // u)  # q, out (dout, dq); k, v
+    ring = split_ring_shape(layout, shape)
+    a2a = split_all_to_all_bytes(layout, shape)
     inner = startrail_comm_bytes(layout.ring, layout.coord(cp_rank)[0], ring, active)
     inner["fwd_collective"] += a2a
     inner["bwd_collective"] += a2a

@@ -281,8 +281,8 @@ def _ulysses_startrail(
             )
     repeat = kv_repeat(u, q.shape[2], k.shape[2])
     comm_options = check_comm_options(comm_options, q, groups.own_rows_first)
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
+    # the kernel is chosen (and refused by name where it lacks a variant) before any transfer
+    kern, scale = resolve_kernel(q, kernel, softmax_scale, **opts.kernel_needs)
     agree_once(groups, q, k, bool(causal), packed, opts, sinks is not None)
     if packed is not None:
         docs = tuple(2 * packed.chunk_len(d) for d in range(packed.num_docs))
@@ -303,8 +303,8 @@ def _ulysses_startrail(
     if packed is not None:
         cu, cu_pad = list(packed.cu_seqlens), list(packed.cu_seqlens_padded)
     out = startrail_attention(
-        qh, kh, vh, groups.startrail, causal=causal, softmax_scale=softmax_scale,
-        kernel=kernel, ledger=ledger, cu_seqlens=cu, cu_seqlens_padded=cu_pad,
+        qh, kh, vh, groups.startrail, causal=causal, softmax_scale=scale,
+        kernel=kern, ledger=ledger, cu_seqlens=cu, cu_seqlens_padded=cu_pad,
         window=window, softcap=softcap,
         sinks=sinks, comm_options=comm_options,
     )  # fmt: skip

@@ -267,6 +267,9 @@ def _misuse(rank, world):
             "odd": call(q=x[:7], k=x[:7]),
         }
     )
+    # a kernel without the variant: refused by name (as without the split) before any transfer
+    kernel = value_errors({"k": call(kernel="sdpa", window=(3, 0))}, NotImplementedError)
+    msgs["kernel"] = kernel["k"]
     bad_ring = value_errors({"r": lambda: st.UlyssesStarTrailGroups.create(2, 4)})["r"]
     # ranks that disagree on the setting: all raise the same error, none hangs
     bad_u = value_errors({"u": lambda: st.UlyssesStarTrailGroups.create(2 if rank else 4, 1)})
@@ -279,6 +282,9 @@ def test_bad_input_is_refused_before_any_transfer():
         assert "joint_kv is not supported with ulysses_size > 1" in msgs["joint"]
         assert "ulysses_size=2 and the key/value heads (3)" in msgs["heads"]
         assert "even s_local" in msgs["odd"]
+        assert "kernel='sdpa' cannot run these inputs: does not run sliding windows" in (
+            msgs["kernel"] or ""
+        )
         assert "leaves R = 4 ranks per ring group" in bad_ring
         assert "disagree on (ulysses_size, team_size, placement)" in bad_u
         assert sent == 0

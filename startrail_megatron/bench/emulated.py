@@ -92,7 +92,8 @@ def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:
         py = [sys.executable, "-m"]
         with EmulatedCluster(spec) as cl:
             cl.run([*py, "startrail_megatron.emulate.probe", probe_json], timeout=timeout)
-            cl.run([*py, "startrail_megatron.bench", *rank_argv(argv, bench_json)], timeout)
+            bench = [*py, "startrail_megatron.bench", *rank_argv(argv, bench_json)]
+            cl.run(bench, timeout, port=29556)  # not the probe's rendezvous port
         with open(probe_json) as f:
             probe = json.load(f)
         with open(bench_json) as f:

@@ -21,6 +21,7 @@ default.
 
 from __future__ import annotations
 
+from ..accounting import split_all_to_all_bytes
 from ..schedule import splits_first_step, tail_head_groups
 from ..schedule.layout import StarTrailLayout
 from .cluster import ClusterSpec
@@ -274,14 +275,5 @@ def split_times(lay, cl: ClusterSpec, shape: AttnShape, ring_shape: AttnShape):
     on ``ring_shape`` (the shape after the all-to-all) and ``ring_cluster``."""
     u = lay.ulysses_size
     fwd, bwd = startrail_times(lay.ring, ring_cluster(cl, u), ring_shape, [])
-    a2a = all_to_all(cl, u, _split_a2a_bytes(u, shape, ring_shape), 4)
+    a2a = all_to_all(cl, u, split_all_to_all_bytes(lay, shape.local), 4)
     return fwd + a2a, bwd + a2a
-
-
-def _split_a2a_bytes(u: int, shape: AttnShape, ring_shape: AttnShape) -> int:
-    """Bytes one rank sends in the four all-to-alls of one direction: (U-1)/U of q, out
-    and the (repeated) k, v."""
-    e = shape.elem_bytes
-    q = shape.s_local * shape.batch * shape.heads_q * shape.head_dim * e
-    kv = ring_shape.s_local * shape.batch * ring_shape.heads_kv * shape.head_dim * e
-    return 2 * ((u - 1) * q // u) + 2 * ((u - 1) * kv // u)
