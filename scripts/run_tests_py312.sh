@@ -2,9 +2,10 @@
 # The Python 3.12 test lane: megatron-core 0.19.2 (every megatron-core wheel from 0.17
 # needs Python >= 3.12) and torch 2.13.0's CUDA build, the only one PyPI has for 3.12
 # (several GB, downloaded once into a wheelhouse outside the clone; see setup_env.sh).
-# Sets the lane up from nothing in .venv-py312 and runs the whole suite on it, or the
-# pytest arguments given. PYTHON312=interpreter picks the Python (default: python3.12, or
-# pyenv's newest 3.12).
+# Sets the lane up from nothing in .venv-py312 and runs the tests of the code that imports
+# megatron-core, DeepSpeed or transformers on it (``--lane stack``: tests/lanes.py; lane 1,
+# scripts/run_tests.sh, runs every test), or the pytest arguments given (``tests`` for all).
+# PYTHON312=interpreter picks the Python (default: python3.12, or pyenv's newest 3.12).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON312:-}
@@ -21,4 +22,5 @@ if [ -z "$PY" ]; then
 fi
 export PYTHON=$PY VENV=${VENV:-.venv-py312}
 bash scripts/setup_env.sh
-exec "$VENV/bin/python" -m pytest -q "${@:-tests}"
+[ $# -gt 0 ] || set -- tests --lane stack
+exec "$VENV/bin/python" -m pytest -q "$@"

@@ -6,6 +6,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from harness import shutdown  # noqa: E402
+from lanes import LANES, in_stack_lane  # noqa: E402
 
 # A skipped test is a test that proved nothing: an import failure of megatron-core, DeepSpeed or
 # transformers must fail the run, not turn it green. STARTRAIL_ALLOW_SKIPS=1 permits skips (a
@@ -23,9 +24,25 @@ def _close_rank_pool():
 _not_in_this_megatron: list[str] = []
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--lane",
+        default="all",
+        choices=LANES,
+        help="all: every test (CI lane 1); stack: the test files of the code that imports "
+        "megatron-core, DeepSpeed or transformers (CI lane 2; tests/lanes.py)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    """Deselect the tests of a newer megatron-core than the installed one (each test lane
-    has its own: Python 3.11 with 0.16, 3.12 with 0.19); the summary counts them."""
+    """``--lane stack`` keeps the stack's test files (``lanes.py``); then the tests of a
+    newer megatron-core than the installed one are deselected (each test lane has its
+    own: Python 3.11 with 0.16, 3.12 with 0.19) and the summary counts them."""
+    if config.getoption("--lane") == "stack":
+        other = [i for i in items if not in_stack_lane(os.path.basename(str(i.path)))]
+        if other:
+            items[:] = [i for i in items if i not in set(other)]
+            config.hook.pytest_deselected(items=other)
     marked = [i for i in items if i.get_closest_marker("megatron_min")]
     if not marked:
         return

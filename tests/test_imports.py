@@ -9,7 +9,10 @@ module); a package's ``__init__`` counts as the package.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+from lanes import in_stack_lane
 
 ROOT = Path(__file__).resolve().parent.parent / "startrail_megatron"
 PKG = "startrail_megatron"
@@ -228,3 +231,43 @@ def test_layers_import_downward():
             if layer(t) > layer(m) and m not in ENTRY_POINTS:
                 bad.append((m, t))
     assert bad == []
+
+
+_STACK = re.compile(
+    r"^(megatron|deepspeed|transformers)(\.|$)"
+    r"|^startrail_megatron\.(megatron|deepspeed|dit|pretrain_gpt)(\.|$)"
+    r"|^(megatron_common|ds_common)$"
+)
+
+
+def _imports_the_stack(path: Path) -> bool:
+    """The file imports megatron-core, DeepSpeed, transformers, our adapters or their test
+    helpers, or runs one of our adapters' entry points by module name."""
+    src = path.read_text()
+    if re.search(r"startrail_megatron\.(megatron|deepspeed|dit|pretrain_gpt)\b", src):
+        return True
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        if any(_STACK.search(n) for n in names):
+            return True
+    return False
+
+
+def test_every_test_of_the_stack_runs_on_the_second_lane():
+    """CI's Python 3.12 lane runs ``lanes.STACK_TEST_FILES`` only: every test file that
+    imports megatron-core, DeepSpeed, transformers or our adapters must be among them."""
+    tests = Path(__file__).resolve().parent
+    stack = {p.name for p in tests.glob("test_*.py") if _imports_the_stack(p)}
+    assert {
+        "test_megatron.py",
+        "test_deepspeed_models.py",
+        "test_dit.py",
+    } <= stack  # the scan works
+    missing = sorted(n for n in stack if not in_stack_lane(n))
+    assert not missing, f"add these to tests/lanes.py STACK_TEST_FILES: {missing}"
+    assert not in_stack_lane("test_attention.py")
