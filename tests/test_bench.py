@@ -46,11 +46,17 @@ def test_bench_tiny_all_strategies(tmp_path):
             assert c + 3 <= r["kept_for_backward_a"] <= c + 3.5, r["kept_for_backward_a"]
         else:
             assert r["paper_kept_a"] is None and r["kept_for_backward_a"] > 0
+        # one host: everything inside the node, every collective's group recorded
+        for i, links in enumerate(r["bytes_by_link_per_rank"]):
+            assert links["inter_node"] == 0 and links["unknown"] == 0, (r["strategy"], i)
+        sent = sum(v for k, v in led.items() if k.endswith("_bytes"))
+        assert r["bytes_by_link_max_over_ranks"]["intra_node"] == sent, r["strategy"]
         assert r["predicted_median_s"] > 0
         assert r["predicted_over_median"] == r["predicted_median_s"] / r["median_s"]
     ring = report["results"][0]["ledger_max_over_ranks"]
     star = report["results"][1]["ledger_max_over_ranks"]
     assert star["fwd_p2p_bytes"] < ring["fwd_p2p_bytes"] and ring["fwd_collective_bytes"] == 0
+    assert report["environment"]["node_of_rank"] == [0, 0, 0, 0]
     cal = report["calibration"]
     assert cal["cluster"]["attn_flops"] > 0 and cal["cluster_median"]["attn_flops"] > 0
     assert cal["microbenchmarks"]["dims"]["head_dim"] == 16

@@ -44,7 +44,7 @@ def _team_collectives(rank, world, shape_name):
         bf = tc.all_gather(torch.full((2,), rank, dtype=torch.bfloat16), "bf")
     finally:
         comm._all_gather, comm._reduce_scatter = saved
-    return gathered, summed, bf, [(e.op, e.nbytes) for e in ledger.events], calls
+    return gathered, summed, bf, [(e.op, e.nbytes, e.group) for e in ledger.events], calls
 
 
 @pytest.mark.parametrize("shape_name", ["single", "into_tensor"])
@@ -58,7 +58,12 @@ def test_team_collectives_both_call_shapes(shape_name):
         half = (torch.arange(8.0).reshape(4, 2) * mult)[2 * (r % 2) : 2 * (r % 2) + 2]
         torch.testing.assert_close(summed, half)
         assert bf.tolist() == [team[0]] * 2 + [team[1]] * 2
-        assert events == [("all_gather", 48), ("reduce_scatter", 16), ("all_gather", 4)]
+        team = tuple(team)  # each collective records its members, global ranks
+        assert events == [
+            ("all_gather", 48, team),
+            ("reduce_scatter", 16, team),
+            ("all_gather", 4, team),
+        ]
 
 
 def _start_three(team, p2p, member: int, rank: int):
@@ -335,6 +340,29 @@ def test_ledger_totals_exact_events_bounded():
         st.CommLedger(max_events=-1)
 
 
+def test_ledger_bytes_by_link_class():
+    """Ranks 0-3 on nodes 0, 0, 1, 1; this rank is 1."""
+    led = st.CommLedger()
+    led.record("p2p", "send", "kv", 100, peer=0)  # same node
+    led.record("p2p", "send", "kv", 200, peer=2)  # the other node
+    led.record("collective", "all_gather", "q", 30, group=(0, 1))  # to 0: the ring wraps
+    led.record("collective", "reduce_scatter", "out", 40, group=(3, 1, 0))  # after 1: 0
+    led.record("collective", "all_gather", "lse", 50, group=(1, 2))  # after 1: 2
+    led.phase = "bwd"
+    led.record("collective", "all_to_all", "q", 90, group=(0, 1, 2, 3))  # 30 to each other
+    led.record("collective", "all_gather", "x", 7)  # no group recorded
+    led.record("collective", "all_gather", "y", 5, group=(2, 3))  # not a member
+    node = [0, 0, 1, 1].__getitem__
+    got = led.bytes_by_link(1, node)
+    assert got == {"intra_node": 100 + 30 + 40 + 30, "inter_node": 200 + 50 + 60, "unknown": 12}
+    assert sum(got.values()) == led.bytes()
+    # P2P peers are CP ranks: with CP ranks 0, 1, 2 on global ranks 2, 3, 0 the peers move
+    got = led.bytes_by_link(1, node, cp_ranks=[2, 3, 0])
+    assert got["intra_node"] == 200 + 30 + 40 + 30 and got["inter_node"] == 100 + 50 + 60
+    again = st.CommLedger.from_events(list(led.events))
+    assert again.bytes_by_link(1, node) == led.bytes_by_link(1, node)
+
+
 def _op_order(rank, world):
     """The ops each exchange hands ``batch_isend_irecv``, in order ("recv" / "send"), and
     what arrived (the recording wrapper passes them on unchanged)."""
@@ -387,7 +415,8 @@ def _all_to_all(rank, world):
         bad = None
     except ValueError as e:
         bad = str(e)
-    return got, torch.cat(outs), one is x, [(e.op, e.what, e.nbytes) for e in ledger.events], bad
+    events = [(e.op, e.what, e.nbytes, e.group) for e in ledger.events]
+    return got, torch.cat(outs), one is x, events, bad
 
 
 def test_all_to_all_both_call_shapes():
@@ -398,5 +427,5 @@ def test_all_to_all_both_call_shapes():
             [torch.arange(24.0).view(12, 2)[3 * rank : 3 * rank + 3] + 100 * j for j in range(4)]
         )
         assert torch.equal(got, want)
-        assert one and events == [("all_to_all", "x", 3 * 24 * 4 // 4)]
+        assert one and events == [("all_to_all", "x", 3 * 24 * 4 // 4, (0, 1, 2, 3))]
         assert "5 rows do not split over 4 ranks" in bad

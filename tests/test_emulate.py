@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from startrail_megatron.bench.emulated import rank_argv
+from startrail_megatron.bench import emulated
+from startrail_megatron.bench.emulated import format_emulation, model_pick, rank_argv
 from startrail_megatron.emulate import EmulatedCluster, EmulationSpec, parse_rate, parse_topology
 from startrail_megatron.emulate.cluster import check_can_emulate, leftovers
 
@@ -41,6 +42,52 @@ def test_rank_argv_drops_the_parents_flags():
             "--png", "a.png", "--nproc", "3", "--intra-node", "1gbit", "--repeats", "2"]  # fmt: skip
     got = rank_argv(argv, "/tmp/x.json")
     assert got == ["--seq-len", "512", "--repeats", "2", "--json", "/tmp/x.json", "--png", ""]
+
+
+def test_the_model_links_come_from_the_probe(monkeypatch):
+    """The cost model's emulated cluster: compute from the microbenchmarks (stubbed here),
+    links from the probe's transfers timed apart; the set rate only without a second node."""
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+
+    monkeypatch.setattr(emulated, "fit_cluster", lambda micro, **kw: CLUSTER_PRESETS["a100-eth"])
+    spec = EmulationSpec.parse("4x2", "200mbit")
+    probe = {"bytes": 2**21, "seconds": {"intra_node": 2**21 / 1e9, "inter_node": 2**21 / 26e6}}
+    cl = emulated.emulated_cluster_spec(spec, probe, {}, 1e9)
+    assert (cl.num_nodes, cl.gpus_per_node) == (4, 2) and not cl.overlap
+    assert cl.inter_bw == pytest.approx(26e6) and cl.inter_bw_per_gpu == pytest.approx(26e6)
+    assert cl.intra_bw == pytest.approx(1e9) and cl.attn_flops == 150e12
+    one = emulated.emulated_cluster_spec(
+        EmulationSpec.parse("1x4", "200mbit"),
+        {"bytes": 8, "seconds": {"intra_node": 1e-8}},
+        {},
+        1e9,
+    )
+    assert one.inter_bw == 25e6 and one.intra_bw == pytest.approx(8e8)
+
+
+def _row(name, med, pred, inter=0):
+    return {"strategy": name, "median_s": med, "predicted_median_s": pred,
+            "predicted_over_median": pred / med, "median_over_ring": None,
+            "intra_node_bytes_max": 10**6, "inter_node_bytes_max": inter}  # fmt: skip
+
+
+def test_the_model_pick_against_the_measured_fastest():
+    rows = [_row("ring", 2.0, 2.3), _row("startrail-C2-team", 1.5, 1.4), _row("ulysses", 1.45, 1.6)]
+    pick = model_pick(rows)
+    assert (
+        pick["predicted_fastest"] == "startrail-C2-team" and pick["measured_fastest"] == "ulysses"
+    )
+    assert pick["pick_over_fastest"] == pytest.approx(1.5 / 1.45) and pick["within_5_percent"]
+    assert pick["within_20_percent"] == 3 and pick["strategies"] == 3
+    rows[1] = _row("startrail-C2-team", 1.6, 1.4, inter=3 * 10**6)
+    assert not model_pick(rows)["within_5_percent"]
+    report = {"emulation": {
+        "nodes": 2, "ranks_per_node": 2, "inter_node_bits_per_s": 2e8, "intra_node_bits_per_s": None,
+        "probe": {"rates_bits_per_s": {"inter_node": 2.1e8}}, "rows": rows, "pick": model_pick(rows),
+    }}  # fmt: skip
+    text = format_emulation(report)
+    assert "off-node MB" in text and "model's pick startrail-C2-team (1.10 of the measured" in text
+    assert "         3.0" in text.splitlines()[3]  # its 3 MB off-node
 
 
 def _probe(tmp_path, tag, rate="100mbit", fail_rank=-1):

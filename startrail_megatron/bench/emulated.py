@@ -27,7 +27,7 @@ from ..planner.prediction import predict
 from ..planner.shape import AttnShape
 from ..planner.strategies import candidate_strategies
 
-__all__ = ["EMULATION_FLAGS", "emulated_cluster_spec", "rank_argv", "run_emulated"]
+__all__ = ["EMULATION_FLAGS", "emulated_cluster_spec", "model_pick", "rank_argv", "run_emulated"]
 
 EMULATION_FLAGS = ("--emulate", "--inter-node", "--intra-node")
 """The parent's flags, taken out of the ranks' command line."""
@@ -54,12 +54,13 @@ def emulated_cluster_spec(
     spec: EmulationSpec, probe: dict, micro: dict, memory_bytes: float, backend: str = "gloo"
 ) -> ClusterSpec:
     """The cost model's cluster for the emulation: compute and buffers fitted on the run's
-    own microbenchmarks (``fit_cluster``), links from the emulation (inter-node: the set
-    rate per node and direction, one rank alone reaching all of it; inside a node: the
-    probe's rate; latencies: the probe's small-message floor is not measured, 0)."""
+    own microbenchmarks (``fit_cluster``), links from the probe's transfers, timed apart
+    (between nodes: its rate per node and direction, one rank alone reaching all of it,
+    the node's ranks sharing it; the set rate where the probe had no second node; inside
+    a node: its rate; latencies: the probe's small-message floor is not measured, 0)."""
     base = fit_cluster(micro, num_ranks=spec.world_size, memory_bytes=memory_bytes, backend=backend)
     nbytes, secs = probe["bytes"], probe["seconds"]
-    inter = spec.inter_bps / 8
+    inter = nbytes / secs["inter_node"] if "inter_node" in secs else spec.inter_bps / 8
     intra = nbytes / secs["intra_node"] if "intra_node" in secs else base.intra_bw
     return base.with_(
         name=f"emulated {spec.nodes}x{spec.ranks_per_node} at {spec.inter_bps / 1e6:g} Mbit/s",
@@ -110,12 +111,15 @@ def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:
     for r in report["results"]:
         st = by_name[r["strategy"]]
         pred = predict(st, cluster_med, shape).attn_s
+        links = r["bytes_by_link_max_over_ranks"]
         rows.append({
             "strategy": r["strategy"],
             "median_s": r["median_s"],
             "predicted_median_s": pred,
             "predicted_over_median": pred / r["median_s"],
             "predicted_min_s": predict(st, cluster, shape).attn_s,
+            "intra_node_bytes_max": links["intra_node"],
+            "inter_node_bytes_max": links["inter_node"],
         })  # fmt: skip
     ring = next((r["median_s"] for r in report["results"] if r["strategy"] == "ring"), None)
     for row in rows:
@@ -132,8 +136,25 @@ def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:
         "median_prediction_error": statistics.median(
             abs(r["predicted_over_median"] - 1) for r in rows
         ),
+        "pick": model_pick(rows),
     }
     return report
+
+
+def model_pick(rows: list[dict]) -> dict:
+    """The strategy the model predicts fastest among those measured, against the measured
+    fastest: the goal is the pick's median within 5% of the fastest's."""
+    pick = min(rows, key=lambda r: r["predicted_median_s"])
+    best = min(rows, key=lambda r: r["median_s"])
+    ratio = pick["median_s"] / best["median_s"]
+    return {
+        "predicted_fastest": pick["strategy"],
+        "measured_fastest": best["strategy"],
+        "pick_over_fastest": ratio,
+        "within_5_percent": ratio <= 1.05,
+        "within_20_percent": sum(abs(r["predicted_over_median"] - 1) <= 0.2 for r in rows),
+        "strategies": len(rows),
+    }
 
 
 def format_emulation(report: dict) -> str:
@@ -147,11 +168,19 @@ def format_emulation(report: dict) -> str:
         + (f", intra-node {em['intra_node_bits_per_s'] / 1e6:g} Mbit/s" if em["intra_node_bits_per_s"] else "")
         + "; probe: "
         + ", ".join(f"{k} {v / 1e6:.0f} Mbit/s" for k, v in rates.items()),
-        f"{'strategy':28s}{'median ms':>10s}{'/ ring':>8s}{'model ms':>10s}{'mod/med':>9s}",
+        f"{'strategy':28s}{'median ms':>10s}{'/ ring':>8s}{'model ms':>10s}{'mod/med':>9s}"
+        f"{'in-node MB':>11s}{'off-node MB':>12s}",
     ]  # fmt: skip
     for r in em["rows"]:
         lines.append(
             f"{r['strategy']:28s}{r['median_s'] * 1e3:10.1f}{r['median_over_ring'] or 0:8.2f}"
             f"{r['predicted_median_s'] * 1e3:10.1f}{r['predicted_over_median']:9.2f}"
+            f"{r['intra_node_bytes_max'] / 1e6:11.1f}{r['inter_node_bytes_max'] / 1e6:12.1f}"
         )
+    pk = em["pick"]
+    lines.append(
+        f"model's pick {pk['predicted_fastest']} ({pk['pick_over_fastest']:.2f} of the measured "
+        f"fastest, {pk['measured_fastest']}); {pk['within_20_percent']} of {pk['strategies']} "
+        "predictions within 20% of the median"
+    )
     return "\n".join(lines)

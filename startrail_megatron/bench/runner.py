@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import platform
+import socket
 import statistics
 import sys
 import time
@@ -107,9 +108,30 @@ def comm_options(args, **kw) -> CommOptions:
     return CommOptions(own_rows_first=orf, **kw)
 
 
-def _prepare(st: Strategy, args, device: torch.device, causal: bool, local, ref, rank, world):
+def _nodes(world: int) -> list[int]:
+    """Each rank's node: ranks with the same hostname share one, numbered in rank order
+    (an emulated node has a hostname of its own: ``emulate``'s Note)."""
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    index: dict[str, int] = {}
+    return [index.setdefault(h, len(index)) for h in hosts]
+
+
+def _link_bytes(ledger: CommLedger, rank: int, world: int, nodes: list[int]) -> list[dict]:
+    """Per rank: the bytes it sent inside its node and to other nodes
+    (``CommLedger.bytes_by_link`` with the ranks' nodes; CP rank = global rank here)."""
+    mine = ledger.bytes_by_link(rank, nodes.__getitem__)
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def _prepare(
+    st: Strategy, args, device: torch.device, causal: bool, local, ref, rank, world, nodes
+):
     """One strategy's timed step, after one accounted run checked against the reference,
-    a peak-memory measurement and the warm-up: (step, (strategy, error, peak, ledger))."""
+    a peak-memory measurement and the warm-up: (step, (strategy, error, peak, kept,
+    ledger totals, overlap, bytes per link class per rank))."""
     attn = attention_fn(st, causal)  # StarTrail creates its groups here
     q0, k0, v0, do = local
     leaves = [x.clone().requires_grad_() for x in (q0, k0, v0)]
@@ -128,6 +150,7 @@ def _prepare(st: Strategy, args, device: torch.device, causal: bool, local, ref,
     with _saved_storages() as saved:
         out = step(ledger)
     kept = _max_over_ranks([float(sum(saved.values()))], device)[0]
+    links = _link_bytes(ledger, rank, world, nodes)
     err = mine = None
     if not args.no_check:
         # ``mine`` (this run's out and gradients) stays alive through the memory
@@ -144,7 +167,8 @@ def _prepare(st: Strategy, args, device: torch.device, causal: bool, local, ref,
     led = _max_over_ranks([float(v) for v in summary.values()], device)
     del mine
     hidden = _hidden_per_rank(step, None, device, world)
-    return step, (st, err, peak, kept, dict(zip(summary, (int(v) for v in led))), hidden)
+    totals = dict(zip(summary, (int(v) for v in led)))
+    return step, (st, err, peak, kept, totals, hidden, links)
 
 
 @contextlib.contextmanager
@@ -215,6 +239,7 @@ def _result(
     kept,
     led: dict,
     hidden: dict | None,
+    links: list[dict],
     ts: list[float],
     shape: AttnShape,
 ) -> dict:
@@ -232,6 +257,8 @@ def _result(
         "iqr_s": q3 - q1,
         "times_s": ts,
         "ledger_max_over_ranks": led,
+        "bytes_by_link_per_rank": links,
+        "bytes_by_link_max_over_ranks": {k: max(r[k] for r in links) for k in links[0]},
         "model_bytes_max_over_ranks": {
             k: max(b[k] for b in comm_bytes(st, shape)) for k in comm_bytes(st, shape)[0]
         },
@@ -340,9 +367,10 @@ def run_rank(rank: int, world: int, args) -> dict | None:
         strategies = [s for s in strategies if s.name in args.strategies]
     shape = _shape(args, world, dtype, causal)
     steps, info = [], []
+    nodes = _nodes(world)
     for i, st in enumerate(strategies):
         t_start = time.perf_counter()
-        step, row = _prepare(st, args, device, causal, local, ref, rank, world)
+        step, row = _prepare(st, args, device, causal, local, ref, rank, world, nodes)
         steps.append(step)
         info.append(row)
         _progress(
@@ -393,7 +421,7 @@ def run_rank(rank: int, world: int, args) -> dict | None:
     )  # fmt: skip
     return {
         "config": _config(args, world, causal),
-        "environment": _environment(device),
+        "environment": {**_environment(device), "node_of_rank": nodes},
         "memory_method": PeakMemory(device, args.memory).description,
         "time_method": "forward+backward wall time, slowest rank per repeat (barrier before); "
         "repeats interleaved across strategies and microbenchmarks",

@@ -304,6 +304,7 @@ class InProcessTeam:
         self.world, self.rank, self.ledger = world, cp_rank, ledger
         self.size = lay.team_size
         self.team, self.member = lay.coord(cp_rank)
+        self.members = tuple(lay.team_ranks(self.team))  # one process: CP rank = global rank
         self._calls = 0
 
     def _post(self, x: Tensor, finish, what: str, sent: int):
@@ -326,7 +327,7 @@ class InProcessTeam:
         x = x.contiguous()
         sent = (self.size - 1) * nbytes(x)
         if self.ledger is not None:
-            self.ledger.record("collective", "all_gather", what, sent)
+            self.ledger.record("collective", "all_gather", what, sent, group=self.members)
         return self._post(x, lambda posts: torch.cat(posts, dim=0), what, sent)
 
     def reduce_scatter_start(self, x: Tensor, what: str):
@@ -336,7 +337,7 @@ class InProcessTeam:
         c, m = self.size, self.member
         sent = (c - 1) * nbytes(x) // c
         if self.ledger is not None:
-            self.ledger.record("collective", "reduce_scatter", what, sent)
+            self.ledger.record("collective", "reduce_scatter", what, sent, group=self.members)
 
         def finish(posts: list[Tensor]) -> Tensor:
             # gloo's ring reduce-scatter order (measured for C = 3, 4): start at member

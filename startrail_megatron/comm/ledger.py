@@ -30,6 +30,7 @@ class CommEvent:
     what: str  # which tensor: "kv", "dkv", "qkv", "lse", ...
     nbytes: int
     peer: int | None = None  # CP rank for P2P
+    group: tuple[int, ...] | None = None  # a collective's members, global ranks in group order
 
 
 @dataclass
@@ -60,14 +61,23 @@ class CommLedger:
         led = cls(max_events=max_events)
         for e in events:
             led.phase = e.phase
-            led.record(e.kind, e.op, e.what, e.nbytes, e.peer)
+            led.record(e.kind, e.op, e.what, e.nbytes, e.peer, e.group)
         led.phase = "fwd"
         return led
 
-    def record(self, kind: Kind, op: str, what: str, nbytes: int, peer: int | None = None) -> None:
-        ev = CommEvent(self.phase, kind, op, what, int(nbytes), peer)
+    def record(
+        self,
+        kind: Kind,
+        op: str,
+        what: str,
+        nbytes: int,
+        peer: int | None = None,
+        group: tuple[int, ...] | None = None,
+    ) -> None:
+        group = tuple(group) if group is not None else None
+        ev = CommEvent(self.phase, kind, op, what, int(nbytes), peer, group)
         self.events.append(ev)
-        tot = self._totals.setdefault((ev.phase, kind, op, what, peer), [0, 0])
+        tot = self._totals.setdefault((ev.phase, kind, op, what, peer, group), [0, 0])
         tot[0] += ev.nbytes
         tot[1] += 1
 
@@ -127,11 +137,38 @@ class CommLedger:
     def _select(self, kind, phase, what) -> list[list[int]]:
         return [
             t
-            for (ph, k, _op, w, _peer), t in self._totals.items()
+            for (ph, k, _op, w, _peer, _group), t in self._totals.items()
             if (kind is None or k == kind)
             and (phase is None or ph == phase)
             and (what is None or w == what)
         ]
+
+    def bytes_by_link(self, me: int, node_of, cp_ranks: list[int] | None = None) -> dict[str, int]:
+        """What this rank (global rank ``me``) sent inside its node and to other nodes, from
+        its exact totals and ``node_of(global rank) -> node``; ``cp_ranks[i]`` is CP rank
+        i's global rank (P2P peers are recorded as CP ranks; default: the same numbers).
+        A P2P send goes to its peer's node. An all-gather or reduce-scatter sends its whole
+        volume to the member after this one in the group's order (the ring algorithm of
+        gloo and NCCL); an all-to-all sends an equal share to each other member. A
+        collective recorded without its group is counted under ``"unknown"``."""
+        out = {"intra_node": 0, "inter_node": 0, "unknown": 0}
+        home = node_of(me)
+
+        def add(dst: int, nb: float) -> None:
+            out["intra_node" if node_of(dst) == home else "inter_node"] += int(nb)
+
+        for (_ph, kind, op, _w, peer, group), (nb, _n) in self._totals.items():
+            if kind == "p2p" and peer is not None:
+                add(cp_ranks[peer] if cp_ranks is not None else peer, nb)
+            elif group is None or me not in group:
+                out["unknown"] += nb
+            elif op == "all_to_all":
+                others = [g for g in group if g != me]
+                for g in others:
+                    add(g, nb / len(others))
+            else:
+                add(group[(group.index(me) + 1) % len(group)], nb)
+        return out
 
     def summary(self) -> dict[str, int]:
         out: dict[str, int] = {}

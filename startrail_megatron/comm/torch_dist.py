@@ -116,6 +116,13 @@ class TeamComm:
         options: CommOptions = DEFAULT_COMM,
     ):
         self.group, self.size, self.ledger, self.options = group, size, ledger, options
+        self._ranks: tuple[int, ...] | None = None
+
+    def _members(self) -> tuple[int, ...]:
+        """The group's global ranks, in group order (asked once; for the ledger)."""
+        if self._ranks is None:
+            self._ranks = tuple(_group_ranks(self.group))
+        return self._ranks
 
     def _start(self, fn, name: str, out: Tensor, x: Tensor, what: str, sent: int, **kw):
         def failed(e: Exception) -> RuntimeError:
@@ -126,7 +133,7 @@ class TeamComm:
         except RuntimeError as e:
             raise failed(e) from e
         if self.ledger is not None:
-            self.ledger.record("collective", name, what, sent)
+            self.ledger.record("collective", name, what, sent, group=self._members())
         host = x.device.type != "cuda"
         return start_transfer(
             P2PHandle([work], out, failed, x), self.ledger, "collective", what, self.options, host,
@@ -347,9 +354,10 @@ class _AllToAllTap(torch.autograd.Function):
     and sleeps ``delay_s`` beside each (a blocking transfer: the delay is all exposed)."""
 
     @staticmethod
-    def forward(ctx, x, ledger, size, what, grad_what, options):
+    def forward(ctx, x, ledger, size, what, grad_what, options, members):
         ctx.ledger, ctx.size, ctx.grad_what, ctx.options = ledger, size, grad_what, options
-        _tap(ledger, "collective", what, all_to_all_bytes(x, size), options)
+        ctx.members = members
+        _tap(ledger, "collective", what, all_to_all_bytes(x, size), options, members)
         return x.view_as(x)
 
     @staticmethod
@@ -357,16 +365,18 @@ class _AllToAllTap(torch.autograd.Function):
         if ctx.ledger is not None:
             ctx.ledger.phase = "bwd"
         nb = all_to_all_bytes(grad, ctx.size)
-        _tap(ctx.ledger, "collective", ctx.grad_what, nb, ctx.options)
-        return grad, None, None, None, None, None
+        _tap(ctx.ledger, "collective", ctx.grad_what, nb, ctx.options, ctx.members)
+        return grad, None, None, None, None, None, None
 
 
-def _tap(ledger: CommLedger | None, kind: str, what: str, nb: int, options: CommOptions) -> None:
+def _tap(
+    ledger: CommLedger | None, kind: str, what: str, nb: int, options: CommOptions, members
+) -> None:
     delay_s = options.delay_for(nb)
     if delay_s:
         time.sleep(delay_s)
     if ledger is not None:
-        ledger.record(kind, "all_to_all", what, nb)
+        ledger.record(kind, "all_to_all", what, nb, group=members)
         if delay_s:
             ledger.record_wait(ledger.phase, kind, what, 0.0, delay_s)
 
@@ -383,8 +393,10 @@ def tap_all_to_all(
     what: str,
     grad_what: str,
     options: CommOptions = DEFAULT_COMM,
+    group: dist.ProcessGroup | None = None,
 ) -> Tensor:
-    """Account an all-to-all that another library performs on ``x`` (and on its gradient).
+    """Account an all-to-all that another library performs on ``x`` (and on its gradient)
+    over ``group`` (``None``: the world; the ledger records its members).
 
     DeepSpeed-Ulysses issues its own all-to-alls inside ``DistributedAttention``;
     placing this identity at the tensor that crosses each one records the
@@ -396,4 +408,5 @@ def tap_all_to_all(
     """
     if (ledger is None and not options.delays) or size == 1:
         return x
-    return _AllToAllTap.apply(x, ledger, size, what, grad_what, options)
+    members = tuple(_group_ranks(group)) if ledger is not None else None
+    return _AllToAllTap.apply(x, ledger, size, what, grad_what, options, members)

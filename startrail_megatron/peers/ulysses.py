@@ -114,7 +114,8 @@ def ulysses_attention(
     if ledger is not None:
         ledger.phase = "fwd"
     qt, kt, vt = (
-        tap_all_to_all(x, ledger, p, w, "d" + w, options) for x, w in ((q, "q"), (k, "k"), (v, "v"))
+        tap_all_to_all(x, ledger, p, w, "d" + w, options, group)
+        for x, w in ((q, "q"), (k, "k"), (v, "v"))
     )
     out = attn(qt, kt, vt, 1)  # batch_dim_idx=1: [s, b, h, d]
-    return tap_all_to_all(out, ledger, p, "out", "dout", options)
+    return tap_all_to_all(out, ledger, p, "out", "dout", options, group)
