@@ -352,13 +352,18 @@ def test_ledger_bytes_by_link_class():
     led.record("collective", "all_to_all", "q", 90, group=(0, 1, 2, 3))  # 30 to each other
     led.record("collective", "all_gather", "x", 7)  # no group recorded
     led.record("collective", "all_gather", "y", 5, group=(2, 3))  # not a member
+    led.record("p2p", "send", "kv", 11, peer=0, group=(3,))  # peer: a ring group's rank 0
     node = [0, 0, 1, 1].__getitem__
     got = led.bytes_by_link(1, node)
-    assert got == {"intra_node": 100 + 30 + 40 + 30, "inter_node": 200 + 50 + 60, "unknown": 12}
+    assert got == {
+        "intra_node": 100 + 30 + 40 + 30,
+        "inter_node": 200 + 50 + 60 + 11,
+        "unknown": 12,
+    }
     assert sum(got.values()) == led.bytes()
     # P2P peers are CP ranks: with CP ranks 0, 1, 2 on global ranks 2, 3, 0 the peers move
     got = led.bytes_by_link(1, node, cp_ranks=[2, 3, 0])
-    assert got["intra_node"] == 200 + 30 + 40 + 30 and got["inter_node"] == 100 + 50 + 60
+    assert got["intra_node"] == 200 + 30 + 40 + 30 and got["inter_node"] == 100 + 50 + 60 + 11
     again = st.CommLedger.from_events(list(led.events))
     assert again.bytes_by_link(1, node) == led.bytes_by_link(1, node)
 

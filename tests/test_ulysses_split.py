@@ -151,8 +151,18 @@ def _check_ledger(results, u, c, placement, shape, dtype, active=None):
         got = {(e.phase, e.what): e.nbytes for e in a2a}
         assert got == {k: (u - 1) * v * el // u for k, v in want.items()}, p
         assert {e.op for e in a2a} == {"all_to_all"} and len(a2a) == 8
-        ring_rank = lay.coord(p)[0]
+        ring_rank, u_rank = lay.coord(p)
         assert_startrail_ledger(rest, lay.ring, ring_rank, inner, active)
+        # every transfer names the global ranks it went to (bytes per link class): the
+        # all-to-alls their Ulysses group, a sub-ring send its peer's CP rank, not its
+        # ring rank (CP group = world here)
+        assert {e.group for e in a2a} == {tuple(lay.ulysses_ranks(ring_rank))}, p
+        ring = lay.ring_ranks(u_rank)
+        for e in rest:
+            if e.kind == "p2p":
+                assert e.group == (ring[e.peer],), (p, e)
+            else:
+                assert set(e.group) <= set(ring) and p in e.group, (p, e)
         # the totals are the accounting's (what the planner and the benchmark charge)
         led, shape_p = (
             st.CommLedger.from_events(events),

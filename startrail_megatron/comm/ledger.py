@@ -30,7 +30,8 @@ class CommEvent:
     what: str  # which tensor: "kv", "dkv", "qkv", "lse", ...
     nbytes: int
     peer: int | None = None  # CP rank for P2P
-    group: tuple[int, ...] | None = None  # a collective's members, global ranks in group order
+    group: tuple[int, ...] | None = None
+    """Global ranks: a collective's members in group order; a P2P send's destination."""
 
 
 @dataclass
@@ -145,9 +146,11 @@ class CommLedger:
 
     def bytes_by_link(self, me: int, node_of, cp_ranks: list[int] | None = None) -> dict[str, int]:
         """What this rank (global rank ``me``) sent inside its node and to other nodes, from
-        its exact totals and ``node_of(global rank) -> node``; ``cp_ranks[i]`` is CP rank
-        i's global rank (P2P peers are recorded as CP ranks; default: the same numbers).
-        A P2P send goes to its peer's node. An all-gather or reduce-scatter sends its whole
+        its exact totals and ``node_of(global rank) -> node``. A P2P send goes to its
+        destination's node: the global rank recorded with it, else its peer (a CP rank)
+        through ``cp_ranks[peer]``, CP rank i's global rank (default: the same numbers;
+        the 2-D split's sub-ring peers are ranks of a ring group, so its transports record
+        the global one). An all-gather or reduce-scatter sends its whole
         volume to the member after this one in the group's order (the ring algorithm of
         gloo and NCCL); an all-to-all sends an equal share to each other member. A
         collective recorded without its group is counted under ``"unknown"``."""
@@ -158,7 +161,9 @@ class CommLedger:
             out["intra_node" if node_of(dst) == home else "inter_node"] += int(nb)
 
         for (_ph, kind, op, _w, peer, group), (nb, _n) in self._totals.items():
-            if kind == "p2p" and peer is not None:
+            if kind == "p2p" and group:
+                add(group[0], nb)
+            elif kind == "p2p" and peer is not None:
                 add(cp_ranks[peer] if cp_ranks is not None else peer, nb)
             elif group is None or me not in group:
                 out["unknown"] += nb

@@ -291,7 +291,7 @@ class P2PComm:
             raise failed(e) from e
         if self.ledger is not None:
             for d, t in sent:
-                self.ledger.record("p2p", "send", what, nbytes(t), d)
+                self.ledger.record("p2p", "send", what, nbytes(t), d, (self._global(d),))
         host = device.type != "cuda"
         handle = P2PHandle(works, result, failed, [t for _, t in sent])
         out_b = sum(nbytes(t) for _, t in sent)
