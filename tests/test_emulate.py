@@ -35,6 +35,8 @@ def test_flags_parse_and_refuse_by_name():
     spec = EmulationSpec.parse("3x2", "100mbit", "1gbit")
     assert spec.world_size == 6 and [spec.node_of(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
     assert spec.intra_bps == 1e9
+    with pytest.raises(ValueError, match=r"--tag 'a_b': it names namespaces and hostnames"):
+        EmulatedCluster(spec, tag="a_b")  # refused before anything is built
 
 
 def test_rank_argv_drops_the_parents_flags():
@@ -88,6 +90,36 @@ def test_the_model_pick_against_the_measured_fastest():
     text = format_emulation(report)
     assert "off-node MB" in text and "model's pick startrail-C2-team (1.10 of the measured" in text
     assert "         3.0" in text.splitlines()[3]  # its 3 MB off-node
+
+
+def test_the_docs_table_script(tmp_path, capsys):
+    """``scripts/emulated_table.py``: the tables of docs/performance.md from reports."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "emulated_table.py")
+    spec = importlib.util.spec_from_file_location("emulated_table", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [_row("ring", 2.0, 1.8), _row("startrail-C2-team", 1.5, 1.9), _row("ulysses", 1.2, 1.0)]
+    for r in rows:
+        r["median_over_ring"] = r["median_s"] / 2.0
+    em = {"nodes": 4, "ranks_per_node": 2, "inter_node_bits_per_s": 2e8,
+          "probe": {"rates_bits_per_s": {"inter_node": 1.95e8}}, "rows": rows}  # fmt: skip
+    rep = tmp_path / "r.json"
+    rep.write_text(json.dumps({"config": {"nproc": 8, "heads": 8}, "emulation": em}))
+    mod.main([str(rep)])
+    out = capsys.readouterr().out
+    assert "4 x 2, 200 Mbit/s (P = 8, 8 heads)" in out
+    assert "| startrail-C2-team | 1500 | 0.75 | 1.27 | 1.0 | 0.0 |" in out
+    # all: ulysses picked and fastest; the family: ring picked, StarTrail fastest
+    assert "| 4 x 2, 200 Mbit/s | 195 | 2 of 3 | ulysses / ulysses: 1.00 |" in out
+    assert "ring / startrail-C2-team: 1.33 |" in out
+    mod.main(["--wide", str(rep), str(rep)])
+    out = capsys.readouterr().out
+    assert "| startrail-C2-team | 0.75 | 1.27 | 0.0 | 0.75 | 1.27 | 0.0 |" in out
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit, match="not an emulated report"):
+        mod.main([str(tmp_path / "bad.json")])
 
 
 def _probe(tmp_path, tag, rate="100mbit", fail_rank=-1):
@@ -166,3 +198,6 @@ def test_the_runner_starts_a_command_per_rank_in_its_node(tmp_path):
                          env=env)  # fmt: skip
     assert res.returncode == 1 and "emulated rank 2 (node 1) exited with code 5" in res.stderr
     assert leftovers("sttrun") == []
+    bad = [*run[:5], "--tag", "st_bad", "--", "true"]
+    res = subprocess.run(bad, capture_output=True, text=True)
+    assert res.returncode == 2 and "--tag 'st_bad': it names namespaces" in res.stderr

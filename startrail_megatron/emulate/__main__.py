@@ -41,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     if not cmd:
         p.error("give the command to run after --")
     spec = EmulationSpec.from_flags(p, args.emulate, args.inter_node, args.intra_node)
-    with EmulatedCluster(spec, tag=args.tag) as cl:
+    try:
+        cluster = EmulatedCluster(spec, tag=args.tag)
+    except ValueError as e:
+        p.error(str(e))
+    with cluster as cl:
         try:
             if args.probe:
                 with tempfile.TemporaryDirectory() as tmp:
