@@ -35,6 +35,11 @@ def test_flags_parse_and_refuse_by_name():
     spec = EmulationSpec.parse("3x2", "100mbit", "1gbit")
     assert spec.world_size == 6 and [spec.node_of(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
     assert spec.intra_bps == 1e9
+    env = EmulatedCluster(spec, tag="t").rank_env(3, 29555, base={"PATH": "/bin"})
+    assert (env["RANK"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("3", "1", "2")
+    assert env["OMP_NUM_THREADS"] == "1"  # as torchrun: the ranks share the host's cores
+    given = EmulatedCluster(spec, tag="t").rank_env(0, 29555, base={"OMP_NUM_THREADS": "2"})
+    assert given["OMP_NUM_THREADS"] == "2"
     with pytest.raises(ValueError, match=r"--tag 'a_b': it names namespaces and hostnames"):
         EmulatedCluster(spec, tag="a_b")  # refused before anything is built
 
