@@ -96,6 +96,14 @@ def test_bench_argument_errors(capsys):
         assert msg in capsys.readouterr().err
 
 
+def test_the_benchmark_builds_deepspeed_ops_in_its_own_folder():
+    from startrail_megatron.bench.cli import extensions_dir
+
+    got = extensions_dir({"XDG_CACHE_HOME": "/c"})
+    assert got == "/c/startrail_megatron/bench_torch_extensions"
+    assert extensions_dir({}).endswith("/.cache/startrail_megatron/bench_torch_extensions")
+
+
 def test_cache_bytes_per_core_reads_sysfs(tmp_path):
     import torch
 
