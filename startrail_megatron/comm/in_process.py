@@ -267,7 +267,7 @@ class InProcessP2P:
             self._sent[d] = n_out + 1
             self.world.mail[(me, d, n_out)] = t.detach().clone()
             if self.ledger is not None:
-                self.ledger.record("p2p", "send", what, nbytes(t), d)
+                self.ledger.record("p2p", "send", what, nbytes(t), d, (d,))  # CP = global
         baton.progress += 1
         first = baton.closed_segments(me)
         baton.resume_timer(me)
