@@ -364,6 +364,10 @@ def test_ledger_bytes_by_link_class():
     # P2P peers are CP ranks: with CP ranks 0, 1, 2 on global ranks 2, 3, 0 the peers move
     got = led.bytes_by_link(1, node, cp_ranks=[2, 3, 0])
     assert got["intra_node"] == 200 + 30 + 40 + 30 and got["inter_node"] == 100 + 50 + 60 + 11
+    # an all-to-all that does not split evenly: every byte is still counted, once
+    led.record("collective", "all_to_all", "k", 10, group=(0, 1, 2, 3))  # 4, 3, 3
+    got = led.bytes_by_link(1, node)
+    assert got["intra_node"] == 100 + 30 + 40 + 30 + 4 and sum(got.values()) == led.bytes()
     again = st.CommLedger.from_events(list(led.events))
     assert again.bytes_by_link(1, node) == led.bytes_by_link(1, node)
 

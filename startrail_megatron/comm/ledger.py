@@ -152,13 +152,14 @@ class CommLedger:
         the 2-D split's sub-ring peers are ranks of a ring group, so its transports record
         the global one). An all-gather or reduce-scatter sends its whole
         volume to the member after this one in the group's order (the ring algorithm of
-        gloo and NCCL); an all-to-all sends an equal share to each other member. A
+        gloo and NCCL); an all-to-all sends an equal share to each other member (the
+        remainder's bytes to the first of them). A
         collective recorded without its group is counted under ``"unknown"``."""
         out = {"intra_node": 0, "inter_node": 0, "unknown": 0}
         home = node_of(me)
 
-        def add(dst: int, nb: float) -> None:
-            out["intra_node" if node_of(dst) == home else "inter_node"] += int(nb)
+        def add(dst: int, nb: int) -> None:
+            out["intra_node" if node_of(dst) == home else "inter_node"] += nb
 
         for (_ph, kind, op, _w, peer, group), (nb, _n) in self._totals.items():
             if kind == "p2p" and group:
@@ -169,8 +170,9 @@ class CommLedger:
                 out["unknown"] += nb
             elif op == "all_to_all":
                 others = [g for g in group if g != me]
-                for g in others:
-                    add(g, nb / len(others))
+                share, extra = divmod(nb, len(others))  # every byte counted once
+                for i, g in enumerate(others):
+                    add(g, share + (i < extra))
             else:
                 add(group[(group.index(me) + 1) % len(group)], nb)
         return out
