@@ -127,6 +127,42 @@ def test_the_docs_table_script(tmp_path, capsys):
         mod.main([str(tmp_path / "bad.json")])
 
 
+def test_the_collectives_script_compares_with_the_model(tmp_path):
+    """``scripts/emulated_collectives.py compare``: measured seconds against the model's
+    collective terms on the emulated cluster of a saved report (docs' 4 x 2 one)."""
+    import importlib.util
+
+    from startrail_megatron.planner.links import all_to_all
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    spec = importlib.util.spec_from_file_location(
+        "emulated_collectives", os.path.join(root, "scripts", "emulated_collectives.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    report = os.path.join(root, "docs", "bench_emulated_4x2.json")
+    nb = 2**21
+    measured = tmp_path / "m.json"
+    measured.write_text(json.dumps({"bytes_per_rank": nb, "world": 8,
+                                    "seconds": {"all_gather": 0.6, "all_to_all": 0.15}}))  # fmt: skip
+    lines = mod.compare(str(measured), report)
+    assert [ln.split(":")[0] for ln in lines] == ["all_gather", "all_to_all"]
+    with open(report) as f:
+        rep = json.load(f)
+    em = rep["emulation"]
+    cl = emulated.emulated_cluster_spec(
+        EmulationSpec(4, 2, em["inter_node_bits_per_s"]),
+        {k: em["probe"][k] for k in ("bytes", "seconds")},
+        rep["calibration"]["microbenchmarks_median"],
+        1e11,
+    )
+    want = all_to_all(cl, 8, 7 * nb // 8, 1)
+    assert f"model {want:.3f} s, model / measured {want / 0.15:.2f}" in lines[1]
+    measured.write_text(json.dumps({"bytes_per_rank": nb, "world": 4, "seconds": {}}))
+    with pytest.raises(SystemExit, match="8 ranks"):
+        mod.compare(str(measured), report)
+
+
 def _probe(tmp_path, tag, rate="100mbit", fail_rank=-1):
     out = tmp_path / f"{tag}.json"
     pids = []
