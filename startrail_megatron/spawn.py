@@ -1,9 +1,10 @@
-"""Spawn gloo ranks on this machine: the entry points' ``--nproc`` mode."""
+"""Start gloo ranks on this machine: the entry points' ``--nproc`` mode."""
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import tempfile
 from collections.abc import Callable
 from datetime import timedelta
@@ -11,11 +12,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["spawn_local_ranks"]
+__all__ = ["spawn_local_ranks", "start_method"]
 
 
 def _entry(rank, world, init_file, timeout, threads, fn, args) -> None:
     torch.set_num_threads(threads)
+    # a forked rank inherits the parent's handler (``_ignore`` under ranks_handle_sigint);
+    # a new interpreter starts with Python's own: the same in both
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout
     )
@@ -29,6 +33,18 @@ def _ignore(signum, frame) -> None:
     pass
 
 
+def start_method(threads: int) -> str:
+    """How the ranks start: forked from this process on Linux when they are CPU ranks
+    of one thread each (they inherit its imports: megatron-core's alone takes ~5 s of CPU
+    per interpreter), else spawned as new interpreters. A forked child must not use CUDA
+    (no device: ``torch.cuda.is_available()`` is false) nor more than one OpenMP thread
+    (a fork copies no OpenMP pool the parent started, so a child that enters a parallel
+    region with more threads can hang; with one thread torch never enters one)."""
+    if sys.platform.startswith("linux") and threads == 1 and not torch.cuda.is_available():
+        return "fork"
+    return "spawn"
+
+
 def spawn_local_ranks(
     fn: Callable,
     nprocs: int,
@@ -37,15 +53,17 @@ def spawn_local_ranks(
     threads: int = 1,
     ranks_handle_sigint: bool = False,
 ) -> None:
-    """Run the module-level ``fn(rank, nprocs, *args)`` on ``nprocs`` spawned processes.
+    """Run the module-level ``fn(rank, nprocs, *args)`` on ``nprocs`` local processes,
+    forked or spawned (``start_method``).
 
-    Each joins a gloo process group (file:// rendezvous in a temporary folder, so
-    no port is needed) with ``timeout`` and destroys it afterwards. With
+    Each joins a gloo process group (file:// rendezvous in a temporary folder, so no
+    port is needed) with ``timeout`` and destroys it afterwards. With
     ``ranks_handle_sigint`` the parent ignores Ctrl-C while it waits (the terminal sends
     SIGINT to the ranks too, and they stop cleanly themselves).
     """
-    # a Python handler, not SIG_IGN: the spawned ranks (a new interpreter) start with the
-    # default one, so Ctrl-C reaches them also before they install their own
+    # a Python handler, not SIG_IGN: a spawned rank (a new interpreter) starts with the
+    # default one, a forked one sets it first thing (``_entry``), so Ctrl-C reaches them
+    # also before they install their own
     prev = signal.signal(signal.SIGINT, _ignore) if ranks_handle_sigint else None
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -53,7 +71,7 @@ def spawn_local_ranks(
                 _entry,
                 args=(nprocs, os.path.join(tmp, "rdv"), timeout, threads, fn, args),
                 nprocs=nprocs,
-                start_method="spawn",
+                start_method=start_method(threads),
             )
     finally:
         if prev is not None:

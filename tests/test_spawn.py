@@ -1,0 +1,78 @@
+"""``spawn_local_ranks``, the entry points' ``--nproc`` mode: CPU ranks of one thread are
+forked (they inherit the parent's imports), others spawned as new interpreters; either
+way every rank joins the gloo group and starts with Python's own Ctrl-C handler."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import types
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from startrail_megatron.spawn import spawn_local_ranks, start_method
+
+_PROBE = "_startrail_spawn_test_probe"  # a module only this test's parent holds
+
+
+def _report(rank, world, out_dir):
+    t = torch.full((1,), float(rank + 1))
+    dist.all_reduce(t)
+    rec = {
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "sum": t.item(),
+        "threads": torch.get_num_threads(),
+        "inherited": _PROBE in sys.modules,
+        "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    }
+    with open(f"{out_dir}/{rank}.json", "w") as f:
+        json.dump(rec, f)
+
+
+def _records(tmp_path, world):
+    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
+
+
+def test_start_method_forks_only_single_threaded_cpu_ranks():
+    expect = (
+        "fork" if sys.platform.startswith("linux") and not torch.cuda.is_available() else "spawn"
+    )
+    assert start_method(1) == expect
+    assert start_method(2) == "spawn"
+
+
+def test_cpu_ranks_are_forked_join_the_group_and_take_ctrl_c(tmp_path):
+    sys.modules[_PROBE] = types.ModuleType(_PROBE)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        spawn_local_ranks(
+            _report, 3, str(tmp_path), timeout=timedelta(seconds=60), ranks_handle_sigint=True
+        )
+    finally:
+        del sys.modules[_PROBE]
+    assert signal.getsignal(signal.SIGINT) is before  # the parent's handler is back
+    recs = _records(tmp_path, 3)
+    assert [r["rank"] for r in recs] == [0, 1, 2]
+    assert all(r["world"] == 3 and r["sum"] == 6.0 and r["threads"] == 1 for r in recs)
+    assert all(r["inherited"] == (start_method(1) == "fork") for r in recs)
+    # the parent ignored Ctrl-C while it waited; every rank has Python's own handler
+    assert all(r["sigint_default"] for r in recs)
+
+
+def test_ranks_of_more_threads_are_new_interpreters(tmp_path):
+    sys.modules[_PROBE] = types.ModuleType(_PROBE)
+    try:
+        spawn_local_ranks(
+            _report, 2, str(tmp_path), timeout=timedelta(seconds=120), threads=2,
+            ranks_handle_sigint=True,
+        )  # fmt: skip
+    finally:
+        del sys.modules[_PROBE]
+    recs = _records(tmp_path, 2)
+    assert all(r["sum"] == 3.0 and r["threads"] == 2 for r in recs)
+    assert not any(r["inherited"] for r in recs)  # spawned: nothing of the parent's
+    assert all(r["sigint_default"] for r in recs)
