@@ -8,6 +8,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import shutdown  # noqa: E402
 from lanes import LANES, in_stack_lane  # noqa: E402
 
+from startrail_megatron.bench.extensions import extensions_dir, remove_stale_locks  # noqa: E402
+
+# DeepSpeed builds its CPU collectives op on first use (~35 s on 2 cores): in a folder of
+# the suite's own, one per Python and torch release, kept between runs (a fresh clone
+# reuses it), a killed build's lock removed (it would hang every later build there).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir(os.environ, "tests"))
+remove_stale_locks(os.environ["TORCH_EXTENSIONS_DIR"])
+
 # A skipped test is a test that proved nothing: an import failure of megatron-core, DeepSpeed or
 # transformers must fail the run, not turn it green. STARTRAIL_ALLOW_SKIPS=1 permits skips (a
 # machine without the pinned extras, on purpose).

@@ -6,7 +6,6 @@ import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
 
 import torch  # noqa: E402
 

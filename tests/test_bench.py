@@ -97,11 +97,36 @@ def test_bench_argument_errors(capsys):
 
 
 def test_the_benchmark_builds_deepspeed_ops_in_its_own_folder():
-    from startrail_megatron.bench.cli import extensions_dir
+    import sys
 
+    import torch
+
+    from startrail_megatron.bench.extensions import extensions_dir
+
+    release = f"py{sys.version_info[0]}.{sys.version_info[1]}-torch{torch.__version__}"
     got = extensions_dir({"XDG_CACHE_HOME": "/c"})
-    assert got == "/c/startrail_megatron/bench_torch_extensions"
-    assert extensions_dir({}).endswith("/.cache/startrail_megatron/bench_torch_extensions")
+    assert got == f"/c/startrail_megatron/bench_torch_extensions/{release}"
+    home = extensions_dir({})
+    assert home.endswith(f"/.cache/startrail_megatron/bench_torch_extensions/{release}")
+    assert extensions_dir({}, "tests").endswith(f"/tests_torch_extensions/{release}")
+
+
+def test_a_killed_builds_lock_is_removed_a_live_ones_kept(tmp_path):
+    import os
+    import time
+
+    from startrail_megatron.bench.extensions import STALE_LOCK_S, remove_stale_locks
+
+    for op in ("old_op", "live_op", "built_op"):
+        (tmp_path / op).mkdir()
+    (tmp_path / "old_op" / "lock").write_text("")
+    (tmp_path / "live_op" / "lock").write_text("")
+    then = time.time() - STALE_LOCK_S - 1
+    os.utime(tmp_path / "old_op" / "lock", (then, then))
+    assert remove_stale_locks(str(tmp_path)) == [str(tmp_path / "old_op" / "lock")]
+    assert not (tmp_path / "old_op" / "lock").exists()
+    assert (tmp_path / "live_op" / "lock").exists()
+    assert remove_stale_locks(str(tmp_path / "absent")) == []
 
 
 def test_cache_bytes_per_core_reads_sysfs(tmp_path):

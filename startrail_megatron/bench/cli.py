@@ -53,11 +53,12 @@ from ..cli_options import add_own_rows_first
 from ..emulate import EmulationSpec
 from ..planner.strategies import candidate_strategies
 from ..spawn import spawn_local_ranks
+from .extensions import STALE_LOCK_S, extensions_dir, remove_stale_locks
 from .memory import PeakMemory
 from .report import format_table, write_png
 from .runner import DTYPES, run_rank
 
-__all__ = ["WORKLOADS", "build_parser", "extensions_dir", "main", "resolve_workload", "run"]
+__all__ = ["WORKLOADS", "build_parser", "main", "resolve_workload", "run"]
 
 WORKLOADS: dict[str, dict] = {
     "gpt": {"heads": 8, "kv_heads": None, "head_dim": 64, "full": False},
@@ -159,14 +160,6 @@ def resolve_workload(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def extensions_dir(env) -> str:
-    """The benchmark's own ``TORCH_EXTENSIONS_DIR`` (unless one is set): the Ulysses peer
-    makes DeepSpeed build an op on first use, and a build killed midway leaves a lock in
-    the folder that makes every later build there hang without a word."""
-    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "startrail_megatron", "bench_torch_extensions")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: run the benchmark, print and write the outputs; exit status 0."""
     run(argv)
@@ -214,6 +207,10 @@ def run(argv: list[str] | None = None) -> dict:
             p.error(f"--strategies {bad} not valid here; allowed: {sorted(known)}")
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.cuda else "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir(os.environ))
+    for lock in remove_stale_locks(os.environ["TORCH_EXTENSIONS_DIR"]):
+        print(
+            f"removed {lock}, a killed build's: untouched for {STALE_LOCK_S:.0f} s", file=sys.stderr
+        )
     if spec is not None:
         from .emulated import format_emulation, run_emulated
 
