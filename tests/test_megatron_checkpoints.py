@@ -141,3 +141,27 @@ def test_a_fresh_optimizer_state_is_detected(runs):
     got = _pretrain(tmp, "fresh_adam", 4, 2, "--load", str(ckpt), "--ckpt-step", str(AT))
     with pytest.raises(AssertionError):
         _assert_same_run(got, startrail, AT + 1)
+
+
+def _write_queue_by_fork(rank, world):
+    """What ``save_checkpoint`` does before megatron-core's writer asks for its results
+    queue: on CPU ranks, make it with a forked Manager (megatron-core spawns one)."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    from startrail_megatron.megatron.training.checkpoint import _forked_write_results_queue
+
+    fa._results_queue = None  # as before a rank's first save
+    before = set(mp.active_children())
+    _forked_write_results_queue()
+    made = [type(p).__name__ for p in mp.active_children() if p not in before]
+    fa._results_queue.put(rank)
+    return made, fa._results_queue.get(timeout=10)
+
+
+def test_the_checkpoint_writers_queue_is_made_by_fork_on_cpu_ranks():
+    """A spawned Manager is a new interpreter that imports the entry point again (~5 s of
+    CPU per rank at the first save); the forked one inherits it. The queue works."""
+    for rank, (made, got) in enumerate(run_ranks(2, _write_queue_by_fork)):
+        assert made == ["ForkProcess"] and got == rank, (made, got)

@@ -6,12 +6,32 @@ checkpoint loads into a CP = 1 run), so a resumed run continues exactly.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
+
+
+def _forked_write_results_queue() -> None:
+    """On CPU ranks, make megatron-core's checkpoint-writer results queue by fork.
+
+    Its writer (``dist_checkpointing.strategies.filesystem_async``, 0.16 - 0.19) makes the
+    queue on a rank's first save through a ``multiprocessing`` Manager started by *spawn*:
+    a new interpreter that imports the entry point again (megatron-core and all: ~5 s of
+    CPU per rank, the most of a small model's first save on CPU ranks). A rank's fork of
+    it runs only the Manager's server loop, no torch op and no device; where there is a
+    device, or the module keeps no such queue, megatron-core's own way stands."""
+    if torch.cuda.is_available():
+        return
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    except ImportError:
+        return
+    if getattr(fa, "_results_queue", False) is None:
+        fa._results_queue = mp.get_context("fork").Manager().Queue()
 
 
 def _optimizer_file(ckpt: str) -> str:
@@ -33,6 +53,7 @@ def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
     if dist.get_rank() == 0:
         os.makedirs(ckpt, exist_ok=True)
     dist.barrier()
+    _forked_write_results_queue()
     dist_checkpointing.save(model.module.sharded_state_dict(), ckpt)
     if (
         optimizer is not None
