@@ -297,9 +297,13 @@ class EmulatedCluster:
                 subprocess.Popen(wrapped, env=self.rank_env(r, port, env), start_new_session=True)
             )
 
+    FAIL_GRACE_S = 2.0
+    """After a rank fails, how long the others may still finish or print their own error
+    before they are stopped (a rank waiting on the dead one waits for its timeout)."""
+
     def wait(self, timeout: float) -> None:
         """Wait for every rank; ``RuntimeError`` naming the first rank that failed (the
-        others are stopped a few seconds later) or the ranks still running at ``timeout``."""
+        others are stopped ``FAIL_GRACE_S`` later) or the ranks still running at ``timeout``."""
         deadline = time.monotonic() + timeout
         failed_at = None
         while True:
@@ -309,7 +313,7 @@ class EmulatedCluster:
                 failed_at = time.monotonic()
             if all(c is not None for c in codes):
                 break
-            if failed_at is not None and time.monotonic() > failed_at + 5:
+            if failed_at is not None and time.monotonic() > failed_at + self.FAIL_GRACE_S:
                 break
             if time.monotonic() > deadline:
                 running = [r for r, c in enumerate(codes) if c is None]
