@@ -15,17 +15,49 @@ The core imports neither Megatron nor DeepSpeed; their adapters live in
 their own subpackages.
 """
 
-from . import joint, peers
-from .attention import startrail_attention
-from .comm import CommEvent, CommLedger
-from .groups import StarTrailGroups, UlyssesStarTrailGroups
-from .joint import joint_attention
-from .kernels import get_kernel, merge_partial
-from .peers import allgather_attention, ulysses_attention
-from .schedule.layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
-from .schedule.packing import PackedLayout, pack_lengths
-from .schedule.ulysses import UlyssesLayout
-from .zigzag import shard_packed, unshard_packed, zigzag_shard, zigzag_unshard
+import importlib
+
+# Names resolved on first use (PEP 562): importing a pure subpackage (``planner``,
+# ``emulate``, ``schedule``) does not import torch, so ``startrail-plan`` and the
+# emulation's parent start in a fraction of a second.
+_LAZY = {
+    "startrail_attention": ".attention",
+    "CommEvent": ".comm",
+    "CommLedger": ".comm",
+    "StarTrailGroups": ".groups",
+    "UlyssesStarTrailGroups": ".groups",
+    "joint_attention": ".joint",
+    "get_kernel": ".kernels",
+    "merge_partial": ".kernels",
+    "allgather_attention": ".peers",
+    "ulysses_attention": ".peers",
+    "PLACEMENTS": ".schedule.layout",
+    "StarTrailLayout": ".schedule.layout",
+    "valid_team_sizes": ".schedule.layout",
+    "PackedLayout": ".schedule.packing",
+    "pack_lengths": ".schedule.packing",
+    "UlyssesLayout": ".schedule.ulysses",
+    "shard_packed": ".zigzag",
+    "unshard_packed": ".zigzag",
+    "zigzag_shard": ".zigzag",
+    "zigzag_unshard": ".zigzag",
+}
+_SUBMODULES = ("joint", "peers")
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
+
 
 __version__ = "0.1.0"
 

@@ -271,3 +271,20 @@ def test_every_test_of_the_stack_runs_on_the_second_lane():
     missing = sorted(n for n in stack if not in_stack_lane(n))
     assert not missing, f"add these to tests/lanes.py STACK_TEST_FILES: {missing}"
     assert not in_stack_lane("test_attention.py")
+
+
+def test_the_pure_packages_start_without_torch():
+    """``startrail-plan`` and the emulation's parent (``planner``, ``emulate``) import no
+    torch: the package's names resolve on first use (``startrail_megatron/__init__.py``)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, startrail_megatron, startrail_megatron.planner.cli, "
+        "startrail_megatron.emulate, startrail_megatron.schedule; "
+        "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules)); "
+        "from startrail_megatron import StarTrailGroups, joint; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]", "True"], out.stdout
