@@ -15,7 +15,8 @@ deadline so a hung collective fails by itself too. Only one pool lives at a
 time: 2 cores. The heavy third-party modules the tests import inside their rank
 functions (megatron-core, DeepSpeed, transformers) are imported once in the parent
 before the first fork (``PRELOAD``), so that each new pool's ranks inherit them
-instead of importing them again whenever the pool's size changes.
+instead of importing them again whenever the pool's size changes; so are the core's
+modules, which the package root resolves only on first use.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ _SECONDARY = (
 
 
 PRELOAD = (
+    "startrail_megatron.attention",  # the package root resolves these on first use:
+    "startrail_megatron.peers",  # imported here once, not again in every forked rank
+    "startrail_megatron.joint",
+    "startrail_megatron.one_process",
     "megatron.core.models.gpt",
     "megatron.core.datasets.gpt_dataset",
     "megatron.core.distributed",

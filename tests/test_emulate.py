@@ -53,12 +53,14 @@ def test_rank_argv_drops_the_parents_flags():
 
 def test_the_model_links_come_from_the_probe(monkeypatch):
     """The cost model's emulated cluster: compute from the microbenchmarks (stubbed here),
-    links from the probe's transfers timed apart; the set rate only without a second node."""
+    links from the probe's transfers timed apart, the ring step's rate where lower (every
+    rank sending at once); the set rate only without a second node."""
     from startrail_megatron.planner.cluster import CLUSTER_PRESETS
 
     monkeypatch.setattr(emulated, "fit_cluster", lambda micro, **kw: CLUSTER_PRESETS["a100-eth"])
     spec = EmulationSpec.parse("4x2", "200mbit")
-    probe = {"bytes": 2**21, "seconds": {"intra_node": 2**21 / 1e9, "inter_node": 2**21 / 26e6}}
+    probe = {"bytes": 2**21, "seconds": {"intra_node": 2**21 / 1e9, "inter_node": 2**21 / 26e6,
+                                         "ring_step": 2**21 / 30e6}}  # fmt: skip
     cl = emulated.emulated_cluster_spec(spec, probe, {}, 1e9)
     assert (cl.num_nodes, cl.gpus_per_node) == (4, 2) and not cl.overlap
     assert cl.inter_bw == pytest.approx(26e6) and cl.inter_bw_per_gpu == pytest.approx(26e6)
@@ -70,6 +72,10 @@ def test_the_model_links_come_from_the_probe(monkeypatch):
         1e9,
     )
     assert one.inter_bw == 25e6 and one.intra_bw == pytest.approx(8e8)
+    # the ring step (every rank sending at once) below the lone pair's rate: that rate
+    slow = {**probe, "seconds": {**probe["seconds"], "ring_step": 2**21 / 20e6}}
+    cl = emulated.emulated_cluster_spec(spec, slow, {}, 1e9)
+    assert cl.inter_bw == pytest.approx(20e6) and cl.inter_bw_per_gpu == pytest.approx(20e6)
 
 
 def _row(name, med, pred, inter=0):
@@ -190,6 +196,8 @@ def test_two_nodes_links_at_the_set_rate_and_nothing_left(tmp_path):
     inter = 8 * probe["bytes"] / probe["seconds"]["inter_node"]
     intra = 8 * probe["bytes"] / probe["seconds"]["intra_node"]
     assert abs(inter - set_rate) <= 0.25 * set_rate, inter
+    ring = 8 * probe["bytes"] / probe["seconds"]["ring_step"]  # every rank at once
+    assert abs(ring - set_rate) <= 0.25 * set_rate, ring
     assert intra > 5 * set_rate, intra  # inside a node: the node's own stack, unlimited
     assert [h[1] for h in probe["hosts"]] == [0, 0, 1, 1]
     names = [h[0] for h in probe["hosts"]]

@@ -2,14 +2,14 @@
 multi-node cluster (``emulate/``'s Note [the emulated cluster]).
 
 The parent (root) builds the cluster, runs the link probe in it (``emulate.probe``: one
-inside-node and one between-node exchange, timed), then the benchmark's ranks inside their
+inside-node and one between-node exchange, and a ring step of every rank at once, timed), then the benchmark's ranks inside their
 nodes (each is ``startrail-bench`` under torchrun's variables: every strategy side by side
 in one run, as without emulation), and removes the cluster, also on failure. The report
 gains ``emulation``: the topology and rates, the probe's times and rates, and per strategy
 the cost model's prediction for the emulated cluster (the run's own kernel and buffer
-calibration; links: ranks per node, the node's shared link at the set rate in each
-direction, the inside-node rate the probe measured; no overlap: gloo's transfers share
-the cores).
+calibration; links: ranks per node, the node's shared link in each direction at the
+probe's rate (the ring step's where lower), the inside-node rate it measured; no
+overlap: gloo's transfers share the cores).
 """
 
 from __future__ import annotations
@@ -54,13 +54,17 @@ def emulated_cluster_spec(
     spec: EmulationSpec, probe: dict, micro: dict, memory_bytes: float, backend: str = "gloo"
 ) -> ClusterSpec:
     """The cost model's cluster for the emulation: compute and buffers fitted on the run's
-    own microbenchmarks (``fit_cluster``), links from the probe's transfers, timed apart
-    (between nodes: its rate per node and direction, one rank alone reaching all of it,
-    the node's ranks sharing it; the set rate where the probe had no second node; inside
-    a node: its rate; latencies: the probe's small-message floor is not measured, 0)."""
+    own microbenchmarks (``fit_cluster``), links from the probe's transfers (between nodes:
+    per node and direction, one rank alone reaching all of it, the node's ranks sharing it,
+    at the rate of the probe's ring step where it is below the lone pair's: with every
+    rank sending at once, as in the strategies, the host's cores carry every node's
+    packets; the set rate where the probe had no second node; inside a node: its rate;
+    latencies: the probe's small-message floor is not measured, 0)."""
     base = fit_cluster(micro, num_ranks=spec.world_size, memory_bytes=memory_bytes, backend=backend)
     nbytes, secs = probe["bytes"], probe["seconds"]
     inter = nbytes / secs["inter_node"] if "inter_node" in secs else spec.inter_bps / 8
+    if "ring_step" in secs:
+        inter = min(inter, nbytes / secs["ring_step"])
     intra = nbytes / secs["intra_node"] if "intra_node" in secs else base.intra_bw
     return base.with_(
         name=f"emulated {spec.nodes}x{spec.ranks_per_node} at {spec.inter_bps / 1e6:g} Mbit/s",

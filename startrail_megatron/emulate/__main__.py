@@ -6,8 +6,9 @@
 Builds the cluster (``cluster.py``'s Note [the emulated cluster]), starts the command once
 per rank inside its node with torchrun's variables (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` at node 0, ...), waits, and removes everything, also on
-failure or Ctrl-C. ``--probe`` first times one exchange inside a node and one between
-nodes and prints the rates. Exit status: 0, or 1 naming the rank that failed.
+failure or Ctrl-C. ``--probe`` first times one exchange inside a node, one between
+nodes and a ring step of every rank at once (``probe.py``), and prints the rates. Exit
+status: 0, or 1 naming the rank that failed.
 """
 
 from __future__ import annotations

@@ -4,8 +4,11 @@ nodes (``python -m startrail_megatron.emulate.probe OUT.json [--mib M] [--fail-r
 Run on every rank of an emulated cluster (``EmulatedCluster.start``): rank 0 exchanges
 ``--mib`` MiB with rank 1 (the same node when nodes have two ranks or more) and with the
 first rank of node 1, each way at once (``comm.P2PComm``'s receives-first exchange, the
-transfer StarTrail's ring steps make), best of three; rank 0 writes the seconds, the
-bytes and every rank's hostname and node to ``OUT.json``. ``--fail-rank R`` makes rank R
+transfer StarTrail's ring steps make), the other ranks idle; then, where the ring crosses
+nodes, every rank at once sends as much to the next rank and receives from the previous
+(``ring_step``: one ring-attention step, every node's link and the host's cores busy as
+in the strategies); each best of three, the slowest rank's. Rank 0 writes the seconds,
+the bytes and every rank's hostname and node to ``OUT.json``. ``--fail-rank R`` makes rank R
 exit with code 3 first (the tests' failing rank).
 """
 
@@ -43,6 +46,25 @@ def _exchange_time(rank: int, pair: tuple[int, int], nbytes: int, repeats: int =
     return best
 
 
+def _ring_step_time(rank: int, world: int, nbytes: int, repeats: int = 3) -> float:
+    """Best of ``repeats`` of the slowest rank's time: every rank sends ``nbytes`` to the
+    next rank and receives as much from the previous one, all at once."""
+    x = torch.zeros(nbytes // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        ops = [dist.P2POp(dist.irecv, y, (rank - 1) % world),
+               dist.P2POp(dist.isend, x, (rank + 1) % world)]  # fmt: skip
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        best = min(best, t.item())
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
@@ -63,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         if world > per_node:
             pairs["inter_node"] = per_node
         times = {name: _exchange_time(rank, (0, other), nbytes) for name, other in pairs.items()}
+        if world > per_node:
+            times["ring_step"] = _ring_step_time(rank, world, nbytes)
         hosts: list = [None] * world
         dist.all_gather_object(
             hosts, (socket.gethostname(), int(os.environ.get("STARTRAIL_EMULATED_NODE", -1)))
