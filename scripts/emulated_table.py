@@ -69,7 +69,8 @@ def _family(rows: list[dict]) -> list[dict]:
 
 def summary_table(reports: list[dict]) -> list[str]:
     out = [
-        "| topology | probe Mbit/s (off-node) | within 20% | model's pick / measured fastest"
+        "| topology | probe Mbit/s (off-node: pair, ring step) | within 20% |"
+        " model's pick / measured fastest"
         " | StarTrail family: pick / fastest |",
         "| --- | --- | --- | --- | --- |",
     ]
@@ -77,8 +78,11 @@ def summary_table(reports: list[dict]) -> list[str]:
         em = rep["emulation"]
         rates = em["probe"]["rates_bits_per_s"]
         every, fam = model_pick(em["rows"]), model_pick(_family(em["rows"]))
+        probe = f"{rates.get('inter_node', 0) / 1e6:.0f}"
+        if "ring_step" in rates:
+            probe += f", {rates['ring_step'] / 1e6:.0f}"
         out.append(
-            f"| {_title(rep)} | {rates.get('inter_node', 0) / 1e6:.0f} | "
+            f"| {_title(rep)} | {probe} | "
             f"{every['within_20_percent']} of {every['strategies']} | "
             f"{every['predicted_fastest']} / {every['measured_fastest']}: "
             f"{every['pick_over_fastest']:.2f} | {fam['predicted_fastest']} / "

@@ -115,7 +115,8 @@ def test_the_docs_table_script(tmp_path, capsys):
     for r in rows:
         r["median_over_ring"] = r["median_s"] / 2.0
     em = {"nodes": 4, "ranks_per_node": 2, "inter_node_bits_per_s": 2e8,
-          "probe": {"rates_bits_per_s": {"inter_node": 1.95e8}}, "rows": rows}  # fmt: skip
+          "probe": {"rates_bits_per_s": {"inter_node": 1.95e8, "ring_step": 1.8e8}},
+          "rows": rows}  # fmt: skip
     rep = tmp_path / "r.json"
     rep.write_text(json.dumps({"config": {"nproc": 8, "heads": 8}, "emulation": em}))
     mod.main([str(rep)])
@@ -123,7 +124,7 @@ def test_the_docs_table_script(tmp_path, capsys):
     assert "4 x 2, 200 Mbit/s (P = 8, 8 heads)" in out
     assert "| startrail-C2-team | 1500 | 0.75 | 1.27 | 1.0 | 0.0 |" in out
     # all: ulysses picked and fastest; the family: ring picked, StarTrail fastest
-    assert "| 4 x 2, 200 Mbit/s | 195 | 2 of 3 | ulysses / ulysses: 1.00 |" in out
+    assert "| 4 x 2, 200 Mbit/s | 195, 180 | 2 of 3 | ulysses / ulysses: 1.00 |" in out
     assert "ring / startrail-C2-team: 1.33 |" in out
     mod.main(["--wide", str(rep), str(rep)])
     out = capsys.readouterr().out
