@@ -121,6 +121,7 @@ def test_a_killed_builds_lock_is_removed_a_live_ones_kept(tmp_path):
         (tmp_path / op).mkdir()
     (tmp_path / "old_op" / "lock").write_text("")
     (tmp_path / "live_op" / "lock").write_text("")
+    (tmp_path / "notes.txt").write_text("")  # a file beside the ops' folders
     then = time.time() - STALE_LOCK_S - 1
     os.utime(tmp_path / "old_op" / "lock", (then, then))
     assert remove_stale_locks(str(tmp_path)) == [str(tmp_path / "old_op" / "lock")]

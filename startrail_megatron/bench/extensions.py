@@ -43,6 +43,6 @@ def remove_stale_locks(folder: str, older_than_s: float = STALE_LOCK_S) -> list[
             if now - os.path.getmtime(lock) >= older_than_s:
                 os.remove(lock)
                 removed.append(lock)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no lock; a file, not an op's folder
             continue
     return removed
