@@ -60,23 +60,15 @@ def measure(out_path: str, mib: float = 2.0, repeats: int = 3) -> None:
 
 
 def compare(measured_path: str, report_path: str) -> list[str]:
-    from startrail_megatron.bench.emulated import emulated_cluster_spec
-    from startrail_megatron.emulate import EmulationSpec
+    from startrail_megatron.planner.cli import load_cluster
     from startrail_megatron.planner.links import all_to_all, collective
 
     with open(measured_path) as f:
         m = json.load(f)
-    with open(report_path) as f:
-        rep = json.load(f)
-    em = rep["emulation"]
-    spec = EmulationSpec(
-        em["nodes"], em["ranks_per_node"], em["inter_node_bits_per_s"], em["intra_node_bits_per_s"]
-    )
-    if spec.world_size != m["world"]:
-        raise SystemExit(f"{report_path}: {spec.world_size} ranks, {measured_path}: {m['world']}")
-    probe = {k: em["probe"][k] for k in ("bytes", "seconds")}
-    micro = rep["calibration"]["microbenchmarks_median"]
-    cl = emulated_cluster_spec(spec, probe, micro, 1e11)  # memory plays no part here
+    cl = load_cluster(report_path)  # the report's emulated cluster, as startrail-plan loads it
+    world = cl.num_nodes * cl.gpus_per_node
+    if world != m["world"]:
+        raise SystemExit(f"{report_path}: {world} ranks, {measured_path}: {m['world']}")
     w, nb = m["world"], m["bytes_per_rank"]
     model = {
         "all_gather": collective(cl, [list(range(w))], (w - 1) * nb, 1),
