@@ -61,27 +61,4 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CommEvent",
-    "CommLedger",
-    "PLACEMENTS",
-    "PackedLayout",
-    "StarTrailGroups",
-    "StarTrailLayout",
-    "UlyssesLayout",
-    "UlyssesStarTrailGroups",
-    "allgather_attention",
-    "get_kernel",
-    "joint",
-    "joint_attention",
-    "merge_partial",
-    "pack_lengths",
-    "peers",
-    "shard_packed",
-    "startrail_attention",
-    "ulysses_attention",
-    "unshard_packed",
-    "valid_team_sizes",
-    "zigzag_shard",
-    "zigzag_unshard",
-]
+__all__ = sorted([*_LAZY, *_SUBMODULES])
