@@ -19,6 +19,7 @@ from startrail_megatron.bench import emulated
 from startrail_megatron.bench.emulated import format_emulation, model_pick, rank_argv
 from startrail_megatron.emulate import EmulatedCluster, EmulationSpec, parse_rate, parse_topology
 from startrail_megatron.emulate.cluster import check_can_emulate, leftovers
+from startrail_megatron.planner import links
 
 PROBE = [sys.executable, "-m", "startrail_megatron.emulate.probe"]
 
@@ -76,6 +77,21 @@ def test_the_model_links_come_from_the_probe(monkeypatch):
     slow = {**probe, "seconds": {**probe["seconds"], "ring_step": 2**21 / 20e6}}
     cl = emulated.emulated_cluster_spec(spec, slow, {}, 1e9)
     assert cl.inter_bw == pytest.approx(20e6) and cl.inter_bw_per_gpu == pytest.approx(20e6)
+    assert cl.all_to_all_inter_bw == 0  # no all-to-all in the probe: the link's rate
+    # the all-to-all over the 8 ranks: each rank's 2 MiB in 8 parts, 6 of them off-node,
+    # 2 ranks per node: 2 * 6/8 * 2 MiB per node and direction, here in 0.2 s; what
+    # links.all_to_all is given: the ledger's bytes (7 of the 8 parts)
+    a2a = {**probe, "seconds": {**probe["seconds"], "all_to_all": 0.2}}
+    cl = emulated.emulated_cluster_spec(spec, a2a, {}, 1e9)
+    assert cl.all_to_all_inter_bw == pytest.approx(2 * 0.75 * 2**21 / 0.2)
+    assert cl.inter_bw == pytest.approx(26e6)  # the P2P links keep the pair's rate
+    # links.all_to_all gives the probe's time back
+    assert links.all_to_all(cl, 8, 2**21 * 7 // 8, 1) == pytest.approx(0.2)
+    # never above the ring's rate (a fast all-to-all is the intra-node part's)
+    fast = {**probe, "seconds": {**probe["seconds"], "all_to_all": 1e-3}}
+    assert emulated.emulated_cluster_spec(spec, fast, {}, 1e9).all_to_all_inter_bw == (
+        pytest.approx(26e6)
+    )
 
 
 def _row(name, med, pred, inter=0):
@@ -200,6 +216,10 @@ def test_two_nodes_links_at_the_set_rate_and_nothing_left(tmp_path):
     ring = 8 * probe["bytes"] / probe["seconds"]["ring_step"]  # every rank at once
     assert abs(ring - set_rate) <= 0.25 * set_rate, ring
     assert intra > 5 * set_rate, intra  # inside a node: the node's own stack, unlimited
+    # the all-to-all: each rank's 2 MiB in 4 parts, 2 of them off-node, 2 ranks per node:
+    # 2 MiB per node and direction on the link
+    a2a = 8 * probe["bytes"] / probe["seconds"]["all_to_all"]
+    assert abs(a2a - set_rate) <= 0.25 * set_rate, a2a
     assert [h[1] for h in probe["hosts"]] == [0, 0, 1, 1]
     names = [h[0] for h in probe["hosts"]]
     assert names[0] == names[1] != names[2] == names[3]  # a hostname per node

@@ -527,6 +527,27 @@ def test_ring_pipeline_by_hand():
     assert ring_pipeline(ov, late, [1, 0], 1.0) == pytest.approx(6.0)
 
 
+def test_all_to_all_by_hand_and_at_its_own_node_rate():
+    from startrail_megatron.planner.links import all_to_all
+
+    cl = CLUSTER_PRESETS["a100-eth"].with_(
+        gpus_per_node=2, num_nodes=4, intra_bw=8e9, inter_bw=4e9, inter_bw_per_gpu=4e9,
+        intra_latency=0.0, inter_latency=0.0,
+    )  # fmt: skip
+    # P = 8, 2 per node: 1 part inside the node, 6 off it, the node's 2 ranks sharing
+    # its link (2e9 each); 7 parts of 1e9 bytes
+    assert all_to_all(cl, 8, 7e9, 1) == pytest.approx(max(1e9 / 8e9, 6e9 / 2e9))
+    # a measured all-to-all rate per node (many flows on its link) replaces inter_bw
+    slow = cl.with_(all_to_all_inter_bw=1e9)
+    assert all_to_all(slow, 8, 7e9, 1) == pytest.approx(6e9 / 0.5e9)
+    # ... for the all-to-all only: the P2P links keep inter_bw
+    from startrail_megatron.planner.links import p2p_step
+
+    assert p2p_step(slow, [(0, 2, 4e9)]) == p2p_step(cl, [(0, 2, 4e9)]) == pytest.approx(1.0)
+    # inside one node it never applies
+    assert all_to_all(slow, 2, 1e9, 1) == all_to_all(cl, 2, 1e9, 1) == pytest.approx(1e9 / 8e9)
+
+
 def test_startrail_prediction_counts_each_ranks_own_sum():
     """P = 8, C = 2: each rank holds its own team's causal diagonal at one of the two
     steps; with free links the forward kernel time is one rank's sum, below the sum of

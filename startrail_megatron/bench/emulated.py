@@ -58,14 +58,23 @@ def emulated_cluster_spec(
     per node and direction, one rank alone reaching all of it, the node's ranks sharing it,
     at the rate of the probe's ring step where it is below the lone pair's: with every
     rank sending at once, as in the strategies, the host's cores carry every node's
-    packets; the set rate where the probe had no second node; inside a node: its rate;
-    latencies: the probe's small-message floor is not measured, 0)."""
+    packets; the set rate where the probe had no second node; an all-to-all's off-node
+    parts at the rate of the probe's all-to-all over every rank where below that: each
+    rank's flow to every other node at once; inside a node: its rate; latencies: the
+    probe's small-message floor is not measured, 0)."""
     base = fit_cluster(micro, num_ranks=spec.world_size, memory_bytes=memory_bytes, backend=backend)
     nbytes, secs = probe["bytes"], probe["seconds"]
     inter = nbytes / secs["inter_node"] if "inter_node" in secs else spec.inter_bps / 8
     if "ring_step" in secs:
         inter = min(inter, nbytes / secs["ring_step"])
     intra = nbytes / secs["intra_node"] if "intra_node" in secs else base.intra_bw
+    a2a = 0.0
+    if "all_to_all" in secs:
+        # the node rate at which links.all_to_all's off-node part of the probe's
+        # all-to-all takes its time: each rank's bytes in equal parts over the world
+        world, local = spec.world_size, spec.ranks_per_node
+        off = nbytes // 4 // world * world * 4 * (world - local) / world
+        a2a = min(inter, local * off / secs["all_to_all"])
     return base.with_(
         name=f"emulated {spec.nodes}x{spec.ranks_per_node} at {spec.inter_bps / 1e6:g} Mbit/s",
         gpus_per_node=spec.ranks_per_node,
@@ -75,6 +84,7 @@ def emulated_cluster_spec(
         inter_bw=inter,
         inter_bw_per_gpu=inter,
         inter_latency=0.0,
+        all_to_all_inter_bw=a2a,
         overlap=False,
     )
 

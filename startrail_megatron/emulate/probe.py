@@ -7,7 +7,9 @@ first rank of node 1, each way at once (``comm.P2PComm``'s receives-first exchan
 transfer StarTrail's ring steps make), the other ranks idle; then, where the ring crosses
 nodes, every rank at once sends as much to the next rank and receives from the previous
 (``ring_step``: one ring-attention step, every node's link and the host's cores busy as
-in the strategies); each best of three, the slowest rank's. Rank 0 writes the seconds,
+in the strategies) and an all-to-all over every rank (Ulysses' collective: each rank's
+``--mib`` MiB in equal parts to every rank, many flows on each node's link); each best of
+three, the slowest rank's. Rank 0 writes the seconds,
 the bytes and every rank's hostname and node to ``OUT.json``. ``--fail-rank R`` makes rank R
 exit with code 3 first (the tests' failing rank).
 """
@@ -46,6 +48,12 @@ def _exchange_time(rank: int, pair: tuple[int, int], nbytes: int, repeats: int =
     return best
 
 
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def _ring_step_time(rank: int, world: int, nbytes: int, repeats: int = 3) -> float:
     """Best of ``repeats`` of the slowest rank's time: every rank sends ``nbytes`` to the
     next rank and receives as much from the previous one, all at once."""
@@ -59,9 +67,22 @@ def _ring_step_time(rank: int, world: int, nbytes: int, repeats: int = 3) -> flo
                dist.P2POp(dist.isend, x, (rank + 1) % world)]  # fmt: skip
         for w in dist.batch_isend_irecv(ops):
             w.wait()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        best = min(best, t.item())
+        best = min(best, _slowest(time.perf_counter() - t0))
+    return best
+
+
+def _all_to_all_time(nbytes: int, repeats: int = 3) -> float:
+    """Best of ``repeats`` of the slowest rank's time: an all-to-all over every rank
+    (``all_to_all_single``, Ulysses' collective), ``nbytes`` per rank in equal parts."""
+    world = dist.get_world_size()
+    n = nbytes // 4 // world * world
+    x, y = torch.zeros(n), torch.empty(n)
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(y, x)
+        best = min(best, _slowest(time.perf_counter() - t0))
     return best
 
 
@@ -87,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         times = {name: _exchange_time(rank, (0, other), nbytes) for name, other in pairs.items()}
         if world > per_node:
             times["ring_step"] = _ring_step_time(rank, world, nbytes)
+            times["all_to_all"] = _all_to_all_time(nbytes)
         hosts: list = [None] * world
         dist.all_gather_object(
             hosts, (socket.gethostname(), int(os.environ.get("STARTRAIL_EMULATED_NODE", -1)))

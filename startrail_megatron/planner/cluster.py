@@ -51,6 +51,10 @@ class ClusterSpec:
     overlap: bool = True
     """Whether transfers in flight overlap compute and each other (``times``: the
     overlaps the code makes); False: every transfer's time adds up (gloo on shared cores)."""
+    all_to_all_inter_bw: float = 0.0
+    """Per node and direction, the rate an all-to-all's off-node parts reach (every rank
+    of a node sending to every rank of the others at once: many flows on the node's
+    link), bytes/s; 0 = ``inter_bw``."""
     own_rows_first: bool | None = None
     """StarTrail's first step runs its calls on the rank's own query rows before waiting the
     team gathers (a few more calls, the gathers hidden behind them) or not: the code's

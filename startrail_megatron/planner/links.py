@@ -5,7 +5,8 @@ its slowest rank; a link is intra-node or inter-node by the placement, and
 the GPUs of a node that send off-node at once share the node's network
 bandwidth. A ring collective over n ranks takes ``(n-1) alpha + bytes/bw``
 with ``bytes`` the ledger's per-rank volume and ``bw`` its slowest ring edge;
-an all-to-all ``(n-1) alpha`` plus its intra-node and inter-node shares.
+an all-to-all ``(n-1) alpha`` plus its intra-node and inter-node shares, the latter at
+``all_to_all_inter_bw`` per node where the cluster gives one (a measured all-to-all).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def all_to_all(cl: ClusterSpec, p: int, nbytes: int, calls: int) -> float:
     n_in, n_out = local - 1, p - local
     per_peer = nbytes / (p - 1)
     t_in = n_in * per_peer / cl.intra_bw
-    t_out = n_out * per_peer / _inter_bw(cl, local) if n_out else 0.0
+    node_bw = cl.all_to_all_inter_bw or cl.inter_bw  # many flows on the node's link at once
+    t_out = n_out * per_peer / min(cl.inter_bw_per_gpu, node_bw / local) if n_out else 0.0
     return calls * (n_in * cl.intra_latency + n_out * cl.inter_latency) + max(t_in, t_out)
 
 
