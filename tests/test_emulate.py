@@ -52,6 +52,14 @@ def test_rank_argv_drops_the_parents_flags():
     assert got == ["--seq-len", "512", "--repeats", "2", "--json", "/tmp/x.json", "--png", ""]
 
 
+def test_probes_before_and_after_merge_to_each_transfers_best():
+    a = {"bytes": 8, "seconds": {"inter_node": 2.0, "ring_step": 3.0}, "hosts": [1]}
+    b = {"bytes": 8, "seconds": {"inter_node": 2.5, "ring_step": 2.0, "all_to_all": 4.0}}
+    got = emulated.merge_probes([a, b])
+    assert got["seconds"] == {"inter_node": 2.0, "ring_step": 2.0, "all_to_all": 4.0}
+    assert got["hosts"] == [1] and a["seconds"]["ring_step"] == 3.0  # inputs untouched
+
+
 def test_the_model_links_come_from_the_probe(monkeypatch):
     """The cost model's emulated cluster: compute from the microbenchmarks (stubbed here),
     links from the probe's transfers timed apart, the ring step's rate where lower (every
