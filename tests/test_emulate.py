@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ import pytest
 from startrail_megatron.bench import emulated
 from startrail_megatron.bench.emulated import format_emulation, model_pick, rank_argv
 from startrail_megatron.emulate import EmulatedCluster, EmulationSpec, parse_rate, parse_topology
+from startrail_megatron.emulate import probe as probe_mod
 from startrail_megatron.emulate.cluster import check_can_emulate, leftovers
 from startrail_megatron.planner import links
 
@@ -52,12 +54,18 @@ def test_rank_argv_drops_the_parents_flags():
     assert got == ["--seq-len", "512", "--repeats", "2", "--json", "/tmp/x.json", "--png", ""]
 
 
-def test_probes_before_and_after_merge_to_each_transfers_best():
-    a = {"bytes": 8, "seconds": {"inter_node": 2.0, "ring_step": 3.0}, "hosts": [1]}
-    b = {"bytes": 8, "seconds": {"inter_node": 2.5, "ring_step": 2.0, "all_to_all": 4.0}}
+def test_probes_before_and_after_merge_to_each_transfers_median():
+    a = {"bytes": 8, "seconds": {"inter_node": 2.0}, "repeats": {"inter_node": [1.0, 2.0, 9.0]},
+         "hosts": [1]}  # fmt: skip
+    b = {"bytes": 8, "seconds": {"inter_node": 3.0, "ring_step": 4.0},
+         "repeats": {"inter_node": [3.0, 3.0, 4.0], "ring_step": [4.0]}}  # fmt: skip
     got = emulated.merge_probes([a, b])
-    assert got["seconds"] == {"inter_node": 2.0, "ring_step": 2.0, "all_to_all": 4.0}
-    assert got["hosts"] == [1] and a["seconds"]["ring_step"] == 3.0  # inputs untouched
+    assert got["seconds"] == {"inter_node": 3.0, "ring_step": 4.0}  # over all 6 repeats
+    assert got["repeats"]["inter_node"] == [1.0, 2.0, 9.0, 3.0, 3.0, 4.0]
+    assert got["hosts"] == [1] and a["repeats"]["inter_node"] == [1.0, 2.0, 9.0]
+    # a probe without its repeats counts by its seconds
+    c = {"bytes": 8, "seconds": {"inter_node": 5.0}}
+    assert emulated.merge_probes([c, a])["seconds"]["inter_node"] == 3.5
 
 
 def test_the_model_links_come_from_the_probe(monkeypatch):
@@ -225,10 +233,15 @@ def test_two_nodes_links_at_the_set_rate_and_nothing_left(tmp_path):
     assert abs(ring - set_rate) <= 0.25 * set_rate, ring
     assert intra > 5 * set_rate, intra  # inside a node: the node's own stack, unlimited
     # the all-to-all: each rank's 2 MiB in 4 parts, 2 of them off-node, 2 ranks per node:
-    # 2 MiB per node and direction on the link
+    # 2 MiB per node and direction on the link, never faster than it; gloo's all-to-all
+    # reaches 70 - 95% of it here (many flows at once: what the probe is there to measure)
     a2a = 8 * probe["bytes"] / probe["seconds"]["all_to_all"]
-    assert abs(a2a - set_rate) <= 0.25 * set_rate, a2a
+    assert 0.5 * set_rate <= a2a <= 1.25 * set_rate, a2a
     assert [h[1] for h in probe["hosts"]] == [0, 0, 1, 1]
+    # each transfer's median of its repeats
+    for k in ("intra_node", "inter_node", "ring_step", "all_to_all"):
+        assert len(probe["repeats"][k]) == probe_mod.REPEATS
+        assert probe["seconds"][k] == statistics.median(probe["repeats"][k])
     names = [h[0] for h in probe["hosts"]]
     assert names[0] == names[1] != names[2] == names[3]  # a hostname per node
     assert leftovers("stt1") == [] and len(pids) == 4 and not any(_alive(p) for p in pids)

@@ -107,13 +107,17 @@ def _shape(config: dict) -> AttnShape:
 
 
 def merge_probes(probes: list[dict]) -> dict:
-    """One probe from several of the same cluster: each transfer's best time (a rate the
-    links reached; one slow repeat is the host's other work, not the link)."""
-    secs: dict[str, float] = {}
+    """One probe from several of the same cluster: each transfer's median over every
+    repeat of them all (a typical rate over the run, as the strategies see it)."""
+    pooled: dict[str, list[float]] = {}
     for pr in probes:
-        for k, v in pr["seconds"].items():
-            secs[k] = min(v, secs.get(k, v))
-    return {**probes[0], "seconds": secs}
+        for k, v in pr.get("repeats", {k: [v] for k, v in pr["seconds"].items()}).items():
+            pooled.setdefault(k, []).extend(v)
+    return {
+        **probes[0],
+        "seconds": {k: statistics.median(v) for k, v in pooled.items()},
+        "repeats": pooled,
+    }
 
 
 def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:

@@ -8,9 +8,9 @@ transfer StarTrail's ring steps make), the other ranks idle; then, where the rin
 nodes, every rank at once sends as much to the next rank and receives from the previous
 (``ring_step``: one ring-attention step, every node's link and the host's cores busy as
 in the strategies) and an all-to-all over every rank (Ulysses' collective: each rank's
-``--mib`` MiB in equal parts to every rank, many flows on each node's link); each best of
-five, the slowest rank's. Rank 0 writes the seconds,
-the bytes and every rank's hostname and node to ``OUT.json``. ``--fail-rank R`` makes rank R
+``--mib`` MiB in equal parts to every rank, many flows on each node's link); each
+``REPEATS`` times, the slowest rank's time. Rank 0 writes each transfer's median seconds
+and every repeat, the bytes and every rank's hostname and node to ``OUT.json``. ``--fail-rank R`` makes rank R
 exit with code 3 first (the tests' failing rank).
 """
 
@@ -20,32 +20,18 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["main"]
+__all__ = ["REPEATS", "main"]
 
-
-def _exchange_time(rank: int, pair: tuple[int, int], nbytes: int, repeats: int = 5) -> float:
-    """Best of ``repeats`` (every rank calls it; only the pair moves data): the two ranks
-    of ``pair`` send ``nbytes`` to each other at once, receives posted first."""
-    x = torch.zeros(nbytes // 4, dtype=torch.float32)
-    y = torch.empty_like(x)
-    best = float("inf")
-    for _ in range(repeats):
-        dist.barrier()
-        if rank not in pair:
-            continue
-        peer = pair[1] if rank == pair[0] else pair[0]
-        t0 = time.perf_counter()
-        ops = [dist.P2POp(dist.irecv, y, peer), dist.P2POp(dist.isend, x, peer)]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-        best = min(best, time.perf_counter() - t0)
-    return best
+REPEATS = 5
+"""Times each transfer is made; the probe reports their median (a typical rate over the
+run, which the strategies see, not the best one a quiet moment gives)."""
 
 
 def _slowest(seconds: float) -> float:
@@ -54,36 +40,53 @@ def _slowest(seconds: float) -> float:
     return t.item()
 
 
-def _ring_step_time(rank: int, world: int, nbytes: int, repeats: int = 5) -> float:
-    """Best of ``repeats`` of the slowest rank's time: every rank sends ``nbytes`` to the
-    next rank and receives as much from the previous one, all at once."""
+def _timed(rank: int, transfer, repeats: int = REPEATS) -> list[float]:
+    """The slowest rank's seconds of ``transfer()`` (every rank calls it, after a barrier),
+    each of ``repeats`` times."""
+    out = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        transfer()
+        out.append(_slowest(time.perf_counter() - t0))
+    return out
+
+
+def _exchange(rank: int, peer: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Send ``x`` to ``peer`` and receive ``y`` from it at once, the receive posted first."""
+    ops = [dist.P2POp(dist.irecv, y, peer), dist.P2POp(dist.isend, x, peer)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+
+
+def _transfers(rank: int, world: int, per_node: int, nbytes: int) -> dict[str, list[float]]:
+    """Each transfer's times (``_timed``): the pairs alone (rank 0 with rank 1 inside its
+    node, with node 1's first rank between nodes; the other ranks idle), then where the
+    ring crosses nodes every rank's ring step at once and an all-to-all over every rank."""
     x = torch.zeros(nbytes // 4, dtype=torch.float32)
     y = torch.empty_like(x)
-    best = float("inf")
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        ops = [dist.P2POp(dist.irecv, y, (rank - 1) % world),
-               dist.P2POp(dist.isend, x, (rank + 1) % world)]  # fmt: skip
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-        best = min(best, _slowest(time.perf_counter() - t0))
-    return best
+    pairs = {}
+    if per_node > 1:
+        pairs["intra_node"] = 1
+    if world > per_node:
+        pairs["inter_node"] = per_node
+    times = {}
+    for name, other in pairs.items():
+        peer = {0: other, other: 0}.get(rank)
+        times[name] = _timed(rank, lambda p=peer: p is None or _exchange(rank, p, x, y))
+    if world > per_node:
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
 
+        def ring_step() -> None:
+            ops = [dist.P2POp(dist.irecv, y, prv), dist.P2POp(dist.isend, x, nxt)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
 
-def _all_to_all_time(nbytes: int, repeats: int = 5) -> float:
-    """Best of ``repeats`` of the slowest rank's time: an all-to-all over every rank
-    (``all_to_all_single``, Ulysses' collective), ``nbytes`` per rank in equal parts."""
-    world = dist.get_world_size()
-    n = nbytes // 4 // world * world
-    x, y = torch.zeros(n), torch.empty(n)
-    best = float("inf")
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_to_all_single(y, x)
-        best = min(best, _slowest(time.perf_counter() - t0))
-    return best
+        n = nbytes // 4 // world * world
+        a, b = torch.zeros(n), torch.empty(n)
+        times["ring_step"] = _timed(rank, ring_step)
+        times["all_to_all"] = _timed(rank, lambda: dist.all_to_all_single(b, a))
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,22 +103,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         world, per_node = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
         nbytes = int(args.mib * 2**20)
-        pairs = {}
-        if per_node > 1:
-            pairs["intra_node"] = 1
-        if world > per_node:
-            pairs["inter_node"] = per_node
-        times = {name: _exchange_time(rank, (0, other), nbytes) for name, other in pairs.items()}
-        if world > per_node:
-            times["ring_step"] = _ring_step_time(rank, world, nbytes)
-            times["all_to_all"] = _all_to_all_time(nbytes)
+        times = _transfers(rank, world, per_node, nbytes)
         hosts: list = [None] * world
         dist.all_gather_object(
             hosts, (socket.gethostname(), int(os.environ.get("STARTRAIL_EMULATED_NODE", -1)))
         )
         if rank == 0:
             with open(args.out, "w") as f:
-                json.dump({"bytes": nbytes, "seconds": times, "hosts": hosts}, f)
+                json.dump(
+                    {
+                        "bytes": nbytes,
+                        "seconds": {k: statistics.median(v) for k, v in times.items()},
+                        "repeats": times,
+                        "hosts": hosts,
+                    },
+                    f,
+                )
     finally:
         dist.destroy_process_group()
     return 0
