@@ -10,8 +10,8 @@ nodes, every rank at once sends as much to the next rank and receives from the p
 in the strategies) and an all-to-all over every rank (Ulysses' collective: each rank's
 ``--mib`` MiB in equal parts to every rank, many flows on each node's link); each
 ``REPEATS`` times, the slowest rank's time. Rank 0 writes each transfer's median seconds
-and every repeat, the bytes and every rank's hostname and node to ``OUT.json``. ``--fail-rank R`` makes rank R
-exit with code 3 first (the tests' failing rank).
+and every repeat, the bytes and every rank's hostname and node to ``OUT.json``.
+``--fail-rank R`` makes rank R exit with code 3 first (the tests' failing rank).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _slowest(seconds: float) -> float:
     return t.item()
 
 
-def _timed(rank: int, transfer, repeats: int = REPEATS) -> list[float]:
+def _timed(transfer, repeats: int = REPEATS) -> list[float]:
     """The slowest rank's seconds of ``transfer()`` (every rank calls it, after a barrier),
     each of ``repeats`` times."""
     out = []
@@ -52,7 +52,7 @@ def _timed(rank: int, transfer, repeats: int = REPEATS) -> list[float]:
     return out
 
 
-def _exchange(rank: int, peer: int, x: torch.Tensor, y: torch.Tensor) -> None:
+def _exchange(peer: int, x: torch.Tensor, y: torch.Tensor) -> None:
     """Send ``x`` to ``peer`` and receive ``y`` from it at once, the receive posted first."""
     ops = [dist.P2POp(dist.irecv, y, peer), dist.P2POp(dist.isend, x, peer)]
     for w in dist.batch_isend_irecv(ops):
@@ -73,7 +73,7 @@ def _transfers(rank: int, world: int, per_node: int, nbytes: int) -> dict[str, l
     times = {}
     for name, other in pairs.items():
         peer = {0: other, other: 0}.get(rank)
-        times[name] = _timed(rank, lambda p=peer: p is None or _exchange(rank, p, x, y))
+        times[name] = _timed(lambda p=peer: p is None or _exchange(p, x, y))
     if world > per_node:
         nxt, prv = (rank + 1) % world, (rank - 1) % world
 
@@ -84,8 +84,8 @@ def _transfers(rank: int, world: int, per_node: int, nbytes: int) -> dict[str, l
 
         n = nbytes // 4 // world * world
         a, b = torch.zeros(n), torch.empty(n)
-        times["ring_step"] = _timed(rank, ring_step)
-        times["all_to_all"] = _timed(rank, lambda: dist.all_to_all_single(b, a))
+        times["ring_step"] = _timed(ring_step)
+        times["all_to_all"] = _timed(lambda: dist.all_to_all_single(b, a))
     return times
 
 
