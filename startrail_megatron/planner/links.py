@@ -16,9 +16,10 @@ from .cluster import ClusterSpec
 __all__ = ["all_to_all", "collective", "p2p_fan", "p2p_step", "reduce_scatter_extra"]
 
 
-def _inter_bw(cl: ClusterSpec, senders: int) -> float:
-    """Inter-node bandwidth of one GPU while ``senders`` GPUs of its node send off-node."""
-    return min(cl.inter_bw_per_gpu, cl.inter_bw / max(senders, 1))
+def _inter_bw(cl: ClusterSpec, senders: int, node_bw: float = 0.0) -> float:
+    """Inter-node bandwidth of one GPU while ``senders`` GPUs of its node send off-node,
+    sharing ``node_bw`` (default: ``inter_bw``)."""
+    return min(cl.inter_bw_per_gpu, (node_bw or cl.inter_bw) / max(senders, 1))
 
 
 def p2p_step(cl: ClusterSpec, sends: list[tuple[int, int, int]]) -> float:
@@ -93,8 +94,8 @@ def all_to_all(cl: ClusterSpec, p: int, nbytes: int, calls: int) -> float:
     n_in, n_out = local - 1, p - local
     per_peer = nbytes / (p - 1)
     t_in = n_in * per_peer / cl.intra_bw
-    node_bw = cl.all_to_all_inter_bw or cl.inter_bw  # many flows on the node's link at once
-    t_out = n_out * per_peer / min(cl.inter_bw_per_gpu, node_bw / local) if n_out else 0.0
+    # many flows on the node's link at once: its measured all-to-all rate, where given
+    t_out = n_out * per_peer / _inter_bw(cl, local, cl.all_to_all_inter_bw) if n_out else 0.0
     return calls * (n_in * cl.intra_latency + n_out * cl.inter_latency) + max(t_in, t_out)
 
 
