@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 MIB = 2**20
 
@@ -29,6 +28,8 @@ MIB = 2**20
 def measure(out_path: str, mib: float = 2.0, repeats: int = 3) -> None:
     import torch
     import torch.distributed as dist
+
+    from startrail_megatron.emulate.probe import timed
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -41,17 +42,7 @@ def measure(out_path: str, mib: float = 2.0, repeats: int = 3) -> None:
             "all_gather": lambda: dist.all_gather_into_tensor(gathered, x),
             "all_to_all": lambda: dist.all_to_all_single(swapped, y),
         }
-        seconds = {}
-        for name, fn in ops.items():
-            best = float("inf")
-            for _ in range(repeats):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                t = torch.tensor([time.perf_counter() - t0])
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                best = min(best, t.item())
-            seconds[name] = best
+        seconds = {name: min(timed(fn, repeats)) for name, fn in ops.items()}  # best of
         if dist.get_rank() == 0:
             with open(out_path, "w") as f:
                 json.dump({"bytes_per_rank": 4 * n, "world": world, "seconds": seconds}, f)

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["REPEATS", "main"]
+__all__ = ["REPEATS", "main", "timed"]
 
 REPEATS = 5
 """Times each transfer is made; the probe reports their median (a typical rate over the
@@ -40,7 +40,7 @@ def _slowest(seconds: float) -> float:
     return t.item()
 
 
-def _timed(transfer, repeats: int = REPEATS) -> list[float]:
+def timed(transfer, repeats: int = REPEATS) -> list[float]:
     """The slowest rank's seconds of ``transfer()`` (every rank calls it, after a barrier),
     each of ``repeats`` times."""
     out = []
@@ -52,15 +52,16 @@ def _timed(transfer, repeats: int = REPEATS) -> list[float]:
     return out
 
 
-def _exchange(peer: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Send ``x`` to ``peer`` and receive ``y`` from it at once, the receive posted first."""
-    ops = [dist.P2POp(dist.irecv, y, peer), dist.P2POp(dist.isend, x, peer)]
+def _exchange(to: int, frm: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Send ``x`` to rank ``to`` and receive ``y`` from rank ``frm`` at once, the receive
+    posted first."""
+    ops = [dist.P2POp(dist.irecv, y, frm), dist.P2POp(dist.isend, x, to)]
     for w in dist.batch_isend_irecv(ops):
         w.wait()
 
 
 def _transfers(rank: int, world: int, per_node: int, nbytes: int) -> dict[str, list[float]]:
-    """Each transfer's times (``_timed``): the pairs alone (rank 0 with rank 1 inside its
+    """Each transfer's times (``timed``): the pairs alone (rank 0 with rank 1 inside its
     node, with node 1's first rank between nodes; the other ranks idle), then where the
     ring crosses nodes every rank's ring step at once and an all-to-all over every rank."""
     x = torch.zeros(nbytes // 4, dtype=torch.float32)
@@ -73,19 +74,13 @@ def _transfers(rank: int, world: int, per_node: int, nbytes: int) -> dict[str, l
     times = {}
     for name, other in pairs.items():
         peer = {0: other, other: 0}.get(rank)
-        times[name] = _timed(lambda p=peer: p is None or _exchange(p, x, y))
+        times[name] = timed(lambda p=peer: p is None or _exchange(p, p, x, y))
     if world > per_node:
         nxt, prv = (rank + 1) % world, (rank - 1) % world
-
-        def ring_step() -> None:
-            ops = [dist.P2POp(dist.irecv, y, prv), dist.P2POp(dist.isend, x, nxt)]
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-
         n = nbytes // 4 // world * world
         a, b = torch.zeros(n), torch.empty(n)
-        times["ring_step"] = _timed(ring_step)
-        times["all_to_all"] = _timed(lambda: dist.all_to_all_single(b, a))
+        times["ring_step"] = timed(lambda: _exchange(nxt, prv, x, y))
+        times["all_to_all"] = timed(lambda: dist.all_to_all_single(b, a))
     return times
 
 
