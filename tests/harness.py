@@ -26,6 +26,7 @@ import importlib.util
 import multiprocessing as mp
 import os
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -77,6 +78,22 @@ def _preload() -> None:
             importlib.import_module(name)
         except Exception:
             pass
+    _skip_deepspeed_shm_op()
+
+
+def _skip_deepspeed_shm_op() -> None:
+    """DeepSpeed's CPU backend JIT-builds its shared-memory op when a rank initializes
+    ``deepspeed.comm``; the op serves only ``inference_all_reduce`` (no test calls it: every
+    collective here goes through ``torch.distributed``). The build's command lines name the
+    venv's path, so a fresh clone rebuilds it (35 - 45 s of both cores per test lane).
+    Marked incompatible here, in the parent every rank is forked from, DeepSpeed falls back
+    to ``torch.distributed`` as it does on a machine without the op. STARTRAIL_TEST_DS_SHM=1
+    builds and loads it as users' CPU runs do."""
+    if os.environ.get("STARTRAIL_TEST_DS_SHM") == "1" or "deepspeed" not in sys.modules:
+        return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _children(pid: int) -> list:
