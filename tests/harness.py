@@ -21,6 +21,7 @@ modules, which the package root resolves only on first use.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.util
 import multiprocessing as mp
@@ -154,6 +155,11 @@ class RankPool:
         self.world_size = world_size
         self.tmp = tempfile.mkdtemp(prefix="startrail_pool_")
         _preload()
+        # Everything the parent holds now (torch, megatron-core, DeepSpeed, transformers: a
+        # few million objects) moves to the collector's permanent generation: a rank's
+        # collection (``gc.collect()`` in a test, or an automatic full one) no longer walks
+        # them, nor writes their headers, which copied every page they lie on into the rank.
+        gc.freeze()
         ctx = mp.get_context("fork")
         self.conns, self.procs = [], []
         for r in range(world_size):
@@ -259,3 +265,4 @@ def shutdown() -> None:
     pool = _POOL.get("pool")
     if pool is not None:
         pool.close()
+    gc.unfreeze()  # the parent's own teardown collects them as usual (nanobind checks)
