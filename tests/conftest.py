@@ -64,6 +64,22 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=drop)
 
 
+MOCK_DOCUMENTS = 1000
+"""Documents in megatron-core's ``--mock-data`` dataset for the suite's ranks (megatron-core:
+100,000, whose 2 million-sample shuffle index every rank of every test rebuilt: 0.3 s of CPU
+each, a third of the Megatron tests' time). A test trains a few hundred samples at most."""
+
+
+def pytest_collection_finish(session):
+    """Shrink the mock dataset once the test modules are imported and before any rank is
+    forked, so that every rank and every in-process reference of this session builds the same
+    data (entry-point tests run in new interpreters and keep megatron-core's size)."""
+    if "megatron.core" in sys.modules:
+        from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+        MockGPTLowLevelDataset.size = MOCK_DOCUMENTS
+
+
 def pytest_runtest_logreport(report):
     if report.skipped:
         _skipped.append(report.nodeid)

@@ -51,6 +51,9 @@ PRELOAD = (
     "startrail_megatron.one_process",
     "megatron.core.models.gpt",
     "megatron.core.datasets.gpt_dataset",
+    # the trainer's NullTokenizer: its package imports transformers' tokenizers, whose lazy
+    # module scans every model family on first use (~1.5 s per new rank without this)
+    "megatron.core.tokenizers.text.libraries.null_tokenizer",
     "megatron.core.distributed",
     "megatron.core.optimizer",
     "deepspeed",
