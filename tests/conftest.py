@@ -64,20 +64,14 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=drop)
 
 
-MOCK_DOCUMENTS = 1000
-"""Documents in megatron-core's ``--mock-data`` dataset for the suite's ranks (megatron-core:
-100,000, whose 2 million-sample shuffle index every rank of every test rebuilt: 0.3 s of CPU
-each, a third of the Megatron tests' time). A test trains a few hundred samples at most."""
-
-
 def pytest_collection_finish(session):
-    """Shrink the mock dataset once the test modules are imported and before any rank is
-    forked, so that every rank and every in-process reference of this session builds the same
-    data (entry-point tests run in new interpreters and keep megatron-core's size)."""
+    """Once the test modules are imported and before any rank is forked: the suite's smaller
+    ``--mock-data`` dataset (``megatron_common.shrink_mock_data``), so that every rank and every
+    in-process reference of this session builds the same data."""
     if "megatron.core" in sys.modules:
-        from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+        from megatron_common import shrink_mock_data
 
-        MockGPTLowLevelDataset.size = MOCK_DOCUMENTS
+        shrink_mock_data()
 
 
 def pytest_runtest_logreport(report):

@@ -4,6 +4,26 @@ from __future__ import annotations
 
 from startrail_megatron.megatron import StarTrailCoreAttention
 
+MOCK_DOCUMENTS = 1000
+"""Documents in megatron-core's ``--mock-data`` dataset on the suite's ranks (megatron-core's
+own: 100,000, whose 2-million-sample shuffle index every rank of every Megatron test rebuilt,
+0.3 s of CPU each, a third of those tests' time). A test trains a few hundred samples at most.
+Entry points spawned as new interpreters keep megatron-core's size."""
+
+MEGATRON_MOCK_DOCUMENTS: int | None = None
+"""megatron-core's own size, kept by ``shrink_mock_data``."""
+
+
+def shrink_mock_data() -> None:
+    """``MOCK_DOCUMENTS`` in this process and every rank forked from it afterwards
+    (``conftest.py`` calls it after collection, before the first pool)."""
+    global MEGATRON_MOCK_DOCUMENTS
+    from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+    if MEGATRON_MOCK_DOCUMENTS is None:
+        MEGATRON_MOCK_DOCUMENTS = MockGPTLowLevelDataset.size
+    MockGPTLowLevelDataset.size = MOCK_DOCUMENTS
+
 
 def startrail_proof(args, model, steps: int) -> dict | None:
     """With StarTrail on: what it recorded on this rank next to what it must have done.
@@ -83,3 +103,16 @@ def entry_point_train(rank: int, world: int, argv: list[str]) -> None:
     from startrail_megatron.megatron.training import parse_args, train
 
     train(parse_args(argv))
+
+
+def entry_point_train_as_spawned(rank: int, world: int, argv: list[str]) -> None:
+    """``entry_point_train`` on megatron-core's own ``--mock-data`` size, the data a spawned
+    entry point trains on, for a comparison with one."""
+    from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+    shrunk = MockGPTLowLevelDataset.size
+    MockGPTLowLevelDataset.size = MEGATRON_MOCK_DOCUMENTS or shrunk
+    try:
+        entry_point_train(rank, world, argv)
+    finally:
+        MockGPTLowLevelDataset.size = shrunk

@@ -9,7 +9,7 @@ the bytes of the run without it. Through the real entry point
 (``python -m startrail_megatron.pretrain_gpt --nproc 2``, CP = 2: the spawn is what this
 adds; CP = 4, C = 2 with dropout is the in-process test's): the default flags are accepted,
 and its logged losses are bitwise those of a second run of the same training (the entry
-point's per-rank ``train`` on pool ranks), with dropout calls recorded.
+point's per-rank ``train`` on pool ranks, on the spawned run's data), with dropout calls recorded.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 
 import torch
 from harness import run_ranks
-from megatron_common import assert_startrail_ran, entry_point_train
+from megatron_common import assert_startrail_ran, entry_point_train_as_spawned
 from test_megatron import BASE, _train, st_flags
 
 DROP = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
@@ -55,7 +55,7 @@ def _entry_point(tmp_path, name, spawn: bool):
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-4000:]
     else:
-        run_ranks(2, entry_point_train, argv)
+        run_ranks(2, entry_point_train_as_spawned, argv)
     return json.loads(log.read_text())
 
 
