@@ -16,7 +16,10 @@ time: 2 cores. The heavy third-party modules the tests import inside their rank
 functions (megatron-core, DeepSpeed, transformers) are imported once in the parent
 before the first fork (``PRELOAD``), so that each new pool's ranks inherit them
 instead of importing them again whenever the pool's size changes; so are the core's
-modules, which the package root resolves only on first use.
+modules, which the package root resolves only on first use. The parent then freezes its
+objects out of the collector before each fork (``gc.freeze``: a rank's collection walked
+and copied them all) and keeps DeepSpeed from building its shm op in the ranks
+(``_skip_deepspeed_shm_op``).
 """
 
 from __future__ import annotations
