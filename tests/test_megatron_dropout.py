@@ -9,7 +9,8 @@ the bytes of the run without it. Through the real entry point
 (``python -m startrail_megatron.pretrain_gpt --nproc 2``, CP = 2: the spawn is what this
 adds; CP = 4, C = 2 with dropout is the in-process test's): the default flags are accepted,
 and its logged losses are bitwise those of a second run of the same training (the entry
-point's per-rank ``train`` on pool ranks, on the spawned run's data), with dropout calls recorded.
+point's per-rank ``train`` on pool ranks, on the spawned run's data), with dropout calls
+recorded.
 """
 
 from __future__ import annotations
