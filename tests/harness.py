@@ -11,11 +11,13 @@ Design (measured on the 2-core CI machines): fork (0.1 s for 4 ranks, against
 ~3 s to spawn), with ``torch.set_num_threads(1)`` first thing in the child (a
 forked child deadlocks on its first multithreaded op once the parent ran one);
 file:// rendezvous in a temp dir (no port races); a gloo timeout below the task
-deadline so a hung collective fails by itself too. Only one pool lives at a
-time: 2 cores. The heavy third-party modules the tests import inside their rank
-functions (megatron-core, DeepSpeed, transformers) are imported once in the parent
-before the first fork (``PRELOAD``), so that each new pool's ranks inherit them
-instead of importing them again whenever the pool's size changes; so are the core's
+deadline so a hung collective fails by itself too. One pool per size is kept
+while the live ranks stay within ``MAX_LIVE_RANKS`` (a task runs on one pool at a
+time; the others wait idle), so tests that alternate sizes reuse ranks; a pool whose
+ranks gathered too many threads is replaced (``RankPool.worn``). The heavy third-party
+modules the tests import inside their rank functions (megatron-core, DeepSpeed,
+transformers) are imported once in the parent before the first fork (``PRELOAD``), so
+that each new pool's ranks inherit them instead of importing them again; so are the core's
 modules, which the package root resolves only on first use. The parent then freezes its
 objects out of the collector before each fork (``gc.freeze``: a rank's collection walked
 and copied them all) and keeps DeepSpeed from building its shm op in the ranks
@@ -34,6 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import OrderedDict
 from datetime import timedelta
 
 DEFAULT_TIMEOUT = float(os.environ.get("STARTRAIL_TEST_TIMEOUT", "120"))
@@ -125,6 +128,9 @@ def _exit(code: int) -> None:
 
 
 def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> None:
+    for other in _POOLS.values():  # the parent's ends of the other live pools' pipes: a
+        for c in other.conns:  # rank holding them would keep those ranks from seeing EOF
+            c.close()
     import torch
 
     torch.set_num_threads(1)
@@ -229,6 +235,23 @@ class RankPool:
             c.send((fn, args))
         return self._collect(timeout, getattr(fn, "__name__", "task"))
 
+    def worn(self) -> bool:
+        """Whether a rank has gathered more than ``MAX_RANK_THREADS`` threads. A gloo
+        process group keeps its threads until it is destroyed, and megatron-core's
+        ``destroy_model_parallel`` only drops its own references (torch keeps the groups:
+        ~50 threads per initialization at 2 ranks); a pool that lived through the whole
+        suite gathered ~900 per rank, and their wake-ups took more CPU than the tests
+        (lane 1 890 s instead of 355). Such a pool is replaced by a fresh one."""
+        for p in self.procs:
+            try:
+                with open(f"/proc/{p.pid}/status") as f:
+                    threads = next(int(x.split()[1]) for x in f if x.startswith("Threads:"))
+            except (OSError, StopIteration):
+                return False  # not Linux: no count, keep it
+            if threads > MAX_RANK_THREADS:
+                return True
+        return False
+
     def close(self) -> None:
         for c in self.conns:
             try:
@@ -244,22 +267,32 @@ class RankPool:
                 p.join(1)
         self.procs, self.conns = [], []
         shutil.rmtree(self.tmp, ignore_errors=True)
-        if _POOL.get("pool") is self:
-            _POOL.clear()
+        if _POOLS.get(self.world_size) is self:
+            del _POOLS[self.world_size]
 
 
-_POOL: dict = {}
+# The live pools, least recently used first. Tests alternate sizes (a megatron test runs its
+# one-rank reference, then its CP ranks; parametrized cases go 4, 8, 16, 4, ...): a pool is
+# kept for each size while the live ranks stay within MAX_LIVE_RANKS, so that a size used
+# again reuses its ranks instead of forking new ones. Idle ranks wait on their pipe (no CPU).
+_POOLS: OrderedDict[int, RankPool] = OrderedDict()
+MAX_LIVE_RANKS = int(os.environ.get("STARTRAIL_TEST_MAX_RANKS", "32"))
+MAX_RANK_THREADS = int(os.environ.get("STARTRAIL_TEST_MAX_THREADS", "200"))
 
 
 def get_pool(world_size: int) -> RankPool:
-    """The live pool of this size, or a fresh one (closing any other)."""
-    pool = _POOL.get("pool")
-    if pool is not None and pool.world_size == world_size and all(p.is_alive() for p in pool.procs):
+    """The live pool of this size, or a fresh one (closing the least recently used pools
+    while the live ranks would exceed ``MAX_LIVE_RANKS``)."""
+    pool = _POOLS.get(world_size)
+    if pool is not None and all(p.is_alive() for p in pool.procs) and not pool.worn():
+        _POOLS.move_to_end(world_size)
         return pool
     if pool is not None:
         pool.close()
+    while _POOLS and sum(_POOLS) + world_size > MAX_LIVE_RANKS:
+        next(iter(_POOLS.values())).close()
     pool = RankPool(world_size)
-    _POOL["pool"] = pool
+    _POOLS[world_size] = pool
     return pool
 
 
@@ -268,7 +301,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT) -> l
 
 
 def shutdown() -> None:
-    pool = _POOL.get("pool")
-    if pool is not None:
+    """Close every live pool."""
+    for pool in list(_POOLS.values()):
         pool.close()
     gc.unfreeze()  # the parent's own teardown collects them as usual (nanobind checks)
