@@ -14,7 +14,7 @@ file:// rendezvous in a temp dir (no port races); a gloo timeout below the task
 deadline so a hung collective fails by itself too. One pool per size is kept
 while the live ranks stay within ``MAX_LIVE_RANKS`` (a task runs on one pool at a
 time; the others wait idle), so tests that alternate sizes reuse ranks; a pool whose
-ranks gathered too many threads is replaced (``RankPool.worn``). The heavy third-party
+ranks hold too many threads (process groups not destroyed) is closed (``get_pool``). The heavy third-party
 modules the tests import inside their rank functions (megatron-core, DeepSpeed,
 transformers) are imported once in the parent before the first fork (``PRELOAD``), so
 that each new pool's ranks inherit them instead of importing them again; so are the core's
@@ -235,22 +235,16 @@ class RankPool:
             c.send((fn, args))
         return self._collect(timeout, getattr(fn, "__name__", "task"))
 
-    def worn(self) -> bool:
-        """Whether a rank has gathered more than ``MAX_RANK_THREADS`` threads. A gloo
-        process group keeps its threads until it is destroyed, and megatron-core's
-        ``destroy_model_parallel`` only drops its own references (torch keeps the groups:
-        ~50 threads per initialization at 2 ranks); a pool that lived through the whole
-        suite gathered ~900 per rank, and their wake-ups took more CPU than the tests
-        (lane 1 890 s instead of 355). Such a pool is replaced by a fresh one."""
+    def threads(self) -> int:
+        """The most threads any rank of the pool holds (0 where /proc cannot tell)."""
+        most = 0
         for p in self.procs:
             try:
                 with open(f"/proc/{p.pid}/status") as f:
-                    threads = next(int(x.split()[1]) for x in f if x.startswith("Threads:"))
+                    most = max(most, next(int(x.split()[1]) for x in f if x[:8] == "Threads:"))
             except (OSError, StopIteration):
-                return False  # not Linux: no count, keep it
-            if threads > MAX_RANK_THREADS:
-                return True
-        return False
+                pass
+        return most
 
     def close(self) -> None:
         for c in self.conns:
@@ -274,21 +268,35 @@ class RankPool:
 # The live pools, least recently used first. Tests alternate sizes (a megatron test runs its
 # one-rank reference, then its CP ranks; parametrized cases go 4, 8, 16, 4, ...): a pool is
 # kept for each size while the live ranks stay within MAX_LIVE_RANKS, so that a size used
-# again reuses its ranks instead of forking new ones. Idle ranks wait on their pipe (no CPU).
+# again reuses its ranks instead of forking new ones.
+#
+# A gloo process group keeps three threads until it is destroyed, and they wake up even when
+# the group is idle (measured: a rank holding 60 groups, 184 threads, takes 3.8% of a core
+# doing nothing). Megatron-core's ``destroy_model_parallel`` only drops its own references to
+# its groups (torch keeps them: ~50 threads per initialization at 2 ranks); a pool kept
+# through the suite reached ~930 threads per rank and lane 1 took 890 s instead of 355. So a
+# pool is left waiting only while its ranks hold at most IDLE_RANK_THREADS threads each (it
+# is closed when the next task goes to another pool), and is reused only while they hold at
+# most MAX_RANK_THREADS.
 _POOLS: OrderedDict[int, RankPool] = OrderedDict()
 MAX_LIVE_RANKS = int(os.environ.get("STARTRAIL_TEST_MAX_RANKS", "32"))
-MAX_RANK_THREADS = int(os.environ.get("STARTRAIL_TEST_MAX_THREADS", "200"))
+IDLE_RANK_THREADS = 32
+MAX_RANK_THREADS = 200
 
 
 def get_pool(world_size: int) -> RankPool:
-    """The live pool of this size, or a fresh one (closing the least recently used pools
-    while the live ranks would exceed ``MAX_LIVE_RANKS``)."""
+    """The live pool of this size, or a fresh one. Closes the other pools whose ranks hold more
+    than ``IDLE_RANK_THREADS`` threads, this size's if they hold more than
+    ``MAX_RANK_THREADS``, and the least recently used while the live ranks would exceed
+    ``MAX_LIVE_RANKS``."""
+    for size, pool in list(_POOLS.items()):
+        limit = MAX_RANK_THREADS if size == world_size else IDLE_RANK_THREADS
+        if pool.threads() > limit or not all(p.is_alive() for p in pool.procs):
+            pool.close()
     pool = _POOLS.get(world_size)
-    if pool is not None and all(p.is_alive() for p in pool.procs) and not pool.worn():
+    if pool is not None:
         _POOLS.move_to_end(world_size)
         return pool
-    if pool is not None:
-        pool.close()
     while _POOLS and sum(_POOLS) + world_size > MAX_LIVE_RANKS:
         next(iter(_POOLS.values())).close()
     pool = RankPool(world_size)
