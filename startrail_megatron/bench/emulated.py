@@ -21,6 +21,7 @@ import sys
 import tempfile
 
 from ..emulate import EmulatedCluster, EmulationSpec
+from ..emulate.cluster import probe_all_to_all_elements
 from ..planner.calibrate import fit_cluster
 from ..planner.cluster import ClusterSpec
 from ..planner.prediction import predict
@@ -80,7 +81,7 @@ def emulated_cluster_spec(
         # the node rate at which links.all_to_all's off-node part of the probe's
         # all-to-all takes its time: each rank's bytes in equal parts over the world
         world, local = spec.world_size, spec.ranks_per_node
-        off = nbytes // 4 // world * world * 4 * (world - local) / world
+        off = probe_all_to_all_elements(nbytes, world) * 4 * (world - local) / world
         a2a = min(inter, local * off / secs["all_to_all"])
     return base.with_(
         name=f"emulated {spec.nodes}x{spec.ranks_per_node} at {spec.inter_bps / 1e6:g} Mbit/s",

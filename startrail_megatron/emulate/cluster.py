@@ -68,6 +68,13 @@ def parse_topology(text: str, name: str = "--emulate") -> tuple[int, int]:
     return nodes, ranks
 
 
+def probe_all_to_all_elements(nbytes: int, world: int) -> int:
+    """The float32 elements each rank sends in the link probe's all-to-all: ``nbytes``
+    rounded down to ``world`` equal parts (``probe.py`` sends them, the benchmark's
+    cluster description times them)."""
+    return nbytes // 4 // world * world
+
+
 @dataclass(frozen=True)
 class EmulationSpec:
     """What to emulate: ``nodes`` x ``ranks_per_node`` ranks, each node's link limited to

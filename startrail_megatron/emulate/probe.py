@@ -27,6 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .cluster import probe_all_to_all_elements
+
 __all__ = ["REPEATS", "main", "timed"]
 
 REPEATS = 5
@@ -77,7 +79,7 @@ def _transfers(rank: int, world: int, per_node: int, nbytes: int) -> dict[str, l
         times[name] = timed(lambda p=peer: p is None or _exchange(p, p, x, y))
     if world > per_node:
         nxt, prv = (rank + 1) % world, (rank - 1) % world
-        n = nbytes // 4 // world * world
+        n = probe_all_to_all_elements(nbytes, world)
         a, b = torch.zeros(n), torch.empty(n)
         times["ring_step"] = timed(lambda: _exchange(nxt, prv, x, y))
         times["all_to_all"] = timed(lambda: dist.all_to_all_single(b, a))
