@@ -14,14 +14,14 @@ file:// rendezvous in a temp dir (no port races); a gloo timeout below the task
 deadline so a hung collective fails by itself too. One pool per size is kept
 while the live ranks stay within ``MAX_LIVE_RANKS`` (a task runs on one pool at a
 time; the others wait idle), so tests that alternate sizes reuse ranks; a pool whose
-ranks hold too many threads (process groups not destroyed) is closed (``get_pool``). The heavy third-party
-modules the tests import inside their rank functions (megatron-core, DeepSpeed,
-transformers) are imported once in the parent before the first fork (``PRELOAD``), so
-that each new pool's ranks inherit them instead of importing them again; so are the core's
-modules, which the package root resolves only on first use. The parent then freezes its
-objects out of the collector before each fork (``gc.freeze``: a rank's collection walked
-and copied them all) and keeps DeepSpeed from building its shm op in the ranks
-(``_skip_deepspeed_shm_op``).
+ranks hold too many threads (process groups not destroyed) is closed (``get_pool``). The
+heavy third-party modules the tests import inside their rank functions (megatron-core,
+DeepSpeed, transformers) are imported once in the parent before the first fork
+(``PRELOAD``), so that each new pool's ranks inherit them instead of importing them again;
+so are the core's modules, which the package root resolves only on first use. The parent
+then freezes its objects out of the collector before each fork (``gc.freeze``: a rank's
+collection walked and copied them all) and keeps DeepSpeed from building its shm op in the
+ranks (``_skip_deepspeed_shm_op``).
 """
 
 from __future__ import annotations
@@ -236,13 +236,17 @@ class RankPool:
         return self._collect(timeout, getattr(fn, "__name__", "task"))
 
     def threads(self) -> int:
-        """The most threads any rank of the pool holds (0 where /proc cannot tell)."""
+        """The most threads any rank of the pool holds (psutil, as ``_children``; 0 without
+        it, or for a rank that is gone)."""
+        try:
+            import psutil
+        except ImportError:
+            return 0
         most = 0
         for p in self.procs:
             try:
-                with open(f"/proc/{p.pid}/status") as f:
-                    most = max(most, next(int(x.split()[1]) for x in f if x[:8] == "Threads:"))
-            except (OSError, StopIteration):
+                most = max(most, psutil.Process(p.pid).num_threads())
+            except psutil.Error:
                 pass
         return most
 
