@@ -8,6 +8,8 @@
 # PYTHON312=interpreter picks the Python (default: python3.12, or pyenv's newest 3.12).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Modules scripts/compile_imports.py did not reach are compiled once, not in every rank.
+unset PYTHONDONTWRITEBYTECODE
 PY=${PYTHON312:-}
 if [ -z "$PY" ]; then
     for c in python3.12 "$(pyenv root 2>/dev/null || echo /nonexistent)"/versions/3.12*/bin/python3.12; do

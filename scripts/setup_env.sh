@@ -22,11 +22,12 @@ if [ -n "${PIP_FIND_LINKS:-}" ] && [ -z "${UV_FIND_LINKS:-}" ]; then
     UV_FIND_LINKS=$(echo "$PIP_FIND_LINKS" | tr -s ' \t' ',,')
     export UV_FIND_LINKS
 fi
-# --compile-bytecode (of what each call installs), as pip does at install: without it, where
-# PYTHONDONTWRITEBYTECODE is set (as on the CI machines), every new interpreter compiles
-# torch and megatron-core again (their import 20 s instead of 7 s; the 3.12 lane took 5.5
-# minutes instead of 4).
-UV=("$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" -c constraints.txt)
+# Bytecode: not uv's --compile-bytecode (every file of every package, torch's thousands
+# nobody imports: 50 - 60 CPU s per lane) but what the project imports, compiled by
+# importing it once (scripts/compile_imports.py, ~25 CPU s), at the end. Without either,
+# where PYTHONDONTWRITEBYTECODE is set (as on the CI machines), every new interpreter
+# compiles torch and megatron-core again (their import 20 s instead of 7 s).
+UV=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python" -c constraints.txt)
 # torch alone and first, from the pin: never let a dependency pull a second build.
 if "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
     # Python >= 3.12: only a CUDA build of torch exists (several GB, with its CUDA
@@ -43,3 +44,8 @@ else
     "${UV[@]}" torch
 fi
 DS_BUILD_OPS=0 "${UV[@]}" -e ".[dev,megatron,deepspeed]"
+stamp=$(cat constraints.txt pyproject.toml scripts/compile_imports.py | sha256sum | cut -c1-16)
+if [ "$(cat "$VENV/.compiled_imports" 2>/dev/null)" != "$stamp" ]; then
+    env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" scripts/compile_imports.py
+    echo "$stamp" >"$VENV/.compiled_imports"
+fi
