@@ -6,7 +6,7 @@
 #
 # The installer is uv (pinned in constraints.txt, installed into the venv by pip): it keeps
 # every wheel it unpacked in its cache (~/.cache/uv, or UV_CACHE_DIR) and links them into a
-# new venv, so a fresh clone on a machine that installed once sets up in ~40 s per lane,
+# new venv, so a fresh clone on a machine that installed once sets up in ~50 s per lane,
 # where pip took 85 s (3.11) and 127 s (3.12) unpacking and byte-compiling again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
