@@ -3,12 +3,12 @@
 uv's ``--compile-bytecode`` compiles every file of every installed package (torch alone has
 thousands nobody imports here): 50 - 60 CPU seconds per fresh environment. Importing the
 project's modules with ``PYTHONDONTWRITEBYTECODE`` unset writes the bytecode of exactly
-the modules they load, in ~13 CPU seconds, so that later interpreters (also where
+the modules they load, in ~25 CPU seconds, so that later interpreters (also where
 ``PYTHONDONTWRITEBYTECODE`` is set) import torch and megatron-core in ~7 s instead of ~20 s.
 
 Imports every module of ``startrail_megatron`` (its adapters pull in the megatron-core,
-DeepSpeed and transformers modules they use), the model classes the tests build, and the
-test tools. A module whose optional dependency is missing (flash-attn, transformer-engine:
+DeepSpeed and transformers modules they use), what the test harness preloads
+(``tests/harness.py``'s ``PRELOAD``), the model classes the tests build, and the test tools. A module whose optional dependency is missing (flash-attn, transformer-engine:
 CUDA only) is skipped; any other import error fails the setup.
 """
 
@@ -19,6 +19,7 @@ import os
 import pkgutil
 import sys
 import warnings
+from pathlib import Path
 
 # Optional backends, imported lazily by the project; absent on CPU machines.
 OPTIONAL = ("flash_attn", "transformer_engine", "apex", "triton")
@@ -27,11 +28,9 @@ EXTRA = (
     "pytest",
     "numpy",
     "matplotlib.pyplot",
-    "megatron.core.datasets.gpt_dataset",  # the trainer's, imported lazily
-    "megatron.core.datasets.blended_megatron_dataset_builder",
+    "megatron.core.datasets.blended_megatron_dataset_builder",  # the trainer's, lazily
     "megatron.core.datasets.helpers",
     "torch.profiler._cupti_monitor",
-    "megatron.core.tokenizers.text.libraries.null_tokenizer",
     "transformers.models.llama.modeling_llama",
     "transformers.models.mistral.modeling_mistral",
     "transformers.models.gemma2.modeling_gemma2",
@@ -63,7 +62,10 @@ def main() -> int:
         if mod.name.endswith(".__main__"):
             continue
         _import(mod.name)
-    for name in EXTRA:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from harness import PRELOAD  # the standard library only, at import
+
+    for name in (*PRELOAD, *EXTRA):
         _import(name)
     return 0
 
