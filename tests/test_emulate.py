@@ -68,6 +68,33 @@ def test_probes_before_and_after_merge_to_each_transfers_median():
     assert emulated.merge_probes([c, a])["seconds"]["inter_node"] == 3.5
 
 
+def test_the_host_cpu_of_each_link_comes_from_the_probe(monkeypatch):
+    """The probe's host CPU per exchange (each pair moves its bytes both ways) becomes the
+    model's CPU per byte inside a node and between nodes on the host's cores; merged over
+    the probes before and after the strategies by their mean; none measured: no term."""
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+
+    monkeypatch.setattr(emulated, "fit_cluster", lambda micro, **kw: CLUSTER_PRESETS["a100-eth"])
+    spec, nb = EmulationSpec.parse("2x2", "100mbit"), 2**21
+    secs = {"intra_node": 0.01, "inter_node": 0.2}
+    runs = [
+        {"bytes": nb, "seconds": secs, "host_cpu": {"cores": 2, "per_call_s": {
+            "intra_node": 2 * nb * c_in, "inter_node": 2 * nb * 6e-9}}}
+        for c_in in (1e-9, 3e-9)
+    ]  # fmt: skip
+    probe = emulated.merge_probes(runs)
+    assert probe["host_cpu"]["cores"] == 2
+    cl = emulated.emulated_cluster_spec(spec, probe, {}, 1e9)
+    assert cl.host_cores == 2 and not cl.overlap
+    assert (cl.host_cpu_intra, cl.host_cpu_inter) == pytest.approx((2e-9, 6e-9))
+    # the host's work modelled apart, the link is the pair's rate even where the ring step
+    # (every rank at once, the host busy with all their packets) was slower
+    ring = emulated.merge_probes([{**r, "seconds": {**secs, "ring_step": 0.4}} for r in runs])
+    assert emulated.emulated_cluster_spec(spec, ring, {}, 1e9).inter_bw == pytest.approx(nb / 0.2)
+    bare = emulated.emulated_cluster_spec(spec, {"bytes": nb, "seconds": secs}, {}, 1e9)
+    assert (bare.host_cores, bare.host_cpu_intra, bare.host_cpu_inter) == (0, 0.0, 0.0)
+
+
 def test_the_model_links_come_from_the_probe(monkeypatch):
     """The cost model's emulated cluster: compute from the microbenchmarks (stubbed here),
     links from the probe's transfers timed apart, the ring step's rate where lower (every
@@ -89,7 +116,8 @@ def test_the_model_links_come_from_the_probe(monkeypatch):
         1e9,
     )
     assert one.inter_bw == 25e6 and one.intra_bw == pytest.approx(8e8)
-    # the ring step (every rank sending at once) below the lone pair's rate: that rate
+    # the ring step (every rank sending at once) below the lone pair's rate: that rate,
+    # where the probe measured no host CPU (the host's work is not modelled apart)
     slow = {**probe, "seconds": {**probe["seconds"], "ring_step": 2**21 / 20e6}}
     cl = emulated.emulated_cluster_spec(spec, slow, {}, 1e9)
     assert cl.inter_bw == pytest.approx(20e6) and cl.inter_bw_per_gpu == pytest.approx(20e6)
@@ -133,6 +161,10 @@ def test_the_model_pick_against_the_measured_fastest():
     text = format_emulation(report)
     assert "off-node MB" in text and "model's pick startrail-C2-team (1.10 of the measured" in text
     assert "         3.0" in text.splitlines()[3]  # its 3 MB off-node
+    assert "host CPU" not in text  # the probe measured none
+    host = {"host_cores": 2, "host_cpu_intra": 1e-9, "host_cpu_inter": 6.5e-9}
+    text = format_emulation({"emulation": {**report["emulation"], "cluster_median": host}})
+    assert "host CPU per byte moved: 1.00 ns inside a node, 6.50 ns between nodes, on 2" in text
 
 
 def test_the_docs_table_script(tmp_path, capsys):
@@ -207,7 +239,16 @@ def _probe(tmp_path, tag, rate="100mbit", fail_rank=-1):
     pids = []
     with EmulatedCluster(EmulationSpec.parse("2x2", rate), tag=tag) as cl:
         assert sorted(leftovers(tag)) == [f"{tag}-n0", f"{tag}-n1", f"{tag}-sw"]
-        cmd = [*PROBE, str(out), "--mib", "2", "--fail-rank", str(fail_rank)]
+        cmd = [
+            *PROBE,
+            str(out),
+            "--mib",
+            "2",
+            "--fail-rank",
+            str(fail_rank),
+            "--cpu-seconds",
+            "0.2",
+        ]
         try:
             cl.run(cmd, timeout=180)
         finally:
@@ -244,6 +285,14 @@ def test_two_nodes_links_at_the_set_rate_and_nothing_left(tmp_path):
         assert probe["seconds"][k] == statistics.median(probe["repeats"][k])
     names = [h[0] for h in probe["hosts"]]
     assert names[0] == names[1] != names[2] == names[3]  # a hostname per node
+    # the host CPU of each transfer; the ring step's (two sends inside a node, two
+    # between nodes) is about one exchange inside a node and one between nodes
+    cpu = probe["host_cpu"]
+    assert cpu["cores"] == os.cpu_count() and cpu["background_per_s"] >= 0
+    per_call = cpu["per_call_s"]
+    assert all(per_call[k] > 0 for k in ("intra_node", "inter_node", "ring_step", "all_to_all"))
+    pairs = per_call["intra_node"] + per_call["inter_node"]
+    assert 0.5 * pairs <= per_call["ring_step"] <= 2 * pairs, per_call
     assert leftovers("stt1") == [] and len(pids) == 4 and not any(_alive(p) for p in pids)
 
 

@@ -527,6 +527,65 @@ def test_ring_pipeline_by_hand():
     assert ring_pipeline(ov, late, [1, 0], 1.0) == pytest.approx(6.0)
 
 
+def test_ring_pipeline_on_shared_host_cores():
+    """Ranks sharing the host's cores (an emulated cluster): a transfer's wire time overlaps
+    compute but its host work adds to it: ``cpu_kv`` beside every step but the last,
+    ``cpu_dkv`` beside every step but the first (backward)."""
+    from startrail_megatron.planner.links import p2p_host_cpu
+    from startrail_megatron.planner.times import ring_cluster, ring_pipeline
+
+    host = CLUSTER_PRESETS["h100-ib"].with_(
+        overlap=False, gpus_per_node=2, num_nodes=2, host_cores=2, host_cpu_intra=1e-9,
+        host_cpu_inter=4e-9,
+    )  # fmt: skip
+    comp, prev = [[2.0] * 4 for _ in range(3)], [3, 0, 1, 2]
+    # wire-bound steps: the wire time (3 > 2 + 0.5); compute-bound: compute + host work
+    assert ring_pipeline(host, comp, prev, 3.0, 0.0, 0.5) == pytest.approx(2 * 3.0 + 2.0)
+    assert ring_pipeline(host, comp, prev, 1.0, 0.0, 0.5) == pytest.approx(2 * 2.5 + 2.0)
+    # backward: steps 0 and 1 beside a KV exchange, steps 1 and 2 beside a dK/dV one
+    got = ring_pipeline(host, comp, prev, 0.1, 0.1, 0.5, 0.25)
+    assert got == pytest.approx(3 * 2.0 + 2 * 0.5 + 2 * 0.25)
+    # without shared cores the transfers add to the steps as before (no overlap)
+    assert ring_pipeline(host.with_(host_cores=0), comp, prev, 3.0, 0.0, 0.5) == pytest.approx(
+        2 * 5.0 + 2.0
+    )
+    # the host work of one step, every send at once: bytes x CPU per byte of its link,
+    # over the cores (ranks 0, 1 on node 0; a rank's send to itself moves nothing)
+    sends = [(0, 1, 10**9), (1, 2, 10**9), (2, 2, 5)]
+    assert p2p_host_cpu(host, sends) == pytest.approx((1.0 + 4.0) / 2)
+    assert p2p_host_cpu(host.with_(host_cores=0), sends) == 0.0
+    # the 2-D split's ring groups: U of them move their bytes on the same cores at once
+    ring = ring_cluster(host, 2)
+    assert (ring.host_cpu_intra, ring.host_cpu_inter) == pytest.approx((2e-9, 8e-9))
+
+
+def test_links_take_the_host_cpu_where_longer_than_the_wire():
+    """On shared host cores every transfer takes the longer of its wire time and the host
+    work of all the bytes moving at once over the cores; without them, the wire time."""
+    from startrail_megatron.planner import links
+
+    wire = CLUSTER_PRESETS["h100-ib"].with_(
+        gpus_per_node=2, num_nodes=2, intra_bw=1e9, inter_bw=1e8, inter_bw_per_gpu=1e8,
+        intra_latency=0.0, inter_latency=0.0,
+    )  # fmt: skip
+    slow_host = wire.with_(host_cores=2, host_cpu_intra=4e-9, host_cpu_inter=2e-8)
+    fast_host = wire.with_(host_cores=2, host_cpu_intra=1e-12, host_cpu_inter=1e-12)
+    ring = [(0, 1, 10**8), (1, 2, 10**8), (2, 3, 10**8), (3, 0, 10**8)]
+    # wire: 1 s off-node; host: (2 x 0.4 + 2 x 2) / 2 = 2.4 s
+    for cl, want in ((wire, 1.0), (fast_host, 1.0), (slow_host, 2.4)):
+        assert links.p2p_step(cl, ring) == pytest.approx(want)
+        assert links.p2p_fan(cl, ring) == pytest.approx(want)
+    # a ring all-gather over the 4 ranks, 10^8 bytes sent by each: the same edges
+    assert links.collective(wire, [[0, 1, 2, 3]], 10**8, 1) == pytest.approx(1.0)
+    assert links.collective(slow_host, [[0, 1, 2, 3]], 10**8, 1) == pytest.approx(2.4)
+    # an all-to-all over the 4, 3 x 10^8 bytes from each: per rank 1 part inside the node,
+    # 2 off it (wire 2 x 10^8 / (10^8 / 2) = 4 s); host: 4 x (0.4 + 2 x 2) / 2 = 8.8 s,
+    # and twice that for two groups at once
+    assert links.all_to_all(wire, 4, 3 * 10**8, 1) == pytest.approx(4.0)
+    assert links.all_to_all(slow_host, 4, 3 * 10**8, 1) == pytest.approx(8.8)
+    assert links.all_to_all(slow_host, 4, 3 * 10**8, 1, groups=2) == pytest.approx(17.6)
+
+
 def test_all_to_all_by_hand_and_at_its_own_node_rate():
     from startrail_megatron.planner.links import all_to_all
 

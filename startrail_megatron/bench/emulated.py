@@ -8,8 +8,8 @@ in one run, as without emulation), and removes the cluster, also on failure. The
 gains ``emulation``: the topology and rates, the probe's times and rates, and per strategy
 the cost model's prediction for the emulated cluster (the run's own kernel and buffer
 calibration; links: ranks per node, the node's shared link in each direction at the
-probe's rate (the ring step's where lower), the inside-node rate it measured; no
-overlap: gloo's transfers share the cores).
+probe's rate, the inside-node rate it measured; the host's cores shared by every rank's
+kernels and every transfer's host work, per byte as the probe measured it).
 """
 
 from __future__ import annotations
@@ -64,16 +64,21 @@ def emulated_cluster_spec(
     """The cost model's cluster for the emulation: compute and buffers fitted on the run's
     own microbenchmarks (``fit_cluster``), links from the probe's transfers (between nodes:
     per node and direction, one rank alone reaching all of it, the node's ranks sharing it,
-    at the rate of the probe's ring step where it is below the lone pair's: with every
-    rank sending at once, as in the strategies, the host's cores carry every node's
-    packets; the set rate where the probe had no second node; an all-to-all's off-node
-    parts at the rate of the probe's all-to-all over every rank where below that: each
-    rank's flow to every other node at once; inside a node: its rate; latencies: the
-    probe's small-message floor is not measured, 0)."""
+    at the lone pair's rate; the set rate where the probe had no second node; an
+    all-to-all's off-node parts at the rate of the probe's all-to-all over every rank
+    where below that: each rank's flow to every other node at once; inside a node: its
+    rate; latencies: the probe's small-message floor is not measured, 0), and the host:
+    its cores, shared by every rank's kernels and every transfer's packets, and the host
+    CPU per byte moved inside a node and between nodes, from the pairs' exchanges
+    (``ClusterSpec.host_cores``). A probe without host CPU (an older report) gives no host
+    term, and the ring step's rate (every rank at once, the host busy with all their
+    packets) where it is below the pair's."""
     base = fit_cluster(micro, num_ranks=spec.world_size, memory_bytes=memory_bytes, backend=backend)
     nbytes, secs = probe["bytes"], probe["seconds"]
     inter = nbytes / secs["inter_node"] if "inter_node" in secs else spec.inter_bps / 8
-    if "ring_step" in secs:
+    cpu = probe.get("host_cpu", {})
+    per_byte = {k: v / (2 * nbytes) for k, v in cpu.get("per_call_s", {}).items()}
+    if "ring_step" in secs and not per_byte:  # without the host's work modelled apart
         inter = min(inter, nbytes / secs["ring_step"])
     intra = nbytes / secs["intra_node"] if "intra_node" in secs else base.intra_bw
     a2a = 0.0
@@ -85,6 +90,9 @@ def emulated_cluster_spec(
         a2a = min(inter, local * off / secs["all_to_all"])
     return base.with_(
         name=f"emulated {spec.nodes}x{spec.ranks_per_node} at {spec.inter_bps / 1e6:g} Mbit/s",
+        host_cores=cpu.get("cores", 0) if per_byte else 0,
+        host_cpu_intra=per_byte.get("intra_node", 0.0),
+        host_cpu_inter=per_byte.get("inter_node", 0.0),
         gpus_per_node=spec.ranks_per_node,
         num_nodes=spec.nodes,
         intra_bw=intra,
@@ -111,14 +119,23 @@ def merge_probes(probes: list[dict]) -> dict:
     """One probe from several of the same cluster: each transfer's median over every
     repeat of them all (a typical rate over the run, as the strategies see it)."""
     pooled: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     for pr in probes:
         for k, v in pr.get("repeats", {k: [v] for k, v in pr["seconds"].items()}).items():
             pooled.setdefault(k, []).extend(v)
-    return {
+        for k, v in pr.get("host_cpu", {}).get("per_call_s", {}).items():
+            cpu.setdefault(k, []).append(v)
+    merged = {
         **probes[0],
         "seconds": {k: statistics.median(v) for k, v in pooled.items()},
         "repeats": pooled,
     }
+    if cpu:  # each transfer's host CPU: the mean of the probes'
+        merged["host_cpu"] = {
+            **next(pr["host_cpu"] for pr in probes if "host_cpu" in pr),
+            "per_call_s": {k: statistics.fmean(v) for k, v in cpu.items()},
+        }
+    return merged
 
 
 def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:
@@ -199,6 +216,16 @@ def model_pick(rows: list[dict]) -> dict:
     }
 
 
+def _host_cpu_text(cluster: dict) -> str:
+    """The model's host work per byte moved, where the probe measured it."""
+    if not cluster.get("host_cores"):
+        return ""
+    return (
+        f"; host CPU per byte moved: {cluster['host_cpu_intra'] * 1e9:.2f} ns inside a node, "
+        f"{cluster['host_cpu_inter'] * 1e9:.2f} ns between nodes, on {cluster['host_cores']:g} cores"
+    )
+
+
 def format_emulation(report: dict) -> str:
     """The emulation's lines of the table: link rates and, per strategy, the measured
     median against ring's and the model's prediction for the emulated cluster."""
@@ -209,7 +236,8 @@ def format_emulation(report: dict) -> str:
         f"{em['inter_node_bits_per_s'] / 1e6:g} Mbit/s each way per node"
         + (f", intra-node {em['intra_node_bits_per_s'] / 1e6:g} Mbit/s" if em["intra_node_bits_per_s"] else "")
         + "; probe: "
-        + ", ".join(f"{k} {v / 1e6:.0f} Mbit/s" for k, v in rates.items()),
+        + ", ".join(f"{k} {v / 1e6:.0f} Mbit/s" for k, v in rates.items())
+        + _host_cpu_text(em.get("cluster_median", {})),
         f"{'strategy':28s}{'median ms':>10s}{'/ ring':>8s}{'model ms':>10s}{'mod/med':>9s}"
         f"{'in-node MB':>11s}{'off-node MB':>12s}",
     ]  # fmt: skip

@@ -1,5 +1,6 @@
 """One rank of the link probe: times transfers between two ranks of one node and of two
-nodes (``python -m startrail_megatron.emulate.probe OUT.json [--mib M] [--fail-rank R]``).
+nodes (``python -m startrail_megatron.emulate.probe OUT.json [--mib M] [--fail-rank R]
+[--cpu-seconds S]``).
 
 Run on every rank of an emulated cluster (``EmulatedCluster.start``): rank 0 exchanges
 ``--mib`` MiB with rank 1 (the same node when nodes have two ranks or more) and with the
@@ -9,8 +10,11 @@ nodes, every rank at once sends as much to the next rank and receives from the p
 (``ring_step``: one ring-attention step, every node's link and the host's cores busy as
 in the strategies) and an all-to-all over every rank (Ulysses' collective: each rank's
 ``--mib`` MiB in equal parts to every rank, many flows on each node's link); each
-``REPEATS`` times, the slowest rank's time. Rank 0 writes each transfer's median seconds
-and every repeat, the bytes and every rank's hostname and node to ``OUT.json``.
+``REPEATS`` times, the slowest rank's time. Then each again, back to back for
+``--cpu-seconds`` (``CPU_SECONDS``), for the host CPU it takes (``/proc/stat``: every
+node's ranks and the kernel's work on their packets; the cost model charges it beside
+the kernels, which share the same cores). Rank 0 writes each transfer's median seconds and every repeat, its host
+CPU seconds per call, the bytes and every rank's hostname and node to ``OUT.json``.
 ``--fail-rank R`` makes rank R exit with code 3 first (the tests' failing rank).
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -30,6 +35,10 @@ import torch.distributed as dist
 from .cluster import probe_all_to_all_elements
 
 __all__ = ["REPEATS", "main", "timed"]
+
+CPU_SECONDS = 0.5
+"""Seconds of back-to-back calls over which a transfer's host CPU is read (``/proc/stat``
+counts in 10 ms ticks)."""
 
 REPEATS = 5
 """Times each transfer is made; the probe reports their median (a typical rate over the
@@ -54,6 +63,28 @@ def timed(transfer, repeats: int = REPEATS) -> list[float]:
     return out
 
 
+def host_busy_seconds() -> float:
+    """CPU seconds the host's cores have been busy since boot (``/proc/stat``'s first line:
+    user, nice, system, irq, softirq; not per namespace, so every emulated node's ranks and
+    the kernel's work on their packets)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def host_cpu_per_call(transfer, calls: int, background: float = 0.0) -> float:
+    """The host's busy CPU seconds per ``transfer()``, made ``calls`` times back to back on
+    every rank, less ``background`` busy seconds per second; read on this rank, which must
+    take part in every call (rank 0: it does in every transfer of the probe)."""
+    dist.barrier()
+    b0, t0 = host_busy_seconds(), time.perf_counter()
+    for _ in range(calls):
+        transfer()
+    busy, wall = host_busy_seconds() - b0, time.perf_counter() - t0
+    dist.barrier()
+    return max(busy - background * wall, 0.0) / calls
+
+
 def _exchange(to: int, frm: int, x: torch.Tensor, y: torch.Tensor) -> None:
     """Send ``x`` to rank ``to`` and receive ``y`` from rank ``frm`` at once, the receive
     posted first."""
@@ -62,10 +93,13 @@ def _exchange(to: int, frm: int, x: torch.Tensor, y: torch.Tensor) -> None:
         w.wait()
 
 
-def _transfers(rank: int, world: int, per_node: int, nbytes: int) -> dict[str, list[float]]:
+def _transfers(
+    rank: int, world: int, per_node: int, nbytes: int, cpu_seconds: float = CPU_SECONDS
+) -> tuple[dict, dict]:
     """Each transfer's times (``timed``): the pairs alone (rank 0 with rank 1 inside its
     node, with node 1's first rank between nodes; the other ranks idle), then where the
-    ring crosses nodes every rank's ring step at once and an all-to-all over every rank."""
+    ring crosses nodes every rank's ring step at once and an all-to-all over every rank;
+    and the host CPU seconds each takes (``host_cpu_per_call``)."""
     x = torch.zeros(nbytes // 4, dtype=torch.float32)
     y = torch.empty_like(x)
     pairs = {}
@@ -73,17 +107,27 @@ def _transfers(rank: int, world: int, per_node: int, nbytes: int) -> dict[str, l
         pairs["intra_node"] = 1
     if world > per_node:
         pairs["inter_node"] = per_node
-    times = {}
+    transfers = {}
     for name, other in pairs.items():
         peer = {0: other, other: 0}.get(rank)
-        times[name] = timed(lambda p=peer: p is None or _exchange(p, p, x, y))
+        transfers[name] = lambda p=peer: p is None or _exchange(p, p, x, y)
     if world > per_node:
         nxt, prv = (rank + 1) % world, (rank - 1) % world
         n = probe_all_to_all_elements(nbytes, world)
         a, b = torch.zeros(n), torch.empty(n)
-        times["ring_step"] = timed(lambda: _exchange(nxt, prv, x, y))
-        times["all_to_all"] = timed(lambda: dist.all_to_all_single(b, a))
-    return times
+        transfers["ring_step"] = lambda: _exchange(nxt, prv, x, y)
+        transfers["all_to_all"] = lambda: dist.all_to_all_single(b, a)
+    times = {name: timed(fn) for name, fn in transfers.items()}
+    # the host CPU each transfer takes (the kernel's work on its packets, gloo's threads),
+    # over cpu_seconds of calls each, less the background of ranks waiting in a barrier
+    background = host_cpu_per_call(lambda: rank or time.sleep(cpu_seconds), 1) / cpu_seconds
+    cpu = {
+        name: host_cpu_per_call(
+            fn, max(3, math.ceil(cpu_seconds / statistics.median(times[name]))), background
+        )
+        for name, fn in transfers.items()
+    }
+    return times, {"per_call_s": cpu, "background_per_s": background, "cores": os.cpu_count()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out")
     p.add_argument("--mib", type=float, default=2.0)
     p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument("--cpu-seconds", type=float, default=CPU_SECONDS)
     args = p.parse_args(argv)
     rank = int(os.environ["RANK"])
     if rank == args.fail_rank:
@@ -100,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         world, per_node = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
         nbytes = int(args.mib * 2**20)
-        times = _transfers(rank, world, per_node, nbytes)
+        times, cpu = _transfers(rank, world, per_node, nbytes, args.cpu_seconds)
         hosts: list = [None] * world
         dist.all_gather_object(
             hosts, (socket.gethostname(), int(os.environ.get("STARTRAIL_EMULATED_NODE", -1)))
@@ -112,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                         "bytes": nbytes,
                         "seconds": {k: statistics.median(v) for k, v in times.items()},
                         "repeats": times,
+                        "host_cpu": cpu,
                         "hosts": hosts,
                     },
                     f,

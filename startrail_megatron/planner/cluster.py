@@ -88,6 +88,20 @@ class ClusterSpec:
     """Bytes/s of the backward's re-streaming (K, V read, dK, dV read and written once per
     query block); 0 = not modelled."""
 
+    host_cores: float = 0.0
+    """Cores that every rank's kernels and every transfer's host work share (an emulated
+    cluster on one host: ``kernel_time`` is measured with every rank computing at once,
+    and the packets of a transfer in flight take these cores from the kernels); 0 = each
+    rank computes on its own device and a transfer's work is the NIC's (GPUs). With it,
+    the ring pipeline overlaps its transfers' wire time with compute and adds their host
+    CPU (``host_cpu_intra``, ``host_cpu_inter``) to it (``times.ring_pipeline``), and
+    every transfer takes at least the host CPU of all the bytes moving with it over these
+    cores (``links``)."""
+    host_cpu_intra: float = 0.0
+    """With ``host_cores``: host CPU seconds per byte moved between two ranks of a node."""
+    host_cpu_inter: float = 0.0
+    """With ``host_cores``: host CPU seconds per byte moved between nodes."""
+
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)

@@ -2,7 +2,9 @@
 
 Each overlap charged here is one the code makes (``attention.py``'s Note [overlap];
 the line of ``startrail_rank_forward`` / ``_backward`` is named beside each term), and
-only when ``cl.overlap``; otherwise the terms add up. StarTrail forward = max(q
+only when ``cl.overlap``; otherwise the terms add up, but for the ring pipeline on host
+cores every rank shares (``cl.host_cores``, an emulated cluster: wire time overlapped,
+host work added to compute). StarTrail forward = max(q
 all-gather less the first step's calls on the rank's own rows (``split_own_rows``: they
 run before the wait), initial KV placement: each member's K,V to the C first holders, a
 fan-out) (started together) + G ring steps (a pipeline with the schedule's dependencies,
@@ -33,7 +35,7 @@ from .compute import (
     startrail_work,
     ulysses_call_shapes,
 )
-from .links import all_to_all, collective, p2p_fan, p2p_step, reduce_scatter_extra
+from .links import all_to_all, collective, p2p_fan, p2p_host_cpu, p2p_step, reduce_scatter_extra
 from .shape import AttnShape
 
 __all__ = [
@@ -55,6 +57,8 @@ def ring_pipeline(
     prev: list[int],
     x_kv: float,
     x_dkv: float = 0.0,
+    cpu_kv: float = 0.0,
+    cpu_dkv: float = 0.0,
 ) -> float:
     """Makespan of the sub-ring steps with the schedule's real dependencies.
 
@@ -75,21 +79,34 @@ def ring_pipeline(
     time is in their steps already). With equal compute everywhere the makespan is
     exactly ``sum_s max(compute_s, transfer_s)`` with overlap, ``sum_s (compute_s +
     transfer_s)`` without.
+
+    Where the ranks share the host's cores (``cl.host_cores``: an emulated cluster), a
+    transfer's wire time overlaps compute, but its host work does not: a step's compute
+    grows by ``cpu_kv`` while a KV exchange is in flight beside it (every step but the
+    last) and by ``cpu_dkv`` while a dK/dV one is (every step but the first, backward);
+    ``links.p2p_host_cpu``.
     """
     g, p = len(comp), len(comp[0])
     nxt = [0] * p
     for r, q in enumerate(prev):
         nxt[q] = r
 
+    pipelined = cl.overlap or cl.host_cores > 0
+
     def done(posted: list[float], r: int, x: float) -> float:
-        return max(posted[prev[r]], posted[r], posted[nxt[r]]) + (x if cl.overlap else 0.0)
+        return max(posted[prev[r]], posted[r], posted[nxt[r]]) + (x if pipelined else 0.0)
 
     own = max(x_kv, x_dkv)
     start, end = [0.0] * p, [0.0] * p
     for s in range(g):
         if s > 0:
             start = [max(end[r], done(start, r, x_kv)) for r in range(p)]
-        busy = 0.0 if cl.overlap or s == g - 1 else own
+        if cl.overlap:
+            busy = 0.0
+        elif pipelined:  # the host work of the transfers in flight beside this step
+            busy = (cpu_kv if s < g - 1 else 0.0) + (cpu_dkv if s > 0 and x_dkv else 0.0)
+        else:
+            busy = 0.0 if s == g - 1 else own
         new_end = [start[r] + comp[s][r] + busy for r in range(p)]
         if s > 0 and x_dkv:
             new_end = [max(new_end[r], done(end, r, x_dkv)) for r in range(p)]
@@ -128,33 +145,37 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     def scatter(nbytes: int) -> float:
         return gather(nbytes) + reduce_scatter_extra(cl, teams, nbytes)
 
-    def ring_step(msg: int) -> float:
-        return p2p_step(cl, [(r, lay.ring_next(r), msg) for r in range(p)])
-
     active = shape.active_steps(lay)
 
-    def jump(msg: int) -> float:
-        """A hop past idle steps (``ring_step`` when none are skipped): the slowest of the
-        jumps the sub-rings make, each jump length's pairs at once."""
+    def jumps(msg: int) -> list[list[tuple[int, int, int]]]:
+        """The sends of a ring step (one list), or of each jump length past idle steps
+        that the sub-rings make (each length's pairs at once)."""
         if active is None:
-            return ring_step(msg)
+            return [[(r, lay.ring_next(r), msg) for r in range(p)]]
         hops = {b - a for steps in active for a, b in zip(steps, steps[1:])}
-        return max(
-            (p2p_step(cl, [(r, lay.ring_shift(r, k), msg) for r in range(p)]) for k in hops),
-            default=0.0,
-        )
+        return [[(r, lay.ring_shift(r, k), msg) for r in range(p)] for k in sorted(hops)]
 
-    def pipeline(work: list[list[float]], x_kv: float, x_dkv: float = 0.0) -> float:
+    def jump(msg: int) -> float:
+        """A ring step, or a hop past idle steps: the slowest of the jumps."""
+        return max((p2p_step(cl, sends) for sends in jumps(msg)), default=0.0)
+
+    def jump_cpu(msg: int) -> float:
+        """The host work of ``jump(msg)`` (``links.p2p_host_cpu``): the largest jump's."""
+        return max((p2p_host_cpu(cl, sends) for sends in jumps(msg)), default=0.0)
+
+    def pipeline(
+        work: list[list[float]], x_kv: float, x_dkv: float = 0.0, cpu: tuple = (0.0, 0.0)
+    ) -> float:
         """``ring_pipeline`` over the steps each sub-ring computes (all of them without
         idle steps): one pipeline per sub-ring on its computed steps, the slowest wins."""
         if active is None:
-            return ring_pipeline(cl, work, prev, x_kv, x_dkv)
+            return ring_pipeline(cl, work, prev, x_kv, x_dkv, *cpu)
         worst = 0.0
         for i, ranks in enumerate(lay.all_subring_ranks()):
             where = {r: j for j, r in enumerate(ranks)}
             sub = [[work[s][r] for r in ranks] for s in active[i]]
             sub_prev = [where[lay.ring_prev(r)] for r in ranks]
-            worst = max(worst, ring_pipeline(cl, sub, sub_prev, x_kv, x_dkv))
+            worst = max(worst, ring_pipeline(cl, sub, sub_prev, x_kv, x_dkv, *cpu))
         return worst
 
     def comp(bwd: bool) -> list[list[float]]:
@@ -192,7 +213,7 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     # Forward: ring.start_placement(kv_local); q_gather = all_gather_start(q); the own
     # rows' calls (plan.own); q_gather.wait() ...
     fwd = first(gather(c1 * uq * e), False)
-    fwd += pipeline(comp_f, jump(kv_msg) if g > 1 else 0.0)
+    fwd += pipeline(comp_f, jump(kv_msg) if g > 1 else 0.0, cpu=(jump_cpu(kv_msg), 0.0))
     # lse all-gather, out reduce-scatter: per head group of the last step (TeamCombine);
     # all but the last group's travel while the next group computes (tail_head_groups)
     fwd += tail(gather(c1 * lay.team_size * rows * a) + scatter(c1 * uq * a), comp_f)
@@ -201,7 +222,7 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
     # dout_gather.wait(), delta_gather.wait() ...
     bwd = first(gather(c1 * (uq * e + rows * a)), True)
     x = jump(kv_msg + dkv_msg) if g > 1 else 0.0  # KV and dK/dV share the link
-    bwd += pipeline(comp_b, x, x)
+    bwd += pipeline(comp_b, x, x, cpu=(jump_cpu(kv_msg), jump_cpu(dkv_msg)))
     home = fan(lambda r: lay.dkv_home_targets(r, active), 2 * ukv * a)
     # dq's reduce-scatter per head group of the last step (dq_scatters in the backward): all but
     # the last group's travel while the next group computes, the rest beside the parts
@@ -257,14 +278,17 @@ def ring_cluster(cl: ClusterSpec, ulysses_size: int) -> ClusterSpec:
     """The cluster one ring group of the 2-D split sees (``schedule/ulysses.py``'s Note):
     ring rank j is CP rank ``j*U + u``, so a node holds ``max(1, gpus_per_node // U)`` of
     its ranks, consecutive; the U ring groups of a node send off-node at once, so each
-    gets that share of the node's ``inter_bw``. (U and gpus_per_node are taken to divide
-    one another, as in every preset.)"""
+    gets that share of the node's ``inter_bw``, and on shared host cores the host work of
+    all U groups' transfers slows each (``host_cpu_*`` x U). (U and gpus_per_node are taken
+    to divide one another, as in every preset.)"""
     gpn = cl.gpus_per_node
     per_node = max(1, gpn // ulysses_size)
     return cl.with_(
         gpus_per_node=per_node,
         num_nodes=cl.num_nodes * (gpn // per_node),
         inter_bw=cl.inter_bw * per_node / gpn,
+        host_cpu_intra=cl.host_cpu_intra * ulysses_size,
+        host_cpu_inter=cl.host_cpu_inter * ulysses_size,
     )
 
 
@@ -275,5 +299,5 @@ def split_times(lay, cl: ClusterSpec, shape: AttnShape, ring_shape: AttnShape):
     on ``ring_shape`` (the shape after the all-to-all) and ``ring_cluster``."""
     u = lay.ulysses_size
     fwd, bwd = startrail_times(lay.ring, ring_cluster(cl, u), ring_shape, [])
-    a2a = all_to_all(cl, u, split_all_to_all_bytes(lay, shape.local), 4)
+    a2a = all_to_all(cl, u, split_all_to_all_bytes(lay, shape.local), 4, shape.cp_size // u)
     return fwd + a2a, bwd + a2a
