@@ -5,8 +5,10 @@ Measure (every rank, inside the emulation; rank 0 writes OUT.json):
     python -m startrail_megatron.emulate --emulate 2x4 --inter-node 200mbit -- \
         python scripts/emulated_collectives.py measure OUT.json
 
-times a gloo all-gather (``all_gather_into_tensor``) and an all-to-all
-(``all_to_all_single``) over all ranks, 2 MiB per rank, best of 3 (slowest rank).
+times a gloo all-gather (``all_gather_into_tensor``), an all-to-all
+(``all_to_all_single``) and a reduce-scatter (``reduce_scatter_tensor``: on gloo an
+all-reduce of the whole input) over all ranks, 2 MiB per rank (the reduce-scatter: 2 MiB
+out of each rank's world x 2 MiB), best of 3 (slowest rank).
 
 Compare with the model of the same emulated cluster (the links and calibration of a
 ``startrail-bench --emulate`` report of that topology and rate):
@@ -38,9 +40,11 @@ def measure(out_path: str, mib: float = 2.0, repeats: int = 3) -> None:
         n = int(mib * MIB) // 4 // world * world  # elements per rank, splits over the ranks
         x, gathered = torch.zeros(n), torch.empty(world * n)
         y, swapped = torch.zeros(n), torch.empty(n)
+        whole, chunk = torch.zeros(world * n), torch.empty(n)
         ops = {
             "all_gather": lambda: dist.all_gather_into_tensor(gathered, x),
             "all_to_all": lambda: dist.all_to_all_single(swapped, y),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(chunk, whole),
         }
         seconds = {name: min(timed(fn, repeats)) for name, fn in ops.items()}  # best of
         if dist.get_rank() == 0:
@@ -52,7 +56,7 @@ def measure(out_path: str, mib: float = 2.0, repeats: int = 3) -> None:
 
 def compare(measured_path: str, report_path: str) -> list[str]:
     from startrail_megatron.planner.cli import load_cluster
-    from startrail_megatron.planner.links import all_to_all, collective
+    from startrail_megatron.planner.links import all_to_all, collective, reduce_scatter_extra
 
     with open(measured_path) as f:
         m = json.load(f)
@@ -61,14 +65,19 @@ def compare(measured_path: str, report_path: str) -> list[str]:
     if world != m["world"]:
         raise SystemExit(f"{report_path}: {world} ranks, {measured_path}: {m['world']}")
     w, nb = m["world"], m["bytes_per_rank"]
+    everyone = [list(range(w))]
     model = {
-        "all_gather": collective(cl, [list(range(w))], (w - 1) * nb, 1),
+        "all_gather": collective(cl, everyone, (w - 1) * nb, 1),
         "all_to_all": all_to_all(cl, w, (w - 1) * nb // w, 1),
+        # as planner.times charges the peers' reduce-scatters (the ledger's volume)
+        "reduce_scatter": collective(cl, everyone, (w - 1) * nb, 1)
+        + reduce_scatter_extra(cl, everyone, (w - 1) * nb),
     }
-    return [
+    return [  # the collectives measured (files before the reduce-scatter have two)
         f"{name}: measured {m['seconds'][name]:.3f} s, model {model[name]:.3f} s, "
         f"model / measured {model[name] / m['seconds'][name]:.2f}"
         for name in model
+        if name in m["seconds"]
     ]
 
 

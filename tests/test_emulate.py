@@ -203,7 +203,7 @@ def test_the_collectives_script_compares_with_the_model(tmp_path):
     collective terms on the emulated cluster of a saved report (docs' 4 x 2 one)."""
     import importlib.util
 
-    from startrail_megatron.planner.links import all_to_all
+    from startrail_megatron.planner.links import all_to_all, collective
 
     root = os.path.join(os.path.dirname(__file__), "..")
     spec = importlib.util.spec_from_file_location(
@@ -214,21 +214,27 @@ def test_the_collectives_script_compares_with_the_model(tmp_path):
     report = os.path.join(root, "docs", "bench_emulated_4x2.json")
     nb = 2**21
     measured = tmp_path / "m.json"
-    measured.write_text(json.dumps({"bytes_per_rank": nb, "world": 8,
-                                    "seconds": {"all_gather": 0.6, "all_to_all": 0.15}}))  # fmt: skip
-    lines = mod.compare(str(measured), report)
+    seconds = {"all_gather": 0.6, "all_to_all": 0.15}
+    measured.write_text(json.dumps({"bytes_per_rank": nb, "world": 8, "seconds": seconds}))
+    lines = mod.compare(str(measured), report)  # a file of before the reduce-scatter
     assert [ln.split(":")[0] for ln in lines] == ["all_gather", "all_to_all"]
     with open(report) as f:
         rep = json.load(f)
     em = rep["emulation"]
     cl = emulated.emulated_cluster_spec(
         EmulationSpec(4, 2, em["inter_node_bits_per_s"]),
-        {k: em["probe"][k] for k in ("bytes", "seconds")},
+        em["probe"],
         rep["calibration"]["microbenchmarks_median"],
         1e11,
     )
     want = all_to_all(cl, 8, 7 * nb // 8, 1)
     assert f"model {want:.3f} s, model / measured {want / 0.15:.2f}" in lines[1]
+    # the reduce-scatter: on gloo (the report's backend) an all-reduce, twice the ring's
+    seconds["reduce_scatter"] = 1.0
+    measured.write_text(json.dumps({"bytes_per_rank": nb, "world": 8, "seconds": seconds}))
+    lines = mod.compare(str(measured), report)
+    want = 2 * collective(cl, [list(range(8))], 7 * nb, 1)
+    assert lines[2].startswith(f"reduce_scatter: measured 1.000 s, model {want:.3f} s")
     measured.write_text(json.dumps({"bytes_per_rank": nb, "world": 4, "seconds": {}}))
     with pytest.raises(SystemExit, match="8 ranks"):
         mod.compare(str(measured), report)
