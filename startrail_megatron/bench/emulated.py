@@ -30,12 +30,18 @@ from ..planner.strategies import candidate_strategies
 
 __all__ = [
     "EMULATION_FLAGS",
+    "QUIET_HOST_CORES",
     "emulated_cluster_spec",
+    "host_cpu_warning",
     "merge_probes",
     "model_pick",
     "rank_argv",
     "run_emulated",
 ]
+
+QUIET_HOST_CORES = 0.25
+"""Background busy cores (beside the probe's own work) above which its host CPU reading
+is not trusted (``host_cpu_warning``)."""
 
 EMULATION_FLAGS = ("--emulate", "--inter-node", "--intra-node")
 """The parent's flags, taken out of the ranks' command line."""
@@ -130,12 +136,28 @@ def merge_probes(probes: list[dict]) -> dict:
         "seconds": {k: statistics.median(v) for k, v in pooled.items()},
         "repeats": pooled,
     }
-    if cpu:  # each transfer's host CPU: the mean of the probes'
+    if cpu:  # each transfer's host CPU: the mean of the probes'; the busier background
+        with_cpu = [pr["host_cpu"] for pr in probes if "host_cpu" in pr]
         merged["host_cpu"] = {
-            **next(pr["host_cpu"] for pr in probes if "host_cpu" in pr),
+            **with_cpu[0],
             "per_call_s": {k: statistics.fmean(v) for k, v in cpu.items()},
+            "background_per_s": max(c.get("background_per_s", 0.0) for c in with_cpu),
         }
     return merged
+
+
+def host_cpu_warning(probe: dict) -> str:
+    """A warning where other work kept the host busy beside the probe (its host CPU per
+    byte is read host-wide, ``/proc/stat``, so it is only right on an otherwise quiet
+    host), else ""."""
+    bg = probe.get("host_cpu", {}).get("background_per_s", 0.0)
+    if bg < QUIET_HOST_CORES:
+        return ""
+    return (
+        f"warning: host busy beside the probe ({bg:.2f} cores of other work): the host CPU "
+        "per byte it measured, and the model's host term, are unreliable; run with nothing "
+        "else on the host"
+    )
 
 
 def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:
@@ -248,6 +270,8 @@ def format_emulation(report: dict) -> str:
             f"{r['intra_node_bytes_max'] / 1e6:11.1f}{r['inter_node_bytes_max'] / 1e6:12.1f}"
         )
     pk = em["pick"]
+    if host_cpu_warning(em["probe"]):
+        lines.append(host_cpu_warning(em["probe"]))
     lines.append(
         f"model's pick {pk['predicted_fastest']} ({pk['pick_over_fastest']:.2f} of the measured "
         f"fastest, {pk['measured_fastest']}); {pk['within_20_percent']} of {pk['strategies']} "
