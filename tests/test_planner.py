@@ -542,9 +542,13 @@ def test_ring_pipeline_on_shared_host_cores():
     # wire-bound steps: the wire time (3 > 2 + 0.5); compute-bound: compute + host work
     assert ring_pipeline(host, comp, prev, 3.0, 0.0, 0.5) == pytest.approx(2 * 3.0 + 2.0)
     assert ring_pipeline(host, comp, prev, 1.0, 0.0, 0.5) == pytest.approx(2 * 2.5 + 2.0)
-    # backward: steps 0 and 1 beside a KV exchange, steps 1 and 2 beside a dK/dV one
+    # backward: steps 0 and 1 beside a KV exchange, steps 1 and 2 beside a dK/dV one;
+    # with a small dK/dV wire time the sum of all, with a binding one (3) step 1 ends when
+    # step 0's exchange lands (2.5 + 3) and step 2 when step 1's does (5.5 + 3): 8.75 with
+    # the dK/dV's host work on steps 0 and 1 instead
     got = ring_pipeline(host, comp, prev, 0.1, 0.1, 0.5, 0.25)
     assert got == pytest.approx(3 * 2.0 + 2 * 0.5 + 2 * 0.25)
+    assert ring_pipeline(host, comp, prev, 0.1, 3.0, 0.5, 0.25) == pytest.approx(8.5)
     # without shared cores the transfers add to the steps as before (no overlap)
     assert ring_pipeline(host.with_(host_cores=0), comp, prev, 3.0, 0.0, 0.5) == pytest.approx(
         2 * 5.0 + 2.0

@@ -83,7 +83,11 @@ def emulated_cluster_spec(
     nbytes, secs = probe["bytes"], probe["seconds"]
     inter = nbytes / secs["inter_node"] if "inter_node" in secs else spec.inter_bps / 8
     cpu = probe.get("host_cpu", {})
-    per_byte = {k: v / (2 * nbytes) for k, v in cpu.get("per_call_s", {}).items()}
+    per_byte = {  # the pairs' exchanges, each moving its bytes both ways
+        k: v / (2 * nbytes)
+        for k, v in cpu.get("per_call_s", {}).items()
+        if k in ("intra_node", "inter_node")
+    }
     if "ring_step" in secs and not per_byte:  # without the host's work modelled apart
         inter = min(inter, nbytes / secs["ring_step"])
     intra = nbytes / secs["intra_node"] if "intra_node" in secs else base.intra_bw
@@ -244,7 +248,8 @@ def _host_cpu_text(cluster: dict) -> str:
         return ""
     return (
         f"; host CPU per byte moved: {cluster['host_cpu_intra'] * 1e9:.2f} ns inside a node, "
-        f"{cluster['host_cpu_inter'] * 1e9:.2f} ns between nodes, on {cluster['host_cores']:g} cores"
+        f"{cluster['host_cpu_inter'] * 1e9:.2f} ns between nodes, "
+        f"on {cluster['host_cores']:g} cores"
     )
 
 

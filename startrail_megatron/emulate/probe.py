@@ -1,6 +1,6 @@
 """One rank of the link probe: times transfers between two ranks of one node and of two
-nodes (``python -m startrail_megatron.emulate.probe OUT.json [--mib M] [--fail-rank R]
-[--cpu-seconds S]``).
+nodes (``python -m startrail_megatron.emulate.probe OUT.json [--mib M]
+[--fail-rank R] [--cpu-seconds S]``).
 
 Run on every rank of an emulated cluster (``EmulatedCluster.start``): rank 0 exchanges
 ``--mib`` MiB with rank 1 (the same node when nodes have two ranks or more) and with the
@@ -13,8 +13,9 @@ in the strategies) and an all-to-all over every rank (Ulysses' collective: each 
 ``REPEATS`` times, the slowest rank's time. Then each again, back to back for
 ``--cpu-seconds`` (``CPU_SECONDS``), for the host CPU it takes (``/proc/stat``: every
 node's ranks and the kernel's work on their packets; the cost model charges it beside
-the kernels, which share the same cores). Rank 0 writes each transfer's median seconds and every repeat, its host
-CPU seconds per call, the bytes and every rank's hostname and node to ``OUT.json``.
+the kernels, which share the same cores). Rank 0 writes each transfer's median seconds
+and every repeat, its host CPU seconds per call, the bytes and every rank's hostname and
+node to ``OUT.json``.
 ``--fail-rank R`` makes rank R exit with code 3 first (the tests' failing rank).
 """
 
@@ -80,8 +81,8 @@ def host_cpu_per_call(transfer, calls: int, background: float = 0.0) -> float:
     b0, t0 = host_busy_seconds(), time.perf_counter()
     for _ in range(calls):
         transfer()
+    dist.barrier()  # every rank's last call done
     busy, wall = host_busy_seconds() - b0, time.perf_counter() - t0
-    dist.barrier()
     return max(busy - background * wall, 0.0) / calls
 
 
@@ -127,7 +128,8 @@ def _transfers(
         )
         for name, fn in transfers.items()
     }
-    return times, {"per_call_s": cpu, "background_per_s": background, "cores": os.cpu_count()}
+    cores = len(os.sched_getaffinity(0))  # the cores the ranks may run on
+    return times, {"per_call_s": cpu, "background_per_s": background, "cores": cores}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,7 +122,8 @@ def all_to_all(cl: ClusterSpec, p: int, nbytes: int, calls: int, groups: int = 1
     host = groups * p2p_host_cpu(
         cl, [(r, q, per_peer) for r in range(p) for q in range(p) if q != r]
     )
-    return calls * (n_in * cl.intra_latency + n_out * cl.inter_latency) + max(t_in, t_out, host)
+    latency = calls * (n_in * cl.intra_latency + n_out * cl.inter_latency)
+    return max(latency + max(t_in, t_out), host)
 
 
 def reduce_scatter_extra(cl: ClusterSpec, groups: list[list[int]], nbytes: int) -> float:

@@ -101,7 +101,7 @@ def ring_pipeline(
     for s in range(g):
         if s > 0:
             start = [max(end[r], done(start, r, x_kv)) for r in range(p)]
-        if cl.overlap:
+        if cl.overlap and not cl.host_cores:
             busy = 0.0
         elif pipelined:  # the host work of the transfers in flight beside this step
             busy = (cpu_kv if s < g - 1 else 0.0) + (cpu_dkv if s > 0 and x_dkv else 0.0)
