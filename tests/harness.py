@@ -127,6 +127,41 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+def _share_one_gloo_device() -> None:
+    """Every gloo process group this rank creates from here on uses one transport device.
+
+    torch gives each gloo group a device of its own, and each device an event-loop thread
+    that wakes every 10 ms even while its group is idle: a rank holding megatron-core's
+    ~60 groups spent 7.3% of a core doing nothing (8 such ranks: 0.6 of the 2 CI cores;
+    ``perf`` put 18% of a megatron test file's samples in those threads). With one shared
+    device (gloo runs many contexts on one device) the same rank idles at 0%. The groups,
+    their ranks, timeouts and collectives are as before; only the rank's own socket
+    listener and loop thread are shared. STARTRAIL_TEST_GLOO_SHARED_DEVICE=0: a device per
+    group, as torch does."""
+    if os.environ.get("STARTRAIL_TEST_GLOO_SHARED_DEVICE") == "0":
+        return
+    import torch.distributed.distributed_c10d as c10d
+
+    gloo = c10d.ProcessGroupGloo
+    device = []
+
+    class _GlooOnSharedDevice(gloo):  # a subclass: torch's isinstance checks still hold
+        def __init__(self, store, rank, size, timeout=c10d.default_pg_timeout):
+            if not device:  # as torch's own constructor picks it
+                iface = os.environ.get("GLOO_SOCKET_IFNAME", "")
+                device.append(
+                    gloo.create_device(interface=iface.split(",")[0])
+                    if len(iface) > 1
+                    else gloo.create_default_device()
+                )
+            options = gloo._Options()
+            options._timeout = timeout
+            options._devices = list(device)
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = _GlooOnSharedDevice
+
+
 def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> None:
     for other in _POOLS.values():  # the parent's ends of the other live pools' pipes: a
         for c in other.conns:  # rank holding them would keep those ranks from seeing EOF
@@ -135,6 +170,8 @@ def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> N
 
     torch.set_num_threads(1)
     import torch.distributed as dist
+
+    _share_one_gloo_device()
 
     try:
         dist.init_process_group(
@@ -274,14 +311,17 @@ class RankPool:
 # kept for each size while the live ranks stay within MAX_LIVE_RANKS, so that a size used
 # again reuses its ranks instead of forking new ones.
 #
-# A gloo process group keeps three threads until it is destroyed, and they wake up even when
-# the group is idle (measured: a rank holding 60 groups, 184 threads, takes 3.8% of a core
-# doing nothing). Megatron-core's ``destroy_model_parallel`` only drops its own references to
-# its groups (torch keeps them: ~50 threads per initialization at 2 ranks); a pool kept
-# through the suite reached ~930 threads per rank and lane 1 took 890 s instead of 355. So a
-# pool is left waiting only while its ranks hold at most IDLE_RANK_THREADS threads each (it
-# is closed when the next task goes to another pool), and is reused only while they hold at
-# most MAX_RANK_THREADS.
+# A gloo process group keeps its threads and sockets until it is destroyed. Megatron-core's
+# ``destroy_model_parallel`` only drops its own references to its groups (torch keeps them:
+# ~50 threads per initialization at 2 ranks, when each group had a device of its own); a
+# pool kept through the suite reached ~930 threads per rank and lane 1 took 890 s instead of
+# 355, most of it in the groups' idle event loops. With one device per rank
+# (``_share_one_gloo_device``) an idle group costs no CPU, but each still holds two threads
+# and a socket per peer (a developer's default limit is 1,024 open files). So a pool is left
+# waiting only while its ranks hold at most IDLE_RANK_THREADS threads each (it is closed
+# when the next task goes to another pool), and is reused only while they hold at most
+# MAX_RANK_THREADS (tried at 200 / 400 on the megatron and DeepSpeed files: within the
+# noise; at 600 / 3,000 a rank held 723 open files).
 _POOLS: OrderedDict[int, RankPool] = OrderedDict()
 MAX_LIVE_RANKS = int(os.environ.get("STARTRAIL_TEST_MAX_RANKS", "32"))
 IDLE_RANK_THREADS = 32
