@@ -6,7 +6,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from harness import shutdown  # noqa: E402
-from lanes import LANES, in_stack_lane  # noqa: E402
+from lanes import LANES, in_lane  # noqa: E402
 
 from startrail_megatron.bench.extensions import extensions_dir, remove_stale_locks  # noqa: E402
 
@@ -37,17 +37,18 @@ def pytest_addoption(parser):
         "--lane",
         default="all",
         choices=LANES,
-        help="all: every test (CI lane 1); stack: the test files of the code that imports "
-        "megatron-core, DeepSpeed or transformers (CI lane 2; tests/lanes.py)",
+        help="all: every test; stack: the test files of the code that imports megatron-core, "
+        "DeepSpeed or transformers; ci-1, ci-2: CI's two lanes (tests/lanes.py)",
     )
 
 
 def pytest_collection_modifyitems(config, items):
-    """``--lane stack`` keeps the stack's test files (``lanes.py``); then the tests of a
-    newer megatron-core than the installed one are deselected (each test lane has its
-    own: Python 3.11 with 0.16, 3.12 with 0.19) and the summary counts them."""
-    if config.getoption("--lane") == "stack":
-        other = [i for i in items if not in_stack_lane(os.path.basename(str(i.path)))]
+    """``--lane`` keeps its test files (``lanes.py``); then the tests of a newer
+    megatron-core than the installed one are deselected (each test lane has its own:
+    Python 3.11 with 0.16, 3.12 with 0.19) and the summary counts them."""
+    lane = config.getoption("--lane")
+    if lane != "all":
+        other = [i for i in items if not in_lane(os.path.basename(str(i.path)), lane)]
         if other:
             items[:] = [i for i in items if i not in set(other)]
             config.hook.pytest_deselected(items=other)

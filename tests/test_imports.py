@@ -12,7 +12,8 @@ import ast
 import re
 from pathlib import Path
 
-from lanes import in_stack_lane
+import pytest
+from lanes import CI_LANE_2_CORE_FILES, LANES, in_lane, in_stack_lane
 
 ROOT = Path(__file__).resolve().parent.parent / "startrail_megatron"
 PKG = "startrail_megatron"
@@ -259,8 +260,9 @@ def _imports_the_stack(path: Path) -> bool:
 
 
 def test_every_test_of_the_stack_runs_on_the_second_lane():
-    """CI's Python 3.12 lane runs ``lanes.STACK_TEST_FILES`` only: every test file that
-    imports megatron-core, DeepSpeed, transformers or our adapters must be among them."""
+    """The ``stack`` lane (and CI's Python 3.12 lane) runs ``lanes.STACK_TEST_FILES``: every
+    test file that imports megatron-core, DeepSpeed, transformers or our adapters must be
+    among them. CI's two lanes together run every test file."""
     tests = Path(__file__).resolve().parent
     stack = {p.name for p in tests.glob("test_*.py") if _imports_the_stack(p)}
     assert {
@@ -271,6 +273,19 @@ def test_every_test_of_the_stack_runs_on_the_second_lane():
     missing = sorted(n for n in stack if not in_stack_lane(n))
     assert not missing, f"add these to tests/lanes.py STACK_TEST_FILES: {missing}"
     assert not in_stack_lane("test_attention.py")
+    # CI's lanes: every file runs; the stack's on both releases; a moved core file runs
+    # once, and imports nothing of the stack (it would miss megatron-core 0.16 otherwise)
+    files = sorted(p.name for p in tests.glob("test_*.py"))
+    assert set(CI_LANE_2_CORE_FILES) <= set(files)
+    for n in files:
+        lanes = [lane for lane in ("ci-1", "ci-2") if in_lane(n, lane)]
+        want = ["ci-2"] if n in CI_LANE_2_CORE_FILES else ["ci-1"]
+        assert lanes == (["ci-1", "ci-2"] if in_stack_lane(n) else want), (n, lanes)
+        assert in_lane(n, "all")
+    assert not any(n in stack or in_stack_lane(n) for n in CI_LANE_2_CORE_FILES)
+    with pytest.raises(ValueError, match="--lane 'ci3': expected one of"):
+        in_lane("test_attention.py", "ci3")
+    assert LANES == ("all", "stack", "ci-1", "ci-2")
 
 
 def test_the_pure_packages_start_without_torch():
