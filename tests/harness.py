@@ -143,20 +143,20 @@ def _share_one_gloo_device() -> None:
     import torch.distributed.distributed_c10d as c10d
 
     gloo = c10d.ProcessGroupGloo
-    device = []
+    devices = []
 
     class _GlooOnSharedDevice(gloo):  # a subclass: torch's isinstance checks still hold
         def __init__(self, store, rank, size, timeout=c10d.default_pg_timeout):
-            if not device:  # as torch's own constructor picks it
+            if not devices:  # as torch's own constructor picks them, once
                 iface = os.environ.get("GLOO_SOCKET_IFNAME", "")
-                device.append(
-                    gloo.create_device(interface=iface.split(",")[0])
+                devices.extend(
+                    [gloo.create_device(interface=i) for i in iface.split(",")]
                     if len(iface) > 1
-                    else gloo.create_default_device()
+                    else [gloo.create_default_device()]
                 )
             options = gloo._Options()
             options._timeout = timeout
-            options._devices = list(device)
+            options._devices = list(devices)
             super().__init__(store, rank, size, options)
 
     c10d.ProcessGroupGloo = _GlooOnSharedDevice

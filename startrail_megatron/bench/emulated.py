@@ -275,8 +275,9 @@ def format_emulation(report: dict) -> str:
             f"{r['intra_node_bytes_max'] / 1e6:11.1f}{r['inter_node_bytes_max'] / 1e6:12.1f}"
         )
     pk = em["pick"]
-    if host_cpu_warning(em["probe"]):
-        lines.append(host_cpu_warning(em["probe"]))
+    warning = host_cpu_warning(em["probe"])
+    if warning:
+        lines.append(warning)
     lines.append(
         f"model's pick {pk['predicted_fastest']} ({pk['pick_over_fastest']:.2f} of the measured "
         f"fastest, {pk['measured_fastest']}); {pk['within_20_percent']} of {pk['strategies']} "
