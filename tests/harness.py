@@ -64,6 +64,25 @@ PRELOAD = (
     "megatron.core.optimizer",
     "deepspeed",
     "transformers",
+    # imported lazily inside the ranks' tests: here once, not in each rank of each new pool
+    # (~18 CPU s of the 3.11 lane's ranks, summed over the modules they imported)
+    "startrail_megatron.megatron.training",
+    "startrail_megatron.deepspeed.megatron_gpt",
+    "megatron.core.datasets.blended_megatron_dataset_builder",
+    "megatron.core.datasets.helpers",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.models.hybrid.hybrid_model",  # 0.19's GPT build imports it (none in 0.16)
+    "deepspeed.sequence.layer",  # DeepSpeed's engine, on first use
+    "deepspeed.module_inject.auto_ep_config",
+    "deepspeed.module_inject.auto_ep_layer",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "transformers.models.gemma2.modeling_gemma2",  # the model families the tests build
+    "transformers.models.gemma3.modeling_gemma3",
+    "transformers.models.gpt_oss.modeling_gpt_oss",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.mistral.modeling_mistral",
+    "transformers.models.qwen2.modeling_qwen2",
+    "multiprocessing.managers",  # megatron-core's checkpoint writer
 )
 
 
