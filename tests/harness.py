@@ -71,7 +71,7 @@ PRELOAD = (
     "megatron.core.datasets.blended_megatron_dataset_builder",
     "megatron.core.datasets.helpers",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
-    "megatron.core.models.hybrid.hybrid_model",  # 0.19's GPT build imports it (none in 0.16)
+    "megatron.core.models.hybrid.hybrid_model",  # our hooks wrap its model on 0.19 (not in 0.16)
     "deepspeed.sequence.layer",  # DeepSpeed's engine, on first use
     "deepspeed.module_inject.auto_ep_config",
     "deepspeed.module_inject.auto_ep_layer",
