@@ -19,8 +19,10 @@ __all__ = [
     "groups_for",
     "make_inputs",
     "noisy_packed_shards",
+    "packed_inputs",
     "padding_rows",
     "reference",
+    "reference_per_document",
     "rel_err",
     "shard",
     "unshard",
@@ -106,7 +108,30 @@ def own_rows_first_env(value: str | None):
             os.environ[OWN_ROWS_FIRST_ENV] = old
 
 
-# ---- packed documents: the padding rows ----------------------------------------------------
+# ---- packed documents: inputs, reference, the padding rows ---------------------------------
+def packed_inputs(lengths, b: int, hq: int, hkv: int, d: int, seed: int) -> list:
+    """float64 q, k, v, d_out of the documents ``lengths`` one after another (real tokens
+    only, no padding): ``[sum(lengths), b, hq or hkv, d]``, drawn from ``seed``."""
+    total = sum(lengths)
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((total, b, hq, d), (total, b, hkv, d), (total, b, hkv, d), (total, b, hq, d))
+    return [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+
+
+def reference_per_document(lengths, causal: bool, q, k, v, do) -> list:
+    """The float64 reference (out, dq, dk, dv) of each document of ``lengths`` alone (no
+    attention across documents), concatenated in the documents' order."""
+    outs = [[], [], [], []]
+    at = 0
+    for n in lengths:
+        if n:
+            sl = slice(at, at + n)
+            for i, x in enumerate(reference(q[sl], k[sl], v[sl], do[sl], causal)):
+                outs[i].append(x)
+        at += n
+    return [torch.cat(x) for x in outs]
+
+
 def padding_rows(lengths, p: int, rank: int) -> torch.Tensor:
     """``[s_local]`` bool: which of ``rank``'s local rows are padding in
     ``pack_lengths(lengths, p)``'s layout, worked out here from the layout's definition (each

@@ -21,7 +21,8 @@ from common import (
     assert_startrail_ledger,
     groups_for,
     noisy_packed_shards,
-    reference,
+    packed_inputs,
+    reference_per_document,
     rel_err,
     value_errors,
 )
@@ -135,22 +136,7 @@ def test_every_same_document_pair_once_per_team_and_nothing_else(p, c, placement
 
 # ---- multi-rank against float64 per document -----------------------------------------------
 def _inputs(lengths, seed=0):
-    total = sum(lengths)
-    g = torch.Generator().manual_seed(seed)
-    shapes = ((total, B, HQ, D), (total, B, HKV, D), (total, B, HKV, D), (total, B, HQ, D))
-    return [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
-
-
-def reference_per_document(lengths, causal, q, k, v, do):
-    outs = [[], [], [], []]
-    at = 0
-    for n in lengths:
-        if n:
-            sl = slice(at, at + n)
-            for i, x in enumerate(reference(q[sl], k[sl], v[sl], do[sl], causal)):
-                outs[i].append(x)
-        at += n
-    return [torch.cat(x) for x in outs]
+    return packed_inputs(lengths, B, HQ, HKV, D, seed)
 
 
 @functools.cache

@@ -19,10 +19,15 @@ import functools
 
 import pytest
 import torch
-from common import assert_padding_rows_zero, noisy_packed_shards, rel_err
+from common import (
+    assert_padding_rows_zero,
+    noisy_packed_shards,
+    packed_inputs,
+    reference_per_document,
+    rel_err,
+)
 from harness import run_ranks
 from test_backends import FLASH_VERSIONS, TE_VERSIONS, _te_stand_in
-from test_packed import reference_per_document
 
 import startrail_megatron as st
 from startrail_megatron import kernels as kn
@@ -223,10 +228,7 @@ LENGTHS = [17, 0, 31, 1, 11, 64]
 
 
 def _packed_inputs(lengths, b, seed=3):
-    total = sum(lengths)
-    g = torch.Generator().manual_seed(seed)
-    shapes = ((total, b, HQ, D), (total, b, HKV, D), (total, b, HKV, D), (total, b, HQ, D))
-    return [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    return packed_inputs(lengths, b, HQ, HKV, D, seed)
 
 
 def _expected_calls(p, c, placement, causal, packed, ranks=None):
