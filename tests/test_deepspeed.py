@@ -839,30 +839,6 @@ def test_launch_main_as_the_deepspeed_launcher_runs_it(tmp_path, monkeypatch):
     assert json.loads(out.read_text()) == [[str(script), "--local_rank=1", "--a"], "1"]
 
 
-def test_launch_reads_configs_as_deepspeed_does(tmp_path, monkeypatch):
-    pytest.importorskip("megatron.core")  # the launcher reads the config for Megatron's hooks
-    import startrail_megatron.megatron as stm
-    from startrail_megatron.deepspeed import launch
-
-    calls = []
-    monkeypatch.setattr(
-        stm,
-        "install",
-        lambda c, placement, own_rows_first, ulysses_size: calls.append(
-            (c, placement, own_rows_first, ulysses_size)
-        ),
-    )
-    path = tmp_path / "ds.json"
-    path.write_text(
-        "{\n  // DeepSpeed reads its config with hjson: comments are allowed\n"
-        '  "train_batch_size": 1,\n'
-        '  "startrail": {"enabled": true, "sequence_parallel_size": 8, "team_size": 2,\n'
-        '                "own_rows_first": "off", "ulysses_size": 2}\n}\n'
-    )
-    assert launch._maybe_install_megatron_hooks(["--deepspeed_config", str(path)])
-    assert calls == [(2, "team", False, 2)]
-
-
 def test_flash_varlen_kwargs_become_position_ids_or_are_refused():
     from startrail_megatron.deepspeed.batches import position_ids_from_flash_kwargs as conv
 

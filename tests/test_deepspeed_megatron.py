@@ -298,3 +298,28 @@ def test_packed_row_through_deepspeed_matches_documents_one_by_one():
         for k, r in ref_params.items():
             err = ((params[k] - r).abs().max() / r.abs().max()).item()
             assert err <= 1e-5, f"{k}: {err:.2e}"
+
+
+def test_launch_reads_configs_as_deepspeed_does(tmp_path, monkeypatch):
+    """The DeepSpeed launcher reads the config as DeepSpeed does (hjson) and installs
+    Megatron's hooks from its ``"startrail"`` section."""
+    import startrail_megatron.megatron as stm
+    from startrail_megatron.deepspeed import launch
+
+    calls = []
+    monkeypatch.setattr(
+        stm,
+        "install",
+        lambda c, placement, own_rows_first, ulysses_size: calls.append(
+            (c, placement, own_rows_first, ulysses_size)
+        ),
+    )
+    path = tmp_path / "ds.json"
+    path.write_text(
+        "{\n  // DeepSpeed reads its config with hjson: comments are allowed\n"
+        '  "train_batch_size": 1,\n'
+        '  "startrail": {"enabled": true, "sequence_parallel_size": 8, "team_size": 2,\n'
+        '                "own_rows_first": "off", "ulysses_size": 2}\n}\n'
+    )
+    assert launch._maybe_install_megatron_hooks(["--deepspeed_config", str(path)])
+    assert calls == [(2, "team", False, 2)]
