@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
-from lanes import CI_LANE_2_CORE_FILES, LANES, in_lane, in_stack_lane
+from lanes import CI_LANE_2_FILES, LANES, in_lane, in_megatron_lanes, in_stack_lane
 
 ROOT = Path(__file__).resolve().parent.parent / "startrail_megatron"
 PKG = "startrail_megatron"
@@ -259,30 +259,60 @@ def _imports_the_stack(path: Path) -> bool:
     return False
 
 
-def test_every_test_of_the_stack_runs_on_the_second_lane():
-    """The ``stack`` lane (and CI's Python 3.12 lane) runs ``lanes.STACK_TEST_FILES``: every
-    test file that imports megatron-core, DeepSpeed, transformers or our adapters must be
-    among them. CI's two lanes together run every test file."""
+_MEGATRON = re.compile(
+    r"(^|[^\w.])megatron\.(core|training)\b"
+    r"|startrail_megatron\.(megatron|pretrain_gpt)\b"
+    r"|\b(megatron_common|megatron_gpt|megatron_mpu|_maybe_install_megatron_hooks)\b"
+)
+
+
+def _reaches_megatron(path: Path, seen: frozenset = frozenset()) -> bool:
+    """The file's code reaches megatron-core: it names megatron-core, our Megatron adapter,
+    the DeepSpeed adapter's megatron-core parts or the Megatron test helpers, or imports a
+    test module that does (the harness's ``PRELOAD`` names megatron-core too: importing a
+    module runs none of it)."""
+    src = path.read_text()
+    if _MEGATRON.search(src):
+        return True
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for n in names:
+            local = path.parent / f"{n}.py"
+            test_module = n.startswith("test_") and local.exists() and n not in seen
+            if n == "megatron" or (test_module and _reaches_megatron(local, seen | {path.stem})):
+                return True
+    return False
+
+
+def test_every_test_of_the_stack_runs_on_both_releases():
+    """The ``stack`` lane runs ``lanes.STACK_TEST_FILES``: every test file that imports
+    megatron-core, DeepSpeed, transformers or our adapters must be among them. CI runs every
+    test file reaching megatron-core on both lanes (both releases: ``MEGATRON_TEST_FILES``),
+    every other file once."""
     tests = Path(__file__).resolve().parent
-    stack = {p.name for p in tests.glob("test_*.py") if _imports_the_stack(p)}
-    assert {
-        "test_megatron.py",
-        "test_deepspeed_models.py",
-        "test_dit.py",
-    } <= stack  # the scan works
+    files = sorted(p.name for p in tests.glob("test_*.py"))
+    stack = {n for n in files if _imports_the_stack(tests / n)}
+    megatron = {n for n in files if _reaches_megatron(tests / n)}
+    assert {"test_megatron.py", "test_deepspeed_models.py", "test_dit.py"} <= stack  # works
+    assert {"test_megatron_window.py", "test_deepspeed_megatron.py"} <= megatron  # also through
+    assert not megatron & {"test_deepspeed.py", "test_dit.py", "test_attention.py"}
     missing = sorted(n for n in stack if not in_stack_lane(n))
     assert not missing, f"add these to tests/lanes.py STACK_TEST_FILES: {missing}"
+    missing = sorted(n for n in megatron if not in_megatron_lanes(n))
+    assert not missing, f"add these to tests/lanes.py MEGATRON_TEST_FILES: {missing}"
     assert not in_stack_lane("test_attention.py")
-    # CI's lanes: every file runs; the stack's on both releases; a moved core file runs
-    # once, and imports nothing of the stack (it would miss megatron-core 0.16 otherwise)
-    files = sorted(p.name for p in tests.glob("test_*.py"))
-    assert set(CI_LANE_2_CORE_FILES) <= set(files)
+    assert set(CI_LANE_2_FILES) <= set(files)
     for n in files:
         lanes = [lane for lane in ("ci-1", "ci-2") if in_lane(n, lane)]
-        want = ["ci-2"] if n in CI_LANE_2_CORE_FILES else ["ci-1"]
-        assert lanes == (["ci-1", "ci-2"] if in_stack_lane(n) else want), (n, lanes)
+        want = ["ci-2"] if n in CI_LANE_2_FILES else ["ci-1"]
+        assert lanes == (["ci-1", "ci-2"] if in_megatron_lanes(n) else want), (n, lanes)
         assert in_lane(n, "all")
-    assert not any(n in stack or in_stack_lane(n) for n in CI_LANE_2_CORE_FILES)
+    assert not any(n in megatron or in_megatron_lanes(n) for n in CI_LANE_2_FILES)
     with pytest.raises(ValueError, match="--lane 'ci3': expected one of"):
         in_lane("test_attention.py", "ci3")
     assert LANES == ("all", "stack", "ci-1", "ci-2")
