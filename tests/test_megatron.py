@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -84,8 +85,16 @@ def _train(rank, world, argv, steps, save=None, load=None, grads=True):
 
 
 def _baseline(extra=(), steps=3, gbs=None):
+    """The reference: the same training on one rank (CP = 1), run once per argument list in
+    a test session (a run is deterministic; the CP = 4, own-rows and window tests share
+    theirs). The result is shared: read it, never change it."""
     argv = BASE + list(extra) + (["--global-batch-size", str(gbs)] if gbs else [])
-    return run_ranks(1, _train, argv, steps)[0]
+    return _one_rank_run(tuple(argv), steps)
+
+
+@functools.cache
+def _one_rank_run(argv: tuple, steps: int):
+    return run_ranks(1, _train, list(argv), steps)[0]
 
 
 def _assert_close_runs(got, ref, grads=True, tol=1e-5):
