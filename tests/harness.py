@@ -30,6 +30,7 @@ import gc
 import importlib
 import importlib.util
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import shutil
 import sys
@@ -248,15 +249,17 @@ class RankPool:
         results: dict[int, tuple] = {}
         first_err: float | None = None
         while len(results) < self.world_size:
-            for r, c in enumerate(self.conns):
-                if r in results:
-                    continue
-                if c.poll(0.01):
-                    try:
-                        results[r] = c.recv()
-                    except EOFError:
-                        results[r] = ("err", f"rank {r} died (exit code {self.procs[r].exitcode})")
-                elif not self.procs[r].is_alive():
+            pending = {c: r for r, c in enumerate(self.conns) if r not in results}
+            # woken by the first rank that answers (or closes its end by dying), else every
+            # 0.1 s to look at the deadline and at ranks that died without closing it
+            for c in mp_connection.wait(list(pending), timeout=0.1):
+                r = pending[c]
+                try:
+                    results[r] = c.recv()
+                except EOFError:
+                    results[r] = ("err", f"rank {r} died (exit code {self.procs[r].exitcode})")
+            for c, r in pending.items():
+                if r not in results and not self.procs[r].is_alive() and not c.poll():
                     results[r] = ("err", f"rank {r} died (exit code {self.procs[r].exitcode})")
             if first_err is None and any(v[0] == "err" for v in results.values()):
                 first_err = time.monotonic()
