@@ -4,6 +4,7 @@ float64 reference (``startrail_megatron.testing``) under the names the tests use
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -20,6 +21,7 @@ __all__ = [
     "make_inputs",
     "noisy_packed_shards",
     "packed_inputs",
+    "packed_reference",
     "padding_rows",
     "reference",
     "reference_per_document",
@@ -130,6 +132,16 @@ def reference_per_document(lengths, causal: bool, q, k, v, do) -> list:
                 outs[i].append(x)
         at += n
     return [torch.cat(x) for x in outs]
+
+
+@functools.cache
+def packed_reference(
+    lengths: tuple, causal: bool, b: int, hq: int, hkv: int, d: int, seed: int
+) -> list:
+    """``reference_per_document`` of ``packed_inputs(lengths, b, hq, hkv, d, seed)``, computed
+    once per argument list in a test session: the cases that draw the same inputs share it
+    (read it, never change it)."""
+    return reference_per_document(lengths, causal, *packed_inputs(lengths, b, hq, hkv, d, seed))
 
 
 def padding_rows(lengths, p: int, rank: int) -> torch.Tensor:

@@ -15,7 +15,6 @@ per-document calls), and none of the dense functions is called.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from common import (
     assert_padding_rows_zero,
     noisy_packed_shards,
     packed_inputs,
+    packed_reference,
     reference_per_document,
     rel_err,
 )
@@ -321,18 +321,12 @@ def _multi_rank_case(rank, world, kernel, c, lengths):
     return [out.detach(), *(x.grad for x in local)], n_calls
 
 
-@functools.cache
-def _causal_reference(lengths: tuple):
-    """The float64 reference of ``_packed_inputs(lengths, 1)``, once for both kernels."""
-    return reference_per_document(lengths, True, *_packed_inputs(lengths, 1))
-
-
 @pytest.mark.parametrize("kernel", ["flash:2.7-plain", "te:2.13"])
 def test_startrail_packed_varlen_on_ranks(kernel):
     p, c, lengths = 4, 2, [2039, 1013, 509, 3]
     results = run_ranks(p, _multi_rank_case, kernel, c, lengths)
     packed = pack_lengths(lengths, p)
-    ref = _causal_reference(tuple(lengths))
+    ref = packed_reference(tuple(lengths), True, 1, HQ, HKV, D, seed=3)  # _packed_inputs(.., 1)
     assert_padding_rows_zero([res[0] for res in results], lengths, p)
     for i in range(4):
         got = st.unshard_packed([res[0][i] for res in results], packed)
@@ -363,7 +357,7 @@ def test_packed_falls_back_to_one_call_per_document(kernel):
             cu_seqlens=packed.cu_seqlens, cu_seqlens_padded=packed.cu_seqlens_padded,
         )  # fmt: skip
         torch.autograd.backward(outs, [shards[r][3] for r in range(p)])
-    ref = reference_per_document(LENGTHS, causal, q, k, v, do)
+    ref = packed_reference(tuple(LENGTHS), causal, 1, HQ, HKV, D, seed=3)  # q, k, v, do
     got = [outs, *([x.grad for x in xs] for xs in leaves)]
     assert_padding_rows_zero([[t[r].detach() for t in got] for r in range(p)], LENGTHS, p)
     tol = 1e-6 if kernel.startswith("flash") else 1e-10  # the dense adapter's lse is fp32
