@@ -241,22 +241,24 @@ _STACK = re.compile(
 )
 
 
+def _imported_names(src: str) -> list[str]:
+    """Every absolute import's module, and ``module.name`` for each name a ``from`` takes."""
+    names = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names += [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return names
+
+
 def _imports_the_stack(path: Path) -> bool:
     """The file imports megatron-core, DeepSpeed, transformers, our adapters or their test
     helpers, or runs one of our adapters' entry points by module name."""
     src = path.read_text()
     if re.search(r"startrail_megatron\.(megatron|deepspeed|dit|pretrain_gpt)\b", src):
         return True
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        else:
-            continue
-        if any(_STACK.search(n) for n in names):
-            return True
-    return False
+    return any(_STACK.search(n) for n in _imported_names(src))
 
 
 _MEGATRON = re.compile(
@@ -274,18 +276,11 @@ def _reaches_megatron(path: Path, seen: frozenset = frozenset()) -> bool:
     src = path.read_text()
     if _MEGATRON.search(src):
         return True
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        else:
-            continue
-        for n in names:
-            local = path.parent / f"{n}.py"
-            test_module = n.startswith("test_") and local.exists() and n not in seen
-            if n == "megatron" or (test_module and _reaches_megatron(local, seen | {path.stem})):
-                return True
+    for n in _imported_names(src):
+        local = path.parent / f"{n}.py"
+        test_module = n.startswith("test_") and local.exists() and n not in seen
+        if n == "megatron" or (test_module and _reaches_megatron(local, seen | {path.stem})):
+            return True
     return False
 
 
