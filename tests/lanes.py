@@ -9,9 +9,8 @@ megatron-core 0.16.1 and ``ci-2`` on Python 3.12 with megatron-core 0.19.2. The 
 same torch, DeepSpeed and transformers releases (torch's CPU build on 3.11, its CUDA build,
 the only one for 3.12, there): megatron-core is the one dependency whose release differs.
 So the test files whose code paths reach megatron-core (``MEGATRON_TEST_FILES``) run on
-both lanes, and every other test file runs once: on
-``ci-2`` if it is in ``CI_LANE_2_FILES``, else on ``ci-1``, chosen so that the lanes end
-about together. ``test_imports.py`` checks that every test file reaching megatron-core
+both lanes, and every other test file runs once: on ``ci-2`` if it is in
+``CI_LANE_2_FILES``, else on ``ci-1``, chosen so that the lanes end about together. ``test_imports.py`` checks that every test file reaching megatron-core
 (importing it, our Megatron adapter or its test helpers, or a test module that does) is in
 ``MEGATRON_TEST_FILES`` (a new adapter test cannot miss a release), that every
 stack-importing file is in ``STACK_TEST_FILES``, and that every file runs in CI.
@@ -57,9 +56,9 @@ CI_LANE_2_FILES = (
     "test_gpu_check.py",
 )
 """Test files that reach no megatron-core, run once in CI on its Python 3.12 lane instead of
-its Python 3.11 one, so that the lanes end about together (a fresh-clone ``.ci/run`` with ``--durations``: lane 1's
-tests took 483 s and lane 2's 456 s with the first five of these; test_gpu_check.py, ~14 s,
-moved after)."""
+its Python 3.11 one, so that the lanes end about together (a fresh-clone ``.ci/run`` with
+``--durations``: lane 1's tests took 483 s and lane 2's 456 s with the first five of these;
+test_gpu_check.py, ~14 s, moved after)."""
 
 
 def in_stack_lane(filename: str) -> bool:
