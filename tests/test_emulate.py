@@ -252,26 +252,16 @@ def test_the_collectives_script_compares_with_the_model(tmp_path):
         mod.compare(str(measured), report)
 
 
-def _probe(tmp_path, tag, rate="100mbit", fail_rank=-1):
+def _probe(tmp_path, tag, rate="100mbit"):
     out = tmp_path / f"{tag}.json"
     pids = []
     with EmulatedCluster(EmulationSpec.parse("2x2", rate), tag=tag) as cl:
         assert sorted(leftovers(tag)) == [f"{tag}-n0", f"{tag}-n1", f"{tag}-sw"]
-        cmd = [
-            *PROBE,
-            str(out),
-            "--mib",
-            "2",
-            "--fail-rank",
-            str(fail_rank),
-            "--cpu-seconds",
-            "0.2",
-        ]
         try:
-            cl.run(cmd, timeout=180)
+            cl.run([*PROBE, str(out), "--mib", "2", "--cpu-seconds", "0.2"], timeout=180)
         finally:
             pids = [p.pid for p in cl.procs]
-    return (json.loads(out.read_text()) if out.exists() else None), pids
+    return json.loads(out.read_text()), pids
 
 
 def _alive(pid: int) -> bool:
@@ -284,23 +274,23 @@ def _alive(pid: int) -> bool:
 
 def test_two_nodes_links_at_the_set_rate_and_nothing_left(tmp_path):
     probe, pids = _probe(tmp_path, "stt1")
-    set_rate = 100e6
-    inter = 8 * probe["bytes"] / probe["seconds"]["inter_node"]
-    intra = 8 * probe["bytes"] / probe["seconds"]["intra_node"]
-    assert abs(inter - set_rate) <= 0.25 * set_rate, inter
-    ring = 8 * probe["bytes"] / probe["seconds"]["ring_step"]  # every rank at once
-    assert abs(ring - set_rate) <= 0.25 * set_rate, ring
-    assert intra > 5 * set_rate, intra  # inside a node: the node's own stack, unlimited
-    # the all-to-all: each rank's 2 MiB in 4 parts, 2 of them off-node, 2 ranks per node:
-    # 2 MiB per node and direction on the link, never faster than it; gloo's all-to-all
-    # reaches 70 - 95% of it here (many flows at once: what the probe is there to measure)
-    a2a = 8 * probe["bytes"] / probe["seconds"]["all_to_all"]
-    assert 0.5 * set_rate <= a2a <= 1.25 * set_rate, a2a
-    assert [h[1] for h in probe["hosts"]] == [0, 0, 1, 1]
-    # each transfer's median of its repeats
+    # each transfer's median of its repeats (what the model is given)
     for k in ("intra_node", "inter_node", "ring_step", "all_to_all"):
         assert len(probe["repeats"][k]) == probe_mod.REPEATS
         assert probe["seconds"][k] == statistics.median(probe["repeats"][k])
+    # the links, from each transfer's fastest repeat: the link's own rate, where the median
+    # also holds the ranks' waits for the host's cores (in CI, with the other lane's ranks
+    # on the same 2 cores, the ring step's median once came to 74% of the set rate)
+    set_rate = 100e6
+    rate = {k: 8 * probe["bytes"] / min(v) for k, v in probe["repeats"].items()}
+    assert abs(rate["inter_node"] - set_rate) <= 0.25 * set_rate, rate
+    assert abs(rate["ring_step"] - set_rate) <= 0.25 * set_rate, rate  # every rank at once
+    assert rate["intra_node"] > 5 * set_rate, rate  # inside a node: its own stack, unlimited
+    # the all-to-all: each rank's 2 MiB in 4 parts, 2 of them off-node, 2 ranks per node:
+    # 2 MiB per node and direction on the link, never faster than it; gloo's all-to-all
+    # reaches 70 - 95% of it here (many flows at once: what the probe is there to measure)
+    assert 0.5 * set_rate <= rate["all_to_all"] <= 1.25 * set_rate, rate
+    assert [h[1] for h in probe["hosts"]] == [0, 0, 1, 1]
     names = [h[0] for h in probe["hosts"]]
     assert names[0] == names[1] != names[2] == names[3]  # a hostname per node
     # the host CPU of each transfer, read host-wide (/proc/stat): where the host was
@@ -321,10 +311,20 @@ def test_two_nodes_links_at_the_set_rate_and_nothing_left(tmp_path):
 
 
 def test_a_failing_rank_is_named_and_everything_removed(tmp_path):
+    """Rank 1 fails while the others wait (as ranks wait on a dead peer in a rendezvous):
+    the error names it, and the waiting ranks and the namespaces are gone."""
+    script = tmp_path / "stt2_rank.py"
+    script.write_text(
+        "import os, sys, time\nsys.exit(3) if os.environ['RANK'] == '1' else time.sleep(120)\n"
+    )
     with pytest.raises(RuntimeError, match=r"emulated rank 1 \(node 0\) exited with code 3"):
-        _probe(tmp_path, "stt2", fail_rank=1)
-    assert leftovers("stt2") == []
-    out = subprocess.run(["pgrep", "-f", "stt2.json"], capture_output=True, text=True)
+        with EmulatedCluster(EmulationSpec.parse("2x2", "100mbit"), tag="stt2") as cl:
+            try:
+                cl.run([sys.executable, str(script)], timeout=60)
+            finally:
+                pids = [p.pid for p in cl.procs]
+    assert leftovers("stt2") == [] and len(pids) == 4 and not any(_alive(p) for p in pids)
+    out = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True)
     assert out.stdout.strip() == ""  # no rank process left
 
 

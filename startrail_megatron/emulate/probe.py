@@ -1,6 +1,6 @@
 """One rank of the link probe: times transfers between two ranks of one node and of two
 nodes (``python -m startrail_megatron.emulate.probe OUT.json [--mib M]
-[--fail-rank R] [--cpu-seconds S]``).
+[--cpu-seconds S]``).
 
 Run on every rank of an emulated cluster (``EmulatedCluster.start``): rank 0 exchanges
 ``--mib`` MiB with rank 1 (the same node when nodes have two ranks or more) and with the
@@ -16,7 +16,6 @@ node's ranks and the kernel's work on their packets; the cost model charges it b
 the kernels, which share the same cores). Rank 0 writes each transfer's median seconds
 and every repeat, its host CPU seconds per call, the bytes and every rank's hostname and
 node to ``OUT.json``.
-``--fail-rank R`` makes rank R exit with code 3 first (the tests' failing rank).
 """
 
 from __future__ import annotations
@@ -136,12 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
     p.add_argument("--mib", type=float, default=2.0)
-    p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--cpu-seconds", type=float, default=CPU_SECONDS)
     args = p.parse_args(argv)
     rank = int(os.environ["RANK"])
-    if rank == args.fail_rank:
-        sys.exit(3)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
