@@ -246,6 +246,23 @@ def test_group_timeout_raises():
         assert res[r].startswith("raised after"), res[r]
 
 
+def _gloo_loop_policies(rank, world):
+    """The scheduling policy of each gloo event-loop thread of this rank."""
+    got = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().strip() == "gloo_tcp_loop":
+                got.append(os.sched_getscheduler(int(tid)))
+    return got
+
+
+def test_the_ranks_gloo_loop_yields_the_core():
+    """The harness runs each rank's one gloo event loop (one device shared by its groups)
+    under SCHED_IDLE, so that its spin on a locked pair takes no core from the ranks
+    (harness._idle_gloo_loop); a torch whose thread is named otherwise fails here."""
+    assert run_ranks(2, _gloo_loop_policies) == [[os.SCHED_IDLE]] * 2
+
+
 # ---- group creation: warm-up and rank order ------------------------------------------
 def test_warm_up_device_follows_the_backend():
     from startrail_megatron.groups import _warm_up_device
