@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
-# The venv is made without ensurepip's pip (it byte-compiles pip's own files: 3 - 7 s a lane);
+# The venv is made without ensurepip's pip (it byte-compiles pip's own files: 3 - 11 s a lane);
 # uv is installed into it by the interpreter's pip where that has ``--python`` (pip >= 22.3),
 # else by ensurepip's, and the venv's pip comes from uv below, at its pin.
 [ -x "$VENV/bin/python" ] || "$PY" -m venv --without-pip "$VENV"
