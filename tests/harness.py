@@ -184,6 +184,19 @@ def _share_one_gloo_device() -> None:
     c10d.ProcessGroupGloo = _GlooOnSharedDevice
 
 
+def gloo_loop_threads() -> list[int]:
+    """The thread ids of this process's gloo event loops (threads named ``gloo_tcp_loop``)."""
+    tids = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == "gloo_tcp_loop":
+                    tids.append(int(tid))
+        except OSError:  # the thread is gone
+            pass
+    return tids
+
+
 def _idle_gloo_loop() -> None:
     """The rank's gloo event-loop thread (``gloo_tcp_loop``) runs under ``SCHED_IDLE``.
 
@@ -202,13 +215,10 @@ def _idle_gloo_loop() -> None:
     starts it."""
     if os.environ.get("STARTRAIL_TEST_GLOO_LOOP_IDLE") == "0" or not hasattr(os, "SCHED_IDLE"):
         return
-    for tid in os.listdir("/proc/self/task"):
+    for tid in gloo_loop_threads():
         try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != "gloo_tcp_loop":
-                    continue
-            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
-        except OSError:  # the thread is gone, or the platform has no SCHED_IDLE
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:  # the thread is gone
             pass
 
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from harness import MultiRankError, run_ranks, shutdown
+from harness import MultiRankError, gloo_loop_threads, run_ranks, shutdown
 
 import startrail_megatron as st
 from startrail_megatron.comm import torch_dist as comm
@@ -248,12 +248,7 @@ def test_group_timeout_raises():
 
 def _gloo_loop_policies(rank, world):
     """The scheduling policy of each gloo event-loop thread of this rank."""
-    got = []
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            if f.read().strip() == "gloo_tcp_loop":
-                got.append(os.sched_getscheduler(int(tid)))
-    return got
+    return [os.sched_getscheduler(tid) for tid in gloo_loop_threads()]
 
 
 def test_the_ranks_gloo_loop_yields_the_core():
