@@ -4,6 +4,7 @@ way every rank joins the gloo group and starts with Python's own Ctrl-C handler.
 
 from __future__ import annotations
 
+import gc
 import json
 import signal
 import sys
@@ -18,7 +19,7 @@ from startrail_megatron.spawn import spawn_local_ranks, start_method
 _PROBE = "_startrail_spawn_test_probe"  # a module only this test's parent holds
 
 
-def _report(rank, world, out_dir):
+def _report(rank, world, out_dir, parents=None):
     t = torch.full((1,), float(rank + 1))
     dist.all_reduce(t)
     rec = {
@@ -28,6 +29,8 @@ def _report(rank, world, out_dir):
         "threads": torch.get_num_threads(),
         "inherited": _PROBE in sys.modules,
         "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        # the parent's list (forked: the same object) is out of this rank's collections
+        "parents_collected": any(o is parents for o in gc.get_objects()),
     }
     with open(f"{out_dir}/{rank}.json", "w") as f:
         json.dump(rec, f)
@@ -48,19 +51,27 @@ def test_start_method_forks_only_single_threaded_cpu_ranks():
 def test_cpu_ranks_are_forked_join_the_group_and_take_ctrl_c(tmp_path):
     sys.modules[_PROBE] = types.ModuleType(_PROBE)
     before = signal.getsignal(signal.SIGINT)
+    gc.unfreeze()  # (the test harness froze the parent's objects before forking its ranks)
+    parents = [object()]  # in the collector's generations, as everything made since
+    assert any(o is parents for o in gc.get_objects())
     try:
         spawn_local_ranks(
-            _report, 3, str(tmp_path), timeout=timedelta(seconds=60), ranks_handle_sigint=True
-        )
+            _report, 3, str(tmp_path), parents, timeout=timedelta(seconds=60),
+            ranks_handle_sigint=True,
+        )  # fmt: skip
     finally:
         del sys.modules[_PROBE]
     assert signal.getsignal(signal.SIGINT) is before  # the parent's handler is back
     recs = _records(tmp_path, 3)
     assert [r["rank"] for r in recs] == [0, 1, 2]
     assert all(r["world"] == 3 and r["sum"] == 6.0 and r["threads"] == 1 for r in recs)
-    assert all(r["inherited"] == (start_method(1) == "fork") for r in recs)
+    forked = start_method(1) == "fork"
+    assert all(r["inherited"] == forked for r in recs)
     # the parent ignored Ctrl-C while it waited; every rank has Python's own handler
     assert all(r["sigint_default"] for r in recs)
+    # forked: the parent's objects were frozen out of the collector first, and stay so
+    assert [r["parents_collected"] for r in recs] == [not forked] * 3
+    assert any(o is parents for o in gc.get_objects()) != forked
 
 
 def test_ranks_of_more_threads_are_new_interpreters(tmp_path):
