@@ -67,10 +67,9 @@ def test_saves_the_shared_files_bytecode_and_restores_it_where_none_is(two_venvs
     assert _pycs(first) == shared | {f"__pycache__/own.{tag}.pyc"}
     assert bc.save(first, cache) == 2
     assert _pycs(cache) == shared  # not own.py's: its file is the venv's alone
-    assert bc.save(first, cache) == 0  # there already: left as it is
-    assert bc.restore(second, cache) == 2
+    assert bc.restore(second, cache) == (2, 0, 0)  # linked
     assert _pycs(second) == shared
-    assert bc.restore(second, cache) == 0  # bytecode there now: nothing overwritten
+    assert bc.restore(second, cache) == (0, 0, 0)  # bytecode there now: nothing overwritten
     # the restored bytecode is what the second venv's Python loads, writing none itself
     out = _python(second, "import pkg.m; print(pkg.m.VALUE)", write_bytecode=False)
     assert out.stdout.strip() == "1"
@@ -80,30 +79,61 @@ def test_saves_the_shared_files_bytecode_and_restores_it_where_none_is(two_venvs
     assert pyc.stat().st_ino == (cache / pyc.relative_to(second)).stat().st_ino
 
 
-def test_a_changed_source_is_compiled_again_not_served_stale(two_venvs):
+def _unpack_again(uv: Path, site: Path, text: str, same_time: bool = False) -> None:
+    """uv unpacks ``m.py`` again (a new file of the same name) and ``site`` links it."""
+    st = (uv / "m.py").stat()
+    for d in (uv, site / "pkg"):
+        (d / "m.py").unlink()
+    (uv / "m.py").write_text(text)
+    if same_time:
+        os.utime(uv / "m.py", ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.link(uv / "m.py", site / "pkg" / "m.py")
+
+
+@pytest.mark.parametrize("same_time", [False, True], ids=["new-time", "same-time-and-size"])
+def test_another_source_file_gets_its_own_bytecode(two_venvs, same_time):
+    """A source unpacked again is another file: the saved bytecode is not linked, the new
+    source is compiled instead. With the old file's time and size, Python's own check on
+    import would have taken the stale bytecode (VALUE 1): only the file's identity tells."""
     uv, first, second, cache = two_venvs
     bc.save(first, cache)
-    # uv unpacks the package again (new files, the same names): the saved bytecode is stale
-    for site in (uv, second / "pkg"):
-        (site / "m.py").unlink()
-    (uv / "m.py").write_text("VALUE = 22\n")
-    os.link(uv / "m.py", second / "pkg" / "m.py")
-    assert bc.restore(second, cache) == 2
-    out = _python(second, "import pkg.m; print(pkg.m.VALUE)", write_bytecode=False)
-    assert out.stdout.strip() == "22"
+    _unpack_again(uv, second, "VALUE = 2\n" if same_time else "VALUE = 22\n", same_time)
+    assert bc.restore(second, cache) == (1, 1, 0)  # pkg/__init__'s linked, m's compiled
     pyc = second / "pkg" / "__pycache__" / f"m.{sys.implementation.cache_tag}.pyc"
-    assert f"code object from {second / 'pkg' / 'm.py'}\n" in out.stderr  # compiled again
-    assert str(pyc) not in out.stderr  # its bytecode not loaded: stale (-v says "matches")
+    assert pyc.stat().st_ino != (cache / pyc.relative_to(second)).stat().st_ino
+    out = _python(second, "import pkg.m; print(pkg.m.VALUE)", write_bytecode=False)
+    assert out.stdout.strip() == ("2" if same_time else "22")
+    assert f"code object from '{pyc}'" in out.stderr  # the bytecode compiled for it
 
 
-def test_restore_without_a_cache_and_bad_arguments(tmp_path, capsys):
-    site = tmp_path / "site"
-    site.mkdir()
-    assert bc.main(["restore", str(site), str(tmp_path / "none")]) == 1  # setup compiles
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert bc.main(["restore", str(site), str(empty)]) == 1  # nothing restored: compiles
-    assert bc.main(["load", str(site), str(empty)]) == 2
+def test_bytecode_whose_source_is_gone_or_changed_is_neither_linked_nor_saved(two_venvs):
+    uv, first, second, cache = two_venvs
+    tag = sys.implementation.cache_tag
+    (first / "pkg" / "m.py").write_text("VALUE = 333\n")  # changed since it was compiled
+    assert bc.save(first, cache) == 1  # pkg/__init__'s only
+    assert _pycs(cache) == {f"pkg/__pycache__/__init__.{tag}.pyc"}
+    bc.save(second, cache)  # (second's own, none: nothing compiled there) replaces it
+    assert _pycs(cache) == set()
+    _python(first, "import pkg.m", write_bytecode=True)  # compiled again
+    bc.save(first, cache)
+    (second / "pkg" / "m.py").unlink()  # the new venv's release has no such file
+    assert bc.restore(second, cache) == (1, 0, 1)
+    assert bc.main(["restore", str(second), str(cache)]) == 1  # so the setup compiles
+    assert _pycs(second) == {f"pkg/__pycache__/__init__.{tag}.pyc"}
+
+
+def test_exit_codes_for_the_setup(two_venvs, tmp_path, capsys):
+    uv, first, second, cache = two_venvs
+    assert bc.main(["restore", str(second), str(tmp_path / "none")]) == 1  # setup compiles
+    assert bc.main(["save", str(first), str(cache)]) == 0
+    assert bc.main(["restore", str(second), str(cache)]) == 0  # all linked: no compiling
+    assert bc.main(["restore", str(second), str(cache)]) == 1  # nothing to link: compiles
+    # a cache folder that cannot be made: said, and the setup goes on
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert bc.main(["save", str(first), str(blocker / "cache")]) == 0
+    assert f"not saved to {blocker / 'cache'}" in capsys.readouterr().err
+    assert bc.main(["load", str(first), str(cache)]) == 2
     assert "save|restore SITE_PACKAGES CACHE_FOLDER" in capsys.readouterr().err
 
 
@@ -114,6 +144,7 @@ def test_save_removes_the_caches_unused_for_two_weeks(two_venvs):
     stale, recent = parent / "cpython-x-old", parent / "cpython-y-used"
     for d in (stale, recent):
         (d / "pkg").mkdir(parents=True)
+        (d / bc.MANIFEST).write_text("{}")
     old = time.time() - (bc.UNUSED_DAYS + 1) * 86400
     for d in (stale, recent):
         os.utime(d, (old, old))
