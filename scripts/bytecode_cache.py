@@ -38,9 +38,8 @@ from pathlib import Path
 __all__ = ["restore", "save"]
 
 UNUSED_DAYS = 14
-TIMESTAMP = (
-    py_compile.PycInvalidationMode.TIMESTAMP
-)  # as an import writes (not SOURCE_DATE_EPOCH's)
+# the bytecode an import writes (py_compile's default follows SOURCE_DATE_EPOCH instead)
+TIMESTAMP = py_compile.PycInvalidationMode.TIMESTAMP
 MANIFEST = "sources.json"  # each .pyc's path -> its source file's identity when saved
 
 
