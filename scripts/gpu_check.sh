@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-device check of StarTrail's attention backends (issue 6).
+# One-device check of StarTrail's attention backends.
 #
 #   bash scripts/gpu_check.sh [--out gpu_check.json] [--budget-s 420] [--no-timing]
 #   bash scripts/gpu_check.sh --cpu            # tiny sizes on the CPU (what CI runs)

@@ -411,7 +411,7 @@ def _op_order(rank, world):
 
 def test_exchanges_post_receives_before_sends():
     """Note [receives first]: gloo runs a two-way exchange one direction after the other
-    when a send is posted before the receive (issue 27's measurement); every exchange
+    when a send is posted before the receive (measured on the emulated cluster); every exchange
     hands its receives first, and what arrives is unchanged."""
     for r, (order, one, many) in enumerate(run_ranks(4, _op_order)):
         assert order == [["recv", "send"], ["recv", "recv", "send", "send"]], order

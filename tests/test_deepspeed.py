@@ -38,7 +38,8 @@ def _full_params(engine, stage: int) -> dict:
 
 
 def _teardown(engine) -> None:
-    """CPU_NOTES: drop the engine before anything else; reset DeepSpeed's hpZ global."""
+    """Drop the engine before anything else (its groups and hooks hold the ranks' state);
+    reset DeepSpeed's hpZ global."""
     from deepspeed.utils import groups as ds_groups
 
     del engine
@@ -494,7 +495,7 @@ def _packed_train(rank, world, stage, use_adapter=False, flash_kwargs=False):
     [(1, False, False), (3, False, False), (2, True, False), (1, False, True)],
 )
 def test_packed_rows_train_like_unpacked_documents(stage, use_adapter, flash_kwargs):
-    """Issue 12: documents packed in one row with position_ids restarting per document give
+    """Documents packed in one row with position_ids restarting per document give
     the losses and parameters of the documents trained unpacked on one rank (1e-5)."""
     ref_losses, ref_params = _packed_reference()
     layouts = [pack_lengths(docs, 4) for docs in PACKED_STEPS]
@@ -521,7 +522,7 @@ def test_packed_rows_train_like_unpacked_documents(stage, use_adapter, flash_kwa
 
 
 def test_packed_position_ids_are_refused_by_name():
-    """Issue 12: documents packed in one row (position_ids restarting) must not train silently
+    """Documents packed in one row (position_ids restarting) must not train silently
     as one causal sequence; the same ids without restarts are accepted."""
     lengths = (37, 90, 5, 124)  # the issue's four documents, 256 tokens in one row
     packed = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
@@ -749,7 +750,7 @@ def test_hf_attention_accepts_unset_arguments(monkeypatch):
     ]
 
 
-# ---- attention dropout (issue 14) ----------------------------------------------------------
+# ---- attention dropout ---------------------------------------------------------------------
 def _dropout_run(rank, world, seed, attention_dropout):
     _ds_env(rank, world)
     model = tiny_llama(attention_dropout)

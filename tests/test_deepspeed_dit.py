@@ -1,4 +1,4 @@
-"""A DiT / MMDiT under DeepSpeed with a ``"startrail"`` section (issue 17): ZeRO 0, 2 and 3,
+"""A DiT / MMDiT under DeepSpeed with a ``"startrail"`` section: ZeRO 0, 2 and 3,
 P = 4 (C = 2) and 2 replicas x P = 2, the same losses and parameters as one process
 (fp32, SGD, 1e-5; DeepSpeed reduces no float64 gradients), and StarTrail ran (attention calls, transfers, local token counts)."""
 

@@ -1,4 +1,4 @@
-"""Sliding windows, soft-capping and attention sinks through DeepSpeed (issue 13, item 5).
+"""Sliding windows, soft-capping and attention sinks through DeepSpeed.
 
 Tiny Mistral (a window shorter than the sequence), Qwen2 (``use_sliding_window`` on its
 upper layers), Gemma 2 (soft-capped logits, alternating window and global layers), Gemma 3

@@ -1,4 +1,4 @@
-"""Diffusion transformers on StarTrail (issue 17).
+"""Diffusion transformers on StarTrail.
 
 Training parity in float64: a DiT (and an MMDiT with replicated text tokens) trained on
 P = 8 ranks (C = 1, 2; team and ring placement), P = 4 C = 2 and 2 replicas x P = 4,

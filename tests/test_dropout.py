@@ -1,4 +1,4 @@
-"""Attention dropout under StarTrail (issue 14, core and kernels).
+"""Attention dropout under StarTrail (core and kernels).
 
 Exact: every kernel call's mask is rebuilt from the RNG state its ``Dropout`` record saved
 (``kernels.dropout_keep``), placed at the call's global (query, key) positions, and a

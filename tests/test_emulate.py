@@ -1,4 +1,4 @@
-"""The emulated multi-node cluster (issue 27): network namespaces joined by tbf-limited links.
+"""The emulated multi-node cluster: network namespaces joined by tbf-limited links.
 
 Pure: the topology and rate flags, and the benchmark ranks' command line. As root (this
 machine and CI): a 2 x 2 cluster's link probe, between nodes within 25% of the set rate

@@ -1,4 +1,4 @@
-"""MMDiT joint attention under StarTrail (issue 17): text tokens replicated, image tokens
+"""MMDiT joint attention under StarTrail: text tokens replicated, image tokens
 sharded (``joint.py``, Note [joint attention]).
 
 Against one device's float64 attention over ``[text; image]``: image out, dq, dk, dv

@@ -1,4 +1,4 @@
-"""Layouts and dtypes the main grid does not reach, against the float64 reference (issue 11, item 4).
+"""Layouts and dtypes the main grid does not reach, against the float64 reference.
 
 Multi-rank (gloo): MQA, full attention with an odd local length, head_dim not a power of
 two, fp16, bf16 with full attention and with MHA at P != 8. One-process mode (every rank

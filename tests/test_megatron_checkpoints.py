@@ -1,4 +1,4 @@
-"""Checkpoints through the entry point's training (issue 11, item 2).
+"""Checkpoints through the entry point's training.
 
 ``python -m startrail_megatron.pretrain_gpt --nproc N``'s per-rank training
 (``megatron_common.entry_point_train``: its flags, its loop, its ``--save`` / ``--load`` /

@@ -1,5 +1,5 @@
-"""Parallel layouts users run, against one rank without CP (issue 11, item 3): TP = 2 with
-C = 2, DP x CP x TP on 8 ranks, P = 8 with C = 2; the 2-D split (issue 29): CP = 8 with
+"""Parallel layouts users run, against one rank without CP: TP = 2 with
+C = 2, DP x CP x TP on 8 ranks, P = 8 with C = 2; the 2-D split: CP = 8 with
 U = 2 and C = 2, TP = 2 x CP = 4 with U = 2.
 
 Each run trains 3 SGD steps with the entry point's own pieces and saves its final

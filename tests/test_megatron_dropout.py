@@ -1,4 +1,4 @@
-"""Attention dropout through Megatron (issue 14): Megatron-LM's default
+"""Attention dropout through Megatron: Megatron-LM's default
 ``--attention-dropout 0.1 --hidden-dropout 0.1`` trains under StarTrail (CP = 4, C = 2).
 
 In-process (the entry point's pieces, 3 SGD steps): two runs with the same seed and layout

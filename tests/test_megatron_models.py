@@ -1,4 +1,4 @@
-"""Every model builder that megatron-core offers reaches StarTrail, or is refused (issue 28, item 5).
+"""Every model builder that megatron-core offers reaches StarTrail, or is refused.
 
 The hooks rewrite ``GPTModel``'s layer and MTP specs and (megatron-core >= 0.19)
 ``HybridModel``'s hybrid stack spec; ``spec.check_startrail_model`` then refuses, at build

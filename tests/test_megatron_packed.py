@@ -1,4 +1,4 @@
-"""Packed documents through megatron-core's GPTModel (issue 12, item 3, model level):
+"""Packed documents through megatron-core's GPTModel (model level):
 ``PackedSeqParams(qkv_format="thd")`` reaches StarTrail's core attention.
 
 A StarTrail GPTModel at CP = 2, 4, 8 (C = 1, 2) runs one packed sequence of documents in

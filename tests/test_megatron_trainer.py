@@ -1,4 +1,4 @@
-"""The embedded trainer takes Megatron-LM's GPT command line and real data (issue 15).
+"""The embedded trainer takes Megatron-LM's GPT command line and real data.
 
 Megatron-LM's example command line (examples/gpt3/train_gpt3_175b_distributed.sh at
 core_r0.16.0) scaled down parses and trains on data preprocessed from text; every other

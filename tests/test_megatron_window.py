@@ -1,4 +1,4 @@
-"""Sliding windows and attention sinks through Megatron (issue 13, item 4).
+"""Sliding windows and attention sinks through Megatron.
 
 A GPT through the entry point's pieces at CP = 4 (C = 2) equals Megatron's own attention at
 CP = 1 (``DotProductAttention``: its sliding-window mask, its ``softmax_offset``) in losses

@@ -1,4 +1,4 @@
-"""Memory of one StarTrail call (issue 16): what the forward keeps, and the peak, per layout.
+"""Memory of one StarTrail call: what the forward keeps, and the peak, per layout.
 
 * Kept from the forward for the backward (the autograd node's saved tensors): exactly
   (C + 3) A (team q, this rank's K,V, and out; ring: q, K,V, out: 4 A) plus the team

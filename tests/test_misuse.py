@@ -1,4 +1,4 @@
-"""Misuse ends in a clear error, never a hang or a wrong answer (issue 11, items 5 and 6).
+"""Misuse ends in a clear error, never a hang or a wrong answer.
 
 Bad arguments raise ``ValueError`` locally before anything is sent; CP ranks that
 disagree on a call's setting all raise the same ``ValueError`` (one agreement check

@@ -1,4 +1,4 @@
-"""Overlap in the code (issue 16): transfers start early and are waited on only where needed.
+"""Overlap in the code: transfers start early and are waited on only where needed.
 
 The order of starts, waits and kernel calls of one rank's forward and backward is
 recorded through the communication seam and matched against the schedule of

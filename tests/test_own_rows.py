@@ -1,4 +1,4 @@
-"""The first step's own query rows first (issue 16): exact, it ran, and its default.
+"""The first step's own query rows first: exact, it ran, and its default.
 
 ``CommOptions(own_rows_first=True)`` splits the first computed step's kernel calls by query
 rows (``schedule.split_own_rows``): the rank's own rows run while the team's queries

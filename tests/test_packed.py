@@ -1,4 +1,4 @@
-"""Packed documents under StarTrail (issue 12, core): the per-document zigzag layout.
+"""Packed documents under StarTrail (core): the per-document zigzag layout.
 
 Pure: the layout's checks, and an exhaustive coverage check of the rows each rank computes
 (every same-document (query, key) pair the mask allows, over real tokens only, exactly once

@@ -834,7 +834,7 @@ PURE = [
 def test_planner_and_accounting_import_no_torch():
     """The planner, the accounting and the block plan import no torch (so no
     torch.distributed): imported in a fresh interpreter with the package root bypassed
-    (the root imports torch for the attention)."""
+    (a stand-in module), so that only these modules' own imports count."""
     import pathlib
     import subprocess
     import sys

@@ -1,4 +1,4 @@
-"""StarTrail x Ulysses, the 2-D split (issue 29, core): ``UlyssesStarTrailGroups``.
+"""StarTrail x Ulysses, the 2-D split (core): ``UlyssesStarTrailGroups``.
 
 Pure: the layout's ranks and checks, the KV head rule, and that the all-to-all's reordering
 gives each ring rank exactly R's zigzag shard (dense and per document). Multi-rank (gloo, 8

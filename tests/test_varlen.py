@@ -1,4 +1,4 @@
-"""Packed documents on variable-length kernels (issue 12): flash-attn's varlen functions and
+"""Packed documents on variable-length kernels: flash-attn's varlen functions and
 Transformer Engine's THD format, through stand-ins with each release's exact signatures
 (``test_backends.py``), since neither runs on CPU.
 

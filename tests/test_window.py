@@ -1,4 +1,4 @@
-"""Sliding windows, logit soft-capping and attention sinks under StarTrail (issue 13, core).
+"""Sliding windows, logit soft-capping and attention sinks under StarTrail (core).
 
 Pure: the windowed block plan computes every (query, key) pair the window (and the causal
 mask) allows exactly once and no other, each call trimmed so every row and key has a pair

@@ -224,7 +224,7 @@ class P2PComm:
     the same connection: with the send posted first, both directions of a two-way
     exchange wait on each other's notices and run one after the other (measured on an
     emulated 200 Mbit/s link: 4.2 MB each way 0.348 s with sends first, 0.178 s with
-    receives first; issue 27). NCCL runs the batch as one group (``ncclGroupStart`` /
+    receives first). NCCL runs the batch as one group (``ncclGroupStart`` /
     ``ncclGroupEnd``): the order inside it changes nothing there.
     """
 

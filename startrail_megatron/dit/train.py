@@ -120,7 +120,7 @@ def _spawned_rank_main(rank: int, world: int, args: TrainArgs) -> None:
     _rank_main(rank, world, args)
     # End the rank here, after every rank is done: a gloo (or DeepSpeed) rank's normal
     # interpreter exit aborts now and then ("terminate called without an active exception",
-    # ../shared/reference/CPU_NOTES.md), failing a run that succeeded.
+    # seen with torch 2.13's gloo on CPU), failing a run that succeeded.
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
