@@ -26,7 +26,7 @@ if ! "$VENV/bin/uv" --version 2>/dev/null | grep -q "^uv ${UV_PIN#uv==}\b"; then
     }
 fi
 # pip's configured extra wheel folders (PIP_FIND_LINKS, whitespace-separated) are uv's too:
-# on 3.11 this machine's torch 2.13.0 is a local CPU build found there.
+# our CI machines keep a CPU build of torch 2.13.0 for 3.11 there (elsewhere PyPI's build).
 if [ -n "${PIP_FIND_LINKS:-}" ] && [ -z "${UV_FIND_LINKS:-}" ]; then
     UV_FIND_LINKS=$(echo "$PIP_FIND_LINKS" | tr -s ' \t' ',,')
     export UV_FIND_LINKS

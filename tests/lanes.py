@@ -6,8 +6,8 @@
 
 CI (``.ci/run``) runs two lanes side by side on the 2 cores: ``ci-1`` on Python 3.11 with
 megatron-core 0.16.1 and ``ci-2`` on Python 3.12 with megatron-core 0.19.2. The two pin the
-same torch, DeepSpeed and transformers releases (torch's CPU build on 3.11, its CUDA build,
-the only one for 3.12, there): megatron-core is the one dependency whose release differs.
+same torch, DeepSpeed and transformers releases (on our CI machines torch's CPU build on
+3.11, its CUDA build, the only one for 3.12, there): megatron-core is the one dependency whose release differs.
 So the test files whose code paths reach megatron-core (``MEGATRON_TEST_FILES``) run on both
 lanes, and every other test file runs once: on ``ci-2`` if it is in ``CI_LANE_2_FILES``,
 else on ``ci-1``, chosen so that the lanes end about together. ``test_imports.py`` checks
