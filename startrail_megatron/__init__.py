@@ -7,7 +7,7 @@ Entry points:
   zigzag_shard / zigzag_unshard                                        sequence layout
   pack_lengths, PackedLayout, shard_packed / unshard_packed            packed documents
   StarTrailLayout, UlyssesLayout                                       pure rank arithmetic
-  CommLedger                                                           communication accounting
+  CommLedger, accounting                                               communication accounting
   allgather_attention / ulysses_attention                             the peers (peers/)
   planner (subpackage)                                                 cost model, startrail-plan
 
@@ -16,6 +16,10 @@ their own subpackages.
 """
 
 import importlib
+
+# The one place the version is written: setup.py reads it from this file (without importing
+# the package), CHANGELOG.md lists its releases.
+__version__ = "0.1.0"
 
 # Names resolved on first use (PEP 562): importing a pure subpackage (``planner``,
 # ``emulate``, ``schedule``) does not import torch, so ``startrail-plan`` and the
@@ -42,7 +46,7 @@ _LAZY = {
     "zigzag_shard": ".zigzag",
     "zigzag_unshard": ".zigzag",
 }
-_SUBMODULES = ("joint", "peers")
+_SUBMODULES = ("accounting", "joint", "peers")
 
 
 def __getattr__(name: str):
@@ -58,7 +62,5 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
-
-__version__ = "0.1.0"
 
 __all__ = sorted([*_LAZY, *_SUBMODULES])
