@@ -2,9 +2,11 @@
 # The second example: a real corpus that ships with the machine (the Python standard
 # library's modules), a tokenizer trained on it, Megatron's .bin/.idx, and a small GPT
 # trained with StarTrail at CP = 4 (C = 2) on 4 CPU ranks, validation loss every 50
-# iterations. Run scripts/setup_env.sh first (or the README's main command).
+# iterations. Sets up the environment first, as the README's main command does
+# (STARTRAIL_SKIP_SETUP=1 skips it); extra arguments go to the training entry point.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+[ -n "${STARTRAIL_SKIP_SETUP:-}" ] || bash scripts/setup_env.sh
 VENV=${VENV:-.venv}
 OUT=${OUT:-data/stdlib}
 # 1. text -> corpus.jsonl and a tokenizer directory (no download)
