@@ -524,7 +524,7 @@ def test_packed_rows_train_like_unpacked_documents(stage, use_adapter, flash_kwa
 def test_packed_position_ids_are_refused_by_name():
     """Documents packed in one row (position_ids restarting) must not train silently
     as one causal sequence; the same ids without restarts are accepted."""
-    lengths = (37, 90, 5, 124)  # the issue's four documents, 256 tokens in one row
+    lengths = (37, 90, 5, 124)  # four documents, 256 tokens in one row
     packed = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     ids = torch.zeros_like(packed)
     with pytest.raises(ValueError, match=r"position_ids: packed sequences .* not supported"):

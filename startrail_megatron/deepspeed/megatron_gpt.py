@@ -1,4 +1,4 @@
-"""A megatron-core ``GPTModel`` trained by DeepSpeed with StarTrail (issue: DeepSpeed 4b).
+"""A megatron-core ``GPTModel`` trained by DeepSpeed with StarTrail.
 
 The model comes from the Megatron integration: Megatron's parallel state with
 ``context_parallel_size = P`` and StarTrail's groups (``megatron.install`` or

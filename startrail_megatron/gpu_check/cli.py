@@ -18,8 +18,8 @@ Run by ``scripts/gpu_check.sh`` (``python -m startrail_megatron.gpu_check``):
     splitting the sequence costs nothing. Peers' reference: zigzag ring
     attention reaches about 0.9 of single-GPU flash-attn on 8 H800.
 
-``--cpu`` runs tiny sizes on the CPU (what CI runs); the default sizes are the
-issue's: P = 8, C in {1, 2}, 8192 tokens per rank, head_dim 128, 32 query / 8
+``--cpu`` runs tiny sizes on the CPU (what CI runs); the default sizes are a
+long-context GPT layer's: P = 8, C in {1, 2}, 8192 tokens per rank, head_dim 128, 32 query / 8
 KV heads, bf16, causal. Prints a table, writes a JSON, exits 1 if any check
 fails. A time budget skips the remaining timings rather than overrun.
 """
