@@ -37,7 +37,7 @@ setup(
     extras_require={
         "megatron": ["megatron-core>=0.13,<0.20", "einops", "psutil"],
         "deepspeed": ["deepspeed>=0.16", "pydantic>=2", "transformers>=5.0"],
-        "gpu": ["flash-attn>=2.5"],
+        "gpu": ["flash-attn>=2.5,<2.9"],  # the releases the adapter reads (kernels/flash_attn.py)
         "dev": ["pytest", "ruff", "numpy", "matplotlib"],
         "bench": ["matplotlib"],
     },

@@ -20,7 +20,7 @@ import json
 GROUPS = (
     ("ring", "ring attention"),
     ("startrail", "StarTrail, best (C, placement)"),
-    ("split", "StarTrail x Ulysses, best"),
+    ("split", "2-D split (Ulysses x ring or StarTrail), best"),
     ("allgather", "all-gather (Megatron)"),
     ("ulysses", "Ulysses (DeepSpeed)"),
 )
