@@ -62,16 +62,20 @@ def startrail_proof(args, model, steps: int) -> dict | None:
     )
     micro = args.global_batch_size // (args.micro_batch_size * ps.get_data_parallel_world_size())
     n = steps * args.num_layers * micro
+    # a recomputed attention runs its forward (and so its forward's transfers) again
+    n_fwd = n + steps * micro * recomputed_attention_layers(args)
     dropout = bool(getattr(args, "attention_dropout", 0.0))
     if isinstance(lay, UlyssesLayout):  # the 2-D split: the all-to-alls and StarTrail over R
         ring = split_ring_shape(lay, shape)
-        want = {k: n * v for k, v in split_comm_bytes(lay, r, shape).items()}
+        per_call = split_comm_bytes(lay, r, shape)
         tail = len(tail_head_groups(lay.ring, ring.heads_q, ring.heads_kv, dropout))
         calls = split_comm_calls(lay, r, tail)
     else:
-        want = {k: n * v for k, v in startrail_comm_bytes(lay, r, shape).items()}
+        per_call = startrail_comm_bytes(lay, r, shape)
         tail = len(tail_head_groups(lay, shape.heads_q, shape.heads_kv, dropout))
         calls = startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True), tail)
+    times = {k: n_fwd if k.startswith("fwd") else n for k in per_call}
+    want = {k: times[k] * v for k, v in per_call.items()}
     led = state.ledger.summary()
     return {
         "attention": sum(isinstance(m, StarTrailCoreAttention) for m in model.modules()),
@@ -83,9 +87,27 @@ def startrail_proof(args, model, steps: int) -> dict | None:
             getattr(args, "startrail_ulysses_size", 1),
         ),
         "bytes": ({k: led[f"{k}_bytes"] for k in want}, want),
-        "calls": ({k: led[f"{k}_calls"] for k in want}, {k: n * v for k, v in calls.items()}),
+        "calls": (
+            {k: led[f"{k}_calls"] for k in want},
+            {k: times[k] * v for k, v in calls.items()},
+        ),
         "dropout_calls": state.dropout_calls,
     }
+
+
+def recomputed_attention_layers(args) -> int:
+    """How many layers' attention megatron-core runs again in the backward under the
+    recompute flags: full recompute, every layer (uniform) or the first
+    ``--recompute-num-layers`` (block); selective, every layer if ``core_attn`` is among
+    its modules (the default)."""
+    gran = getattr(args, "recompute_granularity", None)
+    if gran == "full":
+        if args.recompute_method == "uniform":
+            return args.num_layers
+        return min(args.recompute_num_layers, args.num_layers)
+    if gran == "selective":
+        return args.num_layers if "core_attn" in (args.recompute_modules or ["core_attn"]) else 0
+    return 0
 
 
 def assert_startrail_ran(proof: dict) -> None:

@@ -130,6 +130,43 @@ def test_gpt_startrail_cp4_matches_cp1(heads, team):
         _assert_close_runs(r, ref)
 
 
+RECOMPUTE = {
+    "full-uniform": ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    + ["--recompute-num-layers", "1"],
+    "full-block": ["--recompute-granularity", "full", "--recompute-method", "block"]
+    + ["--recompute-num-layers", "1"],
+    "selective": ["--recompute-activations"],
+    "selective-core-attn": ["--recompute-granularity", "selective", "--recompute-modules"]
+    + ["core_attn"],
+}
+
+
+@pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
+def test_recompute_matches_cp1(recompute):
+    """Activation recompute (megatron-core's, from Megatron-LM's flags) under StarTrail:
+    the losses and gradients of CP = 1 without it, and the proof counts the recomputed
+    attention's forward transfers again (it fails if the flags are ignored: the forward
+    bytes would be the plain run's)."""
+    extra = GQA + ["--optimizer", "sgd"]
+    ref = _baseline(extra)
+    res = run_ranks(4, _train, BASE + extra + st_flags(4, 2) + RECOMPUTE[recompute], 3)
+    for r in res:
+        _assert_close_runs(r, ref)
+
+
+def test_recompute_redraws_the_same_dropout_masks():
+    """With attention and hidden dropout, a recomputed layer must draw the masks of its
+    first forward again (megatron-core's checkpoint restores the CPU generator and the RNG
+    tracker): the same losses and gradients as the same layout without recompute."""
+    extra = GQA + ["--optimizer", "sgd", "--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+    argv = BASE + extra + st_flags(4, 2)
+    plain = run_ranks(4, _train, argv, 2)
+    full = run_ranks(4, _train, argv + RECOMPUTE["full-uniform"], 2)
+    for got, ref in zip(full, plain):
+        _assert_close_runs(got, ref, tol=1e-6)
+        assert got[2]["bytes"][0]["fwd_p2p"] == 2 * ref[2]["bytes"][0]["fwd_p2p"]
+
+
 def _train_own_rows_first(rank, world, argv, steps, value):
     """``_train`` under ``STARTRAIL_OWN_ROWS_FIRST=value``, and the own-row calls cut."""
     with own_rows_first_env(value) as made:
@@ -388,6 +425,37 @@ def test_module_level_spec_object():
             "--startrail-team-size auto is not supported with --startrail-ulysses-size > 1",
         ),
         (["--context-parallel-size", "4"], "--context-parallel-impl te needs Transformer Engine"),
+        (
+            ["--recompute-granularity", "full"],
+            "--recompute-granularity full needs --recompute-method (uniform or block) and "
+            "--recompute-num-layers",
+        ),
+        (
+            RECOMPUTE["full-uniform"][:-1] + ["3"],
+            "--recompute-num-layers 3 must be between 1 and --num-layers 2",
+        ),
+        (["--recompute-method", "block"], "--recompute-method needs --recompute-granularity"),
+        (
+            ["--recompute-activations", "--recompute-num-layers", "1"],
+            "--recompute-granularity selective takes no --recompute-method nor "
+            "--recompute-num-layers",
+        ),
+        (
+            ["--recompute-activations", "--recompute-granularity", "full"],
+            "--recompute-activations is --recompute-granularity selective; it contradicts",
+        ),
+        (
+            ["--recompute-activations", "--recompute-modules", "moe"],
+            "--recompute-modules: invalid choice: 'moe'",
+        ),
+        (
+            ["--recompute-activations", "--recompute-modules", "core_attn", "mlp"],
+            "--recompute-modules mlp is not supported yet",
+        ),
+        (
+            ["--recompute-activations", "--recompute-modules", "layernorm"],
+            "--recompute-modules layernorm needs Transformer Engine, which is not installed",
+        ),
     ],
 )
 def test_bad_flags_fail_at_parsing(flags, needle, capsys):

@@ -5,7 +5,8 @@ for buffers and RoPE frequencies, ``torch.cuda.synchronize()`` in the
 checkpoint writer, ``torch.cuda.current_stream()`` in the DDP's gradient
 sync from 0.19, the hybrid stack's final norm that is always Transformer
 Engine's in 0.19, a CUDA causal mask, ``pin_memory`` in RoPE's CP slicing,
-the CUDA RNG tracker). On a machine without CUDA we point those at the CPU;
+the CUDA RNG tracker, the CUDA generator's state that activation recompute
+saves and restores). On a machine without CUDA we point those at the CPU;
 nothing is patched when CUDA is available, and nothing on import.
 
 The patches change process-wide objects (``torch.cuda`` functions, functions
@@ -205,3 +206,7 @@ def _apply_patches() -> None:
         _patch(hybrid_block, "TENorm", WrappedTorchNorm)
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", _CpuRNGTracker())
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    # activation recompute (tensor_parallel.checkpoint) saves and restores the CPU generator,
+    # the tracker's states and the CUDA generator's: there is none on CPU ranks
+    _patch(mrandom, "_get_cuda_rng_state", lambda *args, **kwargs: None)
+    _patch(mrandom, "_set_cuda_rng_state", lambda *args, **kwargs: None)

@@ -40,7 +40,8 @@ IGNORED: dict[str, str] = {
     # kernel fusions and implementations: the local spec runs plain PyTorch ops
     "--use-flash-attn": "the attention kernel is StarTrail's ($STARTRAIL_KERNEL)",
     "--attention-backend": "the attention kernel is StarTrail's ($STARTRAIL_KERNEL)",
-    "--transformer-impl": "this entry point builds megatron-core's local spec",
+    "--transformer-impl": "this entry point builds the Transformer Engine spec where TE is "
+    "installed, else megatron-core's local spec",
     "--use-mcore-models": "megatron-core models are the only ones here",
     "--no-masked-softmax-fusion": "no fused softmax kernel is used",
     "--no-bias-gelu-fusion": "no fused bias-GeLU kernel is used",
@@ -59,11 +60,8 @@ IGNORED: dict[str, str] = {
     "--sequence-parallel": "activations are not split over TP ranks (same result)",
     "--no-async-tensor-model-parallel-allreduce": "same result",
     "--tp-comm-overlap": "same result",
-    "--recompute-activations": "activations are kept (same result, more memory)",
-    "--recompute-granularity": "activations are kept (same result, more memory)",
-    "--recompute-method": "activations are kept (same result, more memory)",
-    "--recompute-num-layers": "activations are kept (same result, more memory)",
-    "--distribute-saved-activations": "activations are kept (same result)",
+    "--distribute-saved-activations": "recomputed layers keep their whole input on each TP "
+    "rank (same result)",
     "--no-create-attention-mask-in-dataloader": "no mask is built: StarTrail reads documents",
     "--num-workers": "batches are read in the training process",
     "--dataloader-type": "single is what runs here (cyclic and external are refused)",
