@@ -202,6 +202,9 @@ CASES = [
     (2, 2, "team", True, (64, 2, 4, 2, 8), torch.float64, {}, False),
     (2, 2, "ring", False, (64, 1, 4, 2, 8), torch.float64, {}, False),
     (4, 1, "team", True, (64, 1, 4, 1, 8), torch.float64, {}, True),  # KV repeated 4x
+    # 2 KV heads repeated 2x for U = 4: each query head pair must meet its own KV head (with
+    # one KV head, tiling and interleaving the repeats agree and cannot be told apart)
+    (4, 1, "team", True, (64, 1, 8, 2, 8), torch.float64, {}, False),
     (2, 2, "team", True, (96, 1, 4, 1, 8), torch.float32, {"window": (20, 0)}, False),
     (
         2,
