@@ -167,6 +167,76 @@ def test_recompute_redraws_the_same_dropout_masks():
         assert got[2]["bytes"][0]["fwd_p2p"] == 2 * ref[2]["bytes"][0]["fwd_p2p"]
 
 
+def _train_tiled(rank, world, argv, steps, vocab=None):
+    """``_train``, and the tiled loss's stats on this rank; with ``vocab``, also the most
+    rows any 3-D tensor of that last dimension (the logits, [s, b, V]) had in the run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from startrail_megatron.megatron import tiled_loss
+
+    made, plain = [], tiled_loss.tile_lm_loss
+
+    def capture(model, tokens):
+        made.append(plain(model, tokens))
+        return made[-1]
+
+    class LogitRows(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[-1] == vocab:
+                    LogitRows.rows = max(LogitRows.rows, t.shape[0] * t.shape[1])
+            return out
+
+    tiled_loss.tile_lm_loss = capture
+    try:
+        if vocab is None:
+            return (*_train(rank, world, argv, steps), made)
+        with LogitRows():
+            res = _train(rank, world, argv, steps)
+        return (*res, made, LogitRows.rows)
+    finally:
+        tiled_loss.tile_lm_loss = plain
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tiled_loss_matches_the_untiled_loss(tp):
+    """``--startrail-tiled-loss``: the output layer and the loss 3 local positions at a time
+    (8 per rank: tiles of 3, 3, 2) give the untiled run's losses and gradients (fp32:
+    1e-6 of each tensor's largest entry) and CP = 1's; under TP = 2 over the
+    vocabulary-parallel output layer. The stats prove the tiling ran (a call per micro-batch
+    and step, 3 tiles each)."""
+    extra = GQA + ["--optimizer", "sgd"]
+    tpf = ["--tensor-model-parallel-size", str(tp)] if tp > 1 else []
+    cp = 4 // tp
+    argv = BASE + extra + tpf + st_flags(cp, 1 if cp < 4 else 2)
+    plain = run_ranks(4, _train, argv, 3)
+    tiled = run_ranks(4, _train_tiled, argv + ["--startrail-tiled-loss", "3"], 3)
+    ref = _baseline(extra)
+    s_local = 32 // cp
+    for got, want in zip(tiled, plain):
+        _assert_close_runs(got[:3], want, tol=1e-6)
+        _assert_close_runs(got[:3], ref, grads=tp == 1)  # TP = 2: gradients are TP shards
+        (stats,) = got[4]
+        assert stats.calls == 3 and stats.tiles == 3 * -(-s_local // 3), stats
+        assert stats.max_tile_rows == 3
+
+
+def test_tiled_loss_never_makes_the_whole_logits():
+    """The largest logits tensor a rank makes, forward and backward: a tile's rows with
+    tiling, the whole local sequence's without (the test fails with the tiling off)."""
+    argv = BASE + ["--optimizer", "sgd", "--seq-length", "256"] + st_flags(4, 2)
+    vocab = 128  # mock data's 127 ids and the end-of-document id, padded to a multiple of 64
+    plain = run_ranks(4, _train_tiled, argv, 1, vocab)
+    tiled = run_ranks(4, _train_tiled, argv + ["--startrail-tiled-loss", "8"], 1, vocab)
+    for p, t in zip(plain, tiled):
+        assert p[-1] == 64 * 2  # [s_local, b, V]: the untiled logits
+        assert t[-1] == 8 * 2, t[-1]  # [tile, b, V]
+
+
 def _train_own_rows_first(rank, world, argv, steps, value):
     """``_train`` under ``STARTRAIL_OWN_ROWS_FIRST=value``, and the own-row calls cut."""
     with own_rows_first_env(value) as made:
@@ -448,6 +518,12 @@ def test_module_level_spec_object():
             ["--recompute-activations", "--recompute-modules", "moe"],
             "--recompute-modules: invalid choice: 'moe'",
         ),
+        (
+            st_flags(4, 2) + ["--seq-length", "32", "--startrail-tiled-loss", "9"],
+            "--startrail-tiled-loss 9 must be between 1 and the local sequence, --seq-length 32 "
+            "/ --context-parallel-size 4 = 8 tokens",
+        ),
+        (["--startrail-tiled-loss", "0"], "--startrail-tiled-loss 0 must be between 1"),
         (
             ["--recompute-activations", "--recompute-modules", "core_attn", "mlp"],
             "--recompute-modules mlp is not supported yet",

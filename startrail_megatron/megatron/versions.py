@@ -12,7 +12,9 @@ The one place for such shims, and for what is installed beside megatron-core
 * the multi-token-prediction layer's attribute (``transformer_layer`` up to
   0.17, ``mtp_model_layer`` from 0.18): ``mtp_layer``;
 * how ``SelfAttention`` builds ``core_attention`` (``build_module`` before
-  0.16, a direct call after): our module is a plain class, which both accept.
+  0.16, a direct call after): our module is a plain class, which both accept;
+* ``vocab_parallel_cross_entropy`` takes the TP group (``tp_group=``) from 0.17 on; before,
+  it reads Megatron's global TP group: ``vocab_parallel_cross_entropy``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "have_transformer_engine",
     "megatron_version",
     "mtp_layer",
+    "vocab_parallel_cross_entropy",
 ]
 
 
@@ -79,3 +82,15 @@ def have_transformer_engine() -> bool:
     except Exception:
         return False
     return torch.cuda.is_available()
+
+
+def vocab_parallel_cross_entropy(logits, labels, tp_group=None):
+    """megatron-core's per-token cross-entropy of vocabulary-parallel ``logits`` [s, b, V/TP]
+    against ``labels`` [s, b], over ``tp_group`` where the release takes one (else over
+    Megatron's TP group, the same one in every model this adapter builds)."""
+    from megatron.core import tensor_parallel
+
+    fn = tensor_parallel.vocab_parallel_cross_entropy
+    if tp_group is not None and "tp_group" in inspect.signature(fn).parameters:
+        return fn(logits, labels, tp_group=tp_group)
+    return fn(logits, labels)

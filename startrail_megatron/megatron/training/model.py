@@ -105,6 +105,10 @@ def build_model(args: argparse.Namespace):
         position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
     )
+    if getattr(args, "startrail_tiled_loss", None):
+        from ..tiled_loss import tile_lm_loss
+
+        tile_lm_loss(model, args.startrail_tiled_loss)
     if torch.cuda.is_available():
         model.cuda()
     ddp_config = DistributedDataParallelConfig(
