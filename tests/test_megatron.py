@@ -541,6 +541,26 @@ def test_bad_flags_fail_at_parsing(flags, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+def test_tiled_loss_flag_under_upstream_megatron_lm():
+    """Megatron-LM's parser (StarTrail's flags through ``extra_args_provider``): the tile
+    within the local sequence, and only with StarTrail's hooks on (they tile the model)."""
+    import argparse
+
+    from startrail_megatron.megatron.arguments import add_startrail_args, validate_startrail_args
+
+    def upstream(*flags):
+        p = argparse.ArgumentParser()
+        p.add_argument("--context-parallel-size", type=int, default=1)
+        p.add_argument("--seq-length", type=int, default=64)
+        return validate_startrail_args(add_startrail_args(p).parse_args(list(flags)))
+
+    upstream("--startrail-tiled-loss", "16", *st_flags(4, 2))
+    with pytest.raises(ValueError, match="needs --context-parallel-impl startrail under"):
+        upstream("--startrail-tiled-loss", "16")
+    with pytest.raises(ValueError, match="--startrail-tiled-loss 17 must be between 1 and the "):
+        upstream("--startrail-tiled-loss", "17", *st_flags(4, 2))
+
+
 def test_entry_point_accepts_team_size_auto():
     """Only StarTrail's own entry point runs the autotuner; Megatron-LM refuses 'auto'."""
     args = T.parse_args(["--nproc", "4", *BASE, *st_flags(4, "auto")])

@@ -122,6 +122,7 @@ def test_extra_args_provider_validates_and_installs():
             "kernel": "auto",
             "own_rows_first": True,
             "ulysses_size": 1,
+            "tiled_loss": None,
         }
     finally:
         hooks.uninstall()
@@ -234,6 +235,7 @@ def test_launcher_runs_script_with_hooks(fake_megatron_lm):
             "kernel": "auto",
             "own_rows_first": None,
             "ulysses_size": 1,
+            "tiled_loss": None,
         },
     }
 

@@ -8,6 +8,7 @@
     --startrail-ulysses-size U               the 2-D split: head-parallel all-to-all over
                                              U consecutive CP ranks, StarTrail over the
                                              CP / U ranks holding the same heads
+    --startrail-tiled-loss TOKENS            the logits and loss a sequence tile at a time
 
 ``add_startrail_args(parser)`` adds them (returns the parser, so it can be
 Megatron-LM's ``extra_args_provider``); ``validate_startrail_args(args)``
@@ -95,6 +96,15 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--context-parallel-size and the attention heads per TP rank, team size squared "
         "divides CP/U (default 1: StarTrail over the whole CP group).",
     )
+    group.add_argument(
+        "--startrail-tiled-loss",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="compute the output layer's logits and the loss TOKENS local sequence positions "
+        "at a time, the logits recomputed in the backward, so that the [tokens, vocab] logits "
+        "never exist whole (the same loss and gradients; megatron/tiled_loss.py)",
+    )
     return parser
 
 
@@ -134,6 +144,27 @@ def _check_ulysses(args: argparse.Namespace, cp: int, c) -> int:
     return cp // u
 
 
+def _check_tiled_loss(args: argparse.Namespace, impl: str) -> None:
+    """``--startrail-tiled-loss``: a tile within the local sequence; under upstream
+    Megatron-LM only with StarTrail on (its hooks put the tiling in)."""
+    tokens = getattr(args, "startrail_tiled_loss", None)
+    if tokens is None:
+        return
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    seq = getattr(args, "seq_length", None)
+    local = seq // cp if seq else None
+    if tokens < 1 or (local is not None and tokens > local):
+        raise ValueError(
+            f"--startrail-tiled-loss {tokens} must be between 1 and the local sequence, "
+            f"--seq-length {seq} / --context-parallel-size {cp} = {local} tokens"
+        )
+    if impl != "startrail" and not _autotuner_available(args):
+        raise ValueError(
+            "--startrail-tiled-loss needs --context-parallel-impl startrail under Megatron-LM "
+            "(StarTrail's hooks put it into the model; our entry point takes it with either)"
+        )
+
+
 def _autotuner_available(args: argparse.Namespace) -> bool:
     """Whether ``args`` come from StarTrail's own entry point, which runs the autotuner."""
     return hasattr(args, "startrail_autotune_iters")
@@ -163,6 +194,7 @@ def validate_startrail_args(
     impl = getattr(args, "context_parallel_impl", "te")
     if impl not in IMPLS:
         raise ValueError(f"--context-parallel-impl {impl!r} is not known; allowed: {list(IMPLS)}")
+    _check_tiled_loss(args, impl)
     if impl != "startrail":
         return
     cp = getattr(args, "context_parallel_size", 1) or 1
@@ -240,6 +272,7 @@ def install_from_args(args: argparse.Namespace, team_size: int | None = None) ->
         args.startrail_placement,
         own_rows_first=own_rows_first_arg(args),
         ulysses_size=getattr(args, "startrail_ulysses_size", 1),
+        tiled_loss=getattr(args, "startrail_tiled_loss", None),
     )
 
 

@@ -11,7 +11,8 @@ the multi-token-prediction block spec given to ``GPTModel``, and the hybrid
 stack spec given to ``HybridModel`` (megatron-core 0.19; its MTP block spec
 is inside it) are rewritten (``spec.apply_startrail_spec``), and the built
 model is checked (``spec.check_startrail_model``: a layer that would mix
-tokens other than through StarTrail on CP ranks is refused by name).
+tokens other than through StarTrail on CP ranks is refused by name) and, with
+``tiled_loss``, a ``GPTModel``'s logits and loss tiled (``tiled_loss.tile_lm_loss``).
 ``uninstall()`` restores every wrapped attribute; nothing is installed on
 import.
 """
@@ -28,6 +29,7 @@ from ..schedule import check_own_rows_first
 from ..schedule.layout import PLACEMENTS, Placement
 from .registry import create_startrail_groups, release_all_startrail_groups
 from .spec import apply_startrail_spec, check_startrail_model
+from .tiled_loss import tile_lm_loss
 from .versions import cp_group_from
 
 __all__ = ["install", "installed_config", "uninstall"]
@@ -36,7 +38,7 @@ _INSTALLED: dict[str, object] = {}
 
 
 def installed_config() -> dict | None:
-    """The (team_size, placement, kernel, own_rows_first, ulysses_size) of ``install``, or
+    """The (team_size, placement, kernel, own_rows_first, ulysses_size, tiled_loss) of ``install``, or
     None."""
     cfg = _INSTALLED.get("config")
     return dict(cfg) if cfg else None
@@ -50,12 +52,16 @@ def install(
     spec_hook: bool = True,
     own_rows_first: bool | None = None,
     ulysses_size: int = 1,
+    tiled_loss: int | None = None,
 ) -> None:
     """Make Megatron create StarTrail groups and build StarTrail attention. Reversible.
 
     ``own_rows_first``: the groups' setting (``StarTrailGroups.own_rows_first``;
     ``--startrail-own-rows-first``): True, False, or None (auto). ``ulysses_size``: U of
-    the 2-D split (``--startrail-ulysses-size``; 1: StarTrail over the whole CP group)."""
+    the 2-D split (``--startrail-ulysses-size``; 1: StarTrail over the whole CP group).
+    ``tiled_loss``: every ``GPTModel`` built computes its logits and loss that many sequence
+    positions at a time (``--startrail-tiled-loss``, ``tiled_loss.tile_lm_loss``); a
+    ``HybridModel`` is refused with it."""
     from megatron.core import parallel_state
 
     if placement not in PLACEMENTS:
@@ -72,6 +78,7 @@ def install(
         "kernel": kernel,
         "own_rows_first": own_rows_first,
         "ulysses_size": ulysses_size,
+        "tiled_loss": tiled_loss,
     }
     orig_init = parallel_state.initialize_model_parallel
     orig_destroy = parallel_state.destroy_model_parallel
@@ -107,7 +114,11 @@ def install(
         from megatron.core.models.gpt import gpt_model
 
         # the decoder's layers and the multi-token-prediction (--mtp-num-layers) layers
-        undo.append(_wrap_builder(gpt_model.GPTModel, ("transformer_layer_spec", "mtp_block_spec")))
+        undo.append(
+            _wrap_builder(
+                gpt_model.GPTModel, ("transformer_layer_spec", "mtp_block_spec"), tiled=True
+            )
+        )
         try:
             from megatron.core.models.hybrid import hybrid_model
         except ImportError:  # megatron-core < 0.19: no HybridModel
@@ -117,9 +128,10 @@ def install(
     _INSTALLED["undo"] = undo
 
 
-def _wrap_builder(cls: type, spec_args: tuple[str, ...]):
+def _wrap_builder(cls: type, spec_args: tuple[str, ...], tiled: bool = False):
     """Wrap ``cls.__init__``: the named spec arguments rewritten for StarTrail, the built
-    model checked; returns the undo."""
+    model checked, and with ``tiled`` its logits and loss tiled when the install asks for
+    it (a class without ``tiled`` is refused then); returns the undo."""
     orig = cls.__init__
     sig = inspect.signature(orig)
 
@@ -129,9 +141,16 @@ def _wrap_builder(cls: type, spec_args: tuple[str, ...]):
         for name in spec_args:
             if bound.arguments.get(name) is not None:
                 bound.arguments[name] = apply_startrail_spec(bound.arguments[name])
+        tokens = (_INSTALLED.get("config") or {}).get("tiled_loss")
+        if tokens is not None and not tiled:
+            raise ValueError(
+                f"--startrail-tiled-loss is not supported for {cls.__name__} yet (GPTModel only)"
+            )
         orig(*bound.args, **bound.kwargs)
         cp = cp_group_from(getattr(self, "pg_collection", None))
         check_startrail_model(self, torch.distributed.get_world_size(cp))
+        if tokens is not None:
+            tile_lm_loss(self, tokens)
 
     cls.__init__ = init
     return lambda: setattr(cls, "__init__", orig)

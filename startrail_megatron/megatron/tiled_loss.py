@@ -39,9 +39,10 @@ __all__ = ["TiledLossStats", "tile_lm_loss", "tiled_lm_loss"]
 
 @dataclass
 class TiledLossStats:
-    """What the tiled loss did on this rank (a test's proof): calls, tiles, the most rows a
-    tile had."""
+    """What the tiled loss did on this rank (a test's proof): its tile, calls, tiles, the
+    most rows a tile had."""
 
+    tokens: int = 0
     calls: int = 0
     tiles: int = 0
     max_tile_rows: int = 0
@@ -112,6 +113,13 @@ def tile_lm_loss(model, tokens: int) -> TiledLossStats:
         raise ValueError(
             f"--startrail-tiled-loss: {type(model).__name__} has no GPT output layer and loss"
         )
+    done = getattr(gpt, "tiled_loss_stats", None)
+    if done is not None:  # already tiled (the hooks, then an entry point): the same tiling
+        if done.tokens != tokens:
+            raise ValueError(
+                f"--startrail-tiled-loss {tokens}: the model is tiled at {done.tokens} already"
+            )
+        return done
     if getattr(gpt, "mtp_process", False):
         raise ValueError(
             "--startrail-tiled-loss with multi-token prediction (--mtp-num-layers) is not "
@@ -123,7 +131,7 @@ def tile_lm_loss(model, tokens: int) -> TiledLossStats:
             "--startrail-tiled-loss takes an output layer without bias and without sequence "
             "parallelism (Megatron's GPT output layer as this entry point builds it)"
         )
-    stats = TiledLossStats()
+    stats = TiledLossStats(tokens=tokens)
     plain_layer, plain_loss, plain_forward = (
         layer.forward,
         gpt.compute_language_model_loss,

@@ -234,15 +234,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--log-json", type=str, default=None, help="write per-iteration figures here")
     g.add_argument(
-        "--startrail-tiled-loss",
-        type=int,
-        default=None,
-        metavar="TOKENS",
-        help="compute the output layer's logits and the loss TOKENS local sequence positions "
-        "at a time, the logits recomputed in the backward, so that the [tokens, vocab] logits "
-        "never exist whole (the same loss and gradients)",
-    )
-    g.add_argument(
         "--startrail-autotune-iters",
         type=int,
         default=3,
@@ -312,13 +303,7 @@ def validate_args(args: argparse.Namespace, warn=None) -> None:
             "boundaries"
         )
     validate_startrail_args(args)
-    tiled = args.startrail_tiled_loss
-    if tiled is not None and not 1 <= tiled <= args.seq_length // cp:
-        raise ValueError(
-            f"--startrail-tiled-loss {tiled} must be between 1 and the local sequence, "
-            f"--seq-length {args.seq_length} / --context-parallel-size {cp} = "
-            f"{args.seq_length // cp} tokens"
-        )
+
     if args.seq_length % (2 * cp) and cp > 1 and not args.reset_attention_mask:
         raise ValueError(
             f"--seq-length {args.seq_length} must be divisible by 2 * --context-parallel-size = {2 * cp}"
