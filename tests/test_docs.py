@@ -81,7 +81,8 @@ EXTERNAL_NAMES = {
     # torch
     "MemTracker", "init_process_group", "destroy_process_group",
     # DeepSpeed
-    "DistributedAttention", "inference_all_reduce", "overlap_comm",
+    "DistributedAttention", "inference_all_reduce", "overlap_comm", "TiledMLP",
+    "TiledFusedLogitsLoss", "sequence_tiled_compute",
     # Transformer Engine
     "AttnFuncWithCPAndKVP2P", "softmaxStats",
 }

@@ -167,39 +167,45 @@ def test_recompute_redraws_the_same_dropout_masks():
         assert got[2]["bytes"][0]["fwd_p2p"] == 2 * ref[2]["bytes"][0]["fwd_p2p"]
 
 
-def _train_tiled(rank, world, argv, steps, vocab=None):
-    """``_train``, and the tiled loss's stats on this rank; with ``vocab``, also the most
-    rows any 3-D tensor of that last dimension (the logits, [s, b, V]) had in the run."""
+def _train_tiled(rank, world, argv, steps, last_dim=None):
+    """``_train``, and the stats of the tiled loss and tiled MLPs on this rank (lists, empty
+    where not asked for); with ``last_dim``, also the most rows any 3-D tensor of that last
+    dimension ([s, b, last_dim]: the logits, or an MLP's intermediate) had in the run."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from startrail_megatron.megatron import tiled_loss
+    from startrail_megatron.megatron import tiled_loss, tiled_mlp
 
-    made, plain = [], tiled_loss.tile_lm_loss
+    loss_stats, mlp_stats = [], []
+    plain_loss, plain_mlp = tiled_loss.tile_lm_loss, tiled_mlp.tile_mlps
 
-    def capture(model, tokens):
-        made.append(plain(model, tokens))
-        return made[-1]
+    def capture_loss(model, tokens):
+        loss_stats.append(plain_loss(model, tokens))
+        return loss_stats[-1]
 
-    class LogitRows(TorchDispatchMode):
+    def capture_mlp(model, tokens):
+        mlp_stats.append(plain_mlp(model, tokens))
+        return mlp_stats[-1]
+
+    class Rows(TorchDispatchMode):
         rows = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[-1] == vocab:
-                    LogitRows.rows = max(LogitRows.rows, t.shape[0] * t.shape[1])
+                if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[-1] == last_dim:
+                    Rows.rows = max(Rows.rows, t.shape[0] * t.shape[1])
             return out
 
-    tiled_loss.tile_lm_loss = capture
+    tiled_loss.tile_lm_loss, tiled_mlp.tile_mlps = capture_loss, capture_mlp
     try:
-        if vocab is None:
-            return (*_train(rank, world, argv, steps), made)
-        with LogitRows():
+        if last_dim is None:
+            return (*_train(rank, world, argv, steps), loss_stats, mlp_stats)
+        with Rows():
             res = _train(rank, world, argv, steps)
-        return (*res, made, LogitRows.rows)
+        return (*res, loss_stats, mlp_stats, Rows.rows)
     finally:
-        tiled_loss.tile_lm_loss = plain
+        tiled_loss.tile_lm_loss, tiled_mlp.tile_mlps = plain_loss, plain_mlp
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -221,8 +227,42 @@ def test_tiled_loss_matches_the_untiled_loss(tp):
         _assert_close_runs(got[:3], want, tol=1e-6)
         _assert_close_runs(got[:3], ref, grads=tp == 1)  # TP = 2: gradients are TP shards
         (stats,) = got[4]
+        assert got[5] == []  # the MLPs are not tiled
         assert stats.calls == 3 and stats.tiles == 3 * -(-s_local // 3), stats
         assert stats.max_tile_rows == 3
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tiled_mlp_matches_the_untiled_mlp(tp):
+    """``--startrail-tiled-mlp``: every layer's MLP (SwiGLU, biases, row-parallel under TP)
+    3 local positions at a time and recomputed in the backward gives the untiled run's
+    losses and gradients (fp32: 1e-6 of each tensor's largest entry); the stats prove each
+    layer's MLP ran tiled (a call per layer, micro-batch and step, 3 tiles each)."""
+    extra = GQA + ["--optimizer", "sgd", "--swiglu"]
+    tpf = ["--tensor-model-parallel-size", str(tp)] if tp > 1 else []
+    cp = 4 // tp
+    argv = BASE + extra + tpf + st_flags(cp, 1 if cp < 4 else 2)
+    plain = run_ranks(4, _train, argv, 3)
+    tiled = run_ranks(4, _train_tiled, argv + ["--startrail-tiled-mlp", "3"], 3)
+    s_local = 32 // cp
+    for got, want in zip(tiled, plain):
+        _assert_close_runs(got[:3], want, tol=1e-6)
+        assert got[4] == [] and len(got[5]) == 1, got[4:]
+        stats = got[5][0]
+        assert stats.layers == 2 and stats.calls == 2 * 3, stats
+        assert stats.tiles == stats.calls * -(-s_local // 3) and stats.max_tile_rows == 3, stats
+
+
+def test_tiled_mlp_keeps_one_tiles_intermediate():
+    """The largest MLP intermediate ([s, b, 2 x ffn] out of SwiGLU's first linear) a rank
+    makes, forward and backward: a tile's rows with tiling, the local sequence's without."""
+    argv = BASE + ["--optimizer", "sgd", "--swiglu", "--seq-length", "256"] + st_flags(4, 2)
+    fc1 = 2 * 128  # SwiGLU's ffn for hidden 64 is 128 (Megatron-LM's rounding), twice in fc1
+    plain = run_ranks(4, _train_tiled, argv, 1, fc1)
+    tiled = run_ranks(4, _train_tiled, argv + ["--startrail-tiled-mlp", "8"], 1, fc1)
+    for p, t in zip(plain, tiled):
+        assert p[-1] == 64 * 2  # [s_local, b, 2 ffn]
+        assert t[-1] == 8 * 2, t[-1]  # [tile, b, 2 ffn]
 
 
 def test_tiled_loss_in_bf16_within_bf16s_own_error():
@@ -553,6 +593,10 @@ def test_module_level_spec_object():
             "/ --context-parallel-size 4 = 8 tokens",
         ),
         (["--startrail-tiled-loss", "0"], "--startrail-tiled-loss 0 must be between 1"),
+        (
+            st_flags(4, 2) + ["--seq-length", "32", "--startrail-tiled-mlp", "9"],
+            "--startrail-tiled-mlp 9 must be between 1 and the local sequence",
+        ),
         (
             ["--recompute-activations", "--recompute-modules", "core_attn", "mlp"],
             "--recompute-modules mlp is not supported yet",

@@ -123,6 +123,7 @@ def test_extra_args_provider_validates_and_installs():
             "own_rows_first": True,
             "ulysses_size": 1,
             "tiled_loss": None,
+            "tiled_mlp": None,
         }
     finally:
         hooks.uninstall()
@@ -236,6 +237,7 @@ def test_launcher_runs_script_with_hooks(fake_megatron_lm):
             "own_rows_first": None,
             "ulysses_size": 1,
             "tiled_loss": None,
+            "tiled_mlp": None,
         },
     }
 

@@ -9,6 +9,7 @@
                                              U consecutive CP ranks, StarTrail over the
                                              CP / U ranks holding the same heads
     --startrail-tiled-loss TOKENS            the logits and loss a sequence tile at a time
+    --startrail-tiled-mlp TOKENS             every layer's MLP a sequence tile at a time
 
 ``add_startrail_args(parser)`` adds them (returns the parser, so it can be
 Megatron-LM's ``extra_args_provider``); ``validate_startrail_args(args)``
@@ -105,6 +106,15 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "at a time, the logits recomputed in the backward, so that the [tokens, vocab] logits "
         "never exist whole (the same loss and gradients; megatron/tiled_loss.py)",
     )
+    group.add_argument(
+        "--startrail-tiled-mlp",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="run every layer's MLP TOKENS local sequence positions at a time, recomputed in "
+        "the backward, so that its [tokens, ffn] intermediates exist for one tile only (the "
+        "same result; megatron/tiled_mlp.py)",
+    )
     return parser
 
 
@@ -145,24 +155,27 @@ def _check_ulysses(args: argparse.Namespace, cp: int, c) -> int:
 
 
 def _check_tiled_loss(args: argparse.Namespace, impl: str) -> None:
-    """``--startrail-tiled-loss``: a tile within the local sequence; under upstream
-    Megatron-LM only with StarTrail on (its hooks put the tiling in)."""
-    tokens = getattr(args, "startrail_tiled_loss", None)
-    if tokens is None:
-        return
+    """``--startrail-tiled-loss`` / ``--startrail-tiled-mlp``: a tile within the local
+    sequence; under upstream Megatron-LM only with StarTrail on (its hooks put the tiling
+    in)."""
     cp = getattr(args, "context_parallel_size", 1) or 1
     seq = getattr(args, "seq_length", None)
     local = seq // cp if seq else None
-    if tokens < 1 or (local is not None and tokens > local):
-        raise ValueError(
-            f"--startrail-tiled-loss {tokens} must be between 1 and the local sequence, "
-            f"--seq-length {seq} / --context-parallel-size {cp} = {local} tokens"
-        )
-    if impl != "startrail" and not _autotuner_available(args):
-        raise ValueError(
-            "--startrail-tiled-loss needs --context-parallel-impl startrail under Megatron-LM "
-            "(StarTrail's hooks put it into the model; our entry point takes it with either)"
-        )
+    for flag in ("startrail_tiled_loss", "startrail_tiled_mlp"):
+        tokens = getattr(args, flag, None)
+        if tokens is None:
+            continue
+        name = "--" + flag.replace("_", "-")
+        if tokens < 1 or (local is not None and tokens > local):
+            raise ValueError(
+                f"{name} {tokens} must be between 1 and the local sequence, "
+                f"--seq-length {seq} / --context-parallel-size {cp} = {local} tokens"
+            )
+        if impl != "startrail" and not _autotuner_available(args):
+            raise ValueError(
+                f"{name} needs --context-parallel-impl startrail under Megatron-LM "
+                "(StarTrail's hooks put it into the model; our entry point takes it with either)"
+            )
 
 
 def _autotuner_available(args: argparse.Namespace) -> bool:
@@ -273,6 +286,7 @@ def install_from_args(args: argparse.Namespace, team_size: int | None = None) ->
         own_rows_first=own_rows_first_arg(args),
         ulysses_size=getattr(args, "startrail_ulysses_size", 1),
         tiled_loss=getattr(args, "startrail_tiled_loss", None),
+        tiled_mlp=getattr(args, "startrail_tiled_mlp", None),
     )
 
 

@@ -30,6 +30,7 @@ from ..schedule.layout import PLACEMENTS, Placement
 from .registry import create_startrail_groups, release_all_startrail_groups
 from .spec import apply_startrail_spec, check_startrail_model
 from .tiled_loss import tile_lm_loss
+from .tiled_mlp import tile_mlps
 from .versions import cp_group_from
 
 __all__ = ["install", "installed_config", "uninstall"]
@@ -38,7 +39,8 @@ _INSTALLED: dict[str, object] = {}
 
 
 def installed_config() -> dict | None:
-    """The (team_size, placement, kernel, own_rows_first, ulysses_size, tiled_loss) of ``install``, or
+    """The (team_size, placement, kernel, own_rows_first, ulysses_size, tiled_loss,
+    tiled_mlp) of ``install``, or
     None."""
     cfg = _INSTALLED.get("config")
     return dict(cfg) if cfg else None
@@ -53,6 +55,7 @@ def install(
     own_rows_first: bool | None = None,
     ulysses_size: int = 1,
     tiled_loss: int | None = None,
+    tiled_mlp: int | None = None,
 ) -> None:
     """Make Megatron create StarTrail groups and build StarTrail attention. Reversible.
 
@@ -61,7 +64,8 @@ def install(
     the 2-D split (``--startrail-ulysses-size``; 1: StarTrail over the whole CP group).
     ``tiled_loss``: every ``GPTModel`` built computes its logits and loss that many sequence
     positions at a time (``--startrail-tiled-loss``, ``tiled_loss.tile_lm_loss``); a
-    ``HybridModel`` is refused with it."""
+    ``HybridModel`` is refused with it; ``tiled_mlp`` likewise every layer's MLP
+    (``--startrail-tiled-mlp``, ``tiled_mlp.tile_mlps``)."""
     from megatron.core import parallel_state
 
     if placement not in PLACEMENTS:
@@ -79,6 +83,7 @@ def install(
         "own_rows_first": own_rows_first,
         "ulysses_size": ulysses_size,
         "tiled_loss": tiled_loss,
+        "tiled_mlp": tiled_mlp,
     }
     orig_init = parallel_state.initialize_model_parallel
     orig_destroy = parallel_state.destroy_model_parallel
@@ -141,16 +146,21 @@ def _wrap_builder(cls: type, spec_args: tuple[str, ...], tiled: bool = False):
         for name in spec_args:
             if bound.arguments.get(name) is not None:
                 bound.arguments[name] = apply_startrail_spec(bound.arguments[name])
-        tokens = (_INSTALLED.get("config") or {}).get("tiled_loss")
-        if tokens is not None and not tiled:
-            raise ValueError(
-                f"--startrail-tiled-loss is not supported for {cls.__name__} yet (GPTModel only)"
-            )
+        cfg = _INSTALLED.get("config") or {}
+        tokens, mlp_tokens = cfg.get("tiled_loss"), cfg.get("tiled_mlp")
+        for flag, value in (("loss", tokens), ("mlp", mlp_tokens)):
+            if value is not None and not tiled:
+                raise ValueError(
+                    f"--startrail-tiled-{flag} is not supported for {cls.__name__} yet "
+                    "(GPTModel only)"
+                )
         orig(*bound.args, **bound.kwargs)
         cp = cp_group_from(getattr(self, "pg_collection", None))
         check_startrail_model(self, torch.distributed.get_world_size(cp))
         if tokens is not None:
             tile_lm_loss(self, tokens)
+        if mlp_tokens is not None:
+            tile_mlps(self, mlp_tokens)
 
     cls.__init__ = init
     return lambda: setattr(cls, "__init__", orig)

@@ -109,6 +109,10 @@ def build_model(args: argparse.Namespace):
         from ..tiled_loss import tile_lm_loss
 
         tile_lm_loss(model, args.startrail_tiled_loss)
+    if getattr(args, "startrail_tiled_mlp", None):
+        from ..tiled_mlp import tile_mlps
+
+        tile_mlps(model, args.startrail_tiled_mlp)
     if torch.cuda.is_available():
         model.cuda()
     ddp_config = DistributedDataParallelConfig(
