@@ -34,34 +34,38 @@ import torch
 
 from . import versions
 
-__all__ = ["TiledLossStats", "tile_lm_loss", "tiled_lm_loss"]
+__all__ = ["TileStats", "tile_lm_loss", "tiled_lm_loss"]
 
 
 @dataclass
-class TiledLossStats:
-    """What the tiled loss did on this rank (a test's proof): its tile, calls, tiles, the
-    most rows a tile had."""
+class TileStats:
+    """What a tiling did on this rank (a test's proof): its tile, the layers it tiles (the
+    MLPs; 0 for the loss), calls, tiles, the most rows a tile had."""
 
     tokens: int = 0
+    layers: int = 0
     calls: int = 0
     tiles: int = 0
     max_tile_rows: int = 0
+
+    def tiled(self, rows: int) -> range:
+        """The starts of ``rows`` cut into tiles of ``tokens``, counted as one call."""
+        self.calls += 1
+        self.tiles += -(-rows // self.tokens)
+        self.max_tile_rows = max(self.max_tile_rows, min(self.tokens, rows))
+        return range(0, rows, self.tokens)
 
 
 class _TiledLMLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, tile, tp_group, stats):
-        s = hidden.shape[0]
         out = []
         with torch.no_grad():
-            for i in range(0, s, tile):
+            for i in stats.tiled(hidden.shape[0]):
                 logits = hidden[i : i + tile].matmul(weight.t())
                 out.append(
                     versions.vocab_parallel_cross_entropy(logits, labels[i : i + tile], tp_group)
                 )
-                stats.tiles += 1
-                stats.max_tile_rows = max(stats.max_tile_rows, min(tile, s - i))
-        stats.calls += 1
         ctx.save_for_backward(hidden, weight, labels)
         ctx.tile, ctx.tp_group = tile, tp_group
         return torch.cat(out)
@@ -96,11 +100,13 @@ def tiled_lm_loss(hidden, weight, labels, tokens, tp_group=None, stats=None):
         raise ValueError(f"--startrail-tiled-loss {tokens}: a tile needs at least 1 token")
     hidden = copy_to_tensor_model_parallel_region(hidden, group=tp_group)
     labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b], as Megatron's loss
-    loss = _TiledLMLoss.apply(hidden, weight, labels, tokens, tp_group, stats or TiledLossStats())
+    loss = _TiledLMLoss.apply(
+        hidden, weight, labels, tokens, tp_group, stats or TileStats(tokens=tokens)
+    )
     return loss.transpose(0, 1).contiguous()
 
 
-def tile_lm_loss(model, tokens: int) -> TiledLossStats:
+def tile_lm_loss(model, tokens: int) -> TileStats:
     """Make ``model`` (a megatron-core ``GPTModel``, or a wrapper whose ``.module`` chain
     reaches one) compute its logits and loss ``tokens`` sequence positions at a time;
     returns the stats the tiled loss keeps. ``ValueError`` naming the flag for a bad tile."""
@@ -131,7 +137,7 @@ def tile_lm_loss(model, tokens: int) -> TiledLossStats:
             "--startrail-tiled-loss takes an output layer without bias and without sequence "
             "parallelism (Megatron's GPT output layer as this entry point builds it)"
         )
-    stats = TiledLossStats(tokens=tokens)
+    stats = TileStats(tokens=tokens)
     plain_layer, plain_loss, plain_forward = (
         layer.forward,
         gpt.compute_language_model_loss,

@@ -20,35 +20,19 @@ gradients to like any autograd leaf.
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TiledMLPStats", "tile_mlps"]
+from .tiled_loss import TileStats
 
-
-@dataclass
-class TiledMLPStats:
-    """What the tiled MLPs did on this rank (a test's proof)."""
-
-    tokens: int = 0
-    layers: int = 0
-    calls: int = 0
-    tiles: int = 0
-    max_tile_rows: int = 0
+__all__ = ["tile_mlps"]
 
 
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, tile, stats, hidden, *params):
-        s = hidden.shape[0]
-        outs = []
         with torch.no_grad():
-            for i in range(0, s, tile):
-                outs.append(run(hidden[i : i + tile]))
-                stats.tiles += 1
-                stats.max_tile_rows = max(stats.max_tile_rows, min(tile, s - i))
-        stats.calls += 1
+            outs = [run(hidden[i : i + tile]) for i in stats.tiled(hidden.shape[0])]
         ctx.run, ctx.tile, ctx.n_params = run, tile, len(params)
         ctx.save_for_backward(hidden, *params)
         return torch.cat(outs)
@@ -72,7 +56,7 @@ class _TiledMLP(torch.autograd.Function):
         return (None, None, None, d_hidden, *(g.to(p.dtype) for g, p in zip(d_params, params)))
 
 
-def _tile_one(mlp, tokens: int, stats: TiledMLPStats) -> None:
+def _tile_one(mlp, tokens: int, stats: TileStats) -> None:
     plain = mlp.forward
     fc2 = mlp.linear_fc2
     # with skip_bias_add the MLP hands fc2's bias back unadded (the layer adds it, with
@@ -93,7 +77,7 @@ def _tile_one(mlp, tokens: int, stats: TiledMLPStats) -> None:
     mlp.forward = types.MethodType(forward, mlp)
 
 
-def tile_mlps(model, tokens: int) -> TiledMLPStats:
+def tile_mlps(model, tokens: int) -> TileStats:
     """Tile the MLP of every transformer layer of ``model`` (a megatron-core ``GPTModel`` or
     a wrapper of one) at ``tokens`` sequence positions; returns the stats they keep.
     ``ValueError`` naming the flag for a bad tile or a layer it cannot tile (MoE)."""
@@ -108,7 +92,7 @@ def tile_mlps(model, tokens: int) -> TiledMLPStats:
                 f"--startrail-tiled-mlp {tokens}: the model is tiled at {done.tokens} already"
             )
         return done
-    stats = TiledMLPStats(tokens=tokens)
+    stats = TileStats(tokens=tokens)
     for name, module in model.named_modules():
         mlp = getattr(module, "mlp", None)
         if mlp is None or not hasattr(module, "self_attention"):
