@@ -28,65 +28,11 @@ MTP scaling) the training loop does later, and its output layer is vocabulary-pa
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
-
-import torch
 
 from . import versions
+from .tiling import TileStats, sequence_tiled
 
 __all__ = ["TileStats", "tile_lm_loss", "tiled_lm_loss"]
-
-
-@dataclass
-class TileStats:
-    """What a tiling did on this rank (a test's proof): its tile, the layers it tiles (the
-    MLPs; 0 for the loss), calls, tiles, the most rows a tile had."""
-
-    tokens: int = 0
-    layers: int = 0
-    calls: int = 0
-    tiles: int = 0
-    max_tile_rows: int = 0
-
-    def tiled(self, rows: int) -> range:
-        """The starts of ``rows`` cut into tiles of ``tokens``, counted as one call."""
-        self.calls += 1
-        self.tiles += -(-rows // self.tokens)
-        self.max_tile_rows = max(self.max_tile_rows, min(self.tokens, rows))
-        return range(0, rows, self.tokens)
-
-
-class _TiledLMLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, tile, tp_group, stats):
-        out = []
-        with torch.no_grad():
-            for i in stats.tiled(hidden.shape[0]):
-                logits = hidden[i : i + tile].matmul(weight.t())
-                out.append(
-                    versions.vocab_parallel_cross_entropy(logits, labels[i : i + tile], tp_group)
-                )
-        ctx.save_for_backward(hidden, weight, labels)
-        ctx.tile, ctx.tp_group = tile, tp_group
-        return torch.cat(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, labels = ctx.saved_tensors
-        tile = ctx.tile
-        d_hidden = torch.empty_like(hidden)
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        w = weight.detach().requires_grad_()
-        for i in range(0, hidden.shape[0], tile):
-            with torch.enable_grad():
-                h = hidden[i : i + tile].detach().requires_grad_()
-                loss = versions.vocab_parallel_cross_entropy(
-                    h.matmul(w.t()), labels[i : i + tile], ctx.tp_group
-                )
-                gh, gw = torch.autograd.grad(loss, (h, w), grad[i : i + tile])
-            d_hidden[i : i + tile] = gh
-            d_weight += gw
-        return d_hidden, d_weight.to(weight.dtype), None, None, None, None
 
 
 def tiled_lm_loss(hidden, weight, labels, tokens, tp_group=None, stats=None):
@@ -100,9 +46,19 @@ def tiled_lm_loss(hidden, weight, labels, tokens, tp_group=None, stats=None):
         raise ValueError(f"--startrail-tiled-loss {tokens}: a tile needs at least 1 token")
     hidden = copy_to_tensor_model_parallel_region(hidden, group=tp_group)
     labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b], as Megatron's loss
-    loss = _TiledLMLoss.apply(
-        hidden, weight, labels, tokens, tp_group, stats or TileStats(tokens=tokens)
-    )
+
+    def run(h, start):  # one tile's logits and per-token loss, [t, b]
+        logits = h.matmul(weight.t())
+        return versions.vocab_parallel_cross_entropy(
+            logits, labels[start : start + h.shape[0]], tp_group
+        )
+
+    stats = stats or TileStats(tokens=tokens)
+    if stats.tokens != tokens:
+        raise ValueError(
+            f"--startrail-tiled-loss {tokens}: the stats count tiles of {stats.tokens}"
+        )
+    loss = sequence_tiled(run, stats, hidden, *([weight] if weight.requires_grad else []))
     return loss.transpose(0, 1).contiguous()
 
 

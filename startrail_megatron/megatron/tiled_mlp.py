@@ -4,7 +4,7 @@ backward, so that its ``[tokens, ffn]`` intermediates exist for one tile only.
 A dense MLP keeps, per token, its ``ffn_hidden_size`` intermediate (twice that with SwiGLU)
 for the backward: at long sequences, with the logits (``tiled_loss.py``), the largest
 activations of the step. ``tile_mlps(model, tokens)`` makes every layer's MLP run under one
-autograd node (``_TiledMLP``): the forward runs the MLP tile by tile without keeping
+autograd node (``tiling.sequence_tiled``): the forward runs the MLP tile by tile without keeping
 anything but its input; the backward runs each tile again with gradients and its backward
 at once, so only one tile's intermediates are alive at a time, and sums the parameters'
 gradients over the tiles. The MLP itself is megatron-core's, unchanged (SwiGLU, biases, TP:
@@ -23,37 +23,9 @@ import types
 
 import torch
 
-from .tiled_loss import TileStats
+from .tiling import TileStats, sequence_tiled
 
 __all__ = ["tile_mlps"]
-
-
-class _TiledMLP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, run, tile, stats, hidden, *params):
-        with torch.no_grad():
-            outs = [run(hidden[i : i + tile]) for i in stats.tiled(hidden.shape[0])]
-        ctx.run, ctx.tile, ctx.n_params = run, tile, len(params)
-        ctx.save_for_backward(hidden, *params)
-        return torch.cat(outs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, *params = ctx.saved_tensors
-        d_hidden = torch.empty_like(hidden)
-        d_params = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
-        for i in range(0, hidden.shape[0], ctx.tile):
-            with torch.enable_grad():
-                h = hidden[i : i + ctx.tile].detach().requires_grad_()
-                out = ctx.run(h)
-                grads = torch.autograd.grad(
-                    out, (h, *params), grad[i : i + ctx.tile], allow_unused=True
-                )
-            d_hidden[i : i + ctx.tile] = grads[0]
-            for acc, g in zip(d_params, grads[1:]):
-                if g is not None:
-                    acc += g
-        return (None, None, None, d_hidden, *(g.to(p.dtype) for g, p in zip(d_params, params)))
 
 
 def _tile_one(mlp, tokens: int, stats: TileStats) -> None:
@@ -67,11 +39,11 @@ def _tile_one(mlp, tokens: int, stats: TileStats) -> None:
         if not torch.is_grad_enabled() or hidden_states.shape[0] <= tokens:
             return plain(hidden_states, *args, **kwargs)
 
-        def run(x):
+        def run(x, start):
             return plain(x, *args, **kwargs)[0]
 
         params = [p for p in self.parameters() if p.requires_grad and p is not skipped]
-        out = _TiledMLP.apply(run, tokens, stats, hidden_states, *params)
+        out = sequence_tiled(run, stats, hidden_states, *params)
         return out, skipped
 
     mlp.forward = types.MethodType(forward, mlp)
