@@ -17,14 +17,9 @@ import torch.distributed as dist
 from .. import versions
 from ..arguments import add_startrail_args, validate_startrail_args
 from . import flags
+from .recompute import add_recompute_args, validate_recompute
 
 __all__ = ["build_parser", "parse_args", "validate_args"]
-
-RECOMPUTE_GRANULARITIES = ("full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
-"""megatron-core's recompute modules of a dense GPT (the MoE and MLA ones need models this
-entry point refuses)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,35 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--init-method-std", type=float, default=0.02, help="std of the weights' normal init"
     )
     g.add_argument("--bf16", action="store_true")
-    g = p.add_argument_group("activation recompute (megatron-core's, Megatron-LM's flags)")
-    g.add_argument(
-        "--recompute-activations",
-        action="store_true",
-        help="selective recompute (the same as --recompute-granularity selective)",
-    )
-    g.add_argument(
-        "--recompute-granularity",
-        choices=RECOMPUTE_GRANULARITIES,
-        default=None,
-        help="full: recompute whole transformer layers in the backward (needs "
-        "--recompute-method and --recompute-num-layers); selective: the submodules of "
-        "--recompute-modules. StarTrail's attention, recomputed, communicates again.",
-    )
-    g.add_argument(
-        "--recompute-method",
-        choices=RECOMPUTE_METHODS,
-        default=None,
-        help="with full: uniform (every chunk of --recompute-num-layers layers) or block "
-        "(the first --recompute-num-layers layers)",
-    )
-    g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument(
-        "--recompute-modules",
-        nargs="*",
-        choices=RECOMPUTE_MODULES,
-        default=None,
-        help="with selective: the submodules to recompute (default: core_attn)",
-    )
+    add_recompute_args(p)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -287,7 +254,7 @@ def validate_args(args: argparse.Namespace, warn=None) -> None:
         )
     if args.swiglu and args.ffn_hidden_size is None:  # Megatron-LM's SwiGLU size
         args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
-    _validate_recompute(args)
+    validate_recompute(args)
     if args.ckpt_step is not None and not args.load:
         raise ValueError("--ckpt-step needs --load")
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
@@ -326,68 +293,6 @@ def validate_args(args: argparse.Namespace, warn=None) -> None:
             f"--global-batch-size {args.global_batch_size} must be a multiple of "
             f"--micro-batch-size x data-parallel size = {per_step}"
         )
-
-
-def _validate_recompute(args: argparse.Namespace) -> None:
-    """Megatron-LM's recompute rules (``--recompute-activations`` is selective), as
-    ``ValueError``s naming the flag; megatron-core's ``TransformerConfig`` gets the result."""
-    if args.recompute_activations:
-        if args.recompute_granularity == "full":
-            raise ValueError(
-                "--recompute-activations is --recompute-granularity selective; "
-                "it contradicts --recompute-granularity full"
-            )
-        args.recompute_granularity = "selective"
-    gran, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
-    if gran is None:
-        for flag, value in (
-            ("--recompute-method", method),
-            ("--recompute-num-layers", n),
-            ("--recompute-modules", args.recompute_modules),
-        ):
-            if value is not None:
-                raise ValueError(f"{flag} needs --recompute-granularity (full or selective)")
-    elif gran == "full":
-        if method is None or n is None:
-            raise ValueError(
-                "--recompute-granularity full needs --recompute-method "
-                f"({' or '.join(RECOMPUTE_METHODS)}) and --recompute-num-layers"
-            )
-        if not 1 <= n <= args.num_layers:
-            raise ValueError(
-                f"--recompute-num-layers {n} must be between 1 and --num-layers {args.num_layers}"
-            )
-        if args.recompute_modules is not None:
-            raise ValueError(
-                "--recompute-modules goes with --recompute-granularity selective; full "
-                "recomputes whole layers"
-            )
-    else:
-        if method is not None or n is not None:
-            raise ValueError(
-                "--recompute-granularity selective takes no --recompute-method nor "
-                "--recompute-num-layers (they choose layers for full)"
-            )
-        if args.recompute_modules == []:
-            raise ValueError(
-                f"--recompute-modules needs at least one of {', '.join(RECOMPUTE_MODULES)}"
-            )
-        if "mlp" in (args.recompute_modules or ()):
-            # seen on CPU ranks (megatron-core 0.16.1, torch 2.13): the backward recomputes
-            # checkpoints inside checkpoints and never ends; not understood, so refused
-            raise ValueError(
-                "--recompute-modules mlp is not supported yet (megatron-core's MLP recompute "
-                "did not finish its backward in our tests); use core_attn, or "
-                "--recompute-granularity full"
-            )
-        if "layernorm" in (args.recompute_modules or ()) and not versions.have_transformer_engine():
-            # megatron-core's CheckpointWithoutOutput sets fp8 = (fp8 is not None), True for
-            # fp8=False, and then reads Transformer Engine's FP8 state (0.16 and 0.19)
-            raise ValueError(
-                "--recompute-modules layernorm needs Transformer Engine, which is not "
-                "installed (megatron-core's norm recompute reads its FP8 state); use "
-                "core_attn and mlp"
-            )
 
 
 def _window_size(x: str) -> tuple[int, int]:

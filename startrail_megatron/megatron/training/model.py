@@ -16,6 +16,7 @@ import torch
 
 from .. import versions
 from ..spec import apply_startrail_spec
+from .recompute import recompute_config
 
 __all__ = ["build_model", "build_optimizer", "layer_spec", "transformer_config"]
 
@@ -44,27 +45,8 @@ def transformer_config(args: argparse.Namespace):
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
         init_method_std=args.init_method_std,
-        **_recompute(args),
+        **recompute_config(args),
     )
-
-
-def _recompute(args: argparse.Namespace) -> dict:
-    """megatron-core's recompute fields from the flags (validated by ``arguments``): full
-    recompute runs whole layers again in the backward (``TransformerBlock``), selective the
-    ``recompute_modules`` of each layer (StarTrail's core attention by default); either way
-    megatron-core's ``tensor_parallel.checkpoint`` restores the RNG states, so dropout
-    draws the same masks again."""
-    gran = getattr(args, "recompute_granularity", None)
-    if gran is None:
-        return {}
-    out = {"recompute_granularity": gran}
-    if gran == "full":
-        out.update(
-            recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers
-        )
-    elif args.recompute_modules is not None:
-        out["recompute_modules"] = list(args.recompute_modules)
-    return out
 
 
 def layer_spec(args: argparse.Namespace):
