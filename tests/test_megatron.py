@@ -294,6 +294,40 @@ def test_tiled_loss_in_bf16_within_bf16s_own_error():
     assert tg <= max(1.5 * pg, 1e-2) and tg <= 0.06, (tg, pg)
 
 
+def _train_fused_loss(rank, world, argv, steps):
+    """``_train``, and how many times megatron-core's fused cross-entropy ran on this rank."""
+    from megatron.core.models.common.language_module import language_module as lm
+
+    plain, calls = lm.fused_vocab_parallel_cross_entropy, []
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return plain(*a, **kw)
+
+    lm.fused_vocab_parallel_cross_entropy = counted
+    try:
+        return (*_train(rank, world, argv, steps), len(calls))
+    finally:
+        lm.fused_vocab_parallel_cross_entropy = plain
+
+
+def test_cross_entropy_loss_fusion_runs_megatron_cores_fused_loss():
+    """``--cross-entropy-loss-fusion``: megatron-core's own fused cross-entropy (the call
+    count proves it ran: a micro-batch per step) gives the unfused run's losses (1e-6) and
+    gradients within bf16 rounding (megatron-core's 'native' implementation rounds the
+    logits gradient to bf16, by design)."""
+    argv = BASE + GQA + ["--optimizer", "sgd"] + st_flags(4, 2)
+    plain = run_ranks(4, _train, argv, 2)
+    fused = run_ranks(4, _train_fused_loss, argv + ["--cross-entropy-loss-fusion"], 2)
+    for got, want in zip(fused, plain):
+        assert got[4] == 2  # one micro-batch per step
+        _assert_close_runs(got[:3], want, grads=False, tol=1e-6)
+        _assert_close_runs(got[:3], want, tol=2e-2)
+    with pytest.raises(AssertionError):  # not bitwise: the bf16 gradient is visible
+        for got, want in zip(fused, plain):
+            _assert_close_runs(got[:3], want, tol=1e-7)
+
+
 def test_tiled_loss_never_makes_the_whole_logits():
     """The largest logits tensor a rank makes, forward and backward: a tile's rows with
     tiling, the whole local sequence's without (the test fails with the tiling off)."""
@@ -596,6 +630,15 @@ def test_module_level_spec_object():
         (
             st_flags(4, 2) + ["--seq-length", "32", "--startrail-tiled-mlp", "9"],
             "--startrail-tiled-mlp 9 must be between 1 and the local sequence",
+        ),
+        (
+            ["--startrail-tiled-loss", "2", "--cross-entropy-loss-fusion"],
+            "--startrail-tiled-loss replaces the loss, so --cross-entropy-loss-fusion would have "
+            "no effect",
+        ),
+        (
+            ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"],
+            "--cross-entropy-fusion-impl te needs Transformer Engine; allowed here: native",
         ),
         (
             ["--recompute-activations", "--recompute-modules", "core_attn", "mlp"],

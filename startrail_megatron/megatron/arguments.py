@@ -171,6 +171,11 @@ def _check_tiled_loss(args: argparse.Namespace, impl: str) -> None:
                 f"{name} {tokens} must be between 1 and the local sequence, "
                 f"--seq-length {seq} / --context-parallel-size {cp} = {local} tokens"
             )
+        if flag == "startrail_tiled_loss" and getattr(args, "cross_entropy_loss_fusion", False):
+            raise ValueError(
+                f"{name} replaces the loss, so --cross-entropy-loss-fusion would have no "
+                "effect: drop one of them"
+            )
         if impl != "startrail" and not _autotuner_available(args):
             raise ValueError(
                 f"{name} needs --context-parallel-impl startrail under Megatron-LM "

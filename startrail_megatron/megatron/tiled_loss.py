@@ -87,6 +87,12 @@ def tile_lm_loss(model, tokens: int) -> TileStats:
             "--startrail-tiled-loss with multi-token prediction (--mtp-num-layers) is not "
             "supported yet"
         )
+    if getattr(getattr(gpt, "config", None), "cross_entropy_loss_fusion", False):
+        raise ValueError(
+            "--startrail-tiled-loss replaces the loss, so --cross-entropy-loss-fusion would have "
+            "no effect: drop one of them (each tile runs megatron-core's unfused "
+            "vocab-parallel cross-entropy)"
+        )
     layer = gpt.output_layer
     if getattr(layer, "bias", None) is not None or getattr(layer, "sequence_parallel", False):
         raise ValueError(

@@ -189,6 +189,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="the loss is always the mean over the global batch's unmasked tokens here "
         "(this flag's meaning in Megatron-LM)",
     )
+    g.add_argument(
+        "--cross-entropy-loss-fusion",
+        action="store_true",
+        help="megatron-core's fused vocab-parallel cross-entropy (its logits gradient is "
+        "rounded to bf16, as megatron-core's 'native' implementation does)",
+    )
+    g.add_argument(
+        "--cross-entropy-fusion-impl",
+        choices=["native", "te"],
+        default="native",
+        help="with --cross-entropy-loss-fusion: 'native' (megatron-core's) or 'te' "
+        "(Transformer Engine's; needs it installed)",
+    )
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
@@ -255,6 +268,11 @@ def validate_args(args: argparse.Namespace, warn=None) -> None:
     if args.swiglu and args.ffn_hidden_size is None:  # Megatron-LM's SwiGLU size
         args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
     validate_recompute(args)
+    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te":
+        if not versions.have_transformer_engine():
+            raise ValueError(
+                "--cross-entropy-fusion-impl te needs Transformer Engine; allowed here: native"
+            )
     if args.ckpt_step is not None and not args.load:
         raise ValueError("--ckpt-step needs --load")
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size

@@ -52,7 +52,6 @@ IGNORED: dict[str, str] = {
     "--no-persist-layer-norm": "no persistent LayerNorm kernel is used",
     "--attention-softmax-in-fp32": "the attention kernels accumulate in fp32 already",
     "--apply-query-key-layer-scaling": "no fp16 softmax here (fp16 is refused)",
-    "--cross-entropy-loss-fusion": "no fused cross-entropy kernel is used",
     # overlap and memory switches: same mathematics
     "--overlap-grad-reduce": "gradients are reduced after the backward (same result)",
     "--overlap-param-gather": "no distributed optimizer here (same result)",

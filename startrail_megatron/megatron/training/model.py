@@ -45,6 +45,8 @@ def transformer_config(args: argparse.Namespace):
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
         init_method_std=args.init_method_std,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         **recompute_config(args),
     )
 
