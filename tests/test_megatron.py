@@ -253,10 +253,15 @@ def test_tiled_mlp_matches_the_untiled_mlp(tp):
         assert stats.tiles == stats.calls * -(-s_local // 3) and stats.max_tile_rows == 3, stats
 
 
-def test_tiled_mlp_keeps_one_tiles_intermediate():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_tiled_mlp_keeps_one_tiles_intermediate(recompute):
     """The largest MLP intermediate ([s, b, 2 x ffn] out of SwiGLU's first linear) a rank
-    makes, forward and backward: a tile's rows with tiling, the local sequence's without."""
+    makes, forward and backward: a tile's rows with tiling, the local sequence's without;
+    also under full recompute, whose first forward runs without a graph (tiled too)."""
     argv = BASE + ["--optimizer", "sgd", "--swiglu", "--seq-length", "256"] + st_flags(4, 2)
+    if recompute:
+        argv += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+        argv += ["--recompute-num-layers", "1"]
     fc1 = 2 * 128  # SwiGLU's ffn for hidden 64 is 128 (Megatron-LM's rounding), twice in fc1
     plain = run_ranks(4, _train_tiled, argv, 1, fc1)
     tiled = run_ranks(4, _train_tiled, argv + ["--startrail-tiled-mlp", "8"], 1, fc1)
@@ -292,6 +297,51 @@ def test_tiled_loss_in_bf16_within_bf16s_own_error():
     (pl, pg), (tl, tg) = worst(plain), worst(tiled)
     assert tl <= 2e-4 and pl <= 2e-4, (tl, pl)
     assert tg <= max(1.5 * pg, 1e-2) and tg <= 0.06, (tg, pg)
+
+
+def _train_capped(rank, world, argv, steps, cap):
+    """``_train`` (losses only) with an allocation cap: every tensor an operator makes of
+    ``cap`` bytes or more, forward, backward or optimizer, is recorded as (op, shape,
+    bytes) and returned (recorded rather than raised, so every rank finishes its step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    over = []
+
+    class Cap(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= cap:
+                    over.append((str(func), tuple(t.shape), t.untyped_storage().nbytes()))
+            return out
+
+    with Cap():
+        losses = _train(rank, world, argv, steps, grads=False)[0]
+    return losses, over
+
+
+def test_no_tensor_quadratic_in_the_sequence_nor_sequence_by_vocabulary():
+    """With the tiled loss, the tiled MLP and full recompute, a step at 8,192 tokens (2,048
+    per rank) makes no tensor of 3 MiB or more anywhere (forward, recompute, backward,
+    optimizer): not the [tokens, vocab] logits (2,048 x 4,097 fp32 = 32 MiB per rank), no
+    attention mask quadratic in the sequence (the local one alone, 2,048^2 bytes, is 4
+    MiB). So under a 3 MiB allocation limit no such tensor could have been allocated (the
+    largest left are linear: [tokens, 4 hidden], 2 MiB, and the embedding's gradient in
+    fp64). With the tiled loss off the same step does make the logits, and fails."""
+    cap = 3 * 2**20
+    argv = BASE + GQA + ["--optimizer", "sgd", "--swiglu", "--vocab-size", "4096"]
+    argv += ["--make-vocab-size-divisible-by", "1", "--seq-length", "8192"]
+    argv += ["--micro-batch-size", "1", "--startrail-tiled-mlp", "128"]
+    argv += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    argv += ["--recompute-num-layers", "1"] + st_flags(4, 2)
+    tiled = run_ranks(4, _train_capped, argv + ["--startrail-tiled-loss", "64"], 1, cap)
+    for losses, over in tiled:
+        assert over == [], over
+        assert len(losses) == 1 and 8.0 < losses[0] < 8.7  # ln(4096) = 8.3: it trained
+    untiled = run_ranks(4, _train_capped, argv, 1, cap)
+    for _, over in untiled:
+        assert any(shape[-1] >= 4096 and 2048 in shape for _, shape, _ in over), over[:5]
 
 
 def _train_fused_loss(rank, world, argv, steps):

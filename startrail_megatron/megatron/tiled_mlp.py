@@ -36,8 +36,15 @@ def _tile_one(mlp, tokens: int, stats: TileStats) -> None:
     skipped = fc2.bias if getattr(fc2, "skip_bias_add", False) else None
 
     def forward(self, hidden_states, *args, **kwargs):
-        if not torch.is_grad_enabled() or hidden_states.shape[0] <= tokens:
+        n = hidden_states.shape[0]
+        if n <= tokens:
             return plain(hidden_states, *args, **kwargs)
+        if not torch.is_grad_enabled():  # recompute's first pass, evaluation: tiles, no graph
+            outs = [
+                plain(hidden_states[i : i + tokens], *args, **kwargs)[0]
+                for i in range(0, n, tokens)
+            ]
+            return torch.cat(outs), skipped
 
         def run(x, start):
             return plain(x, *args, **kwargs)[0]
