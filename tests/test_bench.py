@@ -142,3 +142,78 @@ def test_cache_bytes_per_core_reads_sysfs(tmp_path):
     assert bench.cache_bytes_per_core(cpu, str(tmp_path)) == 1 << 20
     assert bench.cache_bytes_per_core(torch.device("cuda"), str(tmp_path)) == 0
     assert bench.cache_bytes_per_core(cpu, str(tmp_path / "missing")) == 0
+
+
+def test_live_tensor_bytes_reads_known_allocations():
+    """``LiveTensorBytes``: tensors alive at entry counted, a storage once however many
+    views share it, a freed one taken off; the peak is the most alive at once."""
+    import torch
+
+    from startrail_megatron.bench.memory import LiveTensorBytes
+
+    mib = 2**20
+    keep = torch.zeros(8 * mib // 4)  # alive at entry
+    with LiveTensorBytes() as base:
+        pass
+    assert base.peak >= 8 * mib
+    with LiveTensorBytes() as m:
+        a = torch.ones(16 * mib // 4)
+        views = [a[: mib // 4], a.view(4, -1)]  # no new storage
+        b = a * 2  # 16 MiB more: 32 above the entry at once
+        del a, b, views
+        c = torch.ones(4 * mib // 4)  # after the frees: below the peak
+        del c
+    assert m.peak - base.peak == 32 * mib, (m.peak - base.peak) / mib
+    assert m.current == base.current  # everything made inside was freed
+    del keep
+
+
+def test_step_memory_line_and_longest_sequence():
+    from startrail_megatron.bench.step_memory import fit_line, longest_sequence
+
+    line = fit_line([(100, 1000.0), (200, 1500.0), (400, 2500.0)])
+    assert line["fixed_bytes"] == pytest.approx(500.0)
+    assert line["slope_bytes_per_token"] == pytest.approx(5.0)
+    assert line["max_residual_bytes"] == pytest.approx(0.0, abs=1e-9)
+    # room 2000 bytes / 5 per local token = 400 local tokens x CP 4 = 1600, to a multiple of 64
+    assert longest_sequence(line, 2500.0, 4) == 1600
+    assert longest_sequence(line, 400.0, 4) == 0  # the fixed part alone is over budget
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_line([(1, 1.0)])
+
+
+def test_memory_workload_dispatch_and_argument_errors(capsys):
+    from startrail_megatron.bench import cli, step_memory
+
+    assert cli._without_memory_workload(["--workload", "memory", "--nproc", "2"]) == [
+        "--nproc",
+        "2",
+    ]
+    assert cli._without_memory_workload(["--workload=memory"]) == []
+    assert cli._without_memory_workload(["--workload", "gpt"]) is None
+    for argv, needle in [
+        (["--configs", "plain,nope"], "--configs 'nope' is not known"),
+        (["--seq-lens", "1024"], "--seq-lens needs >= 2 lengths"),
+        (["--seq-lens", "1024,1030"], "a multiple of 2 x --nproc = 8"),
+        (["--configs", "plain", "--longest", "all"], "--longest 'all' is not among"),
+    ]:
+        with pytest.raises(SystemExit):
+            step_memory.run(argv)
+        assert needle in capsys.readouterr().err, needle
+
+
+def test_memory_method_check_reads_64_mib():
+    """Both methods read a known 64 MiB within 1 % (rss in a fresh process, as the
+    benchmark's runs are: in this one, freed pages reused would read low)."""
+    import os
+    import subprocess
+    import sys
+
+    from startrail_megatron.bench.step_memory import check_method
+
+    got = check_method("live")["read_bytes"]
+    assert abs(got - 64 * 2**20) <= 0.01 * 64 * 2**20, got
+    code = "from startrail_megatron.bench.step_memory import check_method as c; print(c('rss'))"
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "read_bytes" in out.stdout, out.stderr[-2000:]

@@ -385,3 +385,20 @@ def test_megatron_lm_derivations_and_checks(capsys):
     decay, no_decay = param_groups(net, 0.1)
     assert [p.shape for p in decay["params"]] == [(4, 4)] and len(no_decay["params"]) == 3
     assert (decay["wd_mult"], no_decay["wd_mult"], no_decay["weight_decay"]) == (1.0, 0.0, 0.0)
+
+
+def test_log_peak_memory_counts_the_whole_step():
+    """``--log-peak-memory``: each iteration's peak, the largest rank's, counts what the
+    step starts with (parameters and their gradients, and from the second iteration
+    AdamW's two moments: 4 x 4 bytes per parameter) and the step's own tensors (at 256
+    local tokens at least the fp32 logits, 256 x 4,001 x 4 bytes, on top)."""
+    base = [*MODEL, "--micro-batch-size", "1", "--mock-data", "--train-iters", "2",
+            "--vocab-size", "4000", *_cp(4, 2)]  # fmt: skip
+    log = ["--log-peak-memory", "live"]
+    short = run_ranks(4, _train, base + log + ["--seq-length", "64"])[0]
+    long = run_ranks(4, _train, base + log + ["--seq-length", "1024"])[0]
+    params = 4001 * 32 + 2 * (4 * 32 * 32 + 2 * 32 * 128)  # embedding (tied), layers (weights)
+    assert short[1]["peak_memory"] >= 4 * 4 * params
+    assert long[1]["peak_memory"] >= 4 * 4 * params + 256 * 4001 * 4
+    assert long[1]["peak_memory"] > short[1]["peak_memory"]
+    assert "peak_memory" not in run_ranks(4, _train, base + ["--seq-length", "64"])[0][1]

@@ -271,6 +271,53 @@ def test_cli_table_and_json(capsys):
     assert "NO" in capsys.readouterr().out
 
 
+def test_step_memory_features_change_what_a_token_costs(capsys):
+    """The whole-step model (``StepFeatures``): the tiled loss takes the vocabulary out of
+    the slope, the fused cross-entropy adds a [tokens, vocab] copy, recompute and the tiled
+    MLP shrink what each layer keeps, and the memory column follows the options."""
+    from startrail_megatron.planner.memory import (
+        StepFeatures,
+        startrail_buffers,
+        step_bytes_per_token,
+    )
+
+    shape = AttnShape(4, 2048, 1, 8, 2, 32, elem_bytes=4)
+    work = startrail_buffers(2, shape)
+
+    def per(vocab, **kw):
+        m = ModelSpec("m", 4, 256, 8, 2, 640, gated_mlp=True, vocab=vocab)
+        return step_bytes_per_token(shape, m, 2, work, StepFeatures(**kw))
+
+    plain, big = per(50304, recompute="none"), per(128256, recompute="none")
+    assert big["step"] - plain["step"] == pytest.approx(4 * (128256 - 50304))
+    tiled = dict(recompute="full", tiled_loss=64, tiled_mlp=64)
+    assert per(50304, **tiled)["step"] == per(128256, **tiled)["step"]  # no vocabulary term
+    assert plain["step"] / per(50304, **tiled)["step"] > 10
+    fused = per(50304, recompute="none", ce_fusion=True)
+    assert fused["rest"] - plain["rest"] == pytest.approx(1.5 * 4 * 50304)
+    assert per(50304, recompute="full")["layers"] < per(50304, recompute="selective")["layers"]
+    assert per(50304, recompute="none", tiled_mlp=64)["layers"] < plain["layers"]
+    for kw, msg in [
+        ({"recompute": "some"}, "recompute='some'; allowed"),
+        ({"tiled_loss": 0}, "tiled_loss=0 must be None or an integer >= 1"),
+        ({"tiled_loss": 8, "ce_fusion": True}, "the tiled loss replaces the fused loss"),
+    ]:
+        with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
+            StepFeatures(**kw)
+    base = ["--model", "llama3-8b", "--seq-len", "128K", "--cp-size", "16", "--json"]
+    mems = {}
+    for name, extra in {
+        "paper": [],
+        "step": ["--step-memory"],
+        "tiled": ["--tiled-loss", "2048", "--tiled-mlp", "2048"],
+    }.items():
+        assert cli.main(base + extra) == 0
+        mems[name] = json.loads(capsys.readouterr().out)["rows"][0]["memory_bytes"]
+    assert mems["tiled"] < mems["step"]
+    with pytest.raises(SystemExit):
+        cli.main(base + ["--selective-recompute", "--no-recompute"])
+
+
 @pytest.mark.parametrize(
     "argv,msg",
     [
@@ -1043,3 +1090,19 @@ def test_plan_with_a_window_charges_what_each_strategy_computes_and_sends():
     with pytest.raises(ValueError, match="causal sliding window; model 'dit-1b' is not causal"):
         plan(h100, MODEL_PRESETS["dit-1b"], 65536, 16, window=4096)
     assert plan_main(["--seq-len", "64K", "--cp-size", "16", "--window", "4K", "--json"]) == 0
+
+
+def test_planner_step_memory_matches_the_recorded_benchmark():
+    """The planner's bytes per local token of the whole step (``step_bytes_per_token``)
+    against the slopes ``startrail-bench --workload memory`` measured (the run recorded in
+    docs/memory_benchmark.json, docs/performance.md section 14): within 15 % for every
+    configuration, each feature alone, all together, and at the larger vocabulary."""
+    from startrail_megatron.bench.step_memory import planner_slopes
+
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "memory_benchmark.json")
+    with open(path) as f:
+        report = json.load(f)
+    cmp = planner_slopes(report)
+    assert {"plain", "all", "tiled-loss", "tiled-mlp", "recompute"} <= set(cmp)
+    bad = {k: round(v["error"], 3) for k, v in cmp.items() if abs(v["error"]) > 0.15}
+    assert not bad, bad

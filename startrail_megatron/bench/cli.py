@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(WORKLOADS),
         default="gpt",
         help="gpt: causal, 8 heads of 64; dit: DiT-1B's attention (full, head_dim 64) with "
-        "its 24 heads reduced to 8 for CPU ranks; --heads/--kv-heads/--head-dim/--full override",
+        "its 24 heads reduced to 8 for CPU ranks; --heads/--kv-heads/--head-dim/--full override. "
+        "memory: the whole training step's peak memory against the sequence length, a "
+        "benchmark of its own ('--workload memory --help')",
     )
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--kv-heads", type=int, default=None)
@@ -161,9 +163,26 @@ def resolve_workload(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point: run the benchmark, print and write the outputs; exit status 0."""
+    """Console entry point: run the benchmark, print and write the outputs; exit status 0.
+    ``--workload memory`` is the whole training step's memory (``step_memory.py``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = _without_memory_workload(argv)
+    if rest is not None:
+        from .step_memory import main as memory_main
+
+        return memory_main(rest)
     run(argv)
     return 0
+
+
+def _without_memory_workload(argv: list[str]) -> list[str] | None:
+    """``argv`` less ``--workload memory`` when it asks for the memory workload, else None."""
+    for i, a in enumerate(argv):
+        if a == "--workload=memory":
+            return argv[:i] + argv[i + 1 :]
+        if a == "--workload" and i + 1 < len(argv) and argv[i + 1] == "memory":
+            return argv[:i] + argv[i + 2 :]
+    return None
 
 
 def run(argv: list[str] | None = None) -> dict:

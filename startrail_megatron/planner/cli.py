@@ -22,6 +22,7 @@ import sys
 from ..cli_options import add_own_rows_first
 from ..schedule import OWN_ROWS_FIRST_SETTINGS
 from .cluster import CLUSTER_PRESETS, MODEL_PRESETS, ClusterSpec, ModelSpec
+from .memory import StepFeatures
 from .plan import Plan, plan
 
 _CLUSTER_OVERRIDES = {
@@ -98,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no activation recompute (default: full checkpointing, forward rerun in backward)",
     )
+    g = p.add_argument_group(
+        "whole-step memory (the memory column then counts the logits, the loss and every "
+        "layer's kept activations under these options, as the Megatron adapter runs them)"
+    )
+    g.add_argument("--step-memory", action="store_true", help="with none of the options below")
+    g.add_argument("--selective-recompute", action="store_true", help="core attention only")
+    g.add_argument("--tiled-loss", type=int, default=None, metavar="TOKENS")
+    g.add_argument("--tiled-mlp", type=int, default=None, metavar="TOKENS")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true")
     p.add_argument(
         "--window",
         type=parse_size,
@@ -143,9 +153,36 @@ def format_plan(pl: Plan) -> str:
         "times: one layer forward+backward (layer; with recompute unless --no-recompute) and "
         f"one training iteration (step: all layers, LM head, optimizer and "
         f"{pl.rows[0].grad_sync_s:.2f} s of ZeRO-2 gradient/parameter collectives), per rank; "
-        "bytes: max over ranks, fwd+bwd; mem: peak per rank with full checkpointing and ZeRO-2"
+        "bytes: max over ranks, fwd+bwd; mem: peak per rank with ZeRO-2 and "
+        + (
+            "the whole step's activations (logits and loss included, --step-memory options)"
+            if pl.features is not None
+            else "full checkpointing (attention layer only; --step-memory: the whole step)"
+        )
     )
     return "\n".join(lines)
+
+
+def _features(args):
+    """``StepFeatures`` from the whole-step memory flags, or None when none is given."""
+    on = (
+        args.step_memory,
+        args.selective_recompute,
+        args.tiled_loss is not None,
+        args.tiled_mlp is not None,
+        args.cross_entropy_loss_fusion,
+    )
+    if not any(on):
+        return None
+    if args.selective_recompute and args.no_recompute:
+        raise ValueError("--selective-recompute and --no-recompute: give one")
+    recompute = "none" if args.no_recompute else "selective" if args.selective_recompute else "full"
+    return StepFeatures(
+        recompute=recompute,
+        tiled_loss=args.tiled_loss,
+        tiled_mlp=args.tiled_mlp,
+        ce_fusion=args.cross_entropy_loss_fusion,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             elem_bytes=DTYPE_BYTES[args.dtype],
             recompute=not args.no_recompute,
             window=args.window,
+            features=_features(args),
         )
     except ValueError as e:
         p.error(str(e))

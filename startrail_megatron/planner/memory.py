@@ -6,14 +6,18 @@ here, picked by ``strategies.memory_bytes``) to what every strategy holds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .cluster import ModelSpec
 from .shape import AttnShape
 
 __all__ = [
+    "StepFeatures",
     "allgather_attention_work",
     "memory_breakdown",
     "split_a2a_work",
     "startrail_attention_work",
+    "step_bytes_per_token",
     "startrail_buffers",
     "ulysses_attention_work",
 ]
@@ -92,7 +96,13 @@ def ulysses_attention_work(shape: AttnShape) -> int:
 
 
 def memory_breakdown(
-    work: int, shape: AttnShape, model: ModelSpec, zero_shards: int | None = None
+    work: int,
+    shape: AttnShape,
+    model: ModelSpec,
+    zero_shards: int | None = None,
+    features: StepFeatures | None = None,
+    buffers: dict[str, int] | None = None,
+    team_size: int = 1,
 ) -> dict[str, float]:
     """Peak memory per rank, refined from real tensor sizes (GQA included), for a strategy
     whose attention working set is ``work`` bytes.
@@ -103,6 +113,12 @@ def memory_breakdown(
     ``[s, b, H]`` per layer (full activation checkpointing). ``layer``: the
     layer recomputed in the backward, its MLP intermediates, and the
     attention's working set at its peak (the backward) for this strategy.
+
+    With ``features`` (``StepFeatures``): the whole step instead, ``activations`` the
+    larger phase of ``step_bytes_per_token`` (the logits and loss included) times the
+    local tokens, plus the tiles' own fixed costs (a tile's fp32 logits and their
+    gradient; a tile's MLP intermediates, forward and recomputed); ``buffers``: the
+    attention's named buffers (``startrail_buffers``; a peer's one working set otherwise).
     """
     p = shape.cp_size
     zero = zero_shards or p
@@ -113,6 +129,24 @@ def memory_breakdown(
     checkpoints = model.layers * tok * h * e
     dense = tok * (3 * h + 2 * model.ffn_hidden) * e  # ln/qkv/proj outputs, MLP intermediates
     local = (2 * uq + 2 * ukv) * e * 2  # q, k, v, out and their gradients
+    if features is not None:
+        per = step_bytes_per_token(
+            shape, model, team_size, buffers if buffers is not None else {"work": work}, features
+        )
+        tiles = 0.0
+        if features.tiled_loss:
+            tiles += 2 * min(features.tiled_loss, tok) * model.vocab * 4
+        if features.tiled_mlp:
+            fc1 = (2 if model.gated_mlp else 1) * model.ffn_hidden
+            tiles += 3 * min(features.tiled_mlp, tok) * fc1 * e
+        acts = per["step"] * tok + tiles
+        return {
+            "model_states": states,
+            "activations": acts,
+            "bytes_per_token": per["step"],
+            "attention_work": work,
+            "total": states + acts,
+        }
     total = states + checkpoints + dense + local + work
     return {
         "model_states": states,
@@ -121,3 +155,82 @@ def memory_breakdown(
         "attention_work": work,
         "total": total,
     }
+
+
+RECOMPUTE = ("full", "selective", "none")
+
+FUSED_CE_EXTRA = 1.5
+"""[tokens, vocab] fp32 copies megatron-core's fused cross-entropy holds at the step's peak
+beyond the unfused one's single in-place copy. Measured, not derived (docs/performance.md
+section 14): its ``jit_fuser`` (``torch.compile``) functions work out of place, so the
+max-subtracted logits and their exponentials are new tensors, one of them transient."""
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What a training step keeps per token (the Megatron adapter's options):
+    ``recompute`` (``full``: every layer's input only, the layer recomputed in the
+    backward; ``selective``: the core attention recomputed; ``none``), ``tiled_loss`` /
+    ``tiled_mlp`` (tokens per tile, or None: ``--startrail-tiled-loss`` /
+    ``--startrail-tiled-mlp``), ``ce_fusion`` (megatron-core's fused cross-entropy),
+    ``dropout`` (hidden dropout's masks, one byte per element, twice per layer)."""
+
+    recompute: str = "full"
+    tiled_loss: int | None = None
+    tiled_mlp: int | None = None
+    ce_fusion: bool = False
+    dropout: bool = True
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r}; allowed: {list(RECOMPUTE)}")
+        for f in ("tiled_loss", "tiled_mlp"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{f}={v!r} must be None or an integer >= 1 (tokens per tile)")
+        if self.ce_fusion and self.tiled_loss is not None:
+            raise ValueError("ce_fusion with tiled_loss: the tiled loss replaces the fused loss")
+
+
+def step_bytes_per_token(
+    shape: AttnShape, model: ModelSpec, team_size: int, work: dict[str, int], f: StepFeatures
+) -> dict[str, float]:
+    """Bytes per local token of a training step's two phases, and the step's (the larger).
+
+    ``layers``: the transformer layers' backward, where the first layer to run its backward
+    holds its working set on top of what every layer keeps; ``rest``: the logits and the
+    loss, on top of what every layer keeps. ``work``: the attention's buffers at its peak
+    (``startrail_buffers``' names; ``(saved)`` ones are counted here with the layer).
+
+    Per layer, what megatron-core's layer saves for its backward (e = element bytes; C the
+    team size, 1 for a peer): the two norms' inputs and outputs, q's part of the QKV output
+    and the attention's output, and the residual, ``(5 + C) h`` with the team's q (``q``
+    itself when C = 1); K and V out of the QKV projection and K after RoPE, ``3 kv``; the
+    MLP's first projection, its activation and its product (``4 f`` gated, ``2 f`` not);
+    the dropout masks (2 h bytes); the norms' statistics. Full recompute keeps a layer's
+    input (h) only and rebuilds one layer's set in the backward; selective keeps all but
+    the team's q and K after RoPE. The tiled MLP keeps no MLP intermediate. The logits:
+    fp32 [tokens, vocab] once (megatron-core's cross-entropy works in place; a bf16 model's
+    logits are upcast, one more copy), ``1 + FUSED_CE_EXTRA`` times with the fused
+    cross-entropy, never with the tiled loss (a tile's logits are a fixed cost). Checked against the whole-step
+    benchmark (``startrail-bench --workload memory``; ``tests/test_planner.py``)."""
+    e, h = shape.elem_bytes, model.hidden
+    c = max(team_size, 1)
+    tok = shape.s_local * shape.batch
+    kv = shape.heads_kv * shape.head_dim
+    mlp = 0 if f.tiled_mlp else (4 if model.gated_mlp else 2) * model.ffn_hidden
+    layer_saved = e * ((5 + c) * h + 3 * kv + mlp) + (2 * h if f.dropout else 0) + 4 * 4
+    kept = {
+        "none": layer_saved,
+        "selective": layer_saved - e * (c * h + kv),
+        "full": e * h,
+    }[f.recompute]
+    before_attention = e * ((3 + c) * h + 3 * kv) + (h if f.dropout else 0)
+    unsaved = sum(v for k, v in work.items() if "(saved)" not in k) / tok
+    layers = model.layers * kept + before_attention + unsaved + e * h  # + d(out) in flight
+    vocab = model.vocab
+    logits = 0.0 if f.tiled_loss else (4 * vocab + (e * vocab if e != 4 else 0))
+    if f.ce_fusion:
+        logits += FUSED_CE_EXTRA * 4 * vocab
+    rest = model.layers * kept + 2 * e * h + logits
+    return {"layers": layers, "rest": rest, "step": max(layers, rest)}

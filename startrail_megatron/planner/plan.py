@@ -25,6 +25,8 @@ class Plan:
     """The fastest StarTrail (C, placement) that fits in memory (None if none fits)."""
     fastest: Prediction | None
     """The fastest fitting strategy of all, peers included."""
+    features: object = None
+    """The whole-step memory options (``memory.StepFeatures``), or None (the paper's model)."""
 
     def as_dict(self) -> dict:
         return {
@@ -36,6 +38,7 @@ class Plan:
             "rows": [r.as_dict() for r in self.rows],
             "recommended": self.recommended.as_dict() if self.recommended else None,
             "fastest": self.fastest.as_dict() if self.fastest else None,
+            "features": None if self.features is None else self.features.__dict__,
         }
 
 
@@ -49,10 +52,13 @@ def plan(
     elem_bytes: int = 2,
     recompute: bool = True,
     window: int | None = None,
+    features=None,
 ) -> Plan:
     """Predict every valid (C, placement) and the peers; recommend the fastest that fits.
 
     ``recompute``: full activation checkpointing (the layer's forward rerun in the backward).
+    ``features`` (``memory.StepFeatures``): the memory column is the whole step's under
+    those options (``predict``).
     ``window``: a causal sliding window of that many tokens on every layer
     (``startrail_attention(window=(window - 1, 0))``): StarTrail is charged the pairs in the
     window and the sub-ring steps it runs (``AttnShape.window``); the all-gather and Ulysses
@@ -78,7 +84,7 @@ def plan(
     win = None if window is None else (window - 1, 0)
     shape = AttnShape.for_model(model, seq_len, cp_size, batch, elem_bytes=elem_bytes, window=win)
     rows = [
-        predict(s, cluster, shape, model, recompute=recompute)
+        predict(s, cluster, shape, model, recompute=recompute, features=features)
         for s in candidate_strategies(cp_size, model.heads, model.kv_heads)
     ]
     fitting = [r for r in rows if r.fits]
@@ -92,4 +98,5 @@ def plan(
         rows,
         min(star, key=lambda r: r.layer_s) if star else None,
         min(fitting, key=lambda r: r.layer_s) if fitting else None,
+        features,
     )

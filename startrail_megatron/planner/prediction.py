@@ -104,6 +104,7 @@ def predict(
     model: ModelSpec | None = None,
     *,
     recompute: bool = True,
+    features=None,
 ) -> Prediction:
     """Predicted time, bytes and memory per rank of one strategy on one cluster.
 
@@ -111,7 +112,9 @@ def predict(
     iteration terms) and memory counts the attention's working set alone.
     ``recompute``: full activation checkpointing, as ``memory_bytes`` assumes (the
     paper's eqs. 8-10): the backward first reruns the layer's forward, attention and
-    its communication included.
+    its communication included. ``features`` (``memory.StepFeatures``): memory is the
+    whole training step's under those options (recompute, tilings, the fused loss; the
+    logits included) instead of the paper's full-checkpointing model.
     """
     if shape.cp_size > cluster.num_gpus:
         raise ValueError(
@@ -136,7 +139,7 @@ def predict(
         layer_fwd = fwd + t_qkvp + t_rest
         passes = 2 if recompute else 1
         layer = passes * layer_fwd + bwd + 2 * (t_qkvp + t_rest)  # dense backward = 2x forward
-        mem = memory_bytes(strategy, shape, model)["total"]
+        mem = memory_bytes(strategy, shape, model, features=features)["total"]
         sync, other = _iteration_extra(cluster, model, shape)
         step = model.layers * layer + sync + other
     else:

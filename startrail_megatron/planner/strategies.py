@@ -401,13 +401,21 @@ def buffer_bytes(
 
 
 def memory_bytes(
-    strategy: Strategy, shape: AttnShape, model: ModelSpec, zero_shards: int | None = None
+    strategy: Strategy,
+    shape: AttnShape,
+    model: ModelSpec,
+    zero_shards: int | None = None,
+    features: memory.StepFeatures | None = None,
 ) -> dict[str, float]:
     """Peak memory per rank (``memory.memory_breakdown`` of this strategy's attention
     working set): ``model_states``, ``checkpoints``, ``layer``, ``attention_work``,
-    ``total``."""
+    ``total``; with ``features``, the whole step's (``activations``, ``bytes_per_token``)."""
     work = strategy.spec.attention_work(strategy, shape)
-    return memory.memory_breakdown(work, shape, model, zero_shards)
+    named = None
+    if features is not None and strategy.kind == "startrail":
+        named = memory.startrail_buffers(strategy.team_size, shape)
+    team = strategy.team_size if strategy.kind == "startrail" else 1
+    return memory.memory_breakdown(work, shape, model, zero_shards, features, named, team)
 
 
 def attention_fn(strategy: Strategy, causal: bool) -> AttentionFn:

@@ -203,6 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(Transformer Engine's; needs it installed)",
     )
     g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument(
+        "--log-peak-memory",
+        nargs="?",
+        const="auto",
+        default=None,
+        choices=["auto", "live", "rss", "cuda"],
+        help="log each iteration's peak memory, the largest rank's: every live tensor (CPU "
+        "default 'live'), the resident set's high-water mark "
+        "('rss'), or the CUDA allocator's peak (GPU default)",
+    )
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", type=str, default=None)

@@ -13,6 +13,7 @@ progress on every rank, saves with ``--save`` and returns the log.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import time
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ...accounting import LocalShape, startrail_comm_bytes
+from ...bench.memory import PeakMemory, phase_hooks
 from ...schedule.layout import StarTrailLayout
 from ..registry import get_startrail_state
 from .autotune import autotune_team_size
@@ -107,8 +109,9 @@ def train(args: argparse.Namespace) -> list[dict]:
         for it in range(start + 1, args.train_iters + 1):
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
-            loss = forward_backward(args, model, next(batches))
-            grad_norm = optimizer_step(model, optimizer, args.clip_grad)
+            with _peak_memory(args, model) as mem:
+                loss = forward_backward(args, model, next(batches))
+                grad_norm = optimizer_step(model, optimizer, args.clip_grad)
             scheduler.step(args.global_batch_size)
             dt = time.perf_counter() - t0
             entry = {
@@ -120,6 +123,12 @@ def train(args: argparse.Namespace) -> list[dict]:
             }
             if grad_norm is not None:
                 entry["grad_norm"] = grad_norm
+            if mem is not None:
+                entry["peak_memory"] = _largest_rank(mem.peak)
+                phases = getattr(getattr(mem, "tracker", None), "phase_peaks", {})
+                for phase in ("decoder", "rest"):  # every rank has both: one all-reduce each
+                    if phase in phases:
+                        entry[f"peak_memory_{phase}"] = _largest_rank(phases[phase])
             if args.context_parallel_impl == "startrail":
                 entry["startrail"] = _startrail_bytes(args)
             if valid is not None and (it % args.eval_interval == 0 or it == args.train_iters):
@@ -158,6 +167,34 @@ def train(args: argparse.Namespace) -> list[dict]:
         if writer is not None:
             writer.close()
         teardown()
+
+
+@contextlib.contextmanager
+def _peak_memory(args, model):
+    """The iteration's peak memory on this rank (``--log-peak-memory``), or None; with
+    ``live``, also the peaks inside the transformer layers (the decoder's forward and
+    backward) and outside them (``bench.memory.phase_hooks``)."""
+    if not getattr(args, "log_peak_memory", None):
+        yield None
+        return
+    method = args.log_peak_memory
+    if method == "auto":
+        method = "cuda" if torch.cuda.is_available() else "live"
+    handles = []
+    try:
+        with PeakMemory(rank_device(), method, whole=True) as mem:
+            if method == "live":
+                handles = phase_hooks(model.module.decoder, mem.tracker, "decoder")
+            yield mem
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _largest_rank(value: float) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64, device=rank_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def evaluate(args: argparse.Namespace, model, valid) -> float:
@@ -239,6 +276,8 @@ def _print_iteration(args, e: dict) -> None:
     )
     if "val_loss" in e:
         line += f" | validation loss {e['val_loss']:.6f}"
+    if "peak_memory" in e:
+        line += f" | peak memory {e['peak_memory'] / 2**20:.1f} MiB"
     st = e.get("startrail")
     if st:
         saved = 1 - st["p2p"] / st["ring_p2p"] if st["ring_p2p"] else 0.0
