@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from common import own_rows_first_env
-from ds_common import CLIP, LR, REPO, SEQ, global_batches, reference_run, tiny_llama
+from ds_common import CLIP, LR, REPO, SEQ, STEPS, global_batches, reference_run, tiny_llama
 from ds_common import ds_config as make_cfg
 from harness import run_ranks
 
@@ -857,3 +857,76 @@ def test_flash_varlen_kwargs_become_position_ids_or_are_refused():
         with pytest.raises(ValueError, match=match):
             conv({"input_ids": ids, **bad}, ids.shape)
     assert conv({"input_ids": ids, "position_ids": None}, ids.shape) is None
+
+
+def _train_tiled_mlp(rank, world, cfg):
+    """``_train``, and the tiled MLPs' stats on this rank with the most rows a SiLU (the MLP's
+    intermediate, ``act_fn(gate_proj(x))``) had, forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from startrail_megatron.deepspeed import tiled_mlp
+
+    made, plain = [], tiled_mlp.tile_hf_mlps
+
+    def capture(model, tokens):
+        made.append(plain(model, tokens))
+        return made[-1]
+
+    class Rows(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.silu.default, torch.ops.aten.silu_backward.default):
+                Rows.rows = max(Rows.rows, out.shape[-2])
+            return out
+
+    tiled_mlp.tile_hf_mlps = capture
+    try:
+        with Rows():
+            res = _train(rank, world, cfg)
+    finally:
+        tiled_mlp.tile_hf_mlps = plain
+    counts = [
+        dict(layers=s.layers, calls=s.calls, shards=s.shards, rows=s.max_shard_rows) for s in made
+    ]
+    return (*res, counts, Rows.rows)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_tiled_mlp_matches_single_rank_and_keeps_one_shard(stage):
+    """``"tiled_mlp": 2`` (DeepSpeed's own ``TiledMLP``): the same losses and parameters as
+    the one-rank run without DeepSpeed (ZeRO 0 and 3: its gradients held back until the last
+    shard), the stats prove both layers' MLPs ran in 2 shards of 2 rows per call, and no
+    MLP intermediate is larger than a shard (4 local rows untiled)."""
+    cfg = make_cfg(stage, dp=1, startrail=_st(4, 2, tiled_mlp=2))
+    res = run_ranks(4, _train_tiled_mlp, cfg)
+    _check([r[:3] for r in res], world=4, p=4)
+    for *_, made, rows in res:
+        (stats,) = made
+        assert stats["layers"] == 2 and stats["rows"] == 2, stats
+        assert stats["calls"] >= 2 * STEPS and stats["shards"] == 2 * stats["calls"], stats
+        assert rows == 2, rows
+    plain = run_ranks(4, _train_tiled_mlp, make_cfg(stage, dp=1, startrail=_st(4, 2)))
+    assert all(r[-2] == [] and r[-1] == 4 for r in plain)  # untiled: the local 4 rows
+
+
+def test_tiled_mlp_refusals():
+    """A bad ``startrail.tiled_mlp`` is a ``ValueError`` naming the key; an MoE block is
+    refused by name (GPT-OSS' experts)."""
+    from test_deepspeed_models import build
+
+    from startrail_megatron.deepspeed.config import StarTrailConfig
+    from startrail_megatron.deepspeed.tiled_mlp import tile_hf_mlps
+
+    with pytest.raises(ValueError, match="startrail.tiled_mlp"):
+        StarTrailConfig.from_ds_config({"startrail": _st(4, 2, tiled_mlp=0)})
+    with pytest.raises(ValueError, match="startrail.tiled_mlp"):
+        StarTrailConfig.from_ds_config({"startrail": _st(4, 2, tiled_mlp="auto")})
+    with pytest.raises(ValueError, match="startrail.tiled_mlp: GptOssMLP is a mixture-of"):
+        tile_hf_mlps(build("gpt_oss", plain=True), 2)
+    llama = tiny_llama()
+    stats = tile_hf_mlps(llama, 2)
+    assert stats.layers == 2 and all("forward" in m.mlp.__dict__ for m in llama.model.layers)
+    stats.remove()
+    assert not any("forward" in m.mlp.__dict__ for m in llama.model.layers)

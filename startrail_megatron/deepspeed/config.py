@@ -10,7 +10,8 @@ section is still a valid plain DeepSpeed config::
         "placement": "team",
         "zero_mapping": "none",
         "own_rows_first": "auto",
-        "ulysses_size": 1
+        "ulysses_size": 1,
+        "tiled_mlp": null
     }
 
 The model follows DeepSpeed's own config models (``DeepSpeedConfigModel``:
@@ -73,6 +74,12 @@ class StarTrailConfig(DeepSpeedConfigModel):
     heads over U consecutive sequence-parallel ranks, StarTrail (``team_size``) over the
     P / U ranks holding the same heads. U divides P and the attention heads; 1 (default):
     StarTrail over all P ranks. No attention dropout and no ``hpz_team`` with U > 1 yet."""
+
+    tiled_mlp: int | None = Field(None, ge=1, strict=True)
+    """Tokens per shard of every decoder layer's MLP (transformers models): DeepSpeed's own
+    ``TiledMLP`` runs the MLP a sequence shard at a time and recomputes each shard in the
+    backward, so its intermediates exist for one shard (``deepspeed/tiled_mlp.py``).
+    None (default): untiled. Not for the Megatron GPT and DiT paths, nor MoE blocks."""
 
     @model_validator(mode="after")
     def _check(self) -> StarTrailConfig:

@@ -215,6 +215,11 @@ def initialize(
     import torch.distributed as dist
 
     st.check_world(dist.get_world_size())  # identical on every rank: fails before any group
+    if st.tiled_mlp is not None and (megatron_model or dit_model):
+        raise ValueError(
+            f"startrail.tiled_mlp={st.tiled_mlp} is for transformers models; for Megatron's "
+            "GPT use --startrail-tiled-mlp, the DiT path has no tiling yet: drop the key"
+        )
     if megatron_model:
         from .megatron_gpt import megatron_mpu, prepare_megatron_gpt
 
@@ -229,7 +234,7 @@ def initialize(
         st_mpu = StarTrailMPU.create(st)
         from .hf import prepare_hf_model
 
-        handle = prepare_hf_model(model, st_mpu)
+        handle = prepare_hf_model(model, st_mpu, tiled_mlp=st.tiled_mlp)
     stage = int(cfg["zero_optimization"].get("stage", 0))
     handle.grad_scale = float(st.sequence_parallel_size) if stage == 3 else 1.0
 

@@ -210,10 +210,15 @@ class HFHandle:
     """The documents of the packed row in the forward now running (None: not packed)."""
     dropout_calls: int = 0
     """Attention calls that ran attention dropout on this rank."""
+    tiled_mlp: object = None
+    """``tiled_mlp.TiledMLPStats`` when the MLPs are tiled (``prepare_hf_model(tiled_mlp=)``)."""
     _hooks: list = field(default_factory=list)
     _modules: list = field(default_factory=list)
 
     def remove(self) -> None:
+        if self.tiled_mlp is not None:
+            self.tiled_mlp.remove()
+            self.tiled_mlp = None
         for h in self._hooks:
             h.remove()
         for m in self._modules:
@@ -305,8 +310,12 @@ class HFHandle:
         return tuple(items[i] for i in range(len(output)))
 
 
-def prepare_hf_model(model: nn.Module, mpu: StarTrailMPU, *, shard_inputs: bool = True) -> HFHandle:
-    """Run a transformers causal LM on StarTrail (see the module docstring); reversible."""
+def prepare_hf_model(
+    model: nn.Module, mpu: StarTrailMPU, *, shard_inputs: bool = True, tiled_mlp: int | None = None
+) -> HFHandle:
+    """Run a transformers causal LM on StarTrail (see the module docstring); reversible.
+    ``tiled_mlp``: tokens per shard of every decoder layer's MLP (DeepSpeed's ``TiledMLP``,
+    ``tiled_mlp.py``); ``handle.tiled_mlp`` keeps what it did."""
     try:
         from transformers import AttentionInterface, PreTrainedModel
     except ImportError as e:  # pragma: no cover - the extra is pinned
@@ -334,6 +343,14 @@ def prepare_hf_model(model: nn.Module, mpu: StarTrailMPU, *, shard_inputs: bool 
     if not handle._modules:
         handle.remove()
         raise ValueError(f"found no attention modules (with is_causal) in {type(model).__name__}")
+    if tiled_mlp is not None:
+        from .tiled_mlp import tile_hf_mlps
+
+        try:
+            handle.tiled_mlp = tile_hf_mlps(model, tiled_mlp)
+        except ValueError:
+            handle.remove()
+            raise
     handle._hooks.append(model.register_forward_pre_hook(handle._pre_hook, with_kwargs=True))
     handle._hooks.append(model.register_forward_hook(handle._post_hook, with_kwargs=True))
     model._startrail_handle = handle
