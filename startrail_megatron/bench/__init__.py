@@ -7,7 +7,8 @@ What is measured and how: ``cli.py``'s docstring (the ``--help`` text).
   runner.py  one rank: each strategy checked against float64, its bytes, peak
              memory and timed rounds; the cost model calibrated and its predictions
   micro.py   the microbenchmarks the cost model is calibrated on
-  memory.py  ``PeakMemory``: CUDA allocator, PyTorch's MemTracker or RSS
+  memory.py  ``PeakMemory``: CUDA allocator, live tensors, PyTorch's MemTracker or RSS
+  step_memory.py, step_memory_report.py  ``--workload memory``: the whole step's memory
   report.py  the table and the PNG chart
 """
 

@@ -124,11 +124,7 @@ def train(args: argparse.Namespace) -> list[dict]:
             if grad_norm is not None:
                 entry["grad_norm"] = grad_norm
             if mem is not None:
-                entry["peak_memory"] = _largest_rank(mem.peak)
-                phases = getattr(getattr(mem, "tracker", None), "phase_peaks", {})
-                for phase in ("decoder", "rest"):  # every rank has both: one all-reduce each
-                    if phase in phases:
-                        entry[f"peak_memory_{phase}"] = _largest_rank(phases[phase])
+                entry.update(_largest_rank_peaks(mem))
             if args.context_parallel_impl == "startrail":
                 entry["startrail"] = _startrail_bytes(args)
             if valid is not None and (it % args.eval_interval == 0 or it == args.train_iters):
@@ -191,10 +187,18 @@ def _peak_memory(args, model):
             h.remove()
 
 
-def _largest_rank(value: float) -> float:
-    t = torch.tensor([float(value)], dtype=torch.float64, device=rank_device())
+def _largest_rank_peaks(mem) -> dict:
+    """The iteration's peak and its phases' (``live`` only), each the largest rank's, in one
+    all-reduce of a fixed-length vector (a phase a rank lacks is -1 there, so the ranks'
+    calls always match)."""
+    phases = getattr(getattr(mem, "tracker", None), "phase_peaks", {})
+    names = ("decoder", "rest")
+    values = [float(mem.peak)] + [float(phases.get(n, -1)) for n in names]
+    t = torch.tensor(values, dtype=torch.float64, device=rank_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    out = {"peak_memory": t[0].item()}
+    out.update({f"peak_memory_{n}": v.item() for n, v in zip(names, t[1:]) if v >= 0})
+    return out
 
 
 def evaluate(args: argparse.Namespace, model, valid) -> float:
