@@ -16,8 +16,9 @@ LR = 0.3
 CLIP = 1.0  # DeepSpeed's default; the reference clips alike, so the global norm is checked too
 
 
-def tiny_llama(attention_dropout: float = 0.0):
-    """A 2-layer Llama-family causal LM with GQA (4 query heads, 2 KV heads), fp32, seed 0."""
+def tiny_llama(attention_dropout: float = 0.0, tied: bool = False):
+    """A 2-layer Llama-family causal LM with GQA (4 query heads, 2 KV heads), fp32, seed 0;
+    ``tied``: lm_head shares the embedding's weight."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -28,7 +29,7 @@ def tiny_llama(attention_dropout: float = 0.0):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         attn_implementation="sdpa",
         attention_dropout=attention_dropout,
     )

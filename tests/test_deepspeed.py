@@ -3,6 +3,7 @@ ZeRO 1/2/3 and matches a single-rank run without sequence parallelism (fp32, 1e-
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -10,7 +11,7 @@ import os
 import pytest
 import torch
 from common import own_rows_first_env
-from ds_common import CLIP, LR, REPO, SEQ, STEPS, global_batches, reference_run, tiny_llama
+from ds_common import CLIP, LR, REPO, SEQ, STEPS, VOCAB, global_batches, reference_run, tiny_llama
 from ds_common import ds_config as make_cfg
 from harness import run_ranks
 
@@ -930,3 +931,182 @@ def test_tiled_mlp_refusals():
     assert stats.layers == 2 and all("forward" in m.mlp.__dict__ for m in llama.model.layers)
     stats.remove()
     assert not any("forward" in m.mlp.__dict__ for m in llama.model.layers)
+
+
+def _train_tiled_loss(rank, world, cfg, tied=False):
+    """``_train`` (of the tiny Llama with tied embeddings if ``tied``), the tiled loss's stats
+    on this rank, and the most rows the cross-entropy's log-softmax over the vocabulary had,
+    forward and backward."""
+    global tiny_llama
+    untied = tiny_llama
+    if tied:
+        tiny_llama = functools.partial(untied, tied=True)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from startrail_megatron.deepspeed import tiled_loss
+
+    made, plain = [], tiled_loss.tile_hf_loss
+
+    def capture(*args):
+        made.append(plain(*args))
+        return made[-1]
+
+    class Rows(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (
+                torch.ops.aten._log_softmax.default,
+                torch.ops.aten._log_softmax_backward_data.default,
+            ):  # the cross-entropy's [rows, vocab] (the MLP's width is VOCAB too)
+                Rows.rows = max(Rows.rows, out.numel() // VOCAB)
+            return out
+
+    tiled_loss.tile_hf_loss = capture
+    try:
+        with Rows():
+            res = _train(rank, world, cfg)
+    finally:
+        tiled_loss.tile_hf_loss, tiny_llama = plain, untied
+    counts = [dict(calls=s.calls, shards=s.shards, rows=s.max_shard_rows) for s in made]
+    return (*res, counts, Rows.rows)
+
+
+@pytest.mark.parametrize(
+    "stage, gas, tied", [(0, 1, False), (2, 2, False), (3, 1, False), (2, 1, True), (3, 2, True)]
+)
+def test_tiled_loss_matches_single_rank_and_keeps_one_shard(stage, gas, tied):
+    """``"tiled_loss": 2`` (DeepSpeed's own ``sequence_tiled_compute``): the same losses and
+    parameters as the one-rank run without DeepSpeed, lm_head's weight included (ZeRO 0, 2
+    with 2 micro-batches per step, 3 with its gradient scale: the weight gradient follows
+    the incoming gradient; with tied embeddings under ZeRO 2 and 3, whose gradient is reduced
+    once: DeepSpeed asserts on a second reduction); the stats prove 2 shards of 2 rows per
+    forward, and the cross-entropy never saw more than a shard's rows (untiled: the local 4)."""
+    cfg = make_cfg(stage, dp=1, startrail=_st(4, 2, tiled_loss=2))
+    cfg.update(gradient_accumulation_steps=gas, train_batch_size=gas)
+    res = run_ranks(4, _train_tiled_loss, cfg, tied)
+    ref = reference_run(gas, model=tiny_llama(tied=True)) if tied else _reference(gas)
+    _check([r[:3] for r in res], world=4, p=4, ref=ref)
+    for *_, made, rows in res:
+        assert made == [dict(calls=STEPS * gas, shards=2 * STEPS * gas, rows=2)], made
+        assert rows == 2, rows
+    if stage == 0:
+        plain = run_ranks(4, _train_tiled_loss, make_cfg(stage, dp=1, startrail=_st(4, 2)))
+        assert all(r[-2] == [] and r[-1] == 4 for r in plain)  # untiled: the local 4 rows
+
+
+def _tiled_loss_logits(rank, world, cfg):
+    """One forward with labels and the tiled loss on: its loss, and what reading the
+    output's logits raises; one forward without labels: real logits."""
+    _ds_env(rank, world)
+    model = tiny_llama()
+    engine, _, _, _ = sds.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg
+    )
+    ids, labels = global_batches(1)[0]
+    out = engine(input_ids=ids, labels=labels)
+    try:
+        out.logits.argmax(-1)
+        error = None
+    except NotImplementedError as e:
+        error = str(e)
+    with torch.no_grad():
+        logits = engine(input_ids=ids).logits
+    _teardown(engine)
+    return out.loss.item(), error, tuple(logits.shape), bool(torch.isfinite(logits).all())
+
+
+def test_tiled_loss_never_makes_logits_and_refuses_reading_them():
+    """With labels the logits are never made: using ``output.logits`` raises naming
+    ``startrail.tiled_loss``; without labels (evaluation, generation) lm_head runs as usual
+    (this rank's 4 tokens)."""
+    cfg = make_cfg(0, dp=1, startrail=_st(4, 2, tiled_loss=2))
+    for loss, error, shape, finite in run_ranks(4, _tiled_loss_logits, cfg):
+        assert loss == pytest.approx(_reference(1)[0][0], rel=1e-5)
+        assert error is not None and "startrail.tiled_loss" in error and "argmax" in error
+        assert shape == (1, SEQ // 4, VOCAB) and finite
+
+
+def test_tiled_loss_refusals():
+    """A bad ``startrail.tiled_loss``, a model that soft-caps its logits, a model without
+    ``lm_head``: ``ValueError`` naming the key; any use of deferred logits raises by name."""
+    from test_deepspeed_models import build
+
+    from startrail_megatron.deepspeed.config import StarTrailConfig
+    from startrail_megatron.deepspeed.tiled_loss import DeferredLogits, check_hf_loss
+
+    for bad in (0, "auto", 1.5):
+        with pytest.raises(ValueError, match="startrail.tiled_loss"):
+            StarTrailConfig.from_ds_config({"startrail": _st(4, 2, tiled_loss=bad)})
+    gemma = build("gemma2", plain=True)
+    check_hf_loss(gemma, 2)
+    gemma.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match=r"startrail.tiled_loss: .*final_logit_softcapping=30"):
+        check_hf_loss(gemma, 2)
+    with pytest.raises(ValueError, match="startrail.tiled_loss: LlamaModel has no lm_head"):
+        check_hf_loss(tiny_llama().model, 2)
+    llama = tiny_llama()
+    deferred = DeferredLogits(torch.zeros(1, 4, 32), llama.lm_head, VOCAB, "LlamaForCausalLM")
+    assert deferred.shape == (1, 4, VOCAB) and not deferred.requires_grad
+    for use in (lambda t: t * 2.0, lambda t: torch.tanh(t), lambda t: t.float()):
+        with pytest.raises(NotImplementedError, match="startrail.tiled_loss: LlamaForCausalLM"):
+            use(deferred)
+
+
+def _train_capped_hf(rank, world, cfg, seq, vocab, cap):
+    """One DeepSpeed step of a tiny Llama (vocabulary ``vocab``) on a ``seq``-token sequence,
+    every tensor an operator makes of ``cap`` bytes or more recorded as (op, shape, bytes)
+    (recorded, not raised, so every rank finishes its step); the loss."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _ds_env(rank, world)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+            attn_implementation="sdpa",
+        )  # fmt: skip
+    )
+    engine, _, _, _ = sds.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg
+    )
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(5))
+    over = []
+
+    class Cap(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= cap:
+                    over.append((str(func), tuple(t.shape), t.untyped_storage().nbytes()))
+            return out
+
+    with Cap():
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+    lengths = sorted(engine.startrail_handle.local_lengths)
+    _teardown(engine)
+    return loss.item(), over, lengths
+
+
+def test_no_tensor_quadratic_in_the_sequence_nor_sequence_by_vocabulary_hf():
+    """The transformers path at 8,192 tokens (2,048 per rank), vocabulary 4,096, with the
+    tiled loss and MLP: no tensor of 3 MiB or more anywhere in the step (forward, backward,
+    optimizer): not the logits (2,048 x 4,096 fp32 = 32 MiB per rank), no 4-D attention mask
+    (transformers builds none for StarTrail's implementation; the local causal one alone
+    would be 4 MiB, a full one 64 MiB), no attention scores of the local sequence. So no
+    such tensor could have been allocated under a 3 MiB limit. With the tiled loss off the
+    same step makes the logits, and fails."""
+    cap, seq, vocab = 3 * 2**20, 8192, 4096
+    cfg = make_cfg(0, dp=1, startrail=_st(4, 2, tiled_loss=64, tiled_mlp=128))
+    for loss, over, lengths in run_ranks(4, _train_capped_hf, cfg, seq, vocab, cap):
+        assert over == [], over[:5]
+        assert lengths == [seq // 4] and 8.0 < loss < 8.7  # ln(4096) = 8.3: it trained
+    cfg = make_cfg(0, dp=1, startrail=_st(4, 2, tiled_mlp=128))
+    for _, over, _ in run_ranks(4, _train_capped_hf, cfg, seq, vocab, cap):
+        assert any(shape[-1] == vocab and seq // 4 in shape for _, shape, _ in over), over[:5]

@@ -11,7 +11,8 @@ section is still a valid plain DeepSpeed config::
         "zero_mapping": "none",
         "own_rows_first": "auto",
         "ulysses_size": 1,
-        "tiled_mlp": null
+        "tiled_mlp": null,
+        "tiled_loss": null
     }
 
 The model follows DeepSpeed's own config models (``DeepSpeedConfigModel``:
@@ -80,6 +81,14 @@ class StarTrailConfig(DeepSpeedConfigModel):
     ``TiledMLP`` runs the MLP a sequence shard at a time and recomputes each shard in the
     backward, so its intermediates exist for one shard (``deepspeed/tiled_mlp.py``).
     None (default): untiled. Not for the Megatron GPT and DiT paths, nor MoE blocks."""
+
+    tiled_loss: int | None = Field(None, ge=1, strict=True)
+    """Tokens per shard of the output layer and the loss (transformers causal LMs): the
+    ``[tokens, vocab]`` logits exist for one shard, through DeepSpeed's own
+    ``sequence_tiled_compute`` (recomputed in the backward; ``deepspeed/tiled_loss.py``).
+    ``output.logits`` is then never made (reading it raises). None (default): untiled. Not
+    for the Megatron GPT (``--startrail-tiled-loss``) and DiT paths, nor models that scale or
+    soft-cap their logits before the loss."""
 
     @model_validator(mode="after")
     def _check(self) -> StarTrailConfig:

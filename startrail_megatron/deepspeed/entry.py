@@ -215,11 +215,19 @@ def initialize(
     import torch.distributed as dist
 
     st.check_world(dist.get_world_size())  # identical on every rank: fails before any group
-    if st.tiled_mlp is not None and (megatron_model or dit_model):
-        raise ValueError(
-            f"startrail.tiled_mlp={st.tiled_mlp} is for transformers models; for Megatron's "
-            "GPT use --startrail-tiled-mlp, the DiT path has no tiling yet: drop the key"
-        )
+    for key, flag in (
+        ("tiled_mlp", "--startrail-tiled-mlp"),
+        ("tiled_loss", "--startrail-tiled-loss"),
+    ):
+        if getattr(st, key) is not None and (megatron_model or dit_model):
+            raise ValueError(
+                f"startrail.{key}={getattr(st, key)} is for transformers models; for Megatron's "
+                f"GPT use {flag}, the DiT path has no tiling yet: drop the key"
+            )
+    if st.tiled_loss is not None and not (megatron_model or dit_model):
+        from .tiled_loss import check_hf_loss
+
+        check_hf_loss(model, st.tiled_loss)  # before any group is made
     if megatron_model:
         from .megatron_gpt import megatron_mpu, prepare_megatron_gpt
 
@@ -234,7 +242,7 @@ def initialize(
         st_mpu = StarTrailMPU.create(st)
         from .hf import prepare_hf_model
 
-        handle = prepare_hf_model(model, st_mpu, tiled_mlp=st.tiled_mlp)
+        handle = prepare_hf_model(model, st_mpu, tiled_mlp=st.tiled_mlp, tiled_loss=st.tiled_loss)
     stage = int(cfg["zero_optimization"].get("stage", 0))
     handle.grad_scale = float(st.sequence_parallel_size) if stage == 3 else 1.0
 

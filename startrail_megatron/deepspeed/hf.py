@@ -212,13 +212,17 @@ class HFHandle:
     """Attention calls that ran attention dropout on this rank."""
     tiled_mlp: object = None
     """``tiled_mlp.TiledMLPStats`` when the MLPs are tiled (``prepare_hf_model(tiled_mlp=)``)."""
+    tiled_loss: object = None
+    """``tiled_loss.TiledLossStats`` when the loss is tiled (``prepare_hf_model(tiled_loss=)``)."""
+    _defer_logits: list = field(default_factory=list)
     _hooks: list = field(default_factory=list)
     _modules: list = field(default_factory=list)
 
     def remove(self) -> None:
-        if self.tiled_mlp is not None:
-            self.tiled_mlp.remove()
-            self.tiled_mlp = None
+        for stats in (self.tiled_mlp, self.tiled_loss):
+            if stats is not None:
+                stats.remove()
+        self.tiled_mlp = self.tiled_loss = None
         for h in self._hooks:
             h.remove()
         for m in self._modules:
@@ -268,6 +272,9 @@ class HFHandle:
             kwargs.update(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
             if "shift_labels" in shard:
                 kwargs["shift_labels"] = shard["shift_labels"]
+        self._defer_logits.clear()
+        if kwargs.get("shift_labels") is not None and self.tiled_loss is not None:
+            self._defer_logits.append(True)
         if kwargs.get("shift_labels") is not None:
             kwargs["labels"] = kwargs["shift_labels"]  # non-None so transformers computes the loss
             if kwargs.get("num_items_in_batch") is None:
@@ -311,11 +318,18 @@ class HFHandle:
 
 
 def prepare_hf_model(
-    model: nn.Module, mpu: StarTrailMPU, *, shard_inputs: bool = True, tiled_mlp: int | None = None
+    model: nn.Module,
+    mpu: StarTrailMPU,
+    *,
+    shard_inputs: bool = True,
+    tiled_mlp: int | None = None,
+    tiled_loss: int | None = None,
 ) -> HFHandle:
     """Run a transformers causal LM on StarTrail (see the module docstring); reversible.
     ``tiled_mlp``: tokens per shard of every decoder layer's MLP (DeepSpeed's ``TiledMLP``,
-    ``tiled_mlp.py``); ``handle.tiled_mlp`` keeps what it did."""
+    ``tiled_mlp.py``); ``tiled_loss``: tokens per shard of the output layer and the loss
+    (DeepSpeed's ``sequence_tiled_compute``, ``tiled_loss.py``); ``handle.tiled_mlp`` and
+    ``handle.tiled_loss`` keep what they did."""
     try:
         from transformers import AttentionInterface, PreTrainedModel
     except ImportError as e:  # pragma: no cover - the extra is pinned
@@ -343,14 +357,18 @@ def prepare_hf_model(
     if not handle._modules:
         handle.remove()
         raise ValueError(f"found no attention modules (with is_causal) in {type(model).__name__}")
-    if tiled_mlp is not None:
-        from .tiled_mlp import tile_hf_mlps
+    try:
+        if tiled_mlp is not None:
+            from .tiled_mlp import tile_hf_mlps
 
-        try:
             handle.tiled_mlp = tile_hf_mlps(model, tiled_mlp)
-        except ValueError:
-            handle.remove()
-            raise
+        if tiled_loss is not None:
+            from .tiled_loss import tile_hf_loss
+
+            handle.tiled_loss = tile_hf_loss(model, tiled_loss, handle._defer_logits)
+    except ValueError:
+        handle.remove()
+        raise
     handle._hooks.append(model.register_forward_pre_hook(handle._pre_hook, with_kwargs=True))
     handle._hooks.append(model.register_forward_hook(handle._post_hook, with_kwargs=True))
     model._startrail_handle = handle
