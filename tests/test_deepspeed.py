@@ -1066,8 +1066,13 @@ def _train_capped_hf(rank, world, cfg, seq, vocab, cap):
     torch.manual_seed(0)
     model = LlamaForCausalLM(
         LlamaConfig(
-            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=seq,
             attn_implementation="sdpa",
         )  # fmt: skip
     )
