@@ -168,6 +168,42 @@ def test_live_tensor_bytes_reads_known_allocations():
     del keep
 
 
+def test_phase_hooks_count_a_keyword_called_modules_backward_in_its_phase():
+    """``phase_hooks``: what a module's forward and backward make is counted in its phase,
+    also when it is called with keywords (as Megatron calls its decoder), whose module
+    backward hooks would fire before its backward ran; the rest outside it."""
+    import torch
+
+    from startrail_megatron.bench.memory import LiveTensorBytes, phase_hooks
+
+    mib = 2**20
+
+    class BigBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            scratch = torch.ones(32 * mib // 4)  # 32 MiB made inside the module's backward
+            return g * 2 + scratch[:1] * 0
+
+    class Inner(torch.nn.Module):
+        def forward(self, *, hidden):
+            return BigBackward.apply(torch.ones(16 * mib // 4) + hidden)  # 16 MiB forward
+
+    m = Inner()
+    x = torch.zeros(1, requires_grad=True)
+    with LiveTensorBytes() as t:
+        handles = phase_hooks(m, t, "inner")
+        y = m(hidden=x * 1)
+        (y.sum() * 3).backward()
+        for h in handles:
+            h.remove()
+    assert t.phase_peaks["inner"] - t.phase_peaks["rest"] >= 32 * mib, t.phase_peaks
+    assert t.phase_peaks["rest"] < 20 * mib, t.phase_peaks  # the forward's 16 MiB is kept
+
+
 def test_step_memory_line_and_longest_sequence():
     from startrail_megatron.bench.step_memory import fit_line, longest_sequence
 

@@ -83,10 +83,18 @@ def phase_hooks(module: torch.nn.Module, tracker: LiveTensorBytes, name: str) ->
     """Make ``tracker`` count what happens inside ``module``'s forward and backward as phase
     ``name`` (and the rest as ``"rest"``); returns the hook handles (``.remove()`` each).
 
+    The forward is bracketed by forward hooks. The backward is bracketed by gradient hooks
+    on the tensors themselves: it starts when the gradient of the module's output arrives
+    and ends when the gradients of its inputs are made. (Module backward hooks cannot do
+    it: they see positional inputs only, and a module called with keywords, as Megatron
+    calls its decoder, has its "backward done" hook fired at once, so its backward would
+    be counted outside.)
+
     A step's peak is the larger of its phases' peaks, each of which grows with the sequence
-    at its own rate: a transformer's layers (``name``) with their kept activations, the rest
-    with the logits and the loss, whose fixed costs (a tile, the output layer's weight
-    gradient) can hold the whole step's peak at short lengths and hide the layers' slope."""
+    at its own rate: a transformer's layers (``name``) with their kept activations and
+    their backward's buffers, the rest with the logits and the loss, whose fixed costs (a
+    tile, the output layer's weight gradient) can hold the whole step's peak at short
+    lengths and hide the layers' slope."""
 
     def enter(*_):
         tracker.phase = name
@@ -94,11 +102,22 @@ def phase_hooks(module: torch.nn.Module, tracker: LiveTensorBytes, name: str) ->
     def leave(*_):
         tracker.phase = "rest"
 
+    def grads(tree) -> list:
+        return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def pre(_module, args, kwargs):
+        enter()
+        for t in grads((args, kwargs)):
+            t.register_hook(leave)  # its gradient made: the module's backward is over
+
+    def post(_module, args, kwargs, output):
+        leave()
+        for t in grads(output):
+            t.register_hook(enter)  # the output's gradient arrived: the backward starts
+
     return [
-        module.register_forward_pre_hook(enter),
-        module.register_forward_hook(leave),
-        module.register_full_backward_pre_hook(enter),
-        module.register_full_backward_hook(leave),
+        module.register_forward_pre_hook(pre, with_kwargs=True),
+        module.register_forward_hook(post, with_kwargs=True),
     ]
 
 
