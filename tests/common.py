@@ -184,3 +184,32 @@ def assert_padding_rows_zero(per_rank, lengths, p: int) -> None:
         for what, x in zip(("out", "dq", "dk", "dv"), tensors, strict=True):
             assert x.shape[0] == pad.shape[0], (what, tuple(x.shape))
             assert (x[pad] == 0).all(), f"rank {r}: {what} is not zero on a padding row"
+
+
+class AllocationCap:
+    """A dispatch mode that records every tensor an operator makes of ``cap`` bytes or more
+    as (op, shape, bytes) in ``over`` (recorded rather than raised, so every rank of a
+    multi-rank step finishes it): forward, backward, recompute and optimizer alike."""
+
+    def __init__(self, cap: int):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        over = self.over = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= cap:
+                        over.append((str(func), tuple(t.shape), t.untyped_storage().nbytes()))
+                return out
+
+        self._mode = Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)

@@ -16,19 +16,21 @@ LR = 0.3
 CLIP = 1.0  # DeepSpeed's default; the reference clips alike, so the global norm is checked too
 
 
-def tiny_llama(attention_dropout: float = 0.0, tied: bool = False):
+def tiny_llama(
+    attention_dropout: float = 0.0, tied: bool = False, vocab: int = VOCAB, positions: int = 64
+):
     """A 2-layer Llama-family causal LM with GQA (4 query heads, 2 KV heads), fp32, seed 0;
-    ``tied``: lm_head shares the embedding's weight."""
+    ``tied``: lm_head shares the embedding's weight; ``vocab`` words, ``positions`` long."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=positions,
         tie_word_embeddings=tied,
         attn_implementation="sdpa",
         attention_dropout=attention_dropout,

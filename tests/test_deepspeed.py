@@ -3,14 +3,13 @@ ZeRO 1/2/3 and matches a single-rank run without sequence parallelism (fp32, 1e-
 
 from __future__ import annotations
 
-import functools
 import gc
 import json
 import os
 
 import pytest
 import torch
-from common import own_rows_first_env
+from common import AllocationCap, own_rows_first_env
 from ds_common import CLIP, LR, REPO, SEQ, STEPS, VOCAB, global_batches, reference_run, tiny_llama
 from ds_common import ds_config as make_cfg
 from harness import run_ranks
@@ -55,12 +54,19 @@ def _ds_env(rank: int, world: int) -> None:
     )
 
 
-def _train(rank: int, world: int, cfg: dict, use_adapter: bool = False, as_tuple: bool = False):
+def _train(
+    rank: int,
+    world: int,
+    cfg: dict,
+    use_adapter: bool = False,
+    as_tuple: bool = False,
+    tied: bool = False,
+):
     _ds_env(rank, world)
     st = cfg["startrail"]
     p = st["sequence_parallel_size"]
     dp, d = world // p, rank // p
-    model = tiny_llama()
+    model = tiny_llama(tied=tied)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     engine, _, _, _ = sds.initialize(model=model, optimizer=opt, config=cfg)
     mpu = engine.startrail_mpu
@@ -860,17 +866,22 @@ def test_flash_varlen_kwargs_become_position_ids_or_are_refused():
     assert conv({"input_ids": ids, "position_ids": None}, ids.shape) is None
 
 
-def _train_tiled_mlp(rank, world, cfg):
-    """``_train``, and the tiled MLPs' stats on this rank with the most rows a SiLU (the MLP's
-    intermediate, ``act_fn(gate_proj(x))``) had, forward and backward."""
+def _train_tiled(rank, world, cfg, module, ops, tied=False):
+    """``_train``, with ``deepspeed.<module>``'s tiling function (``tile_hf_mlps`` or
+    ``tile_hf_loss``) wrapped to keep the stats it makes on this rank, and the most rows any
+    output of the aten ``ops`` had (its elements over its last dimension; batch 1), forward
+    and backward."""
+    import importlib
+
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from startrail_megatron.deepspeed import tiled_mlp
+    mod = importlib.import_module(f"startrail_megatron.deepspeed.{module}")
+    name = "tile_hf_mlps" if module == "tiled_mlp" else "tile_hf_loss"
+    made, plain = [], getattr(mod, name)
+    watched = {getattr(torch.ops.aten, op).default for op in ops}
 
-    made, plain = [], tiled_mlp.tile_hf_mlps
-
-    def capture(model, tokens):
-        made.append(plain(model, tokens))
+    def capture(*args):
+        made.append(plain(*args))
         return made[-1]
 
     class Rows(TorchDispatchMode):
@@ -878,20 +889,25 @@ def _train_tiled_mlp(rank, world, cfg):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.silu.default, torch.ops.aten.silu_backward.default):
-                Rows.rows = max(Rows.rows, out.shape[-2])
+            if func in watched:
+                Rows.rows = max(Rows.rows, out.numel() // out.shape[-1])
             return out
 
-    tiled_mlp.tile_hf_mlps = capture
+    setattr(mod, name, capture)
     try:
         with Rows():
-            res = _train(rank, world, cfg)
+            res = _train(rank, world, cfg, tied=tied)
     finally:
-        tiled_mlp.tile_hf_mlps = plain
-    counts = [
-        dict(layers=s.layers, calls=s.calls, shards=s.shards, rows=s.max_shard_rows) for s in made
-    ]
+        setattr(mod, name, plain)
+    keys = ("layers", "calls", "shards") if module == "tiled_mlp" else ("calls", "shards")
+    counts = [{**{k: getattr(s, k) for k in keys}, "rows": s.max_shard_rows} for s in made]
     return (*res, counts, Rows.rows)
+
+
+_MLP_OPS = ("silu", "silu_backward")
+"""The MLP's intermediate, ``act_fn(gate_proj(x))``, forward and backward."""
+_LOSS_OPS = ("_log_softmax", "_log_softmax_backward_data")
+"""The cross-entropy's ``[rows, vocab]`` (the tiny Llama's MLP is VOCAB wide too)."""
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -901,14 +917,16 @@ def test_tiled_mlp_matches_single_rank_and_keeps_one_shard(stage):
     shard), the stats prove both layers' MLPs ran in 2 shards of 2 rows per call, and no
     MLP intermediate is larger than a shard (4 local rows untiled)."""
     cfg = make_cfg(stage, dp=1, startrail=_st(4, 2, tiled_mlp=2))
-    res = run_ranks(4, _train_tiled_mlp, cfg)
+    res = run_ranks(4, _train_tiled, cfg, "tiled_mlp", _MLP_OPS)
     _check([r[:3] for r in res], world=4, p=4)
     for *_, made, rows in res:
         (stats,) = made
         assert stats["layers"] == 2 and stats["rows"] == 2, stats
         assert stats["calls"] >= 2 * STEPS and stats["shards"] == 2 * stats["calls"], stats
         assert rows == 2, rows
-    plain = run_ranks(4, _train_tiled_mlp, make_cfg(stage, dp=1, startrail=_st(4, 2)))
+    plain = run_ranks(
+        4, _train_tiled, make_cfg(stage, dp=1, startrail=_st(4, 2)), "tiled_mlp", _MLP_OPS
+    )
     assert all(r[-2] == [] and r[-1] == 4 for r in plain)  # untiled: the local 4 rows
 
 
@@ -933,46 +951,6 @@ def test_tiled_mlp_refusals():
     assert not any("forward" in m.mlp.__dict__ for m in llama.model.layers)
 
 
-def _train_tiled_loss(rank, world, cfg, tied=False):
-    """``_train`` (of the tiny Llama with tied embeddings if ``tied``), the tiled loss's stats
-    on this rank, and the most rows the cross-entropy's log-softmax over the vocabulary had,
-    forward and backward."""
-    global tiny_llama
-    untied = tiny_llama
-    if tied:
-        tiny_llama = functools.partial(untied, tied=True)
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from startrail_megatron.deepspeed import tiled_loss
-
-    made, plain = [], tiled_loss.tile_hf_loss
-
-    def capture(*args):
-        made.append(plain(*args))
-        return made[-1]
-
-    class Rows(TorchDispatchMode):
-        rows = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in (
-                torch.ops.aten._log_softmax.default,
-                torch.ops.aten._log_softmax_backward_data.default,
-            ):  # the cross-entropy's [rows, vocab] (the MLP's width is VOCAB too)
-                Rows.rows = max(Rows.rows, out.numel() // VOCAB)
-            return out
-
-    tiled_loss.tile_hf_loss = capture
-    try:
-        with Rows():
-            res = _train(rank, world, cfg)
-    finally:
-        tiled_loss.tile_hf_loss, tiny_llama = plain, untied
-    counts = [dict(calls=s.calls, shards=s.shards, rows=s.max_shard_rows) for s in made]
-    return (*res, counts, Rows.rows)
-
-
 @pytest.mark.parametrize(
     "stage, gas, tied", [(0, 1, False), (2, 2, False), (3, 1, False), (2, 1, True), (3, 2, True)]
 )
@@ -985,14 +963,16 @@ def test_tiled_loss_matches_single_rank_and_keeps_one_shard(stage, gas, tied):
     forward, and the cross-entropy never saw more than a shard's rows (untiled: the local 4)."""
     cfg = make_cfg(stage, dp=1, startrail=_st(4, 2, tiled_loss=2))
     cfg.update(gradient_accumulation_steps=gas, train_batch_size=gas)
-    res = run_ranks(4, _train_tiled_loss, cfg, tied)
+    res = run_ranks(4, _train_tiled, cfg, "tiled_loss", _LOSS_OPS, tied)
     ref = reference_run(gas, model=tiny_llama(tied=True)) if tied else _reference(gas)
     _check([r[:3] for r in res], world=4, p=4, ref=ref)
     for *_, made, rows in res:
         assert made == [dict(calls=STEPS * gas, shards=2 * STEPS * gas, rows=2)], made
         assert rows == 2, rows
     if stage == 0:
-        plain = run_ranks(4, _train_tiled_loss, make_cfg(stage, dp=1, startrail=_st(4, 2)))
+        plain = run_ranks(
+            4, _train_tiled, make_cfg(stage, dp=1, startrail=_st(4, 2)), "tiled_loss", _LOSS_OPS
+        )
         assert all(r[-2] == [] and r[-1] == 4 for r in plain)  # untiled: the local 4 rows
 
 
@@ -1058,45 +1038,19 @@ def _train_capped_hf(rank, world, cfg, seq, vocab, cap):
     """One DeepSpeed step of a tiny Llama (vocabulary ``vocab``) on a ``seq``-token sequence,
     every tensor an operator makes of ``cap`` bytes or more recorded as (op, shape, bytes)
     (recorded, not raised, so every rank finishes its step); the loss."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     _ds_env(rank, world)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=seq,
-            attn_implementation="sdpa",
-        )  # fmt: skip
-    )
+    model = tiny_llama(vocab=vocab, positions=seq)
     engine, _, _, _ = sds.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg
     )
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(5))
-    over = []
-
-    class Cap(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= cap:
-                    over.append((str(func), tuple(t.shape), t.untyped_storage().nbytes()))
-            return out
-
-    with Cap():
+    with AllocationCap(cap) as capped:
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
     lengths = sorted(engine.startrail_handle.local_lengths)
     _teardown(engine)
-    return loss.item(), over, lengths
+    return loss.item(), capped.over, lengths
 
 
 def test_no_tensor_quadratic_in_the_sequence_nor_sequence_by_vocabulary_hf():

@@ -18,7 +18,7 @@ warnings.filterwarnings(
 )
 megatron = pytest.importorskip("megatron.core")  # imported once here, before the ranks fork
 
-from common import own_rows_first_env  # noqa: E402
+from common import AllocationCap, own_rows_first_env  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
     get_gpt_decoder_block_spec,
@@ -303,22 +303,9 @@ def _train_capped(rank, world, argv, steps, cap):
     """``_train`` (losses only) with an allocation cap: every tensor an operator makes of
     ``cap`` bytes or more, forward, backward or optimizer, is recorded as (op, shape,
     bytes) and returned (recorded rather than raised, so every rank finishes its step)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    over = []
-
-    class Cap(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= cap:
-                    over.append((str(func), tuple(t.shape), t.untyped_storage().nbytes()))
-            return out
-
-    with Cap():
+    with AllocationCap(cap) as capped:
         losses = _train(rank, world, argv, steps, grads=False)[0]
-    return losses, over
+    return losses, capped.over
 
 
 def test_no_tensor_quadratic_in_the_sequence_nor_sequence_by_vocabulary():

@@ -11,7 +11,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveTensorBytes", "PeakMemory", "phase_hooks"]
+__all__ = ["PHASES", "LiveTensorBytes", "PeakMemory", "phase_hooks"]
+
+PHASES = ("decoder", "rest")
+"""The phases of a step whose peaks the GPT entry point logs (``--log-peak-memory``):
+``phase_hooks(decoder, tracker, "decoder")`` names the first, the rest is ``"rest"``."""
 
 
 def _status_kib(field: str) -> int:

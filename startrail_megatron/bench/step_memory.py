@@ -44,8 +44,8 @@ import time
 
 import torch
 
-from .memory import PeakMemory
-from .step_memory_report import MIB, PHASES, format_table, write_png
+from .memory import PHASES, PeakMemory
+from .step_memory_report import MIB, format_table, write_png
 
 __all__ = ["CONFIGS", "build_parser", "fit_line", "longest_sequence", "main", "run"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 __all__ = ["format_table", "write_png"]
 
+from .memory import PHASES
+
 MIB = 2**20
-PHASES = ("decoder", "rest")
-"""The phases of a step the entry point logs peaks of (``--log-peak-memory``)."""
 
 
 def format_table(report: dict) -> str:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ...accounting import LocalShape, startrail_comm_bytes
-from ...bench.memory import PeakMemory, phase_hooks
+from ...bench.memory import PHASES, PeakMemory, phase_hooks
 from ...schedule.layout import StarTrailLayout
 from ..registry import get_startrail_state
 from .autotune import autotune_team_size
@@ -180,7 +180,7 @@ def _peak_memory(args, model):
     try:
         with PeakMemory(rank_device(), method, whole=True) as mem:
             if method == "live":
-                handles = phase_hooks(model.module.decoder, mem.tracker, "decoder")
+                handles = phase_hooks(model.module.decoder, mem.tracker, PHASES[0])
             yield mem
     finally:
         for h in handles:
@@ -192,12 +192,11 @@ def _largest_rank_peaks(mem) -> dict:
     all-reduce of a fixed-length vector (a phase a rank lacks is -1 there, so the ranks'
     calls always match)."""
     phases = getattr(getattr(mem, "tracker", None), "phase_peaks", {})
-    names = ("decoder", "rest")
-    values = [float(mem.peak)] + [float(phases.get(n, -1)) for n in names]
+    values = [float(mem.peak)] + [float(phases.get(n, -1)) for n in PHASES]
     t = torch.tensor(values, dtype=torch.float64, device=rank_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     out = {"peak_memory": t[0].item()}
-    out.update({f"peak_memory_{n}": v.item() for n, v in zip(names, t[1:]) if v >= 0})
+    out.update({f"peak_memory_{n}": v.item() for n, v in zip(PHASES, t[1:]) if v >= 0})
     return out
 
 
