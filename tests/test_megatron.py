@@ -253,6 +253,62 @@ def test_tiled_mlp_matches_the_untiled_mlp(tp):
         assert stats.tiles == stats.calls * -(-s_local // 3) and stats.max_tile_rows == 3, stats
 
 
+def test_sequence_tiled_sums_parameter_gradients_holding_two_copies_at_most():
+    """``sequence_tiled``'s parameter gradients, against the untiled float64 graph: a
+    weight through a matmul (a fresh gradient per tile: the first is kept as the sum), a
+    bias added to every row (its gradient a sum), a same-shaped parameter added to a tile
+    (whose gradient is the incoming gradient itself, which must not be summed into in
+    place), a parameter the run never uses (zeros), a bf16 weight (summed in fp32; float64 ones in float64). And the
+    backward holds at most two weight-sized gradients (the sum and one tile's): a third, the
+    previous tile's, was alive while the next was made."""
+    from startrail_megatron.bench.memory import LiveTensorBytes
+    from startrail_megatron.megatron.tiling import TileStats, sequence_tiled
+
+    torch.manual_seed(0)
+    rows, hid, out = 10, 6, 5
+    hidden = torch.randn(rows, hid, dtype=torch.float64)
+    w = torch.randn(out, hid, dtype=torch.float64)
+    b = torch.randn(out, dtype=torch.float64)
+    same = torch.randn(3, out, dtype=torch.float64)
+    unused = torch.randn(2, dtype=torch.float64)
+    wb = torch.randn(out, hid, dtype=torch.float64)
+
+    def run(x, start, w, b, same, unused, wb):
+        y = x @ w.t() + b + x.to(wb.dtype) @ wb.t()
+        pad = torch.zeros_like(y)
+        pad[: min(3, y.shape[0])] = same[: min(3, y.shape[0])]
+        return y + pad if start == 0 else y
+
+    def leaves(wb_dtype):
+        out = [t.clone().requires_grad_() for t in (w, b, same, unused)]
+        return out + [wb.to(wb_dtype, copy=True).requires_grad_()]
+
+    for wb_dtype in (torch.float64, torch.bfloat16):  # the untiled graph, same dtypes
+        params, h = leaves(wb_dtype), hidden.clone().requires_grad_()
+        run(h, 0, *params).pow(2).sum().backward()
+        want = [h.grad] + [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        params, h = leaves(wb_dtype), hidden.clone().requires_grad_()
+        tiled = functools.partial(lambda x, i, ps: run(x, i, *ps), ps=params)
+        got = sequence_tiled(tiled, TileStats(tokens=4), h, *params)
+        got.pow(2).sum().backward()
+        grads = [h.grad] + [p.grad for p in params]
+        for name, g, r in zip(["hidden", "w", "b", "same", "unused", "wb"], grads, want):
+            # a bf16 weight's gradient: bf16 per tile, summed in fp32 (bf16 once untiled)
+            tol = 1e-2 if (name == "wb" and wb_dtype == torch.bfloat16) else 1e-12
+            assert g.shape == r.shape and g.dtype == r.dtype, (name, g.dtype, r.dtype)
+            err = (g.double() - r.double()).abs().max()
+            assert err <= tol * r.double().abs().max().clamp_min(1), (name, wb_dtype, err)
+
+    big = torch.randn(4096, 64, requires_grad=True)  # 1 MiB: the output layer's role
+    x = torch.randn(32, 64, requires_grad=True)
+    y = sequence_tiled(lambda t, i: t @ big.t(), TileStats(tokens=8), x, big)
+    with LiveTensorBytes() as live:
+        base = live.current
+        y.sum().backward()
+        extra = live.peak - base
+    assert extra < 2.5 * big.numel() * 4, extra / (big.numel() * 4)
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_tiled_mlp_keeps_one_tiles_intermediate(recompute):
     """The largest MLP intermediate ([s, b, 2 x ffn] out of SwiGLU's first linear) a rank
@@ -425,6 +481,30 @@ def _grad_norm(rank, world, argv):
         return T.clip_grad_norm(model, 0.0)
     finally:
         T.teardown()
+
+
+def test_grad_norm_is_float64_exact_without_a_whole_float64_copy():
+    """The clipping norm accumulates in float64 a piece at a time: the same sum as a whole
+    float64 copy (uneven last piece included), and no tensor the size of the gradient in
+    float64 is ever made (two of them were the step's largest fixed cost)."""
+    from startrail_megatron.megatron.training.step import squared_norm_fp64
+
+    g = torch.randn(1000, 37) * 1e3
+    want = g.double().pow(2).sum()
+    for chunk in (7, 1000, 37_000, 1 << 20):
+        got = squared_norm_fp64(g, chunk)
+        assert got.dtype == torch.float64 and abs(got - want) <= 1e-12 * want, (chunk, got, want)
+    from startrail_megatron.bench.memory import LiveTensorBytes
+
+    def extra_peak(fn) -> int:  # bytes above what was live at entry (g among them)
+        with LiveTensorBytes() as live:
+            base = live.current
+            fn()
+        return live.peak - base
+
+    assert extra_peak(lambda: squared_norm_fp64(g, 1000)) <= 3 * 8 * 1000
+    old = extra_peak(lambda: g.double().pow(2).sum())  # a whole copy: the tracker sees it
+    assert old >= 2 * 8 * g.numel(), old
 
 
 def test_grad_norm_counts_tp_shards_once():

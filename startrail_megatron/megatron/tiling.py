@@ -5,7 +5,9 @@ backward: what the tiled loss (``tiled_loss.py``) and the tiled MLPs (``tiled_ml
 each tile of ``hidden``'s first (sequence) dimension without keeping anything but its input,
 and concatenates the results; the backward calls ``run`` again on each tile with gradients
 and takes that tile's gradients at once, so only one tile's intermediates are ever alive,
-and sums the gradients of ``params`` (the leaves ``run`` uses) over the tiles in fp32.
+and sums the gradients of ``params`` (the leaves ``run`` uses) over the tiles in fp32 (float64 ones in float64). A
+parameter as large as the output layer's (vocabulary x hidden) is held twice at most: the
+sum (the first tile's gradient itself) and one tile's gradient.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class TileStats:
         return range(0, rows, self.tokens)
 
 
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a tiled gradient is summed in: fp32, or the gradient's own if wider."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 class _SequenceTiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, stats, hidden, *params):
@@ -51,7 +58,8 @@ class _SequenceTiled(torch.autograd.Function):
         hidden, *params = ctx.saved_tensors
         tile = ctx.tile
         d_hidden = torch.empty_like(hidden)
-        d_params = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
+        d_params: list[torch.Tensor | None] = [None] * len(params)
+        taken = {t.untyped_storage().data_ptr() for t in (grad, hidden, *params)}
         for i in range(0, hidden.shape[0], tile):
             with torch.enable_grad():
                 h = hidden[i : i + tile].detach().requires_grad_()
@@ -59,10 +67,18 @@ class _SequenceTiled(torch.autograd.Function):
                     ctx.run(h, i), (h, *params), grad[i : i + tile], allow_unused=True
                 )
             d_hidden[i : i + tile] = grads[0]
-            for acc, g in zip(d_params, grads[1:]):
-                if g is not None:
-                    acc += g
-        return (None, None, d_hidden, *(g.to(p.dtype) for g, p in zip(d_params, params)))
+            for k, g in enumerate(grads[1:]):
+                if g is None:
+                    continue
+                if d_params[k] is not None:
+                    d_params[k] += g
+                elif g.dtype == acc_dtype(g) and g.untyped_storage().data_ptr() not in taken:
+                    d_params[k] = g  # the first tile's own gradient becomes the sum
+                else:
+                    d_params[k] = g.to(acc_dtype(g), copy=True)
+            del grads, g  # the next tile's gradients must not meet these (a parameter each)
+        d_params = [torch.zeros_like(p) if d is None else d for d, p in zip(d_params, params)]
+        return (None, None, d_hidden, *(d.to(p.dtype) for d, p in zip(d_params, params)))
 
 
 def sequence_tiled(run, stats: TileStats, hidden, *params):

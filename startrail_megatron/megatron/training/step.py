@@ -106,6 +106,23 @@ def forward_backward(
     return loss_sum.item() / total
 
 
+NORM_CHUNK = 1 << 20
+"""Elements per float64 piece of ``squared_norm_fp64``: 8 MiB of float64 at a time."""
+
+
+def squared_norm_fp64(t: torch.Tensor, chunk: int = NORM_CHUNK) -> torch.Tensor:
+    """The sum of ``t``'s squares accumulated in float64, one ``chunk`` of elements at a
+    time: a whole-tensor ``t.double().pow(2)`` would hold two float64 copies of the largest
+    gradient (the embedding's: 196 MiB at vocabulary 50,257 and hidden 256), the step's
+    largest fixed cost."""
+    flat = t.detach().reshape(-1)
+    sq = torch.zeros((), dtype=torch.float64, device=t.device)
+    for piece in flat.split(chunk):
+        d = piece.double()
+        sq += torch.dot(d, d)
+    return sq
+
+
 def clip_grad_norm(model, max_norm: float) -> float:
     """Megatron's global gradient-norm clipping on ``.grad``, for the CPU optimizer path.
 
@@ -120,7 +137,7 @@ def clip_grad_norm(model, max_norm: float) -> float:
     sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
     for p in model.parameters():
         if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
-            sq += p.grad.double().pow(2).sum()
+            sq += squared_norm_fp64(p.grad)
     dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
     norm = sq.sqrt().item()
     coef = max_norm / (norm + 1e-6)
