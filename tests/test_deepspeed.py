@@ -330,6 +330,7 @@ def test_launcher_runs_unmodified_script(tmp_path):
             r"startrail\.sequence_parallel_size=4\.0",
         ),
         (_st(4, 2), {"training_data": [1, 2]}, r"training_data with startrail"),
+        (_st(4, 2), {"tensor_parallel": {"autotp_size": 2}}, r"tensor_parallel\.autotp_size=2"),
         (
             _st(4, 1, ulysses_size=3),
             {},
@@ -353,7 +354,10 @@ def test_invalid_sections_fail_before_anything(section, zero, match):
 
     model = tiny_llama()
     data = zero.pop("training_data", None)
+    tp = zero.pop("tensor_parallel", None)
     cfg = make_cfg(zero.pop("stage", 1), dp=1, startrail=section, **zero)
+    if tp is not None:
+        cfg["tensor_parallel"] = tp
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     with pytest.raises((ValueError, NotImplementedError), match=match):
         sds.initialize(model=model, optimizer=opt, config=cfg, training_data=data)

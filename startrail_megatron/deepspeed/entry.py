@@ -181,6 +181,14 @@ def initialize(
                 f"top-level {key!r} selects DeepSpeed's own sequence-parallel mesh; with startrail "
                 f"set startrail.sequence_parallel_size instead and remove {key!r}"
             )
+    autotp = (cfg.get("tensor_parallel") or {}).get("autotp_size", 0)
+    if autotp not in (0, 1):
+        raise NotImplementedError(
+            f"tensor_parallel.autotp_size={autotp} with startrail: DeepSpeed's AutoTP training "
+            "(its vocabulary-parallel lm_head and loss included) does not run inside "
+            "StarTrail's groups yet; allowed: 0 or 1 (for tensor parallelism with StarTrail use "
+            "Megatron's GPT, --tensor-model-parallel-size)"
+        )
     if training_data is not None:
         raise NotImplementedError(
             "training_data with startrail: DeepSpeed's loader gives every sequence rank other "
