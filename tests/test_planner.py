@@ -1096,7 +1096,8 @@ def test_planner_step_memory_matches_the_recorded_benchmark():
     """The planner's bytes per local token of the whole step (``step_bytes_per_token``)
     against the slopes ``startrail-bench --workload memory`` measured (the run recorded in
     docs/memory_benchmark.json, docs/performance.md section 14): within 15 % for every
-    configuration, each feature alone, all together, and at the larger vocabulary."""
+    configuration, each feature alone, all together, and at the larger vocabulary; and the
+    transformer layers' phase alone."""
     from startrail_megatron.bench.step_memory import planner_slopes
 
     path = os.path.join(os.path.dirname(__file__), "..", "docs", "memory_benchmark.json")
@@ -1105,4 +1106,12 @@ def test_planner_step_memory_matches_the_recorded_benchmark():
     cmp = planner_slopes(report)
     assert {"plain", "all", "tiled-loss", "tiled-mlp", "recompute"} <= set(cmp)
     bad = {k: round(v["error"], 3) for k, v in cmp.items() if abs(v["error"]) > 0.15}
+    assert not bad, bad
+    # the transformer layers' phase alone too (its forward and backward: the recomputed
+    # layer's MLP backward under full recompute, the attention's buffers)
+    layers = {
+        k: v["planner"]["layers"] / report["results"][k]["decoder"]["slope_bytes_per_token"] - 1
+        for k, v in cmp.items()
+    }
+    bad = {k: round(e, 3) for k, e in layers.items() if abs(e) > 0.15}
     assert not bad, bad

@@ -197,23 +197,25 @@ def step_bytes_per_token(
 ) -> dict[str, float]:
     """Bytes per local token of a training step's two phases, and the step's (the larger).
 
-    ``layers``: the transformer layers' backward, where the first layer to run its backward
-    holds its working set on top of what every layer keeps; ``rest``: the logits and the
-    loss, on top of what every layer keeps. ``work``: the attention's buffers at its peak
-    (``startrail_buffers``' names; ``(saved)`` ones are counted here with the layer).
+        ``layers``: the transformer layers' backward, where the first layer to run its backward
+        holds its working set on top of what every layer keeps; ``rest``: the logits and the
+        loss, on top of what every layer keeps. ``work``: the attention's buffers at its peak
+        (``startrail_buffers``' names; ``(saved)`` ones are counted here with the layer).
 
-    Per layer, what megatron-core's layer saves for its backward (e = element bytes; C the
-    team size, 1 for a peer): the two norms' inputs and outputs, q's part of the QKV output
-    and the attention's output, and the residual, ``(5 + C) h`` with the team's q (``q``
-    itself when C = 1); K and V out of the QKV projection and K after RoPE, ``3 kv``; the
-    MLP's first projection, its activation and its product (``4 f`` gated, ``2 f`` not);
-    the dropout masks (2 h bytes); the norms' statistics. Full recompute keeps a layer's
-    input (h) only and rebuilds one layer's set in the backward; selective keeps all but
-    the team's q and K after RoPE. The tiled MLP keeps no MLP intermediate. The logits:
-    fp32 [tokens, vocab] once (megatron-core's cross-entropy works in place; a bf16 model's
-    logits are upcast, one more copy), ``1 + FUSED_CE_EXTRA`` times with the fused
-    cross-entropy, never with the tiled loss (a tile's logits are a fixed cost). Checked against the whole-step
-    benchmark (``startrail-bench --workload memory``; ``tests/test_planner.py``)."""
+        Per layer, what megatron-core's layer saves for its backward (e = element bytes; C the
+        team size, 1 for a peer): the two norms' inputs and outputs, q's part of the QKV output
+        and the attention's output, and the residual, ``(5 + C) h`` with the team's q (``q``
+        itself when C = 1); K and V out of the QKV projection and K after RoPE, ``3 kv``; the
+        MLP's first projection, its activation and its product (``4 f`` gated, ``2 f`` not);
+        the dropout masks (2 h bytes); the norms' statistics. Full recompute keeps a layer's
+        input (h) only and rebuilds one layer's set in the backward, whose peak is the larger of
+    its attention's backward (the part before the attention, the attention's buffers) and its
+    MLP's (the whole set and the MLP's gradients, a tile's with the tiled MLP); selective keeps all but
+        the team's q and K after RoPE. The tiled MLP keeps no MLP intermediate. The logits:
+        fp32 [tokens, vocab] once (megatron-core's cross-entropy works in place; a bf16 model's
+        logits are upcast, one more copy), ``1 + FUSED_CE_EXTRA`` times with the fused
+        cross-entropy, never with the tiled loss (a tile's logits are a fixed cost). Checked against the whole-step
+        benchmark (``startrail-bench --workload memory``; ``tests/test_planner.py``)."""
     e, h = shape.elem_bytes, model.hidden
     c = max(team_size, 1)
     tok = shape.s_local * shape.batch
@@ -228,6 +230,10 @@ def step_bytes_per_token(
     before_attention = e * ((3 + c) * h + 3 * kv) + (h if f.dropout else 0)
     unsaved = sum(v for k, v in work.items() if "(saved)" not in k) / tok
     layers = model.layers * kept + before_attention + unsaved + e * h  # + d(out) in flight
+    if f.recompute == "full":  # the recomputed layer's MLP backward: its whole set, and
+        # the gradients of the MLP's first projection and of its activation
+        mlp_grads = 0 if f.tiled_mlp else (3 if model.gated_mlp else 2) * model.ffn_hidden * e
+        layers = max(layers, model.layers * kept + layer_saved + mlp_grads)
     vocab = model.vocab
     logits = 0.0 if f.tiled_loss else (4 * vocab + (e * vocab if e != 4 else 0))
     if f.ce_fusion:
