@@ -132,36 +132,122 @@ def test_cp1_checkpoint_continues_under_startrail(runs):
 
 
 def test_a_fresh_optimizer_state_is_detected(runs):
-    """The comparison can fail: without the saved Adam state the run diverges."""
+    """A checkpoint without its optimizer state is an error naming the file and
+    --no-load-optim; with the flag the run starts Adam fresh and diverges (the comparison
+    can fail)."""
     tmp, startrail, _ = runs
     ckpt = tmp / "no_optimizer"
     shutil.copytree(startrail["save"], ckpt)
     for f in (ckpt / f"iter_{AT:07d}").glob("optimizer_*.pt"):
         os.remove(f)
-    got = _pretrain(tmp, "fresh_adam", 4, 2, "--load", str(ckpt), "--ckpt-step", str(AT))
+    load = ("--load", str(ckpt), "--ckpt-step", str(AT))
+    with pytest.raises(Exception, match="optimizer_tp0_of1.pt is missing.*--no-load-optim"):
+        _pretrain(tmp, "missing_adam", 4, 2, *load)
+    got = _pretrain(tmp, "fresh_adam", 4, 2, *load, "--no-load-optim")
     with pytest.raises(AssertionError):
         _assert_same_run(got, startrail, AT + 1)
 
 
-def _write_queue_by_fork(rank, world):
+def test_a_bad_tracker_is_an_error_naming_it(runs, tmp_path):
+    """An empty or garbled tracker (a save killed while writing it) is a ValueError naming
+    the file, not int()'s message."""
+    _, startrail, _ = runs
+    ckpt = tmp_path / "bad_tracker"
+    shutil.copytree(startrail["save"], ckpt)
+    for text in ("", "12x"):
+        (ckpt / "latest_checkpointed_iteration.txt").write_text(text)
+        with pytest.raises(Exception, match="latest_checkpointed_iteration.txt holds"):
+            _pretrain(tmp_path, "bad", 1, None, "--load", str(ckpt))
+
+
+def _write_queue_in_process(rank, world):
     """What ``save_checkpoint`` does before megatron-core's writer asks for its results
-    queue: on CPU ranks, make it with a forked Manager (megatron-core spawns one)."""
+    queue: make it with no helper process."""
     import multiprocessing as mp
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    from startrail_megatron.megatron.training.checkpoint import _forked_write_results_queue
+    from startrail_megatron.megatron.training.checkpoint import _in_process_write_results_queue
 
     fa._results_queue = None  # as before a rank's first save
     before = set(mp.active_children())
-    _forked_write_results_queue()
+    _in_process_write_results_queue()
     made = [type(p).__name__ for p in mp.active_children() if p not in before]
     fa._results_queue.put(rank)
     return made, fa._results_queue.get(timeout=10)
 
 
-def test_the_checkpoint_writers_queue_is_made_by_fork_on_cpu_ranks():
-    """A spawned Manager is a new interpreter that imports the entry point again (~5 s of
-    CPU per rank at the first save); the forked one inherits it. The queue works."""
-    for rank, (made, got) in enumerate(run_ranks(2, _write_queue_by_fork)):
-        assert made == ["ForkProcess"] and got == rank, (made, got)
+def test_the_checkpoint_writers_queue_needs_no_helper_process():
+    """megatron-core's Manager would be a process of its own (spawned: a new interpreter that
+    imports the entry point again; forked: holding the rank's sockets). The queue works."""
+    for rank, (made, got) in enumerate(run_ranks(2, _write_queue_in_process)):
+        assert made == [] and got == rank, (made, got)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+    return sorted(out)
+
+
+def _group(pgid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(d))
+    return out
+
+
+def test_a_rank_killed_after_a_save_ends_the_job_at_once(tmp_path):
+    """``--nproc 4`` (CP = 4, C = 2) saving every iteration: once the first checkpoint is
+    written, one rank is SIGKILLed. The launcher must see it at once (exit non-zero well
+    within the 10-minute collective timeout) and leave no process behind. With the
+    checkpoint writer's forked Manager (which held the rank's sockets and its pipe to the
+    launcher) the job hung until the timeout and the Manager outlived it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    save, out = tmp_path / "ckpt", tmp_path / "out.txt"
+    argv = [*ARGS, *_layout(4, 2), "--train-iters", "100000", "--save", str(save)]
+    argv += ["--save-interval", "1", "--optimizer", "sgd"]
+    cmd = [sys.executable, "-m", "startrail_megatron.pretrain_gpt", "--nproc", "4", *argv]
+    with open(out, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        tracker = save / "latest_checkpointed_iteration.txt"
+        deadline = time.monotonic() + 240
+        while not tracker.exists():
+            assert proc.poll() is None, out.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.2)
+        time.sleep(1.0)  # a step or a save under way
+        ranks = _children(proc.pid)
+        assert len(ranks) >= 4, ranks
+        t0 = time.monotonic()
+        os.kill(ranks[1], signal.SIGKILL)
+        rc = proc.wait(timeout=120)
+        took = time.monotonic() - t0
+        assert rc != 0 and took < 30, (rc, took)
+        time.sleep(1.0)
+        left = _group(proc.pid)
+        assert left == [], f"processes outlived the job: {left}"
+    finally:
+        if proc.poll() is None or _group(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

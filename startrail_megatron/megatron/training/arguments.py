@@ -217,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", type=str, default=None)
     g.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="start the optimizer fresh after --load (without it, a checkpoint with no "
+        "optimizer state for this tensor-parallel size is an error)",
+    )
+    g.add_argument(
         "--ckpt-step",
         type=int,
         default=None,

@@ -6,8 +6,8 @@ checkpoint loads into a CP = 1 run), so a resumed run continues exactly.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
+import queue
 
 import torch
 import torch.distributed as dist
@@ -15,23 +15,24 @@ import torch.distributed as dist
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 
-def _forked_write_results_queue() -> None:
-    """On CPU ranks, make megatron-core's checkpoint-writer results queue by fork.
+def _in_process_write_results_queue() -> None:
+    """Give megatron-core's checkpoint writer a results queue with no process behind it.
 
     Its writer (``dist_checkpointing.strategies.filesystem_async``, 0.16 - 0.19) makes the
-    queue on a rank's first save through a ``multiprocessing`` Manager started by *spawn*:
-    a new interpreter that imports the entry point again (megatron-core and all: ~5 s of
-    CPU per rank, the most of a small model's first save on CPU ranks). A rank's fork of
-    it runs only the Manager's server loop, no torch op and no device; where there is a
-    device, or the module keeps no such queue, megatron-core's own way stands."""
-    if torch.cuda.is_available():
-        return
+    queue on a rank's first save through a ``multiprocessing`` Manager: a server process
+    that outlives the save. Started by spawn, it is a new interpreter that imports the entry
+    point again (~5 s of CPU per rank); started by fork, it inherits the rank's sockets and
+    its pipe to the launcher, so a rank that dies after its first save is seen by no one
+    (the job hangs until the collective timeout) and the Manager outlives the job. Our saves
+    are synchronous: the rank itself puts the write results into the queue and takes them
+    out (the writer's own worker processes are joined within the save), so a thread queue
+    does it, with no helper process at all."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     except ImportError:
         return
     if getattr(fa, "_results_queue", False) is None:
-        fa._results_queue = mp.get_context("fork").Manager().Queue()
+        fa._results_queue = queue.Queue()
 
 
 def _optimizer_file(ckpt: str) -> str:
@@ -53,7 +54,7 @@ def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
     if dist.get_rank() == 0:
         os.makedirs(ckpt, exist_ok=True)
     dist.barrier()
-    _forked_write_results_queue()
+    _in_process_write_results_queue()
     dist_checkpointing.save(model.module.sharded_state_dict(), ckpt)
     if (
         optimizer is not None
@@ -69,9 +70,11 @@ def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
 
 def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = None) -> int:
     """Load the checkpoint of ``iteration`` (default: the latest); the optimizer state too
-    when it was saved with the same tensor-parallel size (any CP implementation, CP or DP
-    size). Returns its iteration; 0 when ``path`` holds no checkpoint yet and no
-    ``iteration`` is asked for (Megatron-LM's ``--save DIR --load DIR`` on a first run)."""
+    (saved with the same tensor-parallel size: any CP implementation, CP or DP size; a
+    missing one is an error, pass ``optimizer=None`` to start it fresh), read with
+    ``weights_only=True`` (tensors and plain containers only: no code runs). Returns its
+    iteration; 0 when ``path`` holds no checkpoint yet and no ``iteration`` is asked for
+    (Megatron-LM's ``--save DIR --load DIR`` on a first run)."""
     from megatron.core import dist_checkpointing
 
     if iteration is None:
@@ -84,20 +87,24 @@ def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = No
                 )
             return 0
         with open(tracker) as f:
-            iteration = int(f.read().strip())
+            text = f.read().strip()
+        if not text.isdigit():
+            raise ValueError(
+                f"--load {path}: the tracker {tracker} holds {text[:40]!r}, not an iteration "
+                "number (a save interrupted while writing it?); pass --ckpt-step N"
+            )
+        iteration = int(text)
     ckpt = os.path.join(path, f"iter_{iteration:07d}")
     if not os.path.isdir(ckpt):
         raise FileNotFoundError(f"--load {path}: no checkpoint of iteration {iteration} ({ckpt})")
+    opt_file = _optimizer_file(ckpt)
+    if optimizer is not None and not os.path.exists(opt_file):  # before any collective
+        raise FileNotFoundError(
+            f"--load {path}: {opt_file} is missing (no optimizer state saved for this "
+            "tensor-parallel size); pass --no-load-optim to start the optimizer fresh"
+        )
     state = dist_checkpointing.load(model.module.sharded_state_dict(), ckpt)
     model.module.load_state_dict(state)
     if optimizer is not None:
-        opt_file = _optimizer_file(ckpt)
-        if os.path.exists(opt_file):
-            optimizer.load_state_dict(torch.load(opt_file, weights_only=False))
-        elif dist.get_rank() == 0:
-            print(
-                f"note: {ckpt} has no optimizer state for this tensor-parallel size; "
-                "the optimizer starts fresh",
-                flush=True,
-            )
+        optimizer.load_state_dict(torch.load(opt_file, weights_only=True))
     return iteration

@@ -94,7 +94,9 @@ def train(args: argparse.Namespace) -> list[dict]:
             autotune_team_size(args, model)
         start = 0
         if args.load:
-            start = load_checkpoint(args.load, model, optimizer, args.ckpt_step)
+            start = load_checkpoint(
+                args.load, model, None if args.no_load_optim else optimizer, args.ckpt_step
+            )
         scheduler = build_scheduler(args, optimizer)
         scheduler.step(start * args.global_batch_size)  # resumed: the same schedule
         train_ds, valid_ds = build_datasets(args)
