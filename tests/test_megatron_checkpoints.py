@@ -160,6 +160,79 @@ def test_a_bad_tracker_is_an_error_naming_it(runs, tmp_path):
             _pretrain(tmp_path, "bad", 1, None, "--load", str(ckpt))
 
 
+@pytest.mark.parametrize("cp, team", [(4, 2), (1, None)])
+def test_a_flipped_byte_or_a_missing_manifest_is_an_error_naming_it(runs, tmp_path, cp, team):
+    """64 flipped bytes in a model file of the last checkpoint: every rank's load raises
+    naming that file (found by whichever rank hashed it), at the saving layout and at
+    CP = 1; a folder without the checksum manifest is refused by name. Untouched, the copy
+    loads (the checks pass on a good checkpoint)."""
+    _, startrail, _ = runs
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(startrail["save"], ckpt)
+    last = ckpt / f"iter_{ITERS:07d}"
+    sums = json.loads((last / "checksums.json").read_text())
+    assert sorted(sums) == sorted(p.name for p in last.iterdir() if p.name != "checksums.json")
+    assert any(n.endswith(".distcp") for n in sums) and any(
+        n.startswith("optimizer_") for n in sums
+    )
+    load = ("--load", str(ckpt), "--train-iters", str(ITERS + 1), "--save", str(tmp_path / "s"))
+    _pretrain_steps(tmp_path, "good", cp, team, *load)
+    victim = sorted(last.glob("*.distcp"))[-1]
+    data = bytearray(victim.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 64] = bytes(b ^ 0xFF for b in data[mid : mid + 64])
+    victim.write_bytes(bytes(data))
+    with pytest.raises(Exception, match=f"is corrupted: {victim.name} \\(checksum differs\\)"):
+        _pretrain_steps(tmp_path, "flipped", cp, team, *load)
+    (last / "checksums.json").unlink()
+    with pytest.raises(Exception, match="has no checksums.json"):
+        _pretrain_steps(tmp_path, "no_manifest", cp, team, *load)
+
+
+def _pretrain_steps(tmp, name: str, cp: int, team: int | None, *extra: str) -> None:
+    run_ranks(cp, entry_point_train, [*ARGS, *_layout(cp, team), *extra], timeout=600)
+
+
+def _save_interrupted(rank, world, argv, at):
+    """Train with --save every iteration, the save of iteration ``at`` failing on every rank
+    after its files are written, while they are hashed (as a crash there would): that save
+    is lost, nothing else."""
+    from startrail_megatron.megatron.training import checkpoint
+
+    plain = checkpoint._sha256
+
+    def crash(path):
+        if f"iter_{at:07d}" in path:
+            raise RuntimeError("crash during the save")
+        return plain(path)
+
+    checkpoint._sha256 = crash
+    try:
+        entry_point_train(rank, world, argv)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        checkpoint._sha256 = plain
+    return None
+
+
+def test_a_save_that_does_not_finish_leaves_the_last_complete_checkpoint(tmp_path):
+    """The save of iteration 3 dies after every file is written, before the manifest: no
+    ``iter_0000003`` exists (only its ``.partial`` folder), the tracker still names 2, and a
+    resume takes iteration 2's checkpoint (which verifies)."""
+    save = tmp_path / "ckpt"
+    argv = [*ARGS, *_layout(4, 2), "--train-iters", "4", "--save", str(save)]
+    argv += ["--save-interval", "1"]
+    errors = run_ranks(4, _save_interrupted, argv, 3, timeout=600)
+    assert errors == ["crash during the save"] * 4, errors
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert not (save / "iter_0000003").exists() and (save / "iter_0000003.partial").is_dir()
+    log = tmp_path / "resumed.json"
+    resumed = [*ARGS, *_layout(4, 2), "--train-iters", "3", "--load", str(save)]
+    run_ranks(4, entry_point_train, [*resumed, "--log-json", str(log)], timeout=600)
+    assert [e["iteration"] for e in json.loads(log.read_text())] == [3]
+
+
 def _write_queue_in_process(rank, world):
     """What ``save_checkpoint`` does before megatron-core's writer asks for its results
     queue: make it with no helper process."""

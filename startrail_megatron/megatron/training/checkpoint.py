@@ -6,13 +6,16 @@ checkpoint loads into a CP = 1 run), so a resumed run continues exactly.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import queue
+import shutil
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["load_checkpoint", "save_checkpoint", "verify_checkpoint"]
 
 
 def _in_process_write_results_queue() -> None:
@@ -44,28 +47,113 @@ def _optimizer_file(ckpt: str) -> str:
     )
 
 
+MANIFEST = "checksums.json"
+"""A checkpoint folder's list of its files with their SHA-256 (written last, before the
+folder is renamed to its final name)."""
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: str, text: str) -> None:
+    """``text`` to ``path`` through a temporary name, synced, then renamed over it."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync(os.path.dirname(path) or ".")
+
+
+def _my_share(names: list[str]) -> list[str]:
+    """This rank's share of a folder's files (each file hashed by one rank)."""
+    return sorted(names)[dist.get_rank() :: dist.get_world_size()]
+
+
 def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
     """Megatron distributed checkpoint of the model (the same format for any CP impl/size),
     plus the optimizer state of each TP rank (identical over CP and DP ranks: no
-    distributed optimizer), so a resumed run continues exactly."""
+    distributed optimizer), so a resumed run continues exactly.
+
+    Atomic: everything is written into ``iter_N.partial``; once every rank's files are
+    written and synced, the ranks hash them (each a share), rank 0 writes ``MANIFEST``,
+    renames the folder to ``iter_N`` and then, through a temporary name, the tracker. A save
+    killed at any point leaves the last complete checkpoint the tracker's."""
     from megatron.core import dist_checkpointing, parallel_state
 
-    ckpt = os.path.join(path, f"iter_{iteration:07d}")
+    final = os.path.join(path, f"iter_{iteration:07d}")
+    ckpt = final + ".partial"
     if dist.get_rank() == 0:
-        os.makedirs(ckpt, exist_ok=True)
+        if os.path.exists(ckpt):
+            shutil.rmtree(ckpt)  # an earlier save of this iteration that did not finish
+        os.makedirs(ckpt)
     dist.barrier()
     _in_process_write_results_queue()
-    dist_checkpointing.save(model.module.sharded_state_dict(), ckpt)
+    dist_checkpointing.save(model.module.sharded_state_dict(), ckpt)  # its writer syncs
     if (
         optimizer is not None
         and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     ):
-        torch.save(optimizer.state_dict(), _optimizer_file(ckpt))
+        opt_file = _optimizer_file(ckpt)
+        torch.save(optimizer.state_dict(), opt_file)
+        _fsync(opt_file)
     dist.barrier()
+    names = sorted(os.listdir(ckpt))
+    mine = {n: _sha256(os.path.join(ckpt, n)) for n in _my_share(names)}
+    shares: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, mine)
     if dist.get_rank() == 0:
-        with open(os.path.join(path, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(iteration))
+        sums = {n: h for share in shares for n, h in share.items()}
+        _write_durably(os.path.join(ckpt, MANIFEST), json.dumps(sums, indent=0, sort_keys=True))
+        if os.path.exists(final):
+            shutil.rmtree(final)  # the same iteration saved again
+        os.replace(ckpt, final)
+        _fsync(path)
+        _write_durably(os.path.join(path, TRACKER), str(iteration))
     dist.barrier()
+
+
+def verify_checkpoint(ckpt: str, skip_optimizer: bool = False) -> None:
+    """Check every file ``MANIFEST`` lists against its SHA-256 (each rank a share), on every
+    rank: a ``ValueError`` naming the files that differ or are missing, the same on every
+    rank, before anything is loaded. ``skip_optimizer``: the optimizer state files are not
+    read (``--no-load-optim``)."""
+    manifest = os.path.join(ckpt, MANIFEST)
+    if not os.path.exists(manifest):
+        raise ValueError(
+            f"--load: {ckpt} has no {MANIFEST}: it is not a complete checkpoint of this "
+            "entry point (saved by an older version, or a save that did not finish)"
+        )
+    with open(manifest) as f:
+        sums = json.load(f)
+    names = [n for n in sums if not (skip_optimizer and n.startswith("optimizer_"))]
+    bad = []
+    for n in _my_share(names):
+        file = os.path.join(ckpt, n)
+        if not os.path.exists(file):
+            bad.append(f"{n} (missing)")
+        elif _sha256(file) != sums[n]:
+            bad.append(f"{n} (checksum differs)")
+    found: list = [None] * dist.get_world_size()
+    dist.all_gather_object(found, bad)
+    bad = sorted(b for rank_bad in found for b in rank_bad)
+    if bad:
+        raise ValueError(f"--load: {ckpt} is corrupted: {', '.join(bad)}")
 
 
 def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = None) -> int:
@@ -78,7 +166,7 @@ def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = No
     from megatron.core import dist_checkpointing
 
     if iteration is None:
-        tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+        tracker = os.path.join(path, TRACKER)
         if not os.path.exists(tracker):
             if dist.get_rank() == 0:
                 print(
@@ -103,6 +191,7 @@ def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = No
             f"--load {path}: {opt_file} is missing (no optimizer state saved for this "
             "tensor-parallel size); pass --no-load-optim to start the optimizer fresh"
         )
+    verify_checkpoint(ckpt, skip_optimizer=optimizer is None)
     state = dist_checkpointing.load(model.module.sharded_state_dict(), ckpt)
     model.module.load_state_dict(state)
     if optimizer is not None:
