@@ -170,7 +170,7 @@ def test_a_flipped_byte_or_a_missing_manifest_is_an_error_naming_it(runs, tmp_pa
     ckpt = tmp_path / "ckpt"
     shutil.copytree(startrail["save"], ckpt)
     last = ckpt / f"iter_{ITERS:07d}"
-    sums = json.loads((last / "checksums.json").read_text())
+    sums = json.loads((last / "checksums.json").read_text())["files"]
     assert sorted(sums) == sorted(p.name for p in last.iterdir() if p.name != "checksums.json")
     assert any(n.endswith(".distcp") for n in sums) and any(
         n.startswith("optimizer_") for n in sums
@@ -187,6 +187,20 @@ def test_a_flipped_byte_or_a_missing_manifest_is_an_error_naming_it(runs, tmp_pa
     (last / "checksums.json").unlink()
     with pytest.raises(Exception, match="has no checksums.json"):
         _pretrain_steps(tmp_path, "no_manifest", cp, team, *load)
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_name(runs, tmp_path):
+    """Loading into a model of another width or depth is a ValueError naming each setting
+    (saved and asked), before anything is read."""
+    _, startrail, _ = runs
+    load = ("--load", str(startrail["save"]), "--train-iters", str(ITERS + 1))
+    argv = [*ARGS, *_layout(4, 2), *load, "--hidden-size", "128", "--num-layers", "3"]
+    with pytest.raises(
+        Exception,
+        match="holds another model: it was saved with num_layers=2 "
+        r"\(this run: 3\), hidden_size=64 \(this run: 128\)",
+    ):
+        run_ranks(4, entry_point_train, argv, timeout=600)
 
 
 def _pretrain_steps(tmp, name: str, cp: int, team: int | None, *extra: str) -> None:

@@ -15,7 +15,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-__all__ = ["load_checkpoint", "save_checkpoint", "verify_checkpoint"]
+__all__ = ["load_checkpoint", "model_shape", "save_checkpoint", "verify_checkpoint"]
 
 
 def _in_process_write_results_queue() -> None:
@@ -85,6 +85,25 @@ def _my_share(names: list[str]) -> list[str]:
     return sorted(names)[dist.get_rank() :: dist.get_world_size()]
 
 
+SHAPE_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "ffn_hidden_size", "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "normalization",
+)  # fmt: skip
+"""The model's settings a checkpoint must share with the run that loads it (the
+``TransformerConfig`` fields that change a parameter's shape or the parameters present)."""
+
+
+def model_shape(model) -> dict:
+    """What ``SHAPE_FIELDS`` (and the padded vocabulary, tied embeddings) are in ``model``."""
+    gpt = model.module
+    shape = {f: getattr(gpt.config, f, None) for f in SHAPE_FIELDS}
+    shape["vocab_size"] = getattr(gpt, "vocab_size", None)
+    shape["share_embeddings_and_output_weights"] = getattr(
+        gpt, "share_embeddings_and_output_weights", None
+    )
+    return shape
+
+
 def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
     """Megatron distributed checkpoint of the model (the same format for any CP impl/size),
     plus the optimizer state of each TP rank (identical over CP and DP ranks: no
@@ -119,7 +138,8 @@ def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
     dist.all_gather_object(shares, mine)
     if dist.get_rank() == 0:
         sums = {n: h for share in shares for n, h in share.items()}
-        _write_durably(os.path.join(ckpt, MANIFEST), json.dumps(sums, indent=0, sort_keys=True))
+        manifest = {"files": sums, "model": model_shape(model)}
+        _write_durably(os.path.join(ckpt, MANIFEST), json.dumps(manifest, indent=0))
         if os.path.exists(final):
             shutil.rmtree(final)  # the same iteration saved again
         os.replace(ckpt, final)
@@ -128,11 +148,12 @@ def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
     dist.barrier()
 
 
-def verify_checkpoint(ckpt: str, skip_optimizer: bool = False) -> None:
+def verify_checkpoint(ckpt: str, skip_optimizer: bool = False, model=None) -> None:
     """Check every file ``MANIFEST`` lists against its SHA-256 (each rank a share), on every
     rank: a ``ValueError`` naming the files that differ or are missing, the same on every
     rank, before anything is loaded. ``skip_optimizer``: the optimizer state files are not
-    read (``--no-load-optim``)."""
+    read (``--no-load-optim``). With ``model``, first (before any collective) a
+    ``ValueError`` naming each setting of ``model_shape`` the checkpoint's model differs in."""
     manifest = os.path.join(ckpt, MANIFEST)
     if not os.path.exists(manifest):
         raise ValueError(
@@ -140,7 +161,18 @@ def verify_checkpoint(ckpt: str, skip_optimizer: bool = False) -> None:
             "entry point (saved by an older version, or a save that did not finish)"
         )
     with open(manifest) as f:
-        sums = json.load(f)
+        content = json.load(f)
+    sums = content["files"]
+    if model is not None:
+        mine, saved = model_shape(model), content["model"]
+        differ = [
+            f"{k}={saved.get(k)!r} (this run: {v!r})" for k, v in mine.items() if saved.get(k) != v
+        ]
+        if differ:
+            raise ValueError(
+                f"--load: {ckpt} holds another model: it was saved with {', '.join(differ)}; "
+                "give the saved model's flags"
+            )
     names = [n for n in sums if not (skip_optimizer and n.startswith("optimizer_"))]
     bad = []
     for n in _my_share(names):
@@ -191,7 +223,7 @@ def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = No
             f"--load {path}: {opt_file} is missing (no optimizer state saved for this "
             "tensor-parallel size); pass --no-load-optim to start the optimizer fresh"
         )
-    verify_checkpoint(ckpt, skip_optimizer=optimizer is None)
+    verify_checkpoint(ckpt, skip_optimizer=optimizer is None, model=model)
     state = dist_checkpointing.load(model.module.sharded_state_dict(), ckpt)
     model.module.load_state_dict(state)
     if optimizer is not None:
