@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 
 import torch
@@ -16,6 +17,7 @@ from startrail_megatron.validation import OWN_ROWS_FIRST_ENV
 
 __all__ = [
     "TOL",
+    "load_script",
     "assert_padding_rows_zero",
     "groups_for",
     "make_inputs",
@@ -213,3 +215,12 @@ class AllocationCap:
 
     def __exit__(self, *exc):
         return self._mode.__exit__(*exc)
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (the scripts are not a package)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

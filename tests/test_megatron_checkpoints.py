@@ -31,8 +31,11 @@ import shutil
 
 import pytest
 import torch
+from common import load_script
 from harness import run_ranks
 from megatron_common import entry_point_train
+
+fault_campaign = load_script("fault_campaign")
 
 ARGS = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -271,34 +274,6 @@ def test_the_checkpoint_writers_queue_needs_no_helper_process():
         assert made == [] and got == rank, (made, got)
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d))
-    return sorted(out)
-
-
-def _group(pgid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(d))
-    return out
-
-
 def test_a_rank_killed_after_a_save_ends_the_job_at_once(tmp_path):
     """``--nproc 4`` (CP = 4, C = 2) saving every iteration: once the first checkpoint is
     written, one rank is SIGKILLed. The launcher must see it at once (exit non-zero well
@@ -324,7 +299,7 @@ def test_a_rank_killed_after_a_save_ends_the_job_at_once(tmp_path):
             assert time.monotonic() < deadline, "no checkpoint within 240 s"
             time.sleep(0.2)
         time.sleep(1.0)  # a step or a save under way
-        ranks = _children(proc.pid)
+        ranks = fault_campaign.children(proc.pid)
         assert len(ranks) >= 4, ranks
         t0 = time.monotonic()
         os.kill(ranks[1], signal.SIGKILL)
@@ -332,9 +307,9 @@ def test_a_rank_killed_after_a_save_ends_the_job_at_once(tmp_path):
         took = time.monotonic() - t0
         assert rc != 0 and took < 30, (rc, took)
         time.sleep(1.0)
-        left = _group(proc.pid)
+        left = fault_campaign.group(proc.pid)
         assert left == [], f"processes outlived the job: {left}"
     finally:
-        if proc.poll() is None or _group(proc.pid):
+        if proc.poll() is None or fault_campaign.group(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -5,13 +5,9 @@ checkpoint verifies and resumes to the uninterrupted run's losses, bitwise."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
+from common import load_script
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "fault_campaign.py")
-_spec = importlib.util.spec_from_file_location("fault_campaign", SCRIPT)
-fault_campaign = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fault_campaign)
+fault_campaign = load_script("fault_campaign")
 
 
 def test_killed_rank_and_killed_job_resume_exactly():
