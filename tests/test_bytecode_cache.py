@@ -6,7 +6,6 @@ into the other."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,11 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from common import load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bytecode_cache.py"
-_spec = importlib.util.spec_from_file_location("bytecode_cache", SCRIPT)
-bc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bc)
+bc = load_script("bytecode_cache")
 
 
 def _venv(root: Path, uv: Path, name: str) -> Path:

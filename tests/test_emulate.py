@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from common import load_script
 
 from startrail_megatron.bench import emulated
 from startrail_megatron.bench.emulated import format_emulation, model_pick, rank_argv
@@ -197,12 +198,7 @@ def test_the_model_pick_against_the_measured_fastest():
 
 def test_the_docs_table_script(tmp_path, capsys):
     """``scripts/emulated_table.py``: the tables of docs/performance.md from reports."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "emulated_table.py")
-    spec = importlib.util.spec_from_file_location("emulated_table", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("emulated_table")
     rows = [_row("ring", 2.0, 1.8), _row("startrail-C2-team", 1.5, 1.9), _row("ulysses", 1.2, 1.0)]
     for r in rows:
         r["median_over_ring"] = r["median_s"] / 2.0
@@ -229,16 +225,10 @@ def test_the_docs_table_script(tmp_path, capsys):
 def test_the_collectives_script_compares_with_the_model(tmp_path):
     """``scripts/emulated_collectives.py compare``: measured seconds against the model's
     collective terms on the emulated cluster of a saved report (docs' 4 x 2 one)."""
-    import importlib.util
-
     from startrail_megatron.planner.links import all_to_all, collective
 
     root = os.path.join(os.path.dirname(__file__), "..")
-    spec = importlib.util.spec_from_file_location(
-        "emulated_collectives", os.path.join(root, "scripts", "emulated_collectives.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("emulated_collectives")
     report = os.path.join(root, "docs", "bench_emulated_4x2.json")
     nb = 2**21
     measured = tmp_path / "m.json"
