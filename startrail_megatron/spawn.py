@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["spawn_local_ranks", "start_method"]
+__all__ = ["forks_die_with_their_parent", "spawn_local_ranks", "start_method"]
 
 
 def _entry(rank, world, init_file, timeout, threads, fn, args) -> None:
@@ -28,6 +28,39 @@ def _entry(rank, world, init_file, timeout, threads, fn, args) -> None:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+
+
+_PR_SET_PDEATHSIG = 1
+_forking_pid: int | None = None
+_registered = False
+
+
+def _before_fork() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def _in_child() -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != _forking_pid:  # the parent died before the line above
+        os._exit(1)
+
+
+def forks_die_with_their_parent() -> None:
+    """From now on every process forked from this one (and from those: the hooks are
+    inherited) is killed when its parent dies (Linux ``PR_SET_PDEATHSIG``; elsewhere
+    nothing). A forked helper holds copies of its parent's sockets and of its pipe to the
+    launcher: while it lives, a dead rank's peers and launcher see no death, and the job
+    hangs until the collective timeout. megatron-core's checkpoint writer forks a worker
+    per save: a rank killed mid-save left it behind, the job hung. (Linux sends the signal
+    when the forking *thread* ends: fork from the main thread, as these helpers do.)"""
+    global _registered
+    if _registered or not sys.platform.startswith("linux"):
+        return
+    os.register_at_fork(before=_before_fork, after_in_child=_in_child)
+    _registered = True
 
 
 def _ignore(signum, frame) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import signal
 import sys
 import types
@@ -13,8 +14,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from common import load_script
 
 from startrail_megatron.spawn import spawn_local_ranks, start_method
+
+fault_campaign = load_script("fault_campaign")
 
 _PROBE = "_startrail_spawn_test_probe"  # a module only this test's parent holds
 
@@ -87,3 +91,52 @@ def test_ranks_of_more_threads_are_new_interpreters(tmp_path):
     assert all(r["sum"] == 3.0 and r["threads"] == 2 for r in recs)
     assert not any(r["inherited"] for r in recs)  # spawned: nothing of the parent's
     assert all(r["sigint_default"] for r in recs)
+
+
+_FORKS = """
+import os, sys, time
+from startrail_megatron.spawn import forks_die_with_their_parent
+forks_die_with_their_parent()
+child = os.fork()
+if child == 0:  # a helper that would outlive its parent, and one of its own
+    grandchild = os.fork()
+    if grandchild == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(grandchild, flush=True)
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(60)
+"""
+
+
+def test_forked_helpers_die_with_their_parent():
+    """A process forked after ``forks_die_with_their_parent`` (and one it forks in turn,
+    which must not be killed at its start) is killed when its parent is SIGKILLed: a
+    rank's helper never outlives it holding its sockets."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FORKS], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        pids = sorted(int(proc.stdout.readline()) for _ in range(2))
+        time.sleep(0.3)
+        assert all(_alive(p) for p in pids), pids  # the grandchild survived its own start
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), pids
+    finally:
+        if fault_campaign.group(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    st = fault_campaign._proc_stat(pid)
+    return st is not None and st[0] != "Z"

@@ -9,7 +9,9 @@
 * Megatron's parallel state and, through the hooks, StarTrail's groups
   (``initialize_model_parallel``; undone by ``destroy_model_parallel``, which
   the hooks make release StarTrail's groups and their communicators);
-* the RNG trackers' seeds.
+* the RNG trackers' seeds;
+* processes forked from the rank die with it (``spawn.forks_die_with_their_parent``; not
+  undone: once per process).
 
 If ``initialize`` fails, it undoes what it did before raising.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 
+from ...spawn import forks_die_with_their_parent
 from ..arguments import install_from_args
 from ..cpu_support import cpu_manual_seed, disable_cpu_support, enable_cpu_support
 from ..hooks import uninstall
@@ -29,6 +32,7 @@ def initialize(args: argparse.Namespace) -> None:
     """Megatron's parallel state (plus StarTrail's groups when enabled) and seeds."""
     from megatron.core import parallel_state
 
+    forks_die_with_their_parent()  # a checkpoint writer's worker must not outlive its rank
     on_cpu = enable_cpu_support()
     try:
         install_from_args(args)
