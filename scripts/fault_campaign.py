@@ -15,8 +15,8 @@ and at a random moment (seeded) after the first checkpoint injects one fault:
 Then the tracker's checkpoint (which must verify: ``checksums.json``) is resumed to the end,
 and its losses must equal the uninterrupted run's from that iteration (the same layout:
 bitwise). A trial where the run finished before the fault counts as such, not as a pass.
-Measured: see docs/megatron.md. Not covered here (issue 50): a stopped rank, a cut link on the emulated cluster, a full disk,
-the DeepSpeed path.
+Measured: see docs/megatron.md. Not covered here (issue 50): a stopped rank, a cut link on
+the emulated cluster, a full disk, the DeepSpeed path.
 """
 
 from __future__ import annotations
@@ -49,16 +49,23 @@ def _proc_stat(pid: int) -> list[str] | None:
         return None
 
 
+def _live(field: int, value: int) -> list[int]:
+    """The live (not zombie) processes whose ``/proc/PID/stat`` field ``field`` (after the
+    name: 0 state, 1 parent, 2 process group) is ``value``."""
+    pids = (int(d) for d in os.listdir("/proc") if d.isdigit())
+    return sorted(
+        p for p in pids if (st := _proc_stat(p)) and st[0] != "Z" and int(st[field]) == value
+    )
+
+
 def children(pid: int) -> list[int]:
     """The live child processes of ``pid`` (the launcher's ranks)."""
-    pids = (int(d) for d in os.listdir("/proc") if d.isdigit())
-    return sorted(p for p in pids if (st := _proc_stat(p)) and int(st[1]) == pid and st[0] != "Z")
+    return _live(1, pid)
 
 
 def group(pgid: int) -> list[int]:
     """The live processes of process group ``pgid``."""
-    pids = (int(d) for d in os.listdir("/proc") if d.isdigit())
-    return sorted(p for p in pids if (st := _proc_stat(p)) and int(st[2]) == pgid and st[0] != "Z")
+    return _live(2, pgid)
 
 
 def _cmd(layout: list[str], iters: int, save: str, log: str, *extra: str) -> list[str]:

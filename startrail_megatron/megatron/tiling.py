@@ -5,9 +5,10 @@ backward: what the tiled loss (``tiled_loss.py``) and the tiled MLPs (``tiled_ml
 each tile of ``hidden``'s first (sequence) dimension without keeping anything but its input,
 and concatenates the results; the backward calls ``run`` again on each tile with gradients
 and takes that tile's gradients at once, so only one tile's intermediates are ever alive,
-and sums the gradients of ``params`` (the leaves ``run`` uses) over the tiles in fp32 (float64 ones in float64). A
-parameter as large as the output layer's (vocabulary x hidden) is held twice at most: the
-sum (the first tile's gradient itself) and one tile's gradient.
+and sums the gradients of ``params`` (the leaves ``run`` uses) over the tiles in fp32
+(float64 ones in float64: ``kernels.contract.acc_dtype``). A parameter as large as the
+output layer's (vocabulary x hidden) is held twice at most: the sum (the first tile's
+gradient itself) and one tile's gradient.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..kernels.contract import acc_dtype
 
 __all__ = ["TileStats", "sequence_tiled"]
 
@@ -36,11 +39,6 @@ class TileStats:
         self.tiles += -(-rows // self.tokens)
         self.max_tile_rows = max(self.max_tile_rows, min(self.tokens, rows))
         return range(0, rows, self.tokens)
-
-
-def acc_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype a tiled gradient is summed in: fp32, or the gradient's own if wider."""
-    return torch.promote_types(t.dtype, torch.float32)
 
 
 class _SequenceTiled(torch.autograd.Function):
@@ -72,10 +70,10 @@ class _SequenceTiled(torch.autograd.Function):
                     continue
                 if d_params[k] is not None:
                     d_params[k] += g
-                elif g.dtype == acc_dtype(g) and g.untyped_storage().data_ptr() not in taken:
+                elif g.dtype == acc_dtype(g.dtype) and g.untyped_storage().data_ptr() not in taken:
                     d_params[k] = g  # the first tile's own gradient becomes the sum
                 else:
-                    d_params[k] = g.to(acc_dtype(g), copy=True)
+                    d_params[k] = g.to(acc_dtype(g.dtype), copy=True)
             del grads, g  # the next tile's gradients must not meet these (a parameter each)
         d_params = [torch.zeros_like(p) if d is None else d for d, p in zip(d_params, params)]
         return (None, None, d_hidden, *(d.to(p.dtype) for d, p in zip(d_params, params)))

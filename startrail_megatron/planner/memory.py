@@ -197,25 +197,26 @@ def step_bytes_per_token(
 ) -> dict[str, float]:
     """Bytes per local token of a training step's two phases, and the step's (the larger).
 
-        ``layers``: the transformer layers' backward, where the first layer to run its backward
-        holds its working set on top of what every layer keeps; ``rest``: the logits and the
-        loss, on top of what every layer keeps. ``work``: the attention's buffers at its peak
-        (``startrail_buffers``' names; ``(saved)`` ones are counted here with the layer).
+    ``layers``: the transformer layers' backward, where the first layer to run its backward
+    holds its working set on top of what every layer keeps; ``rest``: the logits and the
+    loss, on top of what every layer keeps. ``work``: the attention's buffers at its peak
+    (``startrail_buffers``' names; ``(saved)`` ones are counted here with the layer).
 
-        Per layer, what megatron-core's layer saves for its backward (e = element bytes; C the
-        team size, 1 for a peer): the two norms' inputs and outputs, q's part of the QKV output
-        and the attention's output, and the residual, ``(5 + C) h`` with the team's q (``q``
-        itself when C = 1); K and V out of the QKV projection and K after RoPE, ``3 kv``; the
-        MLP's first projection, its activation and its product (``4 f`` gated, ``2 f`` not);
-        the dropout masks (2 h bytes); the norms' statistics. Full recompute keeps a layer's
-        input (h) only and rebuilds one layer's set in the backward, whose peak is the larger of
+    Per layer, what megatron-core's layer saves for its backward (e = element bytes; C the
+    team size, 1 for a peer): the two norms' inputs and outputs, q's part of the QKV output
+    and the attention's output, and the residual, ``(5 + C) h`` with the team's q (``q``
+    itself when C = 1); K and V out of the QKV projection and K after RoPE, ``3 kv``; the
+    MLP's first projection, its activation and its product (``4 f`` gated, ``2 f`` not);
+    the dropout masks (2 h bytes); the norms' statistics. Full recompute keeps a layer's
+    input (h) only and rebuilds one layer's set in the backward, whose peak is the larger of
     its attention's backward (the part before the attention, the attention's buffers) and its
-    MLP's (the whole set and the MLP's gradients, a tile's with the tiled MLP); selective keeps all but
-        the team's q and K after RoPE. The tiled MLP keeps no MLP intermediate. The logits:
-        fp32 [tokens, vocab] once (megatron-core's cross-entropy works in place; a bf16 model's
-        logits are upcast, one more copy), ``1 + FUSED_CE_EXTRA`` times with the fused
-        cross-entropy, never with the tiled loss (a tile's logits are a fixed cost). Checked against the whole-step
-        benchmark (``startrail-bench --workload memory``; ``tests/test_planner.py``)."""
+    MLP's (the whole set and the MLP's gradients, a tile's with the tiled MLP); selective
+    keeps all but the team's q and K after RoPE. The tiled MLP keeps no MLP intermediate.
+    The logits: fp32 [tokens, vocab] once (megatron-core's cross-entropy works in place; a
+    bf16 model's logits are upcast, one more copy), ``1 + FUSED_CE_EXTRA`` times with the
+    fused cross-entropy, never with the tiled loss (a tile's logits are a fixed cost).
+    Checked against the whole-step benchmark (``startrail-bench --workload memory``;
+    ``tests/test_planner.py``)."""
     e, h = shape.elem_bytes, model.hidden
     c = max(team_size, 1)
     tok = shape.s_local * shape.batch
