@@ -1,9 +1,9 @@
 """The entry point's command line: Megatron-LM's flag names for what it supports.
 
 ``parse_args(argv)`` builds the parser (``build_parser``: model, parallelism,
-training flags, StarTrail's flags from ``megatron/arguments.py``), parses and
-validates (``validate_args``: a bad flag exits with argparse's error naming it)
-and derives what Megatron-LM derives (``num_query_groups``,
+training flags, the checkpoint flags from ``checkpoint.py``, StarTrail's flags from
+``megatron/arguments.py``), parses and validates (``validate_args``: a bad flag exits
+with argparse's error naming it) and derives what Megatron-LM derives (``num_query_groups``,
 ``max_position_embeddings``, ``data_parallel_size``, ``global_batch_size``).
 """
 
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .. import versions
 from ..arguments import add_startrail_args, validate_startrail_args
 from . import flags
+from .checkpoint import add_checkpoint_args
 from .recompute import add_recompute_args, validate_recompute
 
 __all__ = ["build_parser", "parse_args", "validate_args"]
@@ -213,21 +214,6 @@ def build_parser() -> argparse.ArgumentParser:
         "default 'live'), the resident set's high-water mark "
         "('rss'), or the CUDA allocator's peak (GPU default)",
     )
-    g.add_argument("--save", type=str, default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", type=str, default=None)
-    g.add_argument(
-        "--no-load-optim",
-        action="store_true",
-        help="start the optimizer fresh after --load (without it, a checkpoint with no "
-        "optimizer state for this tensor-parallel size is an error)",
-    )
-    g.add_argument(
-        "--ckpt-step",
-        type=int,
-        default=None,
-        help="the iteration to load from --load (default: its latest checkpoint)",
-    )
     g.add_argument("--log-json", type=str, default=None, help="write per-iteration figures here")
     g.add_argument(
         "--startrail-autotune-iters",
@@ -235,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="timed iterations per candidate for --startrail-team-size auto (after 1 warm-up)",
     )
+    add_checkpoint_args(p)
     add_startrail_args(p)
     flags.add_megatron_lm_flags(p)
     return p

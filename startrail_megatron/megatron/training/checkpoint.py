@@ -6,6 +6,7 @@ checkpoint loads into a CP = 1 run), so a resumed run continues exactly.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -15,7 +16,33 @@ import shutil
 import torch
 import torch.distributed as dist
 
-__all__ = ["load_checkpoint", "model_shape", "save_checkpoint", "verify_checkpoint"]
+__all__ = [
+    "add_checkpoint_args",
+    "load_checkpoint",
+    "model_shape",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    """The entry point's checkpoint flags (Megatron-LM's names)."""
+    g = parser.add_argument_group("checkpoints")
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="start the optimizer fresh after --load (without it, a checkpoint with no "
+        "optimizer state for this tensor-parallel size is an error)",
+    )
+    g.add_argument(
+        "--ckpt-step",
+        type=int,
+        default=None,
+        help="the iteration to load from --load (default: its latest checkpoint)",
+    )
 
 
 def _in_process_write_results_queue() -> None:
