@@ -63,7 +63,6 @@ synchronizes the device). What runs while each transfer is in flight:
                               dropout); the last group's lse and out are exposed
   backward  dout, delta       the initial placement, the sinks' gradient, then with
                               ``own_rows_first`` the first step's own-row calls
-            initial placement the out stand-in (``delta_stand_in``)
             sub-ring KV s+1   step s's kernel calls
             dK/dV of step s   step s+1's kernel calls (one step behind the KV; their
                               gradients are then added into it: ``StepDkvSum``)
@@ -173,6 +172,7 @@ def startrail_attention(
     sinks: Tensor | None = None,
     joint_kv: tuple[Tensor, Tensor] | None = None,
     comm_options: CommOptions | None = None,
+    tile: int | None = None,
 ) -> Tensor:
     """Exact attention over the whole CP-sharded sequence, StarTrail schedule.
 
@@ -234,6 +234,14 @@ def startrail_attention(
         comm_options: ``comm.CommOptions`` for this call's transfers: the benchmark's
             injected per-transfer delay and no-overlap baseline (CPU ranks); default:
             overlapped, no delay. Each wait is timed into ``ledger`` on CPU ranks.
+        tile: the largest kernel call, in tokens: every call is cut into calls of at most
+            ``tile`` query rows by ``tile`` key rows (``schedule.tile_calls``; window calls
+            by rows only, variable-length calls whole), in both directions. The same
+            result; the backward's transient memory (a call's dq, dK, dV and output
+            stand-in) is then bounded by the tile, not by the sequence, at the price of
+            more, smaller calls: for long sequences on kernels that materialize a call's
+            gradients whole (every kernel does). ``None`` (default): whole calls.
+            Rank-local (ranks may differ).
 
     Returns:
         out ``[s_local, b, heads_q, head_dim]`` in q's dtype.
@@ -245,7 +253,7 @@ def startrail_attention(
         )
     validate_inputs(q, k, v, groups.cp_size, causal)
     packed = packed_layout(groups.cp_size, q.shape[0], cu_seqlens, cu_seqlens_padded)
-    opts = check_options(q, groups.cp_size, causal, dropout_p, window, softcap, sinks)
+    opts = check_options(q, groups.cp_size, causal, dropout_p, window, softcap, sinks, tile)
     if isinstance(groups, UlyssesStarTrailGroups):
         return _ulysses_startrail(
             q, k, v, groups, causal, softmax_scale, kernel, ledger, packed, opts, sinks,
@@ -306,6 +314,6 @@ def _ulysses_startrail(
         qh, kh, vh, groups.startrail, causal=causal, softmax_scale=scale,
         kernel=kern, ledger=ledger, cu_seqlens=cu, cu_seqlens_padded=cu_pad,
         window=window, softcap=softcap,
-        sinks=sinks, comm_options=comm_options,
+        sinks=sinks, comm_options=comm_options, tile=opts.tile,
     )  # fmt: skip
     return HeadsToSeq.apply(comm, runs, ledger, "out (ulysses)", out)

@@ -219,6 +219,7 @@ def one_process_attention(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     own_rows_first: bool | None = None,
+    tile: int | None = None,
 ) -> list[Tensor]:
     """StarTrail over ``P = len(q_shards)`` CP ranks, all run in this process.
 
@@ -228,7 +229,7 @@ def one_process_attention(
             one device; differentiable.
         team_size: C, with C*C dividing P.
         placement, causal, softmax_scale, kernel, cu_seqlens, cu_seqlens_padded,
-            dropout_p, window, softcap, sinks: as ``startrail_attention`` (the ranks draw
+            dropout_p, window, softcap, sinks, tile: as ``startrail_attention`` (the ranks draw
             their dropout masks in turn from the one default generator; the sinks receive
             the whole gradient, every rank's part summed).
         ledgers: one ``CommLedger`` (or ``None``) per rank; each records what
@@ -262,7 +263,7 @@ def one_process_attention(
         raise ValueError(f"ledgers needs one entry per rank ({p}), got {len(ledgers)}")
     q0 = q_shards[0]
     packed = packed_layout(p, q0.shape[0], cu_seqlens, cu_seqlens_padded)
-    options = check_options(q0, p, causal, dropout_p, window, softcap, sinks)
+    options = check_options(q0, p, causal, dropout_p, window, softcap, sinks, tile)
     kernel, scale = resolve_kernel(q0, kernel, softmax_scale, **options.kernel_needs)
     comm = check_comm_options(CommOptions(own_rows_first=own_rows_first), q0)
     run = dict(

@@ -21,7 +21,7 @@ from torch import Tensor
 from .comm import DEFAULT_COMM, CommOptions, check_agreement
 from .comm.overlap import refuse_device_delay
 from .groups import StarTrailGroups, UlyssesStarTrailGroups
-from .schedule import OWN_ROWS_FIRST_SETTINGS, normalize_window
+from .schedule import OWN_ROWS_FIRST_SETTINGS, check_tile, normalize_window
 from .schedule.layout import PLACEMENTS
 from .schedule.packing import PackedLayout
 
@@ -86,11 +86,14 @@ def check_dropout(dropout_p) -> float:
 @dataclasses.dataclass(frozen=True)
 class AttnOptions:
     """A call's attention variants, checked (``check_options``): dropout probability, the
-    normalized window (``schedule.normalize_window``), logit soft-capping (0: off)."""
+    normalized window (``schedule.normalize_window``), logit soft-capping (0: off); and
+    ``tile``, the largest kernel call in tokens (``schedule.tile_calls``; None: whole
+    calls), which changes how the pairs are cut into calls, never the result."""
 
     dropout_p: float = 0.0
     window: tuple[int | None, int | None] | None = None
     softcap: float = 0.0
+    tile: int | None = None
 
     @property
     def kernel_needs(self) -> dict[str, bool]:
@@ -106,7 +109,9 @@ NO_OPTIONS = AttnOptions()
 """Plain attention: no dropout, window or soft-capping."""
 
 
-def check_options(q: Tensor, cp_size: int, causal: bool, dropout_p, window, softcap, sinks):
+def check_options(
+    q: Tensor, cp_size: int, causal: bool, dropout_p, window, softcap, sinks, tile=None
+):
     """The checked ``AttnOptions`` of a call on this rank's ``q`` (``ValueError`` naming the
     argument); ``sinks`` are checked too (they travel as a tensor, not as an option)."""
     dropout_p = check_dropout(dropout_p)
@@ -114,7 +119,7 @@ def check_options(q: Tensor, cp_size: int, causal: bool, dropout_p, window, soft
     check_window_layout(win and window, q.shape[0])
     cap = check_softcap(softcap)
     check_sinks(sinks, q)
-    return AttnOptions(dropout_p, win, cap)
+    return AttnOptions(dropout_p, win, cap, check_tile(tile))
 
 
 OWN_ROWS_FIRST_ENV = "STARTRAIL_OWN_ROWS_FIRST"

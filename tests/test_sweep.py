@@ -2,7 +2,7 @@
 in this process, the same code as the multi-rank path: ``test_one_process.py`` proves the
 bits equal): CP size, team size (valid or not), placement (known or not), causal, query and
 KV heads (dividing or not), local length, batch, head size, window, soft-capping, sinks,
-dtype. Each case is either exact against the float64 reference (out and every gradient) or
+dtype, the attention's tile (valid or not). Each case is either exact against the float64 reference (out and every gradient) or
 a ``ValueError`` raised before any transfer (every rank's ledger empty), and it is the one
 the settings call for: a valid setting refused, or an invalid one accepted, fails.
 """
@@ -51,6 +51,8 @@ def _case(rng: random.Random) -> dict:
     if rng.random() < 0.3:
         window = (rng.choice([-1, 0, 1, 3, 7]), 0 if causal else rng.choice([-1, 0, 2, 5]))
     zigzag = causal or window is not None
+    tile = rng.choice([None, None, 1, 2, 3, 5, 0 if rng.random() < 0.5 else 2.5])
+    bad_tile = tile is not None and (not isinstance(tile, int) or tile < 1)
     return dict(
         p=p,
         c=c,
@@ -65,7 +67,8 @@ def _case(rng: random.Random) -> dict:
         softcap=rng.choice([None, None, 1.5, -1.0 if rng.random() < 0.3 else 3.0]),
         sinks=rng.random() < 0.2,
         dtype=rng.choice([torch.float64, torch.float64, torch.float32]),
-        valid_expected=not (bad_c or bad_heads or bad_placement),
+        tile=tile,
+        valid_expected=not (bad_c or bad_heads or bad_placement or bad_tile),
     )
 
 
@@ -80,7 +83,7 @@ def _run(case: dict, seed: int):
     if case["sinks"]:
         sinks = torch.linspace(-1, 1, case["hq"], dtype=case["dtype"]).requires_grad_()
     ledgers = [st.CommLedger() for _ in range(p)]
-    kw = dict(window=window, softcap=case["softcap"], sinks=sinks)
+    kw = dict(window=window, softcap=case["softcap"], sinks=sinks, tile=case.get("tile"))
     try:
         outs = one_process_attention(
             *leaves, case["c"], placement=case["placement"], causal=causal, ledgers=ledgers, **kw
@@ -121,7 +124,7 @@ def test_every_case_is_exact_or_refused_before_any_transfer():
     print(f"sweep: {counts['ran']} exact, {counts['refused']} refused of {CASES}")
 
 
-@pytest.mark.parametrize("setting", ["team_size", "placement", "heads"])
+@pytest.mark.parametrize("setting", ["team_size", "placement", "heads", "tile"])
 def test_the_sweep_sees_a_wrong_acceptance(setting, monkeypatch):
     """The oracle can fail: a case the settings call invalid that ran would be reported."""
     case = {
@@ -130,6 +133,6 @@ def test_the_sweep_sees_a_wrong_acceptance(setting, monkeypatch):
         "dtype": torch.float64, "valid_expected": True,
     }  # fmt: skip
     case.update({"team_size": {"c": 3}, "placement": {"placement": "node"},
-                 "heads": {"hq": 3, "hkv": 2}}[setting])  # fmt: skip
+                 "heads": {"hq": 3, "hkv": 2}, "tile": {"tile": 0}}[setting])  # fmt: skip
     what, detail, events = _run(case, seed=0)
     assert what == "refused" and all(e == [] for e in events), (what, detail)

@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--selective-recompute", action="store_true", help="core attention only")
     g.add_argument("--tiled-loss", type=int, default=None, metavar="TOKENS")
     g.add_argument("--tiled-mlp", type=int, default=None, metavar="TOKENS")
+    g.add_argument(
+        "--attention-tile",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="StarTrail's kernel calls at most TOKENS x TOKENS (--startrail-attention-tile)",
+    )
     g.add_argument("--cross-entropy-loss-fusion", action="store_true")
     p.add_argument(
         "--window",
@@ -170,6 +177,7 @@ def _features(args):
         args.selective_recompute,
         args.tiled_loss is not None,
         args.tiled_mlp is not None,
+        args.attention_tile is not None,
         args.cross_entropy_loss_fusion,
     )
     if not any(on):
@@ -181,6 +189,7 @@ def _features(args):
         recompute=recompute,
         tiled_loss=args.tiled_loss,
         tiled_mlp=args.tiled_mlp,
+        attention_tile=args.attention_tile,
         ce_fusion=args.cross_entropy_loss_fusion,
     )
 

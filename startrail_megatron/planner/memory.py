@@ -29,7 +29,7 @@ def _elems(shape: AttnShape) -> tuple[int, int, int]:
     return tok, tok * shape.heads_q * shape.head_dim, tok * shape.heads_kv * shape.head_dim
 
 
-def startrail_buffers(team_size: int, shape: AttnShape) -> dict[str, int]:
+def startrail_buffers(team_size: int, shape: AttnShape, tile: int | None = None) -> dict[str, int]:
     """Bytes of each buffer StarTrail (ring: C = 1) holds at its peak, a kernel call of a
     backward sub-ring step, named after ``rank.backward.startrail_rank_backward``'s
     tensors (``do_team``: its ``dout_team``; ``kv_cur``: the K,V ``KVRing.held`` gives;
@@ -43,27 +43,31 @@ def startrail_buffers(team_size: int, shape: AttnShape) -> dict[str, int]:
     what double-buffering both directions of the sub-ring needs (``G > 1``) and fp32
     where sums accumulate over calls and steps: a step's dK/dV is added straight into the
     partial sum received for it (``rank.dkv.StepDkvSum``). ``kernel call`` is the largest
-    call's gradients (at most the whole team block); the kernel's own workspace comes on top (``tests/test_memory.py``
-    measures it).
+    call's output stand-in (made from the rows' D, ``rank.kernel_calls.delta_stand_in``)
+    and gradients: at most the whole team block, at most ``tile`` x ``tile`` tokens with
+    ``startrail_attention(tile=)``; the kernel's own workspace comes on top
+    (``tests/test_memory.py`` measures it).
     """
     c, g = team_size, shape.cp_size // team_size**2
     e, a = shape.elem_bytes, shape.acc_bytes
     tok, uq, ukv = _elems(shape)
     team_q, team_kv, rows = c * uq, c * 2 * ukv, c * tok * shape.heads_q
     steps = g > 1
+    call_rows = shape.batch * (c * shape.s_local if tile is None else min(tile, c * shape.s_local))
+    call_q = call_rows * shape.heads_q * shape.head_dim
+    call_kv = call_rows * 2 * shape.heads_kv * shape.head_dim
     return {
         "q_team (saved)": team_q * e if c > 1 else 0,
         "kv_local (saved)": 2 * ukv * e,
         "lse_team (saved)": rows * a,
         "do_team": team_q * e if c > 1 else 0,
         "delta, delta_team": (tok * shape.heads_q + rows) * a,
-        "out_eff": team_q * e,
         "dq": team_q * a,
         "kv_cur": team_kv * e,
         "next KV in flight": team_kv * e if steps else 0,
         "dkv": team_kv * a,  # from the second step on, the partial sum received into
         "dkv sent, in flight": team_kv * a if steps else 0,
-        "kernel call": (team_q + team_kv) * e,
+        "kernel call": (2 * call_q + call_kv) * e,
     }
 
 
@@ -172,19 +176,21 @@ class StepFeatures:
     ``recompute`` (``full``: every layer's input only, the layer recomputed in the
     backward; ``selective``: the core attention recomputed; ``none``), ``tiled_loss`` /
     ``tiled_mlp`` (tokens per tile, or None: ``--startrail-tiled-loss`` /
-    ``--startrail-tiled-mlp``), ``ce_fusion`` (megatron-core's fused cross-entropy),
+    ``--startrail-tiled-mlp``), ``attention_tile`` (the attention's largest kernel call,
+    ``--startrail-attention-tile``: ``startrail_buffers(tile=)``), ``ce_fusion`` (megatron-core's fused cross-entropy),
     ``dropout`` (hidden dropout's masks, one byte per element, twice per layer)."""
 
     recompute: str = "full"
     tiled_loss: int | None = None
     tiled_mlp: int | None = None
+    attention_tile: int | None = None
     ce_fusion: bool = False
     dropout: bool = True
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r}; allowed: {list(RECOMPUTE)}")
-        for f in ("tiled_loss", "tiled_mlp"):
+        for f in ("tiled_loss", "tiled_mlp", "attention_tile"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{f}={v!r} must be None or an integer >= 1 (tokens per tile)")

@@ -17,7 +17,7 @@ from .joint_keys import joint_backward
 from .kernel_calls import kernel_options, row_backward, varlen_backward
 from .kv_ring import KVRing
 
-__all__ = ["RankGrads", "delta_stand_in", "startrail_rank_backward"]
+__all__ = ["RankGrads", "startrail_rank_backward"]
 
 
 @dataclass(frozen=True)
@@ -32,22 +32,6 @@ class RankGrads:
     dv: Tensor
     sinks: Tensor | None = None
     joint: tuple[Tensor, Tensor] | None = None
-
-
-def delta_stand_in(dout: Tensor, delta: Tensor) -> Tensor:
-    """A stand-in for ``out`` with the same row statistic ``rowsum(dout * out) = delta``.
-
-    Kernels take the backward's D from (dout, out); only D matters, so the team
-    rows need not gather the real output. ``dout/|dout| * (delta/|dout|)``:
-    by Cauchy-Schwarz its size is at most |out|, and a zero ``dout`` row gives 0.
-    """
-    acc = delta.dtype
-    do = dout.to(acc)
-    nrm = torch.linalg.vector_norm(do, dim=-1)  # [n, b, h]
-    ok = nrm > 0
-    safe = torch.where(ok, nrm, torch.ones_like(nrm))
-    scale = torch.where(ok, delta / safe, torch.zeros_like(delta)) / safe
-    return (do * scale.unsqueeze(-1)).to(dout.dtype)
 
 
 def startrail_rank_backward(
@@ -81,7 +65,7 @@ def startrail_rank_backward(
         lse_mine = order.member_rows(lse_team.permute(2, 0, 1), s)  # [s, b, hq]
         p_sink = torch.exp(sinks.to(acc).view(1, 1, hq) - lse_mine)
         d_sinks = -(p_sink * delta).sum((0, 1))
-    dout_team = out_eff = dq = None  # gathered at the first step, after its own rows' calls
+    dout_team = delta_team = dq = None  # gathered at the first step, after its own rows'
     split = rc.splits_first_step(hq, hkv)
     dkv_pending = dkv_sent = None  # dkv_sent: the buffer reused across steps
     # The last step runs head group by head group (``tail_head_groups``): a group's dq is
@@ -95,29 +79,27 @@ def startrail_rank_backward(
         dkv = StepDkvSum(dkv_pending, dq, (n, 2, b, hkv, d))  # the sum received, or zeros
         plan = rc.plan(step, s, kernel, own_first=split and dout_team is None)
         if dout_team is None:  # the first step's calls on this rank's own rows, then the rest
-            out_mine = delta_stand_in(dout, delta) if plan.own else None  # local: while
-            for own in plan.own:  # the team's dout and delta arrive
+            for own in plan.own:  # local rows: while the team's dout and delta arrive
                 c, ql = own.call, own.local_q_rows
                 row_backward(
-                    kernel, dout[ql], q_team[c.q_rows], kv[c.kv_rows], out_mine[ql],
+                    kernel, dout[ql], q_team[c.q_rows], kv[c.kv_rows], delta[ql],
                     lse_team[..., c.q_rows], dq[c.q_rows], dkv.row_adder(kv_rows=c.kv_rows),
                     c.causal, scale, kernel_options(softcap, None, c),
                 )  # fmt: skip
-            del out_mine
             dout_team = order.to_team(dout_gather.wait())
-            out_eff = delta_stand_in(dout_team, order.to_team(delta_gather.wait()))
+            delta_team = order.to_team(delta_gather.wait())
             del delta
         for g, (qh, kh) in enumerate(tail if i == last else ALL_HEADS):
-            do_g, q_g, out_g = dout_team[:, :, qh], q_team[:, :, qh], out_eff[:, :, qh]
+            do_g, q_g, dl_g = dout_team[:, :, qh], q_team[:, :, qh], delta_team[:, :, qh]
             dq_g, kv_g, lse_g = dq[:, :, qh], kv[:, :, :, kh], lse_team[:, qh]
             for j, call in enumerate(plan.varlen):
                 varlen_backward(
-                    kernel, call, do_g, q_g, kv_g, out_g, lse_g, dq_g, dkv.adder(kh), scale,
+                    kernel, call, do_g, q_g, kv_g, dl_g, lse_g, dq_g, dkv.adder(kh), scale,
                     kernel_options(softcap, rc.dropouts.at(step, j)),
                 )  # fmt: skip
             for j, c in enumerate(plan.rows):
                 row_backward(
-                    kernel, do_g[c.q_rows], q_g[c.q_rows], kv_g[c.kv_rows], out_g[c.q_rows],
+                    kernel, do_g[c.q_rows], q_g[c.q_rows], kv_g[c.kv_rows], dl_g[c.q_rows],
                     lse_g[..., c.q_rows], dq_g[c.q_rows], dkv.row_adder(kh, c.kv_rows),
                     c.causal, scale, kernel_options(softcap, rc.dropouts.at(step, j), c),
                 )  # fmt: skip
@@ -125,14 +107,14 @@ def startrail_rank_backward(
                 part = order.from_team(dq_g).reshape(C, -1)  # scatter it while the next
                 dq_scatters.append(rc.team_comm.reduce_scatter_start(part, "dq"))  # computes
             # views keep their bases alive: none may outlive the step's buffers
-            del do_g, q_g, out_g, dq_g, kv_g, lse_g
+            del do_g, q_g, dl_g, dq_g, kv_g, lse_g
         # This step's sum goes on; the buffer sent last step (its send done with the
         # receive just waited on) receives the next one.
         total = dkv.total()
         dkv_pending = ring.pass_on(total, i, "dkv", dkv_sent)
         dkv_sent = total
         del dkv, total
-    del kv, out_eff, dout_team
+    del kv, delta_team, dout_team
     # The held copy's dK/dV goes home, each member its own rows (the buffers of the steps
     # freed first); dq's reduce-scatters run while the parts travel, and the joint keys'
     # part (local rows) is computed meanwhile.

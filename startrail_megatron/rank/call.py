@@ -139,9 +139,10 @@ class RankCall:
         )  # fmt: skip
 
     def plan(self, step: int, s_local: int, kernel: AttentionKernel, own_first: bool) -> StepPlan:
-        """This rank's calls at ``step`` (``schedule.plan_step``)."""
+        """This rank's calls at ``step`` (``schedule.plan_step``), cut into the options'
+        tiles."""
         return plan_step(
             self.layout, self.rank, step, causal=self.causal, s_local=s_local,
             packed=self.packed, window=self.options.window, varlen=has_varlen(kernel),
-            own_first=own_first,
+            own_first=own_first, tile=self.options.tile,
         )  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from ..kernels import AttentionKernel, Dropout, merge_partial
@@ -14,6 +15,7 @@ from ..schedule import RowCall, VarlenCall
 from .thd import from_thd, to_thd, varlen_index
 
 __all__ = [
+    "delta_stand_in",
     "kernel_options",
     "row_backward",
     "row_forward",
@@ -42,17 +44,38 @@ def row_forward(
     merge_partial(out_rows, lse_rows, o, lse)
 
 
+def delta_stand_in(dout: Tensor, delta: Tensor) -> Tensor:
+    """A stand-in for ``out`` with the same row statistic ``rowsum(dout * out) = delta``.
+
+    Kernels take the backward's D from (dout, out); only D matters, so the team rows need
+    not gather the real output, and each call makes the stand-in of its own rows only (a
+    team-sized one would be held through the whole backward).
+    ``dout/|dout| * (delta/|dout|)``: by Cauchy-Schwarz its size is at most |out|, and a
+    zero ``dout`` row gives 0. ``delta``: ``dout``'s shape without the last dimension.
+    """
+    acc = delta.dtype
+    do = dout.to(acc)
+    nrm = torch.linalg.vector_norm(do, dim=-1)  # [n, b, h]
+    ok = nrm > 0
+    safe = torch.where(ok, nrm, torch.ones_like(nrm))
+    scale = torch.where(ok, delta / safe, torch.zeros_like(delta)) / safe
+    return (do * scale.unsqueeze(-1)).to(dout.dtype)
+
+
 def row_backward(
-    kernel: AttentionKernel, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor,
-    dq_rows: Tensor, add_dkv: Callable[[Tensor, Tensor], None], causal: bool, scale: float,
-    options: dict,
+    kernel: AttentionKernel, dout: Tensor, q: Tensor, kv: Tensor, delta: Tensor,
+    lse: Tensor, dq_rows: Tensor, add_dkv: Callable[[Tensor, Tensor], None], causal: bool,
+    scale: float, options: dict,
 ) -> None:  # fmt: skip
-    """One row call of the backward (``kv``: the call's K,V rows ``[t, 2, ...]``): dq's
-    gradient added into ``dq_rows`` (a view), dK/dV's through ``add_dkv``
+    """One row call of the backward (``kv``: the call's K,V rows ``[t, 2, ...]``;
+    ``delta``: the rows' ``rowsum(dout * out)``, from which the call's output stand-in is
+    made): dq's gradient added into ``dq_rows`` (a view), dK/dV's through ``add_dkv``
     (``StepDkvSum.row_adder``: at once, or once the step's sum has arrived)."""
+    out = delta_stand_in(dout, delta)
     g_q, g_k, g_v = kernel.backward(
         dout, q, kv[:, 0], kv[:, 1], out, lse, causal=causal, scale=scale, **options
     )
+    del out
     dq_rows += g_q
     add_dkv(g_k, g_v)
 
@@ -78,19 +101,24 @@ def varlen_forward(
 
 
 def varlen_backward(
-    kernel, call: VarlenCall, dout_team: Tensor, q_team: Tensor, kv: Tensor, out: Tensor,
-    lse_team: Tensor, dq: Tensor, add_dkv: Callable, scale: float, options: dict,
+    kernel, call: VarlenCall, dout_team: Tensor, q_team: Tensor, kv: Tensor,
+    delta_team: Tensor, lse_team: Tensor, dq: Tensor, add_dkv: Callable, scale: float,
+    options: dict,
 ) -> None:  # fmt: skip
-    """One ``VarlenCall`` of the backward: gradients added into dq's rows and, through
-    ``add_dkv`` (``StepDkvSum.adder`` on this head group), into the step's dK/dV."""
+    """One ``VarlenCall`` of the backward (``delta_team``: the rows' ``rowsum(dout *
+    out)``, ``[n, b, hq]``): gradients added into dq's rows and, through ``add_dkv``
+    (``StepDkvSum.adder`` on this head group), into the step's dK/dV."""
     b, hq = q_team.shape[1], q_team.shape[2]
     ix = varlen_index(call, b, q_team.device)
     lse = lse_team.index_select(2, ix.q_rows).transpose(0, 1).reshape(hq, -1)  # [hq, b*t]
+    dout = to_thd(dout_team, ix.q_rows)
+    out = delta_stand_in(dout, to_thd(delta_team, ix.q_rows))
     g_q, g_k, g_v = kernel.backward_varlen(
-        to_thd(dout_team, ix.q_rows), to_thd(q_team, ix.q_rows), to_thd(kv[:, 0], ix.kv_rows),
-        to_thd(kv[:, 1], ix.kv_rows), to_thd(out, ix.q_rows), lse,
+        dout, to_thd(q_team, ix.q_rows), to_thd(kv[:, 0], ix.kv_rows),
+        to_thd(kv[:, 1], ix.kv_rows), out, lse,
         ix.cu_q, ix.cu_k, ix.max_q, ix.max_k, causal=ix.causal, scale=scale, **options,
     )  # fmt: skip
+    del dout, out
     acc = dq.dtype
     dq.index_add_(0, ix.q_rows, from_thd(g_q, b).to(acc))
     del g_q

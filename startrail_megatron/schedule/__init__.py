@@ -37,7 +37,7 @@ from .policies import (
     splits_first_step,
     tail_head_groups,
 )
-from .step import StepPlan, plan_step
+from .step import StepPlan, check_tile, plan_step, tile_calls
 from .windows import (
     band_call,
     buffer_chunks,
@@ -63,6 +63,7 @@ __all__ = [
     "OwnRun",
     "RowCall",
     "StepPlan",
+    "check_tile",
     "VarlenCall",
     "allgather_calls",
     "band_call",
@@ -76,6 +77,7 @@ __all__ = [
     "packed_team_order",
     "plan_block",
     "plan_step",
+    "tile_calls",
     "restrict_rows",
     "split_own_rows",
     "splits_first_step",

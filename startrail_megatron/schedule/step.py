@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 from .calls import RowCall, VarlenCall, startrail_step_rows, startrail_step_varlen
 from .layout import StarTrailLayout
-from .own_rows import OwnCall, own_team_rows, split_own_rows
+from .own_rows import OwnCall, own_team_rows, restrict_rows, split_own_rows
 from .packing import PackedLayout
 from .windows import startrail_step_packed_window_rows, startrail_step_window_rows
 
-__all__ = ["StepPlan", "plan_step"]
+__all__ = ["StepPlan", "check_tile", "plan_step", "tile_calls"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ def plan_step(
     window: tuple[int | None, int | None] | None = None,
     varlen: bool = False,
     own_first: bool = False,
+    tile: int | None = None,
 ) -> StepPlan:
     """The calls ``rank`` makes at sub-ring ``step``.
 
@@ -57,7 +58,9 @@ def plan_step(
     the kernel has variable-length methods (used for packed documents without a window);
     ``own_first``: split the step's calls at the rank's own query rows
     (``policies.splits_first_step`` decides it, for the first computed step only; dense
-    rows only). Not cached itself: the row calls it picks from are."""
+    rows only); ``tile``: every row call cut into calls of at most ``tile`` query rows
+    (``tile_calls``; varlen calls stay whole). Not cached itself: the row calls it picks
+    from are."""
     if own_first and packed is not None:
         raise ValueError("own_first splits dense rows only: packed documents keep whole calls")
     if packed is not None and window is None and varlen:
@@ -69,6 +72,41 @@ def plan_step(
     else:
         calls = startrail_step_window_rows(layout, rank, step, causal, s_local, window)
     if not own_first:
-        return StepPlan(rows=calls)
+        return StepPlan(rows=tile_calls(calls, tile))
     own, rest = split_own_rows(calls, own_team_rows(layout, rank, causal, s_local))
-    return StepPlan(rows=rest, own=own)
+    own = tuple(OwnCall(p, o.shift) for o in own for p in tile_calls((o.call,), tile))
+    return StepPlan(rows=tile_calls(rest, tile), own=own)
+
+
+def check_tile(tile, name: str = "tile") -> int | None:
+    """``tile`` checked: None or an integer >= 1 (``ValueError`` naming ``name``)."""
+    if tile is None:
+        return None
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"{name}={tile!r} must be None (whole calls) or an integer >= 1 (tokens)")
+    return tile
+
+
+def tile_calls(calls: tuple[RowCall, ...], tile: int | None) -> tuple[RowCall, ...]:
+    """``calls`` cut into tiles: the same (query, key) pairs in calls of at most ``tile``
+    query rows and, but for band calls, at most ``tile`` key rows. A causal call's row
+    tile is a causal square on the diagonal and full tiles left of it
+    (``restrict_rows``); a band call is cut by rows only (its band bounds its keys).
+
+    Why: a kernel call's backward makes its own dq, dK and dV (and the output's stand-in,
+    ``rank.backward``) before they are added into the step's sums, so the largest call
+    sets the attention backward's transient memory; tiles bound it by ``tile`` rows
+    whatever the sequence length, at the price of more, smaller calls. Each tile is exact:
+    the backward uses the rows' final (out, lse). ``None``: the calls as they are."""
+    if tile is None:
+        return calls
+    out: list[RowCall] = []
+    for call in calls:
+        for lo in range(call.q_lo, call.q_hi, tile):
+            for piece in restrict_rows(call, lo, min(lo + tile, call.q_hi)):
+                if piece.band is not None or piece.causal:
+                    out.append(piece)
+                    continue
+                for k in range(piece.kv_lo, piece.kv_hi, tile):
+                    out.append(RowCall(piece.q_lo, piece.q_hi, k, min(k + tile, piece.kv_hi)))
+    return tuple(out)
