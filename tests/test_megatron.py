@@ -253,6 +253,58 @@ def test_tiled_mlp_matches_the_untiled_mlp(tp):
         assert stats.tiles == stats.calls * -(-s_local // 3) and stats.max_tile_rows == 3, stats
 
 
+def _train_attention_tile(rank, world, argv, steps):
+    """``_train`` with the SDPA kernel's calls watched: the largest (query rows, key rows)
+    of any call in each direction, and the tile the CP group's attention was given."""
+    from startrail_megatron.kernels.sdpa import SdpaKernel
+    from startrail_megatron.megatron.registry import get_startrail_state, registered_cp_groups
+
+    largest = {"fwd": (0, 0), "bwd": (0, 0)}
+    fwd, bwd = SdpaKernel.forward, SdpaKernel.backward
+
+    def see(way, q, k):
+        a, b = largest[way]
+        largest[way] = (max(a, q.shape[0]), max(b, k.shape[0]))
+
+    def forward(self, q, k, v, **kw):
+        see("fwd", q, k)
+        return fwd(self, q, k, v, **kw)
+
+    def backward(self, do, q, k, v, *a, **kw):
+        see("bwd", q, k)
+        return bwd(self, do, q, k, v, *a, **kw)
+
+    SdpaKernel.forward, SdpaKernel.backward = forward, backward
+    tiles = []
+    teardown = T.teardown
+
+    def watch_teardown():
+        tiles.extend(get_startrail_state(g).attention_tile for g in registered_cp_groups())
+        teardown()
+
+    T.teardown = watch_teardown
+    try:
+        out = _train(rank, world, argv, steps)
+    finally:
+        SdpaKernel.forward, SdpaKernel.backward = fwd, bwd
+        T.teardown = teardown
+    return out, largest, tiles
+
+
+def test_attention_tile_in_the_entry_point_gives_the_same_training():
+    """``--startrail-attention-tile 3``: the same losses and gradients as whole calls
+    (fp32: 1e-6 of each tensor's largest entry), every kernel call at most 3 x 3 tokens
+    (whole calls are larger: the tile ran) and the CP group's attention given the tile."""
+    argv = BASE + GQA + ["--optimizer", "sgd"] + st_flags(4, 2)
+    whole = run_ranks(4, _train_attention_tile, argv, 2)
+    tiled = run_ranks(4, _train_attention_tile, argv + ["--startrail-attention-tile", "3"], 2)
+    for (got, big, _), (want, small, tiles) in zip(whole, tiled):
+        _assert_close_runs(want[:3], got, tol=1e-6)
+        assert tiles == [3], tiles
+        for way in ("fwd", "bwd"):
+            assert max(small[way]) <= 3 < max(big[way]), (way, small, big)
+
+
 def test_sequence_tiled_sums_parameter_gradients_holding_two_copies_at_most():
     """``sequence_tiled``'s parameter gradients, against the untiled float64 graph: a
     weight through a matmul (a fresh gradient per tile: the first is kept as the sum), a
@@ -747,6 +799,20 @@ def test_module_level_spec_object():
         (
             st_flags(4, 2) + ["--seq-length", "32", "--startrail-tiled-mlp", "9"],
             "--startrail-tiled-mlp 9 must be between 1 and the local sequence",
+        ),
+        (
+            st_flags(4, 2) + ["--seq-length", "32", "--startrail-attention-tile", "9"],
+            "--startrail-attention-tile 9 must be between 1 and the local sequence, "
+            "--seq-length 32 / --context-parallel-size 4 = 8 tokens",
+        ),
+        (
+            st_flags(4, 2) + ["--startrail-attention-tile", "0"],
+            "--startrail-attention-tile 0 must be between 1",
+        ),
+        (
+            ["--startrail-attention-tile", "4"],
+            "--startrail-attention-tile 4 cuts StarTrail's attention calls: it needs "
+            "--context-parallel-impl startrail",
         ),
         (
             ["--startrail-tiled-loss", "2", "--cross-entropy-loss-fusion"],

@@ -124,6 +124,7 @@ def test_extra_args_provider_validates_and_installs():
             "ulysses_size": 1,
             "tiled_loss": None,
             "tiled_mlp": None,
+            "attention_tile": None,
         }
     finally:
         hooks.uninstall()
@@ -238,6 +239,7 @@ def test_launcher_runs_script_with_hooks(fake_megatron_lm):
             "ulysses_size": 1,
             "tiled_loss": None,
             "tiled_mlp": None,
+            "attention_tile": None,
         },
     }
 

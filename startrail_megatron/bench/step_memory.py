@@ -58,10 +58,14 @@ CONFIGS: dict[str, list[str]] = {
     "recompute": RECOMPUTE,
     "tiled-loss": ["--startrail-tiled-loss", "{tile}"],
     "tiled-mlp": ["--startrail-tiled-mlp", "{tile}"],
-    "all": RECOMPUTE + ["--startrail-tiled-loss", "{tile}", "--startrail-tiled-mlp", "{tile}"],
+    "attention-tile": ["--startrail-attention-tile", "{attention_tile}"],
+    "all": RECOMPUTE
+    + ["--startrail-tiled-loss", "{tile}", "--startrail-tiled-mlp", "{tile}"]
+    + ["--startrail-attention-tile", "{attention_tile}"],
 }
-"""Configuration name -> the entry point's flags (``{tile}``: ``--tile``, at most the local
-sequence). ``ce-fusion`` and the recomputes are megatron-core's own options."""
+"""Configuration name -> the entry point's flags (``{tile}``: ``--tile``,
+``{attention_tile}``: ``--attention-tile``, each at most the local sequence). ``ce-fusion``
+and the recomputes are megatron-core's own options."""
 
 FIT_POINTS = 3
 """The line is fitted through the longest lengths only: at short ones a fixed cost (a
@@ -90,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-vocab", type=int, default=None, help="also run plain and all here")
     p.add_argument("--tile", type=int, default=64, help="tokens per tile of the tilings")
     p.add_argument(
+        "--attention-tile",
+        type=int,
+        default=512,
+        help="tokens per side of the attention's largest kernel call (attention-tile, all)",
+    )
+    p.add_argument(
         "--optimizer",
         choices=["sgd", "adam"],
         default="sgd",
@@ -112,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _flags(args, config: str, seq: int, vocab: int) -> list[str]:
     tile = str(min(args.tile, seq // args.nproc))
+    att = str(min(args.attention_tile, seq // args.nproc))
     base = [
         "--nproc", str(args.nproc), "--context-parallel-size", str(args.nproc),
         "--context-parallel-impl", "startrail", "--startrail-team-size", str(args.team_size),
@@ -122,7 +133,9 @@ def _flags(args, config: str, seq: int, vocab: int) -> list[str]:
         "--optimizer", args.optimizer,
         "--seq-length", str(seq), "--log-peak-memory", args.method,
     ]  # fmt: skip
-    return base + [f.replace("{tile}", tile) for f in CONFIGS[config]]
+    return base + [
+        f.replace("{tile}", tile).replace("{attention_tile}", att) for f in CONFIGS[config]
+    ]
 
 
 def run_one(args, config: str, seq: int, vocab: int) -> dict:
@@ -156,7 +169,7 @@ def run_one(args, config: str, seq: int, vocab: int) -> dict:
     }
 
 
-def planner_features(config: str, tile: int):
+def planner_features(config: str, tile: int, attention_tile: int | None = None):
     """The planner's ``StepFeatures`` for one of ``CONFIGS`` (the entry point's hidden
     dropout is off by default: no masks)."""
     from ..planner.memory import StepFeatures
@@ -166,6 +179,7 @@ def planner_features(config: str, tile: int):
         recompute=recompute,
         tiled_loss=tile if config in ("tiled-loss", "all") else None,
         tiled_mlp=tile if config in ("tiled-mlp", "all") else None,
+        attention_tile=attention_tile if config in ("attention-tile", "all") else None,
         ce_fusion=config == "ce-fusion",
         dropout=False,
     )
@@ -187,12 +201,16 @@ def planner_slopes(report: dict) -> dict[str, dict]:
         model = ModelSpec("bench", m["layers"], h, heads, groups, ffn, gated_mlp=True, vocab=vocab)
         local = max(x["local_tokens"] for x in report["runs"] if x["config"] == r["config"])
         shape = AttnShape(m["cp"], local, 1, heads, groups, h // heads, elem_bytes=4)
+        att = m.get("attention_tile")  # None: a report from before the attention's tile
+        feats = planner_features(
+            r["config"], min(m["tile"], local), None if att is None else min(att, local)
+        )
         per = step_bytes_per_token(
             shape,
             model,
             m["team_size"],
-            startrail_buffers(m["team_size"], shape),
-            planner_features(r["config"], min(m["tile"], local)),
+            startrail_buffers(m["team_size"], shape, feats.attention_tile),
+            feats,
         )
         measured = r["slope_bytes_per_token"]
         out[key] = {
@@ -373,6 +391,7 @@ def run(argv: list[str] | None = None) -> dict:
             "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
             "query_groups": args.query_groups, "vocab": args.vocab, "swiglu": True,
             "cp": args.nproc, "team_size": args.team_size, "tile": args.tile,
+            "attention_tile": args.attention_tile,
             "optimizer": args.optimizer,
         },
         "method": PeakMemory.METHODS[args.method],

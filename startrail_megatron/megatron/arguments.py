@@ -10,6 +10,8 @@
                                              CP / U ranks holding the same heads
     --startrail-tiled-loss TOKENS            the logits and loss a sequence tile at a time
     --startrail-tiled-mlp TOKENS             every layer's MLP a sequence tile at a time
+    --startrail-attention-tile TOKENS        the attention's kernel calls at most TOKENS x
+                                             TOKENS (its backward's memory bounded by it)
 
 ``add_startrail_args(parser)`` adds them (returns the parser, so it can be
 Megatron-LM's ``extra_args_provider``); ``validate_startrail_args(args)``
@@ -115,6 +117,16 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "the backward, so that its [tokens, ffn] intermediates exist for one tile only (the "
         "same result; megatron/tiled_mlp.py)",
     )
+    group.add_argument(
+        "--startrail-attention-tile",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="cut StarTrail's attention kernel calls into calls of at most TOKENS query rows by "
+        "TOKENS key rows, so that the attention backward's per-call gradients are bounded by "
+        "the tile, not the sequence (the same result, more calls; schedule.tile_calls). "
+        "Default: whole calls",
+    )
     return parser
 
 
@@ -183,6 +195,28 @@ def _check_tiled_loss(args: argparse.Namespace, impl: str) -> None:
             )
 
 
+def _check_attention_tile(args: argparse.Namespace, impl: str) -> None:
+    """``--startrail-attention-tile``: StarTrail's attention only, a tile within the local
+    sequence (``ValueError`` naming the flag)."""
+    tokens = getattr(args, "startrail_attention_tile", None)
+    if tokens is None:
+        return
+    if impl != "startrail":
+        raise ValueError(
+            f"--startrail-attention-tile {tokens} cuts StarTrail's attention calls: it needs "
+            f"--context-parallel-impl startrail (got {impl})"
+        )
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    seq = getattr(args, "seq_length", None)
+    local = seq // cp if seq else None
+    bad = isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1
+    if bad or (local is not None and tokens > local):
+        raise ValueError(
+            f"--startrail-attention-tile {tokens} must be between 1 and the local sequence, "
+            f"--seq-length {seq} / --context-parallel-size {cp} = {local} tokens"
+        )
+
+
 def _autotuner_available(args: argparse.Namespace) -> bool:
     """Whether ``args`` come from StarTrail's own entry point, which runs the autotuner."""
     return hasattr(args, "startrail_autotune_iters")
@@ -213,6 +247,7 @@ def validate_startrail_args(
     if impl not in IMPLS:
         raise ValueError(f"--context-parallel-impl {impl!r} is not known; allowed: {list(IMPLS)}")
     _check_tiled_loss(args, impl)
+    _check_attention_tile(args, impl)
     if impl != "startrail":
         return
     cp = getattr(args, "context_parallel_size", 1) or 1
@@ -292,6 +327,7 @@ def install_from_args(args: argparse.Namespace, team_size: int | None = None) ->
         ulysses_size=getattr(args, "startrail_ulysses_size", 1),
         tiled_loss=getattr(args, "startrail_tiled_loss", None),
         tiled_mlp=getattr(args, "startrail_tiled_mlp", None),
+        attention_tile=getattr(args, "startrail_attention_tile", None),
     )
 
 

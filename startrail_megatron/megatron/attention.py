@@ -278,6 +278,7 @@ class StarTrailCoreAttention(MegatronModule):
                 dropout_p=dropout_p,
                 window=self.window,
                 sinks=None if sinks is None else sinks.to(query.device),
+                tile=state.attention_tile,
             )
         if dropout_p:
             state.dropout_calls += 1

@@ -25,7 +25,7 @@ from datetime import timedelta
 
 import torch
 
-from ..schedule import check_own_rows_first
+from ..schedule import check_own_rows_first, check_tile
 from ..schedule.layout import PLACEMENTS, Placement
 from .registry import create_startrail_groups, release_all_startrail_groups
 from .spec import apply_startrail_spec, check_startrail_model
@@ -40,8 +40,7 @@ _INSTALLED: dict[str, object] = {}
 
 def installed_config() -> dict | None:
     """The (team_size, placement, kernel, own_rows_first, ulysses_size, tiled_loss,
-    tiled_mlp) of ``install``, or
-    None."""
+    tiled_mlp, attention_tile) of ``install``, or None."""
     cfg = _INSTALLED.get("config")
     return dict(cfg) if cfg else None
 
@@ -56,6 +55,7 @@ def install(
     ulysses_size: int = 1,
     tiled_loss: int | None = None,
     tiled_mlp: int | None = None,
+    attention_tile: int | None = None,
 ) -> None:
     """Make Megatron create StarTrail groups and build StarTrail attention. Reversible.
 
@@ -65,7 +65,9 @@ def install(
     ``tiled_loss``: every ``GPTModel`` built computes its logits and loss that many sequence
     positions at a time (``--startrail-tiled-loss``, ``tiled_loss.tile_lm_loss``); a
     ``HybridModel`` is refused with it; ``tiled_mlp`` likewise every layer's MLP
-    (``--startrail-tiled-mlp``, ``tiled_mlp.tile_mlps``)."""
+    (``--startrail-tiled-mlp``, ``tiled_mlp.tile_mlps``); ``attention_tile`` the
+    attention's largest kernel call (``--startrail-attention-tile``,
+    ``startrail_attention(tile=)``)."""
     from megatron.core import parallel_state
 
     if placement not in PLACEMENTS:
@@ -75,6 +77,7 @@ def install(
     if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
         raise ValueError(f"ulysses_size must be an integer >= 1, got {ulysses_size!r}")
     check_own_rows_first(own_rows_first)
+    check_tile(attention_tile, "--startrail-attention-tile")
     uninstall()
     _INSTALLED["config"] = {
         "team_size": team_size,
@@ -84,6 +87,7 @@ def install(
         "ulysses_size": ulysses_size,
         "tiled_loss": tiled_loss,
         "tiled_mlp": tiled_mlp,
+        "attention_tile": attention_tile,
     }
     orig_init = parallel_state.initialize_model_parallel
     orig_destroy = parallel_state.destroy_model_parallel
@@ -101,6 +105,7 @@ def install(
             timeout=_megatron_timeout(init_sig, args, kwargs),
             own_rows_first=cfg["own_rows_first"],
             ulysses_size=cfg["ulysses_size"],
+            attention_tile=cfg["attention_tile"],
         )
         return out
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ..comm import CommLedger
 from ..groups import StarTrailGroups, UlyssesStarTrailGroups
+from ..schedule import check_tile
 from ..schedule.layout import Placement
 
 __all__ = [
@@ -59,6 +60,8 @@ class StarTrailMegatronState:
     compares the ledger with ring attention's bytes at the same shapes)."""
     dropout_calls: int = 0
     """Attention calls that ran attention dropout on this rank."""
+    attention_tile: int | None = None
+    """``startrail_attention(tile=)`` of every call (``--startrail-attention-tile``)."""
 
 
 _REGISTRY: dict[dist.ProcessGroup | None, StarTrailMegatronState] = {}
@@ -77,13 +80,17 @@ def create_startrail_groups(
     timeout: timedelta | None = None,
     own_rows_first: bool | None = None,
     ulysses_size: int = 1,
+    attention_tile: int | None = None,
 ) -> StarTrailMegatronState:
     """Build and register StarTrail's groups for ``cp_group`` (collective over it).
 
     An entry already registered for ``cp_group`` is released first (its groups
     destroyed). ``timeout``: of the new groups (default: the default process group's).
     ``own_rows_first``: ``StarTrailGroups.own_rows_first``. ``ulysses_size`` > 1: the 2-D
-    split's groups (``UlyssesStarTrailGroups``; ``--startrail-ulysses-size``)."""
+    split's groups (``UlyssesStarTrailGroups``; ``--startrail-ulysses-size``).
+    ``attention_tile``: the attention's largest kernel call in tokens
+    (``--startrail-attention-tile``; ``startrail_attention(tile=)``), checked first."""
+    check_tile(attention_tile, "--startrail-attention-tile")
     release_startrail_groups(cp_group)
     kw = dict(cp_group=cp_group, placement=placement, timeout=timeout)
     if ulysses_size > 1:
@@ -92,7 +99,7 @@ def create_startrail_groups(
         )
     else:
         groups = StarTrailGroups.create(team_size, own_rows_first=own_rows_first, **kw)
-    state = StarTrailMegatronState(groups, kernel)
+    state = StarTrailMegatronState(groups, kernel, attention_tile=attention_tile)
     _REGISTRY[_key(cp_group)] = state
     return state
 
