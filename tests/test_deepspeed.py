@@ -701,18 +701,22 @@ def _hf_call(monkeypatch, **kwargs):
 
     def fake(
         q, k, v, groups, causal, softmax_scale, ledger, cu_seqlens, cu_seqlens_padded, dropout_p,
-        **extra,
+        tile, **extra,
     ):  # fmt: skip
         calls.append({"causal": causal, "softmax_scale": softmax_scale, **extra})
         if dropout_p:
             calls[-1]["dropout_p"] = dropout_p
+        if tile is not None:
+            calls[-1]["tile"] = tile
         return q
 
     monkeypatch.setattr(hf, "startrail_attention", fake)
     module = torch.nn.Module()
     module.is_causal = True
     handle = SimpleNamespace(
-        mpu=SimpleNamespace(startrail=SimpleNamespace(cp_size=4)),
+        mpu=SimpleNamespace(
+            startrail=SimpleNamespace(cp_size=4), config=SimpleNamespace(attention_tile=None)
+        ),
         ledger=None,
         local_lengths=set(),
         packed=None,
@@ -932,6 +936,51 @@ def test_tiled_mlp_matches_single_rank_and_keeps_one_shard(stage):
         4, _train_tiled, make_cfg(stage, dp=1, startrail=_st(4, 2)), "tiled_mlp", _MLP_OPS
     )
     assert all(r[-2] == [] and r[-1] == 4 for r in plain)  # untiled: the local 4 rows
+
+
+def _train_watching_calls(rank, world, cfg):
+    """``_train`` with every attention kernel call watched: the most query and key rows of
+    any call."""
+    from startrail_megatron.kernels import SdpaKernel, TorchKernel
+
+    largest = [0, 0]
+    saved = [(cls, cls.forward, cls.backward) for cls in (TorchKernel, SdpaKernel)]
+
+    def watch(fn):
+        def run(self, *a, **kw):
+            q, k = (a[0], a[1]) if fn.__name__ == "forward" else (a[1], a[2])
+            largest[0], largest[1] = max(largest[0], q.shape[0]), max(largest[1], k.shape[0])
+            return fn(self, *a, **kw)
+
+        return run
+
+    for cls, f, b in saved:
+        cls.forward, cls.backward = watch(f), watch(b)
+    try:
+        res = _train(rank, world, cfg)
+    finally:
+        for cls, f, b in saved:
+            cls.forward, cls.backward = f, b
+    return (*res, largest)
+
+
+def test_attention_tile_matches_single_rank_and_bounds_every_call():
+    """``"attention_tile": 3``: the same losses and parameters as the one-rank run, every
+    attention kernel call at most 3 x 3 rows (whole calls are larger: the key ran)."""
+    cfg = make_cfg(0, dp=1, startrail=_st(4, 2, attention_tile=3))
+    res = run_ranks(4, _train_watching_calls, cfg)
+    _check([r[:3] for r in res], world=4, p=4)
+    assert all(max(r[-1]) <= 3 for r in res), [r[-1] for r in res]
+    plain = run_ranks(4, _train_watching_calls, make_cfg(0, dp=1, startrail=_st(4, 2)))
+    assert all(max(r[-1]) > 3 for r in plain), [r[-1] for r in plain]
+
+
+@pytest.mark.parametrize("bad", [0, -1, "auto", 2.5, True])
+def test_bad_attention_tile_is_refused_naming_the_key(bad):
+    from startrail_megatron.deepspeed.config import StarTrailConfig
+
+    with pytest.raises(ValueError, match="startrail.attention_tile"):
+        StarTrailConfig.from_ds_config({"startrail": _st(4, 2, attention_tile=bad)})
 
 
 def test_tiled_mlp_refusals():

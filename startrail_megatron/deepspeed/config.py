@@ -12,7 +12,8 @@ section is still a valid plain DeepSpeed config::
         "own_rows_first": "auto",
         "ulysses_size": 1,
         "tiled_mlp": null,
-        "tiled_loss": null
+        "tiled_loss": null,
+        "attention_tile": null
     }
 
 The model follows DeepSpeed's own config models (``DeepSpeedConfigModel``:
@@ -81,6 +82,13 @@ class StarTrailConfig(DeepSpeedConfigModel):
     ``TiledMLP`` runs the MLP a sequence shard at a time and recomputes each shard in the
     backward, so its intermediates exist for one shard (``deepspeed/tiled_mlp.py``).
     None (default): untiled. Not for the Megatron GPT and DiT paths, nor MoE blocks."""
+
+    attention_tile: int | None = Field(None, ge=1, strict=True)
+    """StarTrail's kernel calls cut to at most this many query rows by as many key rows
+    (``startrail_attention(tile=)``, ``schedule.tile_calls``; transformers models): a call's
+    backward gradients are then bounded by the tile, not by C x the local tokens. The same
+    result, more calls. None (default): whole calls. Not for the Megatron GPT
+    (``--startrail-attention-tile``) and DiT paths."""
 
     tiled_loss: int | None = Field(None, ge=1, strict=True)
     """Tokens per shard of the output layer and the loss (transformers causal LMs): the

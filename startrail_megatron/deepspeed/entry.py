@@ -226,6 +226,7 @@ def initialize(
     for key, flag in (
         ("tiled_mlp", "--startrail-tiled-mlp"),
         ("tiled_loss", "--startrail-tiled-loss"),
+        ("attention_tile", "--startrail-attention-tile"),
     ):
         if getattr(st, key) is not None and (megatron_model or dit_model):
             raise ValueError(
