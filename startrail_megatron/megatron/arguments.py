@@ -170,19 +170,12 @@ def _check_tiled_loss(args: argparse.Namespace, impl: str) -> None:
     """``--startrail-tiled-loss`` / ``--startrail-tiled-mlp``: a tile within the local
     sequence; under upstream Megatron-LM only with StarTrail on (its hooks put the tiling
     in)."""
-    cp = getattr(args, "context_parallel_size", 1) or 1
-    seq = getattr(args, "seq_length", None)
-    local = seq // cp if seq else None
     for flag in ("startrail_tiled_loss", "startrail_tiled_mlp"):
         tokens = getattr(args, flag, None)
         if tokens is None:
             continue
         name = "--" + flag.replace("_", "-")
-        if tokens < 1 or (local is not None and tokens > local):
-            raise ValueError(
-                f"{name} {tokens} must be between 1 and the local sequence, "
-                f"--seq-length {seq} / --context-parallel-size {cp} = {local} tokens"
-            )
+        _check_within_local(args, name, tokens, tokens < 1)
         if flag == "startrail_tiled_loss" and getattr(args, "cross_entropy_loss_fusion", False):
             raise ValueError(
                 f"{name} replaces the loss, so --cross-entropy-loss-fusion would have no "
@@ -206,13 +199,19 @@ def _check_attention_tile(args: argparse.Namespace, impl: str) -> None:
             f"--startrail-attention-tile {tokens} cuts StarTrail's attention calls: it needs "
             f"--context-parallel-impl startrail (got {impl})"
         )
+    bad = isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1
+    _check_within_local(args, "--startrail-attention-tile", tokens, bad)
+
+
+def _check_within_local(args: argparse.Namespace, name: str, tokens, bad: bool) -> None:
+    """A tile flag's ``tokens``: ``ValueError`` naming ``name`` when ``bad`` or when it is
+    larger than the local sequence (``--seq-length`` / ``--context-parallel-size``)."""
     cp = getattr(args, "context_parallel_size", 1) or 1
     seq = getattr(args, "seq_length", None)
     local = seq // cp if seq else None
-    bad = isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1
     if bad or (local is not None and tokens > local):
         raise ValueError(
-            f"--startrail-attention-tile {tokens} must be between 1 and the local sequence, "
+            f"{name} {tokens} must be between 1 and the local sequence, "
             f"--seq-length {seq} / --context-parallel-size {cp} = {local} tokens"
         )
 

@@ -177,8 +177,8 @@ class StepFeatures:
     backward; ``selective``: the core attention recomputed; ``none``), ``tiled_loss`` /
     ``tiled_mlp`` (tokens per tile, or None: ``--startrail-tiled-loss`` /
     ``--startrail-tiled-mlp``), ``attention_tile`` (the attention's largest kernel call,
-    ``--startrail-attention-tile``: ``startrail_buffers(tile=)``), ``ce_fusion`` (megatron-core's fused cross-entropy),
-    ``dropout`` (hidden dropout's masks, one byte per element, twice per layer)."""
+    ``--startrail-attention-tile``: ``startrail_buffers(tile=)``), ``ce_fusion``
+    (megatron-core's fused cross-entropy), ``dropout`` (hidden dropout's masks, one byte per element, twice per layer)."""
 
     recompute: str = "full"
     tiled_loss: int | None = None

@@ -94,7 +94,7 @@ def tile_calls(calls: tuple[RowCall, ...], tile: int | None) -> tuple[RowCall, .
     (``restrict_rows``); a band call is cut by rows only (its band bounds its keys).
 
     Why: a kernel call's backward makes its own dq, dK and dV (and the output's stand-in,
-    ``rank.backward``) before they are added into the step's sums, so the largest call
+    ``rank.kernel_calls.delta_stand_in``) before they are added into the step's sums, so the largest call
     sets the attention backward's transient memory; tiles bound it by ``tile`` rows
     whatever the sequence length, at the price of more, smaller calls. Each tile is exact:
     the backward uses the rows' final (out, lse). ``None``: the calls as they are."""
