@@ -16,6 +16,7 @@ from .schedule.packing import PackedLayout
 __all__ = [
     "inverse_order",
     "reorder_chunks",
+    "reorder_chunks_",
     "shard_packed",
     "unshard_packed",
     "zigzag_shard",
@@ -61,6 +62,32 @@ def reorder_chunks(x: Tensor, order: Sequence[int], dim: int = 0) -> Tensor:
         return x
     chunks = x.chunk(len(order), dim=dim)
     return torch.cat([chunks[i] for i in order], dim=dim)
+
+
+def reorder_chunks_(x: Tensor, order: Sequence[int]) -> Tensor:
+    """``reorder_chunks(x, order)`` (dim 0) in ``x``'s own storage, which it returns: each
+    cycle of the permutation moves its chunks one place, through one chunk-sized copy, so
+    the transient is one chunk, not a second ``x``. ``x`` may be a strided view."""
+    n = len(order)
+    if x.shape[0] % n:
+        raise ValueError(f"reorder_chunks_: {x.shape[0]} rows do not split into {n} chunks")
+    chunks = x.chunk(n, dim=0)
+    seen = [False] * n
+    for start in range(n):
+        if seen[start] or order[start] == start:
+            seen[start] = True
+            continue
+        held = chunks[start].clone()  # chunk `start` is overwritten first
+        i = start
+        while True:
+            seen[i] = True
+            src = order[i]
+            if src == start:
+                chunks[i].copy_(held)
+                break
+            chunks[i].copy_(chunks[src])
+            i = src
+    return x
 
 
 def inverse_order(order: Sequence[int]) -> list[int]:

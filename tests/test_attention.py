@@ -304,3 +304,28 @@ def test_tail_head_groups():
                                 (8, 2, 1, 1, False), (8, 2, 8, 2, True)]:  # fmt: skip
         one = tail_head_groups(st.StarTrailLayout(p, c), hq, hkv, drop)
         assert one == ((slice(0, hq), slice(0, hkv)),)
+
+
+def test_reorder_chunks_in_place_matches_the_copy():
+    """``reorder_chunks_`` moves the chunks inside the tensor's own storage (contiguous or a
+    strided view) exactly as ``reorder_chunks`` copies them, for every permutation of up to
+    5 chunks, through one chunk-sized temporary; uneven chunks are a ``ValueError``."""
+    import itertools
+
+    from startrail_megatron.bench.memory import LiveTensorBytes
+    from startrail_megatron.zigzag import reorder_chunks, reorder_chunks_
+
+    for n in range(1, 6):
+        for order in itertools.permutations(range(n)):
+            base = torch.randn(3 * n, 4, 5)
+            for x in (base.clone(), base.clone()[:, 1:3]):
+                want = reorder_chunks(x, order).clone()
+                ptr = x.data_ptr()
+                assert reorder_chunks_(x, order) is x and x.data_ptr() == ptr
+                assert torch.equal(x, want), order
+    x = torch.randn(64, 256)
+    with LiveTensorBytes() as live:
+        reorder_chunks_(x, [3, 0, 1, 2])  # one cycle of four chunks
+    assert live.peak - live.current <= x.numel() * 4 // 4  # one chunk, not a second x
+    with pytest.raises(ValueError, match="do not split into 3 chunks"):
+        reorder_chunks_(torch.zeros(4, 2), [2, 0, 1])

@@ -86,8 +86,8 @@ def startrail_rank_backward(
                     lse_team[..., c.q_rows], dq[c.q_rows], dkv.row_adder(kv_rows=c.kv_rows),
                     c.causal, scale, kernel_options(softcap, None, c),
                 )  # fmt: skip
-            dout_team = order.to_team(dout_gather.wait())
-            delta_team = order.to_team(delta_gather.wait())
+            dout_team = order.to_team(dout_gather.wait(), in_place=True)
+            delta_team = order.to_team(delta_gather.wait(), in_place=True)
             del delta
         for g, (qh, kh) in enumerate(tail if i == last else ALL_HEADS):
             do_g, q_g, dl_g = dout_team[:, :, qh], q_team[:, :, qh], delta_team[:, :, qh]
@@ -104,8 +104,8 @@ def startrail_rank_backward(
                     c.causal, scale, kernel_options(softcap, rc.dropouts.at(step, j), c),
                 )  # fmt: skip
             if i == last and g < len(tail) - 1:  # these heads' dq is complete: reduce-
-                part = order.from_team(dq_g).reshape(C, -1)  # scatter it while the next
-                dq_scatters.append(rc.team_comm.reduce_scatter_start(part, "dq"))  # computes
+                part = order.from_team(dq_g, in_place=True).reshape(C, -1)  # scatter it
+                dq_scatters.append(rc.team_comm.reduce_scatter_start(part, "dq"))  # meanwhile
             # views keep their bases alive: none may outlive the step's buffers
             del do_g, q_g, dl_g, dq_g, kv_g, lse_g
         # This step's sum goes on; the buffer sent last step (its send done with the
@@ -120,7 +120,7 @@ def startrail_rank_backward(
     # part (local rows) is computed meanwhile.
     dkv_home = ring.send_dkv_home(dkv_sent)
     del dkv_sent
-    part = order.from_team(dq[:, :, tail[-1][0]]).reshape(C, -1)  # the last head group
+    part = order.from_team(dq[:, :, tail[-1][0]], in_place=True).reshape(C, -1)  # last group
     dq_scatters.append(rc.team_comm.reduce_scatter_start(part, "dq"))
     del dq, part
     gq_joint = d_joint = None

@@ -73,7 +73,9 @@ class TeamCombine:
             safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
             out.mul_(torch.exp(part_lse - safe).permute(2, 0, 1).unsqueeze(-1))
         self._lse_team[:, qh] = lse
-        member_order = self.order.from_team(out)
+        # In place: these rows of the accumulators are dead once scattered, so a group of
+        # every head reduce-scatters from the accumulator itself (no second team out).
+        member_order = self.order.from_team(out, in_place=True)
         del out, part_lse, lse
         if g == len(self.groups) - 1:  # every group copied out: the accumulators are dead
             self.out = self.lse = None

@@ -66,7 +66,7 @@ def startrail_rank_forward(
                     combine.out[c.q_rows], combine.lse[..., c.q_rows], c.causal, scale,
                     kernel_options(softcap, None, c),
                 )  # fmt: skip
-            q_team = order.to_team(q_gather.wait())
+            q_team = order.to_team(q_gather.wait(), in_place=True)  # no second team q
         for g, (qh, kh) in enumerate(combine.groups if i == last else ALL_HEADS):
             q_g, kv_g = q_team[:, :, qh], kv[:, :, :, kh]
             out_g, lse_g = combine.out[:, :, qh], combine.lse[:, qh]

@@ -44,14 +44,16 @@ class KVRing:
         self._placement = (handle, buf)
 
     def _wait_placement(self) -> Tensor:
-        """The team's K,V in team order (C = 1: the one piece itself); the member-order
-        buffer it arrived in is dropped."""
+        """The team's K,V in team order (C = 1: the one piece itself), reordered inside the
+        member-order buffer it arrived in."""
         if self._placement is None:
             raise RuntimeError("KVRing.held before start_placement: the placement is not sent")
         handle, buf = self._placement
         self._placement = None
         pieces = handle.wait()
-        return pieces[0] if buf is None else self.order.to_team(buf)
+        first = pieces[0] if buf is None else None
+        del pieces  # views of buf
+        return first if buf is None else self.order.to_team(buf, in_place=True)
 
     def held(self, kv_local: Tensor) -> Iterator[tuple[int, int, Tensor]]:
         """``(i, step, kv)`` for each computed step: the K,V ``[n, 2, b, hkv, d]`` (team
@@ -84,10 +86,10 @@ class KVRing:
 
     def send_dkv_home(self, dkv: Tensor) -> Handle:
         """Start sending each member its rows of the copy's dK/dV held after the last
-        computed step (team order in); ``wait()`` gives this rank's rows of each copy of
+        computed step (team order in; reordered in place: ``dkv`` is dead after); ``wait()`` gives this rank's rows of each copy of
         its team's dK/dV, to be summed."""
         lay, r, c = self.rc.layout, self.rc.rank, self.rc.layout.team_size
-        parts = self.order.from_team(dkv).chunk(c, dim=0) if c > 1 else (dkv,)
+        parts = self.order.from_team(dkv, in_place=True).chunk(c, dim=0) if c > 1 else (dkv,)
         sends = list(zip(lay.dkv_home_targets(r, self.active), parts))
         srcs = lay.dkv_home_sources(r, self.active)
         return self.rc.p2p.exchange_many(sends, srcs, parts[0], "dkv_home")

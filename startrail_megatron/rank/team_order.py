@@ -18,7 +18,7 @@ from torch import Tensor
 from ..schedule import packed_team_order
 from ..schedule.layout import StarTrailLayout
 from ..schedule.packing import PackedLayout
-from ..zigzag import inverse_order, reorder_chunks
+from ..zigzag import inverse_order, reorder_chunks, reorder_chunks_
 
 __all__ = ["TeamOrder", "index_tensor", "real_rows"]
 
@@ -80,18 +80,23 @@ class TeamOrder:
         index = _packed_index(self.layout, self.team, self.packed, device)
         return None if index is None else index[inverse]
 
-    def to_team(self, x: Tensor) -> Tensor:
-        """The all-gathered member order -> the team buffer's order (rows, dim 0)."""
-        if self.packed is None:
-            return reorder_chunks(x, self._chunk_order[0])
-        idx = self._index(x.device, False)
-        return x if idx is None else x.index_select(0, idx)
+    def to_team(self, x: Tensor, in_place: bool = False) -> Tensor:
+        """The all-gathered member order -> the team buffer's order (rows, dim 0).
+        ``in_place``: ``x`` is dead after the call, so dense rows are moved inside its own
+        storage (``reorder_chunks_``: one chunk's copy, not a second ``x``; ``x`` itself
+        is returned); packed rows are still gathered into a new tensor."""
+        return self._reorder(x, False, in_place)
 
-    def from_team(self, x: Tensor) -> Tensor:
-        """The team buffer's order -> member order (the inverse of ``to_team``)."""
+    def from_team(self, x: Tensor, in_place: bool = False) -> Tensor:
+        """The team buffer's order -> member order (the inverse of ``to_team``); ``in_place``
+        as there."""
+        return self._reorder(x, True, in_place)
+
+    def _reorder(self, x: Tensor, inverse: bool, in_place: bool) -> Tensor:
         if self.packed is None:
-            return reorder_chunks(x, self._chunk_order[1])
-        idx = self._index(x.device, True)
+            order = self._chunk_order[int(inverse)]
+            return reorder_chunks_(x, order) if in_place else reorder_chunks(x, order)
+        idx = self._index(x.device, inverse)
         return x if idx is None else x.index_select(0, idx)
 
     def member_rows(self, x: Tensor, s_local: int) -> Tensor:
