@@ -230,6 +230,7 @@ def test_tiled_loss_matches_the_untiled_loss(tp):
         assert got[5] == []  # the MLPs are not tiled
         assert stats.calls == 3 and stats.tiles == 3 * -(-s_local // 3), stats
         assert stats.max_tile_rows == 3
+        assert stats.into_main_grad == 1  # the tied output weight's gradient: into DDP's buffer
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -359,6 +360,55 @@ def test_sequence_tiled_sums_parameter_gradients_holding_two_copies_at_most():
         y.sum().backward()
         extra = live.peak - base
     assert extra < 2.5 * big.numel() * 4, extra / (big.numel() * 4)
+
+
+def test_sequence_tiled_adds_a_shared_weights_gradient_into_main_grad():
+    """``sequence_tiled(shared=)``: a weight that another node also uses (the output layer
+    tied to the word embedding) and that has Megatron DDP's fp32 ``main_grad`` takes each
+    tile's gradient there, and the node returns none for it: ``main_grad`` plus the other
+    use's ``.grad`` (which DDP's hook adds later) is the untiled float64 gradient. Memory:
+    the tiled node's sum is not held while the embedding's gradient is made (with
+    ``shared`` off, autograd holds it, the embedding's and their sum: three weights)."""
+    from startrail_megatron.bench.memory import LiveTensorBytes
+    from startrail_megatron.megatron.tiling import TileStats, sequence_tiled
+
+    torch.manual_seed(0)
+    vocab, hid, rows = 4096, 64, 32
+    w0 = torch.randn(vocab, hid, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (rows,))
+
+    def step(shared: bool, dtype):
+        w = w0.to(dtype, copy=True).requires_grad_()
+        w.main_grad = torch.zeros(
+            vocab, hid, dtype=torch.float32 if dtype != torch.float64 else dtype
+        )
+        x = torch.nn.functional.embedding(ids, w)  # the embedding's use of the weight
+        stats = TileStats(tokens=8)
+        y = sequence_tiled(lambda t, i: t @ w.t(), stats, x, w, shared=[shared])
+        with LiveTensorBytes() as live:
+            base = live.current
+            y.pow(2).sum().backward()
+            extra = live.peak - base
+        return w, stats, extra
+
+    w = w0.clone().requires_grad_()
+    x = torch.nn.functional.embedding(ids, w)
+    (x @ w.t()).pow(2).sum().backward()
+    want = w.grad
+    for dtype in (torch.float64, torch.float32):
+        got, stats, _ = step(True, dtype)
+        # float64: main_grad is float64, not DDP's fp32 buffer: the usual path, nothing added
+        direct = dtype == torch.float32
+        assert stats.into_main_grad == int(direct)
+        total = got.grad.double() + got.main_grad.double()
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        assert (total - want).abs().max() <= tol * want.abs().max(), dtype
+        assert bool(got.main_grad.abs().sum() > 0) == direct
+    size = vocab * hid * 4
+    _, on, extra_on = step(True, torch.float32)
+    _, off, extra_off = step(False, torch.float32)
+    assert on.into_main_grad == 1 and off.into_main_grad == 0
+    assert extra_on < 2.2 * size < 2.5 * size < extra_off, (extra_on / size, extra_off / size)
 
 
 @pytest.mark.parametrize("recompute", [False, True])

@@ -8,7 +8,9 @@ sequence positions, that tile's logits and its per-token loss, and keeps neither
 forward saves only the hidden states (which the layers keep anyway) and the weight; the
 backward computes each tile's logits again and runs the tile's backward at once (so a
 tile's logits live only inside one step of the loop), accumulating the weight's gradient
-in fp32. The loss is Megatron's own ``vocab_parallel_cross_entropy`` (vocabulary-parallel
+in fp32 (a weight tied to the word embedding: straight into Megatron DDP's ``main_grad``,
+so the sum is not held through the layers' backward until the embedding's gradient joins
+it). The loss is Megatron's own ``vocab_parallel_cross_entropy`` (vocabulary-parallel
 under TP: its max, sum and target all-reduces run per tile), the per-token loss is returned
 as the untiled path returns it (``[b, s]``), so masks and ``--calculate-per-token-loss``
 are unchanged (a model with multi-token prediction is refused: its losses take the same
@@ -35,11 +37,14 @@ from .tiling import TileStats, sequence_tiled
 __all__ = ["TileStats", "tile_lm_loss", "tiled_lm_loss"]
 
 
-def tiled_lm_loss(hidden, weight, labels, tokens, tp_group=None, stats=None):
+def tiled_lm_loss(hidden, weight, labels, tokens, tp_group=None, stats=None, tied=False):
     """Per-token cross-entropy ``[b, s]`` of ``hidden`` [s, b, h] through the output weight
     [V/TP, h] against ``labels`` [b, s], ``tokens`` sequence positions at a time (module
     docstring). ``hidden`` is taken as the output layer takes its input: under TP its
-    gradient is all-reduced over ``tp_group`` (``copy_to_tensor_model_parallel_region``)."""
+    gradient is all-reduced over ``tp_group`` (``copy_to_tensor_model_parallel_region``).
+    ``tied``: ``weight`` is the word embedding's, looked up in the same backward, so its
+    tiles' gradients go straight into Megatron DDP's ``main_grad`` where it has one
+    (``tiling.sequence_tiled(shared=)``)."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     if tokens < 1:
@@ -58,7 +63,8 @@ def tiled_lm_loss(hidden, weight, labels, tokens, tp_group=None, stats=None):
         raise ValueError(
             f"--startrail-tiled-loss {tokens}: the stats count tiles of {stats.tokens}"
         )
-    loss = sequence_tiled(run, stats, hidden, *([weight] if weight.requires_grad else []))
+    params = [weight] if weight.requires_grad else []
+    loss = sequence_tiled(run, stats, hidden, *params, shared=[tied] * len(params))
     return loss.transpose(0, 1).contiguous()
 
 
@@ -122,7 +128,9 @@ def tile_lm_loss(model, tokens: int) -> TileStats:
         weight, state.weight = state.weight, None
         if weight is None:
             raise RuntimeError("the tiled loss got no output weight from the output layer")
-        return tiled_lm_loss(logits, weight, labels, tokens, tp_group, stats)
+        embedding = getattr(getattr(self, "embedding", None), "word_embeddings", None)
+        tied = embedding is not None and weight is getattr(embedding, "weight", None)
+        return tiled_lm_loss(logits, weight, labels, tokens, tp_group, stats, tied)
 
     def forward(self, *args, **kwargs):
         labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
