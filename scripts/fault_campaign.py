@@ -10,13 +10,17 @@ and at a random moment (seeded) after the first checkpoint injects one fault:
 ``kill-one``  SIGKILL of one random rank: the launcher must exit non-zero within
               ``--exit-bound-s`` and leave no process behind;
 ``kill-all``  SIGKILL of every process of the job (a node lost, a job killed mid-step or
-              mid-save): nothing to wait for.
+              mid-save): nothing to wait for;
+``stop-one``  SIGSTOP of one random rank (a hung host, a debugger): its peers give up after
+              the collective timeout (``--distributed-timeout-minutes 1`` in every run), and
+              the launcher must exit non-zero within that plus ``--exit-bound-s``, naming the
+              stopped rank's pid ("rank k (pid P, stopped for ...)": ``spawn.py``).
 
 Then the tracker's checkpoint (which must verify: ``checksums.json``) is resumed to the end,
 and its losses must equal the uninterrupted run's from that iteration (the same layout:
 bitwise). A trial where the run finished before the fault counts as such, not as a pass.
-Measured: see docs/megatron.md. Not covered here (issue 50): a stopped rank, a cut link on
-the emulated cluster, a full disk, the DeepSpeed path.
+Measured: see docs/megatron.md. Not covered here (issue 50): a cut link on the emulated
+cluster, a full disk, the DeepSpeed path.
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ MODEL = [
     "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
     "--micro-batch-size", "1", "--global-batch-size", "1", "--mock-data",
     "--optimizer", "sgd", "--lr", "1e-2", "--log-interval", "100",
+    "--distributed-timeout-minutes", "1",
 ]  # fmt: skip
+TIMEOUT_S = 60.0  # the collective timeout of every run (MODEL's flag)
 LAYOUT = "--context-parallel-size 4 --context-parallel-impl startrail --startrail-team-size 2"
-FAULTS = ("kill-one", "kill-all")
+FAULTS = ("kill-one", "kill-all", "stop-one")
 
 
 def _proc_stat(pid: int) -> list[str] | None:
@@ -129,15 +135,21 @@ def trial(
         if fault == "kill-one":
             rec["killed_rank_pid"] = victim = rng.choice(ranks)
             os.kill(victim, signal.SIGKILL)
+        elif fault == "stop-one":
+            rec["stopped_rank_pid"] = victim = rng.choice(ranks)
+            os.kill(victim, signal.SIGSTOP)
         else:
             os.killpg(proc.pid, signal.SIGKILL)
         time.sleep(0.2)
         rec["mid_save"] = any(n.endswith(".partial") for n in os.listdir(save))
         try:
-            rec["launcher_rc"] = proc.wait(timeout=bound + 60)
+            rec["launcher_rc"] = proc.wait(timeout=bound + TIMEOUT_S + 60)
         except subprocess.TimeoutExpired:
             rec["launcher_rc"] = None
         rec["exit_s"] = time.monotonic() - t0
+        if fault == "stop-one":  # the launcher's error names the stopped rank's process
+            with open(out) as f:
+                rec["named"] = f"(pid {rec['stopped_rank_pid']}, stopped for" in f.read()
         time.sleep(0.5)
         rec["left_behind"] = group(proc.pid)
     finally:
@@ -152,9 +164,12 @@ def trial(
         got = _losses(log2)
         rec["loss_max_abs_diff"] = max(abs(got[i] - ref[i]) for i in range(at + 1, iters + 1))
         rec["resumed_iterations"] = sorted(got)
+    limit = bound + (TIMEOUT_S if fault == "stop-one" else 0.0)
     ok_exit = rec["launcher_rc"] is not None and (
-        fault == "kill-all" or (rec["launcher_rc"] != 0 and rec["exit_s"] <= bound)
+        fault == "kill-all" or (rec["launcher_rc"] != 0 and rec["exit_s"] <= limit)
     )
+    if fault == "stop-one":
+        ok_exit = ok_exit and rec["named"]
     ok_resume = at == iters or (
         rec["resumed_iterations"] == list(range(at + 1, iters + 1))
         and rec["loss_max_abs_diff"] == 0.0

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -79,6 +80,55 @@ def start_method(threads: int) -> str:
     return "spawn"
 
 
+GRACE_S = 2.0
+"""After one rank fails, how long the others get to end on their own, and then to end after
+SIGTERM, before SIGKILL (a stopped rank ends only so): the launcher's exit bound past the
+first failure is 2 x this plus one poll."""
+
+
+def _state(pid: int) -> str | None:
+    """The process state letter of ``/proc/PID/stat`` (``T``: stopped), None off Linux or
+    once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _join_naming_stopped_ranks(context, timeout: timedelta) -> None:
+    """Join the ranks (``ProcessContext.join``), polling each second which ranks are stopped
+    (SIGSTOP, a debugger, a frozen cgroup: state ``T`` or ``t``). A stopped rank answers no
+    collective, so its peers fail after the collective ``timeout`` with the backend's own
+    words ("recv timed out"), which name no rank: when the job fails while a rank is stopped
+    the error raised names that rank, its pid and how long it was stopped, chained to the
+    first failing rank's error. Other failures are raised as they come."""
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    stopped: dict[int, float] = {}
+    try:
+        while not context.join(timeout=1.0, grace_period=GRACE_S):
+            now = time.monotonic()
+            for rank, proc in enumerate(context.processes):
+                if _state(proc.pid) in ("T", "t"):
+                    stopped.setdefault(rank, now)
+                else:
+                    stopped.pop(rank, None)
+    except (ProcessRaisedException, ProcessExitedException) as e:
+        if not stopped:
+            raise
+        now = time.monotonic()
+        names = ", ".join(
+            f"rank {r} (pid {context.processes[r].pid}, stopped for {now - t:.0f} s)"
+            for r, t in sorted(stopped.items())
+        )
+        raise RuntimeError(
+            f"{names}: a stopped process (SIGSTOP, a debugger) answers no collective, so its "
+            f"peers gave up after the collective timeout ({timeout.total_seconds():g} s); the "
+            f"first rank to fail said: {str(e).strip().splitlines()[-1]}"
+        ) from e
+
+
 def spawn_local_ranks(
     fn: Callable,
     nprocs: int,
@@ -91,7 +141,9 @@ def spawn_local_ranks(
     forked or spawned (``start_method``).
 
     Each joins a gloo process group (file:// rendezvous in a temporary folder, so no
-    port is needed) with ``timeout`` and destroys it afterwards. With
+    port is needed) with ``timeout`` and destroys it afterwards. A rank that fails ends the
+    others within ``2 * GRACE_S`` (SIGTERM, then SIGKILL); a rank stopped while the job
+    fails is named in the error (``_join_naming_stopped_ranks``). With
     ``ranks_handle_sigint`` the parent ignores Ctrl-C while it waits (the terminal sends
     SIGINT to the ranks too, and they stop cleanly themselves). Before forking, the
     parent's objects are frozen out of the garbage collector (``gc.freeze``), and left so.
@@ -112,12 +164,14 @@ def spawn_local_ranks(
         gc.freeze()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            torch.multiprocessing.start_processes(
+            context = torch.multiprocessing.start_processes(
                 _entry,
                 args=(nprocs, os.path.join(tmp, "rdv"), timeout, threads, fn, args),
                 nprocs=nprocs,
                 start_method=method,
+                join=False,
             )
+            _join_naming_stopped_ranks(context, timeout)
     finally:
         if prev is not None:
             signal.signal(signal.SIGINT, prev)

@@ -93,6 +93,32 @@ def test_ranks_of_more_threads_are_new_interpreters(tmp_path):
     assert all(r["sigint_default"] for r in recs)
 
 
+def _stop_one(rank, world):
+    if rank == 1:  # stopped before the collective: it never answers
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_stopped_rank_is_named_when_its_peers_time_out():
+    """A rank stopped (SIGSTOP) before a collective: its peer fails after the collective
+    timeout with gloo's words, which name no rank; the launcher's error names the stopped
+    rank and its pid, and the job ends (the stopped rank killed) within the timeout plus
+    ``2 x GRACE_S`` and a few seconds, not the 30 s torch's join gives a process that
+    ignores SIGTERM."""
+    import time
+
+    import pytest
+
+    from startrail_megatron.spawn import GRACE_S
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+, stopped for \d+ s\)") as err:
+        spawn_local_ranks(_stop_one, 2, timeout=timedelta(seconds=3))
+    took = time.monotonic() - t0
+    assert "collective timeout (3 s)" in str(err.value), err.value
+    assert took < 3 + 2 * GRACE_S + 8, took
+
+
 _FORKS = """
 import os, sys, time
 from startrail_megatron.spawn import forks_die_with_their_parent
