@@ -129,18 +129,22 @@ def startrail_comm_bytes(
 
 
 def startrail_comm_calls(
-    team_size: int, sends: Mapping[str, int], tail_groups: int = 1
+    team_size: int, sends: Mapping[str, int], tail_groups: int = 1, head_chunks: int = 1
 ) -> dict[str, int]:
     """Calls one rank makes: its P2P messages ``sends`` (as for ``startrail_comm_bytes``);
     with teams (C > 1) the forward's q all-gather and, per head group of its last step
     (``tail_groups``: ``len(schedule.tail_head_groups(...))``), an lse all-gather and an
     out reduce-scatter; the backward's dout and delta all-gathers and, per head group of
     its last step, a dq reduce-scatter. K and V need none: the placement sends them
-    straight from each member (``layout.py``'s Note)."""
+    straight from each member (``layout.py``'s Note). ``head_chunks``: the call runs that
+    many times on a KV-head group each (``startrail_attention(head_chunks=)``; the same
+    bytes): every count times it, ``tail_groups`` then counted on one chunk's heads."""
+    n = head_chunks
     fwd_coll = 1 + 2 * tail_groups if team_size > 1 else 0
     bwd_coll = 2 + tail_groups if team_size > 1 else 0
     fwd_p2p = sends["kv_place"] + sends["kv"]
-    return _keys(fwd_p2p, fwd_p2p + sends["dkv"] + sends["dkv_home"], fwd_coll, bwd_coll)
+    bwd_p2p = fwd_p2p + sends["dkv"] + sends["dkv_home"]
+    return _keys(n * fwd_p2p, n * bwd_p2p, n * fwd_coll, n * bwd_coll)
 
 
 # ---- all-gather KV ---------------------------------------------------------------
@@ -219,14 +223,15 @@ def split_comm_bytes(
 
 
 def split_comm_calls(
-    layout: UlyssesLayout, cp_rank: int, tail_groups: int = 1, active: ActiveSteps | None = None
-) -> dict[str, int]:
+    layout: UlyssesLayout, cp_rank: int, tail_groups: int = 1, active: ActiveSteps | None = None,
+    head_chunks: int = 1,
+) -> dict[str, int]:  # fmt: skip
     """Calls of one forward and backward of the 2-D split: 4 all-to-alls each way (with
-    U > 1) and StarTrail's over the ring group (``tail_groups``: as
+    U > 1) and StarTrail's over the ring group (``tail_groups``, ``head_chunks``: as
     ``startrail_comm_calls``, over the ring shape's heads)."""
     ring_rank = layout.coord(cp_rank)[0]
     sends = layout.ring.p2p_sends(ring_rank, backward=True, active=active)
-    calls = startrail_comm_calls(layout.team_size, sends, tail_groups)
+    calls = startrail_comm_calls(layout.team_size, sends, tail_groups, head_chunks)
     n = 4 * int(layout.ulysses_size > 1)
     calls["fwd_collective"] += n
     calls["bwd_collective"] += n

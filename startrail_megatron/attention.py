@@ -119,7 +119,24 @@ from .validation import (
 __all__ = ["startrail_attention"]
 
 
+def head_chunk_slices(heads_q: int, heads_kv: int, n: int) -> list[tuple[slice, slice]]:
+    """The (query heads, KV heads) of each of ``n`` head chunks: the KV heads in ``n`` equal
+    runs, each with its GQA group of query heads."""
+    per, group = heads_kv // n, heads_q // heads_kv
+    return [
+        (slice(i * per * group, (i + 1) * per * group), slice(i * per, (i + 1) * per))
+        for i in range(n)
+    ]
+
+
 class _StarTrailAttention(torch.autograd.Function):
+    """The thin autograd Function over one rank's forward and backward. With
+    ``options.head_chunks`` = n > 1 both run n times, on one KV-head group (and its query
+    heads) at a time: every team-sized buffer (the gathered q and dout, the combine's
+    accumulators, dq, the K,V ring and its dK/dV) is 1/n as large while it lives, for n
+    times the messages of the same bytes; the output is written into one tensor, which is
+    what the backward keeps of it."""
+
     @staticmethod
     def forward(
         ctx, q, k, v, sinks, joint_k, joint_v, groups, causal, scale, kernel, ledger, packed,
@@ -130,28 +147,68 @@ class _StarTrailAttention(torch.autograd.Function):
         rc = RankCall.over_groups(
             groups, causal, ledger, packed=packed, options=options, comm_options=comm_options
         )
-        joint = None if joint_k is None else (joint_k, joint_v)
-        out, saved = startrail_rank_forward(q, k, v, rc, scale, kernel, sinks, joint)
+        chunks = head_chunk_slices(q.shape[2], k.shape[2], options.head_chunks)
+        saved: list[Tensor] = []
+        if len(chunks) == 1:
+            joint = None if joint_k is None else (joint_k, joint_v)
+            out, saved_one = startrail_rank_forward(q, k, v, rc, scale, kernel, sinks, joint)
+            saved.extend(saved_one)
+        else:
+            out = torch.empty_like(q)
+            for qh, kh in chunks:
+                joint = None if joint_k is None else (joint_k[:, :, kh], joint_v[:, :, kh])
+                part, saved_one = startrail_rank_forward(
+                    q[:, :, qh], k[:, :, kh], v[:, :, kh], rc, scale, kernel,
+                    None if sinks is None else sinks[qh], joint,
+                )  # fmt: skip
+                out[:, :, qh] = part
+                saved.extend(saved_one)
+                del part, saved_one
         ctx.save_for_backward(out, *saved, sinks, joint_k, joint_v)
         ctx.rc, ctx.scale, ctx.kernel, ctx.ledger = rc, scale, kernel, ledger
+        ctx.chunks = chunks
         return out
 
     @staticmethod
     @once_differentiable  # no double backward: an error, not silently wrong gradients
     def backward(ctx, dout):
-        out, q_team, kv_local, lse_team, sinks, joint_k, joint_v = ctx.saved_tensors
+        out, *saved, sinks, joint_k, joint_v = ctx.saved_tensors
         if ctx.ledger is not None:
             ctx.ledger.phase = "bwd"
-        joint = None if joint_k is None else (joint_k, joint_v)
-        grads = startrail_rank_backward(
-            dout.contiguous(), out, (q_team, kv_local, lse_team), ctx.rc, ctx.scale, ctx.kernel,
-            sinks, joint,
-        )  # fmt: skip
-        d_sinks = None if sinks is None else grads.sinks.to(sinks.dtype)
+        dout = dout.contiguous()
+        if len(ctx.chunks) == 1:
+            joint = None if joint_k is None else (joint_k, joint_v)
+            grads = startrail_rank_backward(
+                dout, out, tuple(saved), ctx.rc, ctx.scale, ctx.kernel, sinks, joint
+            )
+            dq, dk, dv, d_sinks, d_joint = (
+                grads.dq, grads.dk, grads.dv, grads.sinks, grads.joint
+            )  # fmt: skip
+        else:
+            hkv = ctx.chunks[-1][1].stop
+            dq = torch.empty_like(dout)
+            dk = dout.new_empty((*dout.shape[:2], hkv, dout.shape[3]))
+            dv = torch.empty_like(dk)
+            sink_parts, joint_parts = [], []
+            for i, (qh, kh) in enumerate(ctx.chunks):
+                joint = None if joint_k is None else (joint_k[:, :, kh], joint_v[:, :, kh])
+                grads = startrail_rank_backward(
+                    dout[:, :, qh].contiguous(), out[:, :, qh], tuple(saved[3 * i : 3 * i + 3]),
+                    ctx.rc, ctx.scale, ctx.kernel, None if sinks is None else sinks[qh], joint,
+                )  # fmt: skip
+                dq[:, :, qh], dk[:, :, kh], dv[:, :, kh] = grads.dq, grads.dk, grads.dv
+                sink_parts.append(grads.sinks)
+                joint_parts.append(grads.joint)
+                del grads
+            d_sinks = None if sinks is None else torch.cat(sink_parts)
+            d_joint = None
+            if joint_k is not None:  # per KV head: the chunks' parts side by side
+                d_joint = tuple(torch.cat(parts, dim=2) for parts in zip(*joint_parts))
+        d_sinks = None if sinks is None else d_sinks.to(sinks.dtype)
         d_jk = d_jv = None
-        if joint is not None:
-            d_jk, d_jv = (g.to(joint_k.dtype) for g in grads.joint)
-        return (grads.dq, grads.dk, grads.dv, d_sinks, d_jk, d_jv) + (None,) * 8
+        if joint_k is not None:
+            d_jk, d_jv = (g.to(joint_k.dtype) for g in d_joint)
+        return (dq, dk, dv, d_sinks, d_jk, d_jv) + (None,) * 8
 
 
 def startrail_attention(
@@ -173,6 +230,7 @@ def startrail_attention(
     joint_kv: tuple[Tensor, Tensor] | None = None,
     comm_options: CommOptions | None = None,
     tile: int | None = None,
+    head_chunks: int | None = None,
 ) -> Tensor:
     """Exact attention over the whole CP-sharded sequence, StarTrail schedule.
 
@@ -242,6 +300,13 @@ def startrail_attention(
             more, smaller calls: for long sequences on kernels that materialize a call's
             gradients whole (every kernel does). ``None`` (default): whole calls.
             Rank-local (ranks may differ).
+        head_chunks: run the call on ``head_chunks`` groups of KV heads (each with its
+            query heads) one after the other, forward and backward: the team's buffers
+            (gathered q and dout, fp32 output and dq accumulators, the K,V ring and its
+            dK/dV) then hold one group's heads at a time, 1/``head_chunks`` as large, for
+            ``head_chunks`` times the messages (the same bytes). Must divide the KV heads
+            (with the 2-D split: those each ring rank holds after the all-to-all); not
+            with dropout yet. The same on every CP rank. ``None`` or 1: all heads at once.
 
     Returns:
         out ``[s_local, b, heads_q, head_dim]`` in q's dtype.
@@ -253,7 +318,13 @@ def startrail_attention(
         )
     validate_inputs(q, k, v, groups.cp_size, causal)
     packed = packed_layout(groups.cp_size, q.shape[0], cu_seqlens, cu_seqlens_padded)
-    opts = check_options(q, groups.cp_size, causal, dropout_p, window, softcap, sinks, tile)
+    ring_kv = k.shape[2]
+    if isinstance(groups, UlyssesStarTrailGroups):  # the KV heads each ring rank holds
+        u = groups.ulysses_size
+        ring_kv = k.shape[2] * kv_repeat(u, q.shape[2], k.shape[2]) // u
+    opts = check_options(
+        q, groups.cp_size, causal, dropout_p, window, softcap, sinks, tile, head_chunks, ring_kv
+    )
     if isinstance(groups, UlyssesStarTrailGroups):
         return _ulysses_startrail(
             q, k, v, groups, causal, softmax_scale, kernel, ledger, packed, opts, sinks,
@@ -314,6 +385,6 @@ def _ulysses_startrail(
         qh, kh, vh, groups.startrail, causal=causal, softmax_scale=scale,
         kernel=kern, ledger=ledger, cu_seqlens=cu, cu_seqlens_padded=cu_pad,
         window=window, softcap=softcap,
-        sinks=sinks, comm_options=comm_options, tile=opts.tile,
+        sinks=sinks, comm_options=comm_options, tile=opts.tile, head_chunks=opts.head_chunks,
     )  # fmt: skip
     return HeadsToSeq.apply(comm, runs, ledger, "out (ulysses)", out)

@@ -86,14 +86,17 @@ def check_dropout(dropout_p) -> float:
 @dataclasses.dataclass(frozen=True)
 class AttnOptions:
     """A call's attention variants, checked (``check_options``): dropout probability, the
-    normalized window (``schedule.normalize_window``), logit soft-capping (0: off); and
+    normalized window (``schedule.normalize_window``), logit soft-capping (0: off);
     ``tile``, the largest kernel call in tokens (``schedule.tile_calls``; None: whole
-    calls), which changes how the pairs are cut into calls, never the result."""
+    calls), which changes how the pairs are cut into calls, never the result; and
+    ``head_chunks``, how many KV-head groups the call runs one after the other
+    (``attention.py``: the team buffers of one group at a time; 1: all heads at once)."""
 
     dropout_p: float = 0.0
     window: tuple[int | None, int | None] | None = None
     softcap: float = 0.0
     tile: int | None = None
+    head_chunks: int = 1
 
     @property
     def kernel_needs(self) -> dict[str, bool]:
@@ -109,17 +112,43 @@ NO_OPTIONS = AttnOptions()
 """Plain attention: no dropout, window or soft-capping."""
 
 
+def check_head_chunks(head_chunks, heads_kv: int, dropout_p: float = 0.0) -> int:
+    """``head_chunks`` checked against ``heads_kv`` (``ValueError`` naming it): None or 1
+    (all heads at once), or a divisor of the KV heads (each chunk keeps its query heads:
+    GQA groups stay whole); not with dropout yet (a call's mask is drawn for the heads it
+    runs, and its record is kept per step and call, not per chunk)."""
+    if head_chunks is None:
+        return 1
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+        raise ValueError(f"head_chunks={head_chunks!r} must be None or an integer >= 1")
+    if heads_kv % head_chunks:
+        allowed = [n for n in range(1, heads_kv + 1) if heads_kv % n == 0]
+        raise ValueError(
+            f"head_chunks={head_chunks} must divide the KV heads ({heads_kv}); allowed: {allowed}"
+        )
+    if head_chunks > 1 and dropout_p > 0:
+        raise ValueError(
+            f"head_chunks={head_chunks} with dropout_p={dropout_p} is not supported yet: use "
+            "head_chunks=1 with dropout"
+        )
+    return head_chunks
+
+
 def check_options(
-    q: Tensor, cp_size: int, causal: bool, dropout_p, window, softcap, sinks, tile=None
-):
+    q: Tensor, cp_size: int, causal: bool, dropout_p, window, softcap, sinks, tile=None,
+    head_chunks=None, heads_kv: int | None = None,
+):  # fmt: skip
     """The checked ``AttnOptions`` of a call on this rank's ``q`` (``ValueError`` naming the
-    argument); ``sinks`` are checked too (they travel as a tensor, not as an option)."""
+    argument); ``sinks`` are checked too (they travel as a tensor, not as an option).
+    ``heads_kv``: the KV heads ``head_chunks`` must divide (default: q's heads)."""
     dropout_p = check_dropout(dropout_p)
     win = normalize_window(window, cp_size * q.shape[0], bool(causal))
     check_window_layout(win and window, q.shape[0])
     cap = check_softcap(softcap)
     check_sinks(sinks, q)
-    return AttnOptions(dropout_p, win, cap, check_tile(tile))
+    hkv = q.shape[2] if heads_kv is None else heads_kv
+    chunks = check_head_chunks(head_chunks, hkv, dropout_p)
+    return AttnOptions(dropout_p, win, cap, check_tile(tile), chunks)
 
 
 OWN_ROWS_FIRST_ENV = "STARTRAIL_OWN_ROWS_FIRST"
@@ -248,7 +277,7 @@ def agree_once(
     """Check, the first time this rank sees a call setting, that every CP rank has the same.
 
     Ranks that disagree on the local length, batch, heads, head_dim, dtype,
-    causal, dropout_p, window, softcap, sinks, joint tokens or the packed documents (or on C, placement, P, U through their groups)
+    causal, dropout_p, window, softcap, sinks, joint tokens, head chunks or the packed documents (or on C, placement, P, U through their groups)
     would post mismatched
     transfers and hang until the group's timeout; instead every rank raises the
     same ``ValueError`` naming what differs. One tiny all-reduce, and one device
@@ -280,6 +309,7 @@ def agree_once(
         "softcap (float64 bits)": struct.unpack("<q", struct.pack("<d", options.softcap))[0],
         "sinks": int(sinks),
         "joint tokens": joint_tokens,
+        "head_chunks": options.head_chunks,
     }
     key = tuple(fields.values())
     if lay.cp_size == 1 or key in groups.agreed:

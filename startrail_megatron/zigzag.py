@@ -67,10 +67,14 @@ def reorder_chunks(x: Tensor, order: Sequence[int], dim: int = 0) -> Tensor:
 def reorder_chunks_(x: Tensor, order: Sequence[int]) -> Tensor:
     """``reorder_chunks(x, order)`` (dim 0) in ``x``'s own storage, which it returns: each
     cycle of the permutation moves its chunks one place, through one chunk-sized copy, so
-    the transient is one chunk, not a second ``x``. ``x`` may be a strided view."""
+    the transient is one chunk, not a second ``x``. ``x`` may be a strided view. Rows that
+    do not split evenly are reordered through a copy, as ``reorder_chunks`` cuts them."""
     n = len(order)
-    if x.shape[0] % n:
-        raise ValueError(f"reorder_chunks_: {x.shape[0]} rows do not split into {n} chunks")
+    if list(order) == sorted(order):
+        return x
+    if x.shape[0] % n:  # unequal chunks (as ``reorder_chunks`` cuts them): through a copy
+        x.copy_(reorder_chunks(x, order))
+        return x
     chunks = x.chunk(n, dim=0)
     seen = [False] * n
     for start in range(n):

@@ -65,15 +65,17 @@ def startrail_proof(args, model, steps: int) -> dict | None:
     # a recomputed attention runs its forward (and so its forward's transfers) again
     n_fwd = n + steps * micro * recomputed_attention_layers(args)
     dropout = bool(getattr(args, "attention_dropout", 0.0))
+    hc = state.attention_head_chunks or 1  # each chunk: the same transfers on 1/hc the heads
     if isinstance(lay, UlyssesLayout):  # the 2-D split: the all-to-alls and StarTrail over R
         ring = split_ring_shape(lay, shape)
         per_call = split_comm_bytes(lay, r, shape)
-        tail = len(tail_head_groups(lay.ring, ring.heads_q, ring.heads_kv, dropout))
-        calls = split_comm_calls(lay, r, tail)
+        tail = len(tail_head_groups(lay.ring, ring.heads_q // hc, ring.heads_kv // hc, dropout))
+        calls = split_comm_calls(lay, r, tail, head_chunks=hc)
     else:
         per_call = startrail_comm_bytes(lay, r, shape)
-        tail = len(tail_head_groups(lay, shape.heads_q, shape.heads_kv, dropout))
-        calls = startrail_comm_calls(lay.team_size, lay.p2p_sends(r, backward=True), tail)
+        tail = len(tail_head_groups(lay, shape.heads_q // hc, shape.heads_kv // hc, dropout))
+        sends = lay.p2p_sends(r, backward=True)
+        calls = startrail_comm_calls(lay.team_size, sends, tail, head_chunks=hc)
     times = {k: n_fwd if k.startswith("fwd") else n for k in per_call}
     want = {k: times[k] * v for k, v in per_call.items()}
     led = state.ledger.summary()

@@ -125,6 +125,7 @@ def _proof(ledger, local_lengths, model, mpu) -> dict:
         "layout": (mpu.startrail.cp_size, mpu.startrail.team_size, mpu.startrail.layout.placement),
         "cp_rank": mpu.startrail.cp_rank,
         "elem_bytes": next(model.parameters()).element_size(),
+        "head_chunks": mpu.config.attention_head_chunks or 1,
     }
 
 
@@ -140,8 +141,10 @@ def _check_startrail_ran(info: dict) -> None:
     shape = LocalShape(SEQ // p, 1, 4, 2, 8, elem_bytes=info["elem_bytes"], acc_bytes=4)
     n = info["attention_calls"]
     want = startrail_comm_bytes(lay, info["cp_rank"], shape)
-    tail = len(tail_head_groups(lay, 4, 2, False))  # the forward's last step, per head group
-    calls = startrail_comm_calls(c, lay.p2p_sends(info["cp_rank"], backward=True), tail)
+    hc = info.get("head_chunks", 1)  # each chunk: the same transfers on 1/hc of the heads
+    tail = len(tail_head_groups(lay, 4 // hc, 2 // hc, False))  # the last step's head groups
+    sends = lay.p2p_sends(info["cp_rank"], backward=True)
+    calls = startrail_comm_calls(c, sends, tail, head_chunks=hc)
     got = info["ledger"]
     for ph in ("fwd", "bwd"):
         for kind in ("p2p", "collective"):
@@ -701,7 +704,7 @@ def _hf_call(monkeypatch, **kwargs):
 
     def fake(
         q, k, v, groups, causal, softmax_scale, ledger, cu_seqlens, cu_seqlens_padded, dropout_p,
-        tile, **extra,
+        tile, head_chunks=None, **extra,
     ):  # fmt: skip
         calls.append({"causal": causal, "softmax_scale": softmax_scale, **extra})
         if dropout_p:
@@ -715,7 +718,8 @@ def _hf_call(monkeypatch, **kwargs):
     module.is_causal = True
     handle = SimpleNamespace(
         mpu=SimpleNamespace(
-            startrail=SimpleNamespace(cp_size=4), config=SimpleNamespace(attention_tile=None)
+            startrail=SimpleNamespace(cp_size=4),
+            config=SimpleNamespace(attention_tile=None, attention_head_chunks=None),
         ),
         ledger=None,
         local_lengths=set(),
@@ -943,13 +947,14 @@ def _train_watching_calls(rank, world, cfg):
     any call."""
     from startrail_megatron.kernels import SdpaKernel, TorchKernel
 
-    largest = [0, 0]
+    largest = [0, 0, 0]  # query rows, key rows, query heads
     saved = [(cls, cls.forward, cls.backward) for cls in (TorchKernel, SdpaKernel)]
 
     def watch(fn):
         def run(self, *a, **kw):
             q, k = (a[0], a[1]) if fn.__name__ == "forward" else (a[1], a[2])
             largest[0], largest[1] = max(largest[0], q.shape[0]), max(largest[1], k.shape[0])
+            largest[2] = max(largest[2], q.shape[2])
             return fn(self, *a, **kw)
 
         return run
@@ -970,9 +975,21 @@ def test_attention_tile_matches_single_rank_and_bounds_every_call():
     cfg = make_cfg(0, dp=1, startrail=_st(4, 2, attention_tile=3))
     res = run_ranks(4, _train_watching_calls, cfg)
     _check([r[:3] for r in res], world=4, p=4)
-    assert all(max(r[-1]) <= 3 for r in res), [r[-1] for r in res]
+    assert all(max(r[-1][:2]) <= 3 for r in res), [r[-1] for r in res]
     plain = run_ranks(4, _train_watching_calls, make_cfg(0, dp=1, startrail=_st(4, 2)))
-    assert all(max(r[-1]) > 3 for r in plain), [r[-1] for r in plain]
+    assert all(max(r[-1][:2]) > 3 for r in plain), [r[-1] for r in plain]
+
+
+def test_attention_head_chunks_match_single_rank_and_halve_every_call():
+    """``"attention_head_chunks": 2``: the same losses and parameters as the one-rank run,
+    no attention kernel call on more than half the query heads (all of them without: the
+    key ran)."""
+    cfg = make_cfg(0, dp=1, startrail=_st(4, 2, attention_head_chunks=2))
+    res = run_ranks(4, _train_watching_calls, cfg)
+    _check([r[:3] for r in res], world=4, p=4)
+    plain = run_ranks(4, _train_watching_calls, make_cfg(0, dp=1, startrail=_st(4, 2)))
+    for got, want in zip(res, plain):
+        assert 2 * got[-1][2] == want[-1][2] > 1, (got[-1], want[-1])
 
 
 @pytest.mark.parametrize("bad", [0, -1, "auto", 2.5, True])
@@ -981,6 +998,8 @@ def test_bad_attention_tile_is_refused_naming_the_key(bad):
 
     with pytest.raises(ValueError, match="startrail.attention_tile"):
         StarTrailConfig.from_ds_config({"startrail": _st(4, 2, attention_tile=bad)})
+    with pytest.raises(ValueError, match="startrail.attention_head_chunks"):
+        StarTrailConfig.from_ds_config({"startrail": _st(4, 2, attention_head_chunks=bad)})
 
 
 def test_tiled_mlp_refusals():

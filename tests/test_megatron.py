@@ -260,12 +260,13 @@ def _train_attention_tile(rank, world, argv, steps):
     from startrail_megatron.kernels.sdpa import SdpaKernel
     from startrail_megatron.megatron.registry import get_startrail_state, registered_cp_groups
 
-    largest = {"fwd": (0, 0), "bwd": (0, 0)}
+    largest = {"fwd": (0, 0), "bwd": (0, 0), "heads": 0}
     fwd, bwd = SdpaKernel.forward, SdpaKernel.backward
 
     def see(way, q, k):
         a, b = largest[way]
         largest[way] = (max(a, q.shape[0]), max(b, k.shape[0]))
+        largest["heads"] = max(largest["heads"], q.shape[2])
 
     def forward(self, q, k, v, **kw):
         see("fwd", q, k)
@@ -280,7 +281,9 @@ def _train_attention_tile(rank, world, argv, steps):
     teardown = T.teardown
 
     def watch_teardown():
-        tiles.extend(get_startrail_state(g).attention_tile for g in registered_cp_groups())
+        for g in registered_cp_groups():
+            state = get_startrail_state(g)
+            tiles.append((state.attention_tile, state.attention_head_chunks))
         teardown()
 
     T.teardown = watch_teardown
@@ -301,9 +304,29 @@ def test_attention_tile_in_the_entry_point_gives_the_same_training():
     tiled = run_ranks(4, _train_attention_tile, argv + ["--startrail-attention-tile", "3"], 2)
     for (got, big, _), (want, small, tiles) in zip(whole, tiled):
         _assert_close_runs(want[:3], got, tol=1e-6)
-        assert tiles == [3], tiles
+        assert tiles == [(3, None)], tiles
         for way in ("fwd", "bwd"):
             assert max(small[way]) <= 3 < max(big[way]), (way, small, big)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_attention_head_chunks_in_the_entry_point_give_the_same_training(tp):
+    """``--startrail-attention-head-chunks``: the same losses and gradients as all heads at
+    once (fp32: 1e-6 of each tensor's largest entry), no kernel call on more than a chunk's
+    query heads (all of a rank's without: the chunks ran) and the CP group's attention given
+    the setting; under TP = 2 the chunks split a TP rank's heads (8 heads, 4 KV groups: 2
+    each, in chunks of 1)."""
+    heads = ["--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "4"]
+    tpf = ["--tensor-model-parallel-size", str(tp)] if tp > 1 else []
+    cp, n = 4 // tp, 2
+    argv = BASE + heads + tpf + ["--optimizer", "sgd"] + st_flags(cp, 1 if cp < 4 else 2)
+    whole = run_ranks(4, _train_attention_tile, argv, 2)
+    flag = ["--startrail-attention-head-chunks", str(n)]
+    chunked = run_ranks(4, _train_attention_tile, argv + flag, 2)
+    for (want, big, _), (got, small, setting) in zip(whole, chunked):
+        _assert_close_runs(got[:3], want, tol=1e-6)
+        assert setting == [(None, n)], setting
+        assert big["heads"] == 8 // tp and small["heads"] == 8 // tp // n, (big, small)
 
 
 def test_sequence_tiled_sums_parameter_gradients_holding_two_copies_at_most():
@@ -863,6 +886,25 @@ def test_module_level_spec_object():
             ["--startrail-attention-tile", "4"],
             "--startrail-attention-tile 4 cuts StarTrail's attention calls: it needs "
             "--context-parallel-impl startrail",
+        ),
+        (
+            st_flags(4, 2) + GQA + ["--startrail-attention-head-chunks", "3"],
+            "--startrail-attention-head-chunks 3 must divide the KV heads each rank's attention "
+            "runs: 2 KV heads / --tensor-model-parallel-size 1 = 2; allowed: [1, 2]",
+        ),
+        (
+            st_flags(4, 2) + ["--startrail-attention-head-chunks", "0"],
+            "--startrail-attention-head-chunks 0 must be an integer >= 1",
+        ),
+        (
+            ["--startrail-attention-head-chunks", "2"],
+            "--startrail-attention-head-chunks 2 splits StarTrail's attention: it needs "
+            "--context-parallel-impl startrail",
+        ),
+        (
+            st_flags(4, 2)
+            + ["--startrail-attention-head-chunks", "2", "--attention-dropout", "0.1"],
+            "--startrail-attention-head-chunks 2 with --attention-dropout 0.1 is not supported yet",
         ),
         (
             ["--startrail-tiled-loss", "2", "--cross-entropy-loss-fusion"],

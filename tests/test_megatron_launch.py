@@ -125,6 +125,7 @@ def test_extra_args_provider_validates_and_installs():
             "tiled_loss": None,
             "tiled_mlp": None,
             "attention_tile": None,
+            "attention_head_chunks": None,
         }
     finally:
         hooks.uninstall()
@@ -240,6 +241,7 @@ def test_launcher_runs_script_with_hooks(fake_megatron_lm):
             "tiled_loss": None,
             "tiled_mlp": None,
             "attention_tile": None,
+            "attention_head_chunks": None,
         },
     }
 

@@ -59,13 +59,16 @@ CONFIGS: dict[str, list[str]] = {
     "tiled-loss": ["--startrail-tiled-loss", "{tile}"],
     "tiled-mlp": ["--startrail-tiled-mlp", "{tile}"],
     "attention-tile": ["--startrail-attention-tile", "{attention_tile}"],
+    "head-chunks": ["--startrail-attention-head-chunks", "{head_chunks}"],
     "all": RECOMPUTE
     + ["--startrail-tiled-loss", "{tile}", "--startrail-tiled-mlp", "{tile}"]
-    + ["--startrail-attention-tile", "{attention_tile}"],
+    + ["--startrail-attention-tile", "{attention_tile}"]
+    + ["--startrail-attention-head-chunks", "{head_chunks}"],
 }
 """Configuration name -> the entry point's flags (``{tile}``: ``--tile``,
-``{attention_tile}``: ``--attention-tile``, each at most the local sequence). ``ce-fusion``
-and the recomputes are megatron-core's own options."""
+``{attention_tile}``: ``--attention-tile``, each at most the local sequence;
+``{head_chunks}``: ``--head-chunks``). ``ce-fusion`` and the recomputes are megatron-core's
+own options."""
 
 FIT_POINTS = 3
 """The line is fitted through the longest lengths only: at short ones a fixed cost (a
@@ -98,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=512,
         help="tokens per side of the attention's largest kernel call (attention-tile, all)",
+    )
+    p.add_argument(
+        "--head-chunks",
+        type=int,
+        default=2,
+        help="KV-head groups the attention runs one after the other (head-chunks, all)",
     )
     p.add_argument(
         "--optimizer",
@@ -134,7 +143,10 @@ def _flags(args, config: str, seq: int, vocab: int) -> list[str]:
         "--seq-length", str(seq), "--log-peak-memory", args.method,
     ]  # fmt: skip
     return base + [
-        f.replace("{tile}", tile).replace("{attention_tile}", att) for f in CONFIGS[config]
+        f.replace("{tile}", tile)
+        .replace("{attention_tile}", att)
+        .replace("{head_chunks}", str(args.head_chunks))
+        for f in CONFIGS[config]
     ]
 
 
@@ -169,7 +181,9 @@ def run_one(args, config: str, seq: int, vocab: int) -> dict:
     }
 
 
-def planner_features(config: str, tile: int, attention_tile: int | None = None):
+def planner_features(
+    config: str, tile: int, attention_tile: int | None = None, head_chunks: int = 1
+):
     """The planner's ``StepFeatures`` for one of ``CONFIGS`` (the entry point's hidden
     dropout is off by default: no masks)."""
     from ..planner.memory import StepFeatures
@@ -180,6 +194,7 @@ def planner_features(config: str, tile: int, attention_tile: int | None = None):
         tiled_loss=tile if config in ("tiled-loss", "all") else None,
         tiled_mlp=tile if config in ("tiled-mlp", "all") else None,
         attention_tile=attention_tile if config in ("attention-tile", "all") else None,
+        attention_head_chunks=head_chunks if config in ("head-chunks", "all") else 1,
         ce_fusion=config == "ce-fusion",
         dropout=False,
     )
@@ -203,13 +218,16 @@ def planner_slopes(report: dict) -> dict[str, dict]:
         shape = AttnShape(m["cp"], local, 1, heads, groups, h // heads, elem_bytes=4)
         att = m.get("attention_tile")  # None: a report from before the attention's tile
         feats = planner_features(
-            r["config"], min(m["tile"], local), None if att is None else min(att, local)
-        )
+            r["config"], min(m["tile"], local), None if att is None else min(att, local),
+            m.get("head_chunks", 1),  # 1: a report from before the head chunks
+        )  # fmt: skip
         per = step_bytes_per_token(
             shape,
             model,
             m["team_size"],
-            startrail_buffers(m["team_size"], shape, feats.attention_tile),
+            startrail_buffers(
+                m["team_size"], shape, feats.attention_tile, feats.attention_head_chunks
+            ),
             feats,
         )
         measured = r["slope_bytes_per_token"]
@@ -392,6 +410,7 @@ def run(argv: list[str] | None = None) -> dict:
             "query_groups": args.query_groups, "vocab": args.vocab, "swiglu": True,
             "cp": args.nproc, "team_size": args.team_size, "tile": args.tile,
             "attention_tile": args.attention_tile,
+            "head_chunks": args.head_chunks,
             "optimizer": args.optimizer,
         },
         "method": PeakMemory.METHODS[args.method],

@@ -13,7 +13,8 @@ section is still a valid plain DeepSpeed config::
         "ulysses_size": 1,
         "tiled_mlp": null,
         "tiled_loss": null,
-        "attention_tile": null
+        "attention_tile": null,
+        "attention_head_chunks": null
     }
 
 The model follows DeepSpeed's own config models (``DeepSpeedConfigModel``:
@@ -89,6 +90,14 @@ class StarTrailConfig(DeepSpeedConfigModel):
     backward gradients are then bounded by the tile, not by C x the local tokens. The same
     result, more calls. None (default): whole calls. Not for the Megatron GPT
     (``--startrail-attention-tile``) and DiT paths."""
+
+    attention_head_chunks: int | None = Field(None, ge=1, strict=True)
+    """StarTrail's attention on this many groups of KV heads one after the other
+    (``startrail_attention(head_chunks=)``; transformers models): its team-sized buffers
+    hold one group's heads at a time. Must divide the model's KV heads (checked at the
+    first call, naming ``head_chunks``); not with attention dropout. The same result, more
+    messages of the same bytes. None (default): all heads at once. Not for the Megatron GPT
+    (``--startrail-attention-head-chunks``) and DiT paths."""
 
     tiled_loss: int | None = Field(None, ge=1, strict=True)
     """Tokens per shard of the output layer and the loss (transformers causal LMs): the

@@ -227,6 +227,7 @@ def initialize(
         ("tiled_mlp", "--startrail-tiled-mlp"),
         ("tiled_loss", "--startrail-tiled-loss"),
         ("attention_tile", "--startrail-attention-tile"),
+        ("attention_head_chunks", "--startrail-attention-head-chunks"),
     ):
         if getattr(st, key) is not None and (megatron_model or dit_model):
             raise ValueError(

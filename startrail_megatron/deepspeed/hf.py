@@ -112,6 +112,7 @@ def startrail_hf_attention(
         cu_seqlens_padded=packed.cu_seqlens_padded if packed is not None else None,
         dropout_p=float(dropout or 0.0),
         tile=handle.mpu.config.attention_tile,
+        head_chunks=handle.mpu.config.attention_head_chunks,
         **extra,
     )  # [s, b, hq, d]
     if dropout:

@@ -12,6 +12,8 @@
     --startrail-tiled-mlp TOKENS             every layer's MLP a sequence tile at a time
     --startrail-attention-tile TOKENS        the attention's kernel calls at most TOKENS x
                                              TOKENS (its backward's memory bounded by it)
+    --startrail-attention-head-chunks N      the attention on N groups of KV heads one after
+                                             the other (its team buffers 1/N as large)
 
 ``add_startrail_args(parser)`` adds them (returns the parser, so it can be
 Megatron-LM's ``extra_args_provider``); ``validate_startrail_args(args)``
@@ -127,6 +129,18 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "the tile, not the sequence (the same result, more calls; schedule.tile_calls). "
         "Default: whole calls",
     )
+    group.add_argument(
+        "--startrail-attention-head-chunks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run StarTrail's attention on N groups of KV heads (each with its query heads) "
+        "one after the other, forward and backward, so that its team-sized buffers (the "
+        "gathered queries and output gradient, the fp32 accumulators, the K,V ring) hold "
+        "1/N of the heads (the same result, N times the messages of the same bytes). N "
+        "divides the KV heads of a TP rank (of a ring rank with --startrail-ulysses-size). "
+        "Default: all heads at once",
+    )
     return parser
 
 
@@ -203,6 +217,46 @@ def _check_attention_tile(args: argparse.Namespace, impl: str) -> None:
     _check_within_local(args, "--startrail-attention-tile", tokens, bad)
 
 
+def _check_head_chunks(args: argparse.Namespace, impl: str) -> None:
+    """``--startrail-attention-head-chunks``: StarTrail's attention only, a divisor of the KV
+    heads each (TP, ring) rank holds, no attention dropout (``ValueError`` naming the flag)."""
+    n = getattr(args, "startrail_attention_head_chunks", None)
+    if n is None:
+        return
+    name = f"--startrail-attention-head-chunks {n}"
+    if impl != "startrail":
+        raise ValueError(
+            f"{name} splits StarTrail's attention: it needs --context-parallel-impl startrail "
+            f"(got {impl})"
+        )
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} must be an integer >= 1")
+    heads = getattr(args, "num_attention_heads", None)
+    kv = (
+        getattr(args, "num_query_groups", None)
+        if getattr(args, "group_query_attention", False)
+        else heads
+    )
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    u = getattr(args, "startrail_ulysses_size", 1) or 1
+    if kv and heads:
+        kv_tp = kv // tp
+        ring_kv = kv_tp // u if kv_tp % u == 0 else 1  # repeated to U when fewer (the split)
+        if ring_kv % n:
+            allowed = [d for d in range(1, ring_kv + 1) if ring_kv % d == 0]
+            raise ValueError(
+                f"{name} must divide the KV heads each rank's attention runs: {kv} KV heads / "
+                f"--tensor-model-parallel-size {tp}"
+                + (f" / --startrail-ulysses-size {u}" if u > 1 else "")
+                + f" = {ring_kv}; allowed: {allowed}"
+            )
+    if n > 1 and (getattr(args, "attention_dropout", 0.0) or 0.0) > 0:
+        raise ValueError(
+            f"{name} with --attention-dropout {args.attention_dropout} is not supported yet: "
+            "pass --attention-dropout 0 or drop the flag"
+        )
+
+
 def _check_within_local(args: argparse.Namespace, name: str, tokens, bad: bool) -> None:
     """A tile flag's ``tokens``: ``ValueError`` naming ``name`` when ``bad`` or when it is
     larger than the local sequence (``--seq-length`` / ``--context-parallel-size``)."""
@@ -247,6 +301,7 @@ def validate_startrail_args(
         raise ValueError(f"--context-parallel-impl {impl!r} is not known; allowed: {list(IMPLS)}")
     _check_tiled_loss(args, impl)
     _check_attention_tile(args, impl)
+    _check_head_chunks(args, impl)
     if impl != "startrail":
         return
     cp = getattr(args, "context_parallel_size", 1) or 1
@@ -327,6 +382,7 @@ def install_from_args(args: argparse.Namespace, team_size: int | None = None) ->
         tiled_loss=getattr(args, "startrail_tiled_loss", None),
         tiled_mlp=getattr(args, "startrail_tiled_mlp", None),
         attention_tile=getattr(args, "startrail_attention_tile", None),
+        attention_head_chunks=getattr(args, "startrail_attention_head_chunks", None),
     )
 
 

@@ -279,6 +279,7 @@ class StarTrailCoreAttention(MegatronModule):
                 window=self.window,
                 sinks=None if sinks is None else sinks.to(query.device),
                 tile=state.attention_tile,
+                head_chunks=state.attention_head_chunks,
             )
         if dropout_p:
             state.dropout_calls += 1

@@ -25,7 +25,7 @@ from datetime import timedelta
 
 import torch
 
-from ..schedule import check_own_rows_first, check_tile
+from ..schedule import check_head_chunks_setting, check_own_rows_first, check_tile
 from ..schedule.layout import PLACEMENTS, Placement
 from .registry import create_startrail_groups, release_all_startrail_groups
 from .spec import apply_startrail_spec, check_startrail_model
@@ -40,7 +40,7 @@ _INSTALLED: dict[str, object] = {}
 
 def installed_config() -> dict | None:
     """The (team_size, placement, kernel, own_rows_first, ulysses_size, tiled_loss,
-    tiled_mlp, attention_tile) of ``install``, or None."""
+    tiled_mlp, attention_tile, attention_head_chunks) of ``install``, or None."""
     cfg = _INSTALLED.get("config")
     return dict(cfg) if cfg else None
 
@@ -56,6 +56,7 @@ def install(
     tiled_loss: int | None = None,
     tiled_mlp: int | None = None,
     attention_tile: int | None = None,
+    attention_head_chunks: int | None = None,
 ) -> None:
     """Make Megatron create StarTrail groups and build StarTrail attention. Reversible.
 
@@ -67,7 +68,8 @@ def install(
     ``HybridModel`` is refused with it; ``tiled_mlp`` likewise every layer's MLP
     (``--startrail-tiled-mlp``, ``tiled_mlp.tile_mlps``); ``attention_tile`` the
     attention's largest kernel call (``--startrail-attention-tile``,
-    ``startrail_attention(tile=)``)."""
+    ``startrail_attention(tile=)``); ``attention_head_chunks`` the KV-head groups it runs one
+    after the other (``--startrail-attention-head-chunks``, ``startrail_attention(head_chunks=)``)."""
     from megatron.core import parallel_state
 
     if placement not in PLACEMENTS:
@@ -78,6 +80,7 @@ def install(
         raise ValueError(f"ulysses_size must be an integer >= 1, got {ulysses_size!r}")
     check_own_rows_first(own_rows_first)
     check_tile(attention_tile, "--startrail-attention-tile")
+    check_head_chunks_setting(attention_head_chunks)
     uninstall()
     _INSTALLED["config"] = {
         "team_size": team_size,
@@ -88,6 +91,7 @@ def install(
         "tiled_loss": tiled_loss,
         "tiled_mlp": tiled_mlp,
         "attention_tile": attention_tile,
+        "attention_head_chunks": attention_head_chunks,
     }
     orig_init = parallel_state.initialize_model_parallel
     orig_destroy = parallel_state.destroy_model_parallel
@@ -106,6 +110,7 @@ def install(
             own_rows_first=cfg["own_rows_first"],
             ulysses_size=cfg["ulysses_size"],
             attention_tile=cfg["attention_tile"],
+            attention_head_chunks=cfg["attention_head_chunks"],
         )
         return out
 

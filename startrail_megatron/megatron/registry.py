@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..comm import CommLedger
 from ..groups import StarTrailGroups, UlyssesStarTrailGroups
-from ..schedule import check_tile
+from ..schedule import check_head_chunks_setting, check_tile
 from ..schedule.layout import Placement
 
 __all__ = [
@@ -62,6 +62,9 @@ class StarTrailMegatronState:
     """Attention calls that ran attention dropout on this rank."""
     attention_tile: int | None = None
     """``startrail_attention(tile=)`` of every call (``--startrail-attention-tile``)."""
+    attention_head_chunks: int | None = None
+    """``startrail_attention(head_chunks=)`` of every call
+    (``--startrail-attention-head-chunks``)."""
 
 
 _REGISTRY: dict[dist.ProcessGroup | None, StarTrailMegatronState] = {}
@@ -81,6 +84,7 @@ def create_startrail_groups(
     own_rows_first: bool | None = None,
     ulysses_size: int = 1,
     attention_tile: int | None = None,
+    attention_head_chunks: int | None = None,
 ) -> StarTrailMegatronState:
     """Build and register StarTrail's groups for ``cp_group`` (collective over it).
 
@@ -89,8 +93,11 @@ def create_startrail_groups(
     ``own_rows_first``: ``StarTrailGroups.own_rows_first``. ``ulysses_size`` > 1: the 2-D
     split's groups (``UlyssesStarTrailGroups``; ``--startrail-ulysses-size``).
     ``attention_tile``: the attention's largest kernel call in tokens
-    (``--startrail-attention-tile``; ``startrail_attention(tile=)``), checked first."""
+    (``--startrail-attention-tile``; ``startrail_attention(tile=)``), checked first;
+    ``attention_head_chunks``: ``startrail_attention(head_chunks=)``
+    (``--startrail-attention-head-chunks``; checked against the heads at each call)."""
     check_tile(attention_tile, "--startrail-attention-tile")
+    check_head_chunks_setting(attention_head_chunks)
     release_startrail_groups(cp_group)
     kw = dict(cp_group=cp_group, placement=placement, timeout=timeout)
     if ulysses_size > 1:
@@ -99,7 +106,9 @@ def create_startrail_groups(
         )
     else:
         groups = StarTrailGroups.create(team_size, own_rows_first=own_rows_first, **kw)
-    state = StarTrailMegatronState(groups, kernel, attention_tile=attention_tile)
+    state = StarTrailMegatronState(
+        groups, kernel, attention_tile=attention_tile, attention_head_chunks=attention_head_chunks
+    )
     _REGISTRY[_key(cp_group)] = state
     return state
 

@@ -114,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKENS",
         help="StarTrail's kernel calls at most TOKENS x TOKENS (--startrail-attention-tile)",
     )
+    g.add_argument(
+        "--attention-head-chunks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="StarTrail's attention on N KV-head groups one after the other "
+        "(--startrail-attention-head-chunks)",
+    )
     g.add_argument("--cross-entropy-loss-fusion", action="store_true")
     p.add_argument(
         "--window",
@@ -178,6 +186,7 @@ def _features(args):
         args.tiled_loss is not None,
         args.tiled_mlp is not None,
         args.attention_tile is not None,
+        args.attention_head_chunks != 1,
         args.cross_entropy_loss_fusion,
     )
     if not any(on):
@@ -190,6 +199,7 @@ def _features(args):
         tiled_loss=args.tiled_loss,
         tiled_mlp=args.tiled_mlp,
         attention_tile=args.attention_tile,
+        attention_head_chunks=args.attention_head_chunks,
         ce_fusion=args.cross_entropy_loss_fusion,
     )
 

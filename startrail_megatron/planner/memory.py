@@ -29,7 +29,9 @@ def _elems(shape: AttnShape) -> tuple[int, int, int]:
     return tok, tok * shape.heads_q * shape.head_dim, tok * shape.heads_kv * shape.head_dim
 
 
-def startrail_buffers(team_size: int, shape: AttnShape, tile: int | None = None) -> dict[str, int]:
+def startrail_buffers(
+    team_size: int, shape: AttnShape, tile: int | None = None, head_chunks: int = 1
+) -> dict[str, int]:
     """Bytes of each buffer StarTrail (ring: C = 1) holds at its peak, a kernel call of a
     backward sub-ring step, named after ``rank.backward.startrail_rank_backward``'s
     tensors (``do_team``: its ``dout_team``; ``kv_cur``: the K,V ``KVRing.held`` gives;
@@ -46,13 +48,18 @@ def startrail_buffers(team_size: int, shape: AttnShape, tile: int | None = None)
     call's output stand-in (made from the rows' D, ``rank.kernel_calls.delta_stand_in``)
     and gradients: at most the whole team block, at most ``tile`` x ``tile`` tokens with
     ``startrail_attention(tile=)``; the kernel's own workspace comes on top
-    (``tests/test_memory.py`` measures it).
+    (``tests/test_memory.py`` measures it). ``head_chunks`` (``startrail_attention(
+    head_chunks=)``): the backward runs one KV-head group at a time, so its working set and
+    a call are 1/``head_chunks`` as large; what the forward kept (every group's) is not.
     """
     c, g = team_size, shape.cp_size // team_size**2
     e, a = shape.elem_bytes, shape.acc_bytes
     tok, uq, ukv = _elems(shape)
     team_q, team_kv, rows = c * uq, c * 2 * ukv, c * tok * shape.heads_q
     steps = g > 1
+    n = head_chunks
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or shape.heads_kv % n:
+        raise ValueError(f"head_chunks={n!r} must be an integer >= 1 dividing the KV heads")
     call_rows = shape.batch * (c * shape.s_local if tile is None else min(tile, c * shape.s_local))
     call_q = call_rows * shape.heads_q * shape.head_dim
     call_kv = call_rows * 2 * shape.heads_kv * shape.head_dim
@@ -60,14 +67,14 @@ def startrail_buffers(team_size: int, shape: AttnShape, tile: int | None = None)
         "q_team (saved)": team_q * e if c > 1 else 0,
         "kv_local (saved)": 2 * ukv * e,
         "lse_team (saved)": rows * a,
-        "do_team": team_q * e if c > 1 else 0,
-        "delta, delta_team": (tok * shape.heads_q + rows) * a,
-        "dq": team_q * a,
-        "kv_cur": team_kv * e,
-        "next KV in flight": team_kv * e if steps else 0,
-        "dkv": team_kv * a,  # from the second step on, the partial sum received into
-        "dkv sent, in flight": team_kv * a if steps else 0,
-        "kernel call": (2 * call_q + call_kv) * e,
+        "do_team": team_q * e // n if c > 1 else 0,
+        "delta, delta_team": (tok * shape.heads_q + rows) * a // n,
+        "dq": team_q * a // n,
+        "kv_cur": team_kv * e // n,
+        "next KV in flight": team_kv * e // n if steps else 0,
+        "dkv": team_kv * a // n,  # from the second step on, the partial sum received into
+        "dkv sent, in flight": team_kv * a // n if steps else 0,
+        "kernel call": (2 * call_q + call_kv) * e // n,
     }
 
 
@@ -177,13 +184,15 @@ class StepFeatures:
     backward; ``selective``: the core attention recomputed; ``none``), ``tiled_loss`` /
     ``tiled_mlp`` (tokens per tile, or None: ``--startrail-tiled-loss`` /
     ``--startrail-tiled-mlp``), ``attention_tile`` (the attention's largest kernel call,
-    ``--startrail-attention-tile``: ``startrail_buffers(tile=)``), ``ce_fusion``
+    ``--startrail-attention-tile``: ``startrail_buffers(tile=)``), ``attention_head_chunks``
+    (``--startrail-attention-head-chunks``: ``startrail_buffers(head_chunks=)``), ``ce_fusion``
     (megatron-core's fused cross-entropy), ``dropout`` (hidden dropout's masks, one byte per element, twice per layer)."""
 
     recompute: str = "full"
     tiled_loss: int | None = None
     tiled_mlp: int | None = None
     attention_tile: int | None = None
+    attention_head_chunks: int = 1
     ce_fusion: bool = False
     dropout: bool = True
 
@@ -194,6 +203,9 @@ class StepFeatures:
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{f}={v!r} must be None or an integer >= 1 (tokens per tile)")
+        n = self.attention_head_chunks
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"attention_head_chunks={n!r} must be an integer >= 1")
         if self.ce_fusion and self.tiled_loss is not None:
             raise ValueError("ce_fusion with tiled_loss: the tiled loss replaces the fused loss")
 

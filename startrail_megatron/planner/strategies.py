@@ -413,7 +413,9 @@ def memory_bytes(
     work = strategy.spec.attention_work(strategy, shape)
     named = None
     if features is not None and strategy.kind == "startrail":
-        named = memory.startrail_buffers(strategy.team_size, shape, features.attention_tile)
+        named = memory.startrail_buffers(
+            strategy.team_size, shape, features.attention_tile, features.attention_head_chunks
+        )
     team = strategy.team_size if strategy.kind == "startrail" else 1
     return memory.memory_breakdown(work, shape, model, zero_shards, features, named, team)
 

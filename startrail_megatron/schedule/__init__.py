@@ -37,7 +37,7 @@ from .policies import (
     splits_first_step,
     tail_head_groups,
 )
-from .step import StepPlan, check_tile, plan_step, tile_calls
+from .step import StepPlan, check_head_chunks_setting, check_tile, plan_step, tile_calls
 from .windows import (
     band_call,
     buffer_chunks,
@@ -63,6 +63,7 @@ __all__ = [
     "OwnRun",
     "RowCall",
     "StepPlan",
+    "check_head_chunks_setting",
     "check_tile",
     "VarlenCall",
     "allgather_calls",

@@ -87,6 +87,17 @@ def check_tile(tile, name: str = "tile") -> int | None:
     return tile
 
 
+def check_head_chunks_setting(n, name: str = "--startrail-attention-head-chunks") -> int | None:
+    """A head-chunk setting before the heads are known: None or an integer >= 1
+    (``ValueError`` naming ``name``); ``validation.check_head_chunks`` checks it against the
+    KV heads at each call."""
+    if n is None:
+        return None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} {n!r} must be an integer >= 1 (None: all heads at once)")
+    return n
+
+
 def tile_calls(calls: tuple[RowCall, ...], tile: int | None) -> tuple[RowCall, ...]:
     """``calls`` cut into tiles: the same (query, key) pairs in calls of at most ``tile``
     query rows and, but for band calls, at most ``tile`` key rows. A causal call's row

@@ -31,6 +31,7 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
     cp_group = parallel_state.get_context_parallel_group()
     orf = own_rows_first_arg(args)
     tile = getattr(args, "startrail_attention_tile", None)
+    chunks = getattr(args, "startrail_attention_head_chunks", None)
     sample = next(global_batches(args, build_dataset(args, args.global_batch_size)))
     lines: list[str] = []
 
@@ -42,8 +43,9 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
     def run_trial(cand) -> list[float]:
         release_startrail_groups(cp_group)  # the previous candidate's communicators
         create_startrail_groups(
-            cp_group, cand.team_size, cand.placement, own_rows_first=orf, attention_tile=tile
-        )
+            cp_group, cand.team_size, cand.placement, own_rows_first=orf, attention_tile=tile,
+            attention_head_chunks=chunks,
+        )  # fmt: skip
         times = []
         for i in range(args.startrail_autotune_iters + 1):
             t0 = time.perf_counter()
@@ -64,7 +66,8 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
     best = result.best
     release_startrail_groups(cp_group)
     create_startrail_groups(
-        cp_group, best.team_size, best.placement, own_rows_first=orf, attention_tile=tile
-    )
+        cp_group, best.team_size, best.placement, own_rows_first=orf, attention_tile=tile,
+        attention_head_chunks=chunks,
+    )  # fmt: skip
     args.startrail_team_size, args.startrail_placement = best.team_size, best.placement
     return lines
