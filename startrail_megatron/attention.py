@@ -185,10 +185,10 @@ class _StarTrailAttention(torch.autograd.Function):
                 grads.dq, grads.dk, grads.dv, grads.sinks, grads.joint
             )  # fmt: skip
         else:
-            hkv = ctx.chunks[-1][1].stop
-            dq = torch.empty_like(dout)
-            dk = dout.new_empty((*dout.shape[:2], hkv, dout.shape[3]))
-            dv = torch.empty_like(dk)
+            # each chunk's gradients kept as they come and joined at the end, when the
+            # chunks' working buffers are gone (a whole dq made first would be held
+            # through every chunk's backward)
+            parts: list[tuple[Tensor, ...]] = []
             sink_parts, joint_parts = [], []
             for i, (qh, kh) in enumerate(ctx.chunks):
                 joint = None if joint_k is None else (joint_k[:, :, kh], joint_v[:, :, kh])
@@ -196,10 +196,12 @@ class _StarTrailAttention(torch.autograd.Function):
                     dout[:, :, qh].contiguous(), out[:, :, qh], tuple(saved[3 * i : 3 * i + 3]),
                     ctx.rc, ctx.scale, ctx.kernel, None if sinks is None else sinks[qh], joint,
                 )  # fmt: skip
-                dq[:, :, qh], dk[:, :, kh], dv[:, :, kh] = grads.dq, grads.dk, grads.dv
+                parts.append((grads.dq, grads.dk, grads.dv))
                 sink_parts.append(grads.sinks)
                 joint_parts.append(grads.joint)
                 del grads
+            dq, dk, dv = (torch.cat(p, dim=2) for p in zip(*parts))
+            del parts
             d_sinks = None if sinks is None else torch.cat(sink_parts)
             d_joint = None
             if joint_k is not None:  # per KV head: the chunks' parts side by side

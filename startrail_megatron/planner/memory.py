@@ -75,6 +75,8 @@ def startrail_buffers(
         "dkv": team_kv * a // n,  # from the second step on, the partial sum received into
         "dkv sent, in flight": team_kv * a // n if steps else 0,
         "kernel call": (2 * call_q + call_kv) * e // n,
+        # a chunk's heads of the caller's dout, made contiguous for its gather
+        "dout chunk": uq * e // n if n > 1 else 0,
     }
 
 
@@ -248,7 +250,9 @@ def step_bytes_per_token(
     }[f.recompute]
     before_attention = e * ((3 + c) * h + 3 * kv) + (h if f.dropout else 0)
     unsaved = sum(v for k, v in work.items() if "(saved)" not in k) / tok
-    layers = model.layers * kept + before_attention + unsaved + e * h  # + d(out) in flight
+    # + the residual's gradient in flight and the attention's output gradient (its caller's)
+    d_attn = e * shape.heads_q * shape.head_dim
+    layers = model.layers * kept + before_attention + unsaved + e * h + d_attn
     if f.recompute == "full":  # the recomputed layer's MLP backward: its whole set, and
         # the gradients of the MLP's first projection and of its activation
         mlp_grads = 0 if f.tiled_mlp else (3 if model.gated_mlp else 2) * model.ffn_hidden * e
