@@ -82,7 +82,7 @@ def _agree_on_setting(
             f"every rank's cp_group must have the same size; got sizes "
             f"{sorted({len(g[0]) for g in gathered})}"
         )
-    settings = sorted({g[1] for g in gathered})
+    settings = sorted({g[1] for g in gathered}, key=repr)
     if len(settings) > 1:
         raise ValueError(f"the ranks disagree on {what}: {settings}; every rank must pass the same")
     return mine, gathered

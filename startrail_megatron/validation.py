@@ -22,7 +22,7 @@ from .comm import DEFAULT_COMM, CommOptions, check_agreement
 from .comm.overlap import refuse_device_delay
 from .groups import StarTrailGroups, UlyssesStarTrailGroups
 from .schedule import OWN_ROWS_FIRST_SETTINGS, check_tile, normalize_window
-from .schedule.layout import PLACEMENTS
+from .schedule.layout import placement_code
 from .schedule.packing import PackedLayout
 
 __all__ = [
@@ -299,7 +299,7 @@ def agree_once(
         "causal": int(causal),
         "cp_size": lay.cp_size,
         "team_size": lay.team_size,
-        "placement": PLACEMENTS.index(lay.placement),
+        "placement": placement_code(lay.placement),
         "ulysses_size": getattr(lay, "ulysses_size", 1),
         "documents": packed.num_docs if packed is not None else 0,
         "cu_seqlens": packed.fingerprint() if packed is not None else 0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -22,6 +23,24 @@ from startrail_megatron.schedule import (
 from startrail_megatron.schedule.layout import PLACEMENTS, StarTrailLayout, valid_team_sizes
 
 ALL = [(p, c, pl) for p in range(1, 65) for c in valid_team_sizes(p) for pl in PLACEMENTS]
+
+
+def random_maps(sizes, per: int = 3, seed: int = 48) -> list[tuple[int, int, tuple]]:
+    """(P, C, map) cases: ``per`` seeded random permutations of the P CP ranks for each
+    valid C > 1 of each P (a map is any assignment of logical ranks to CP ranks)."""
+    rng = random.Random(seed)
+    out = []
+    for p in sizes:
+        for c in valid_team_sizes(p)[1:]:
+            for _ in range(per):
+                ranks = list(range(p))
+                rng.shuffle(ranks)
+                out.append((p, c, tuple(ranks)))
+    return out
+
+
+MAPS = random_maps([4, 8, 9, 12, 16, 18, 24, 32, 36])
+ALL += MAPS
 
 
 def simulate_kv(lay: StarTrailLayout) -> list[list[int]]:
@@ -54,8 +73,10 @@ def test_layout_exhaustive(p, c, pl):
     )
     if pl == "team":
         assert all(lay.team_ranks(t) == list(range(t * c, t * c + c)) for t in range(t_n))
-    else:
+    elif pl == "ring":
         assert all(s == list(range(s[0], s[0] + g)) for s in lay.all_subring_ranks())
+    else:  # a map: logical rank t*C + a is CP rank pl[t*C + a]
+        assert all(lay.rank(t, a) == pl[t * c + a] for t in range(t_n) for a in range(c))
     for r in range(p):
         # send and receive peers are inverse permutations
         assert lay.initial_recv_peer(lay.initial_send_peer(r)) == r
@@ -103,8 +124,12 @@ def test_team_placement_is_fronts_then_backs():
         (8, 3, "team", "team_size=3 does not fit context-parallel size 8"),
         (8, 0, "team", "team_size must be an integer >= 1"),
         (12, 4, "team", r"allowed team sizes for 12: \[1, 2\]"),
-        (8, 2, "rings", r"placement='rings' is not known; allowed: \['team', 'ring'\]"),
+        (8, 2, "rings", r"placement='rings' is not known; allowed: \['team', 'ring'\] or a map"),
         (0, 1, "team", "context-parallel size must be an integer >= 1"),
+        (4, 2, (0, 1, 2, 2), r"placement map \(0, 1, 2, 2\) is not a permutation of the 4 CP"),
+        (4, 2, (0, 1, 2), r"placement map \(0, 1, 2\) is not a permutation of the 4 CP"),
+        (4, 2, (0, 1, 2, 4), r"is not a permutation of the 4 CP ranks 0..3 \(each once\)"),
+        (4, 2, (0.0, 1, 2, 3), r"placement=\(0.0, 1, 2, 3\) is not known; allowed: \['team'"),
     ],
 )
 def test_layout_rejects_bad_settings(p, c, placement, match):
@@ -125,6 +150,7 @@ def _brute_mask(q_chunks, kv_chunks, c):
 
 
 PLAN_CASES = [(p, c, pl) for p in range(1, 33) for c in valid_team_sizes(p) for pl in PLACEMENTS]
+PLAN_CASES += random_maps([4, 8, 9, 16, 18, 32], per=2, seed=7)
 
 
 @pytest.mark.parametrize("p,c,pl", PLAN_CASES)

@@ -1,6 +1,7 @@
 """A seeded random sweep over ``one_process_attention``'s settings (every rank of a CP group
 in this process, the same code as the multi-rank path: ``test_one_process.py`` proves the
-bits equal): CP size, team size (valid or not), placement (known or not), causal, query and
+bits equal): CP size, team size (valid or not), placement (named, a random map of the CP
+ranks, or neither: unknown, a map that loses a rank), causal, query and
 KV heads (dividing or not), local length, batch, head size, window, soft-capping, sinks,
 dtype, the attention's tile (valid or not). Each case is either exact against the float64 reference (out and every gradient) or
 a ``ValueError`` raised before any transfer (every rank's ledger empty), and it is the one
@@ -45,7 +46,7 @@ def _case(rng: random.Random) -> dict:
     bad_heads = rng.random() < 0.1
     hq = hkv * rng.choice([1, 2]) + (1 if bad_heads and hkv > 1 else 0)
     bad_heads = hq % hkv != 0
-    bad_placement = rng.random() < 0.05
+    bad_placement = rng.random() < 0.08
     causal = rng.random() < 0.6
     window = None
     if rng.random() < 0.3:
@@ -53,10 +54,17 @@ def _case(rng: random.Random) -> dict:
     zigzag = causal or window is not None
     tile = rng.choice([None, None, 1, 2, 3, 5, 0 if rng.random() < 0.5 else 2.5])
     bad_tile = tile is not None and (not isinstance(tile, int) or tile < 1)
+    ranks = list(range(p))
+    rng.shuffle(ranks)  # a placement map: any permutation of the CP ranks
+    lost = tuple(ranks[:-1] + ranks[:1]) if p > 1 else (1,)  # one rank lost, one twice
     return dict(
         p=p,
         c=c,
-        placement=rng.choice(["node", "rings"]) if bad_placement else rng.choice(["team", "ring"]),
+        placement=(
+            rng.choice(["node", "rings", lost])
+            if bad_placement
+            else rng.choice(["team", "ring", tuple(ranks)])
+        ),
         causal=causal,
         hq=hq,
         hkv=hkv,

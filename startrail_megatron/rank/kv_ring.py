@@ -10,6 +10,7 @@ last holder's rows home (``send_dkv_home``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 from torch import Tensor
@@ -41,19 +42,28 @@ class KVRing:
         buf = kv_local.new_empty((c * kv_local.shape[0], *kv_local.shape[1:])) if c > 1 else None
         srcs = lay.placement_sources(r, self.active)
         handle = self.rc.p2p.exchange_many(sends, srcs, kv_local, "kv_place", out=buf)
-        self._placement = (handle, buf)
+        self._placement = (handle, buf, self._order_of(srcs[0]))
 
     def _wait_placement(self) -> Tensor:
         """The team's K,V in team order (C = 1: the one piece itself), reordered inside the
         member-order buffer it arrived in."""
         if self._placement is None:
             raise RuntimeError("KVRing.held before start_placement: the placement is not sent")
-        handle, buf = self._placement
+        handle, buf, order = self._placement
         self._placement = None
         pieces = handle.wait()
         first = pieces[0] if buf is None else None
         del pieces  # views of buf
-        return first if buf is None else self.order.to_team(buf, in_place=True)
+        return first if buf is None else order.to_team(buf, in_place=True)
+
+    def _order_of(self, member_rank: int) -> TeamOrder:
+        """The team order of the team CP rank ``member_rank`` belongs to: a K,V copy is kept
+        in its own team's buffer order, which is this rank's team's only where every team
+        lists its members' chunks alike (the named placements), not under any map."""
+        team = self.rc.layout.coord(member_rank)[0]
+        if team == self.order.team:
+            return self.order
+        return dataclasses.replace(self.order, team=team, member=0)
 
     def held(self, kv_local: Tensor) -> Iterator[tuple[int, int, Tensor]]:
         """``(i, step, kv)`` for each computed step: the K,V ``[n, 2, b, hkv, d]`` (team
@@ -89,7 +99,9 @@ class KVRing:
         computed step (team order in; reordered in place: ``dkv`` is dead after); ``wait()`` gives this rank's rows of each copy of
         its team's dK/dV, to be summed."""
         lay, r, c = self.rc.layout, self.rc.rank, self.rc.layout.team_size
-        parts = self.order.from_team(dkv, in_place=True).chunk(c, dim=0) if c > 1 else (dkv,)
-        sends = list(zip(lay.dkv_home_targets(r, self.active), parts))
+        targets = lay.dkv_home_targets(r, self.active)  # the held copy's team, member order
+        order = self._order_of(targets[0])
+        parts = order.from_team(dkv, in_place=True).chunk(c, dim=0) if c > 1 else (dkv,)
+        sends = list(zip(targets, parts))
         srcs = lay.dkv_home_sources(r, self.active)
         return self.rc.p2p.exchange_many(sends, srcs, parts[0], "dkv_home")

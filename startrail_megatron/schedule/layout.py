@@ -11,6 +11,11 @@ Every CP rank ``r`` has a logical coordinate ``(t, a)``: team ``t`` and member
             all-gather / reduce-scatter stays inside a node.
 ``"ring"``  r = g*C*G + a*G + (t % G), g = t // G. The G ranks of a sub-ring
             are adjacent CP ranks, so the ring P2P stays inside a node.
+a map       any permutation of the P CP ranks, a tuple: the CP rank of logical rank
+            ``t*C + a`` is ``map[t*C + a]`` (``"team"`` is the identity). Every map runs
+            the same algorithm on the same logical coordinates, so every map is exact;
+            which CP ranks share a team, and which sub-ring hops cross a node, is what
+            changes (``placement_code`` names it in agreement checks).
 
 Data always follows the CP rank (Megatron's zigzag layout: CP rank ``r`` holds
 sequence chunks ``r`` and ``2P-1-r`` of ``2P``); a team's chunks are those of
@@ -69,11 +74,50 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal, get_args
 
-Placement = Literal["team", "ring"]
+Placement = Literal["team", "ring"] | tuple[int, ...]
 ActiveSteps = tuple[tuple[int, ...], ...]
 """The sub-ring steps each sub-ring computes, ascending, indexed by
 ``StarTrailLayout.subring_index`` (``schedule.startrail_active_steps``)."""
-PLACEMENTS: tuple[str, ...] = get_args(Placement)
+PLACEMENTS: tuple[str, ...] = get_args(get_args(Placement)[0])
+"""The named placements; a tuple map is the other kind (``StarTrailLayout``)."""
+
+
+def placement_code(placement: Placement) -> int:
+    """An integer naming a placement in agreement checks: 0 team, 1 ring, a map 2 + a
+    64-bit FNV-1a hash of its ranks (ranks that disagree on a map see different codes)."""
+    if isinstance(placement, str):
+        return PLACEMENTS.index(placement)
+    h = 0xCBF29CE484222325
+    for r in placement:
+        h = ((h ^ (r + 1)) * 0x100000001B3) % 2**64
+    return 2 + h % (2**62)
+
+
+def check_placement(placement, cp_size: int) -> Placement:
+    """``placement`` checked for ``cp_size`` CP ranks: a named one, or a map (a tuple or
+    list of the CP ranks ``0 .. cp_size-1``, each once), returned as a tuple; else
+    ``ValueError`` naming the setting and what is allowed."""
+    if isinstance(placement, str):
+        if placement not in PLACEMENTS:
+            raise ValueError(
+                f"placement={placement!r} is not known; allowed: {list(PLACEMENTS)} or a map "
+                f"(a permutation of the {cp_size} CP ranks)"
+            )
+        return placement
+    if isinstance(placement, (tuple, list)) and all(
+        isinstance(r, int) and not isinstance(r, bool) for r in placement
+    ):
+        ranks = tuple(placement)
+        if sorted(ranks) == list(range(cp_size)):
+            return ranks
+        raise ValueError(
+            f"placement map {ranks} is not a permutation of the {cp_size} CP ranks "
+            f"0..{cp_size - 1} (each once): the CP rank of logical rank team*C + member"
+        )
+    raise ValueError(
+        f"placement={placement!r} is not known; allowed: {list(PLACEMENTS)} or a map (a tuple "
+        f"of the {cp_size} CP ranks)"
+    )
 
 
 def valid_team_sizes(cp_size: int) -> list[int]:
@@ -89,8 +133,9 @@ class StarTrailLayout:
         cp_size: P, the number of context-parallel ranks sharing one sequence.
         team_size: C, the replication factor; C*C must divide P.
             C = 1 is zigzag ring attention, C*C = P needs no ring at all.
-        placement: ``"team"`` (team members adjacent) or ``"ring"``
-            (sub-ring neighbours adjacent).
+        placement: ``"team"`` (team members adjacent), ``"ring"`` (sub-ring
+            neighbours adjacent), or a map: a tuple of the P CP ranks, the CP rank of
+            logical rank ``team*C + member`` at index ``team*C + member`` (module docstring).
     """
 
     cp_size: int
@@ -108,10 +153,7 @@ class StarTrailLayout:
                 f"team_size={c} does not fit context-parallel size {p}: team_size**2 must "
                 f"divide it; allowed team sizes for {p}: {valid_team_sizes(p)}"
             )
-        if self.placement not in PLACEMENTS:
-            raise ValueError(
-                f"placement={self.placement!r} is not known; allowed: {list(PLACEMENTS)}"
-            )
+        object.__setattr__(self, "placement", check_placement(self.placement, p))
 
     # ---- sizes -------------------------------------------------------------
     @property
@@ -128,6 +170,8 @@ class StarTrailLayout:
     def rank(self, team: int, member: int) -> int:
         """CP rank of (team, member) under this placement."""
         c, g_size = self.team_size, self.ring_size
+        if not isinstance(self.placement, str):
+            return self.placement[team * c + member]
         if self.placement == "team":
             return team * c + member
         group, pos = divmod(team, g_size)

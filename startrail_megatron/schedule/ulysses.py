@@ -57,7 +57,8 @@ class UlyssesLayout:
         ulysses_size: U, the ranks of each head-parallel all-to-all group; U divides P.
         team_size: C, StarTrail's team size over the R = P / U ranks of each ring group;
             C*C must divide R.
-        placement: StarTrail's placement over the ring group (``"team"`` or ``"ring"``).
+        placement: StarTrail's placement over the ring group (``"team"``, ``"ring"`` or a
+            map of the R ring ranks: ``StarTrailLayout``).
     """
 
     cp_size: int
@@ -66,6 +67,8 @@ class UlyssesLayout:
     placement: Placement = "team"
 
     def __post_init__(self) -> None:
+        if isinstance(self.placement, list):  # a map: hashable, as the layout keeps it
+            object.__setattr__(self, "placement", tuple(self.placement))
         p, u = self.cp_size, self.ulysses_size
         if not isinstance(p, int) or isinstance(p, bool) or p < 1:
             raise ValueError(f"context-parallel size must be an integer >= 1, got {p!r}")
