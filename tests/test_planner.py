@@ -860,6 +860,7 @@ PURE = [
     "planner.links",
     "planner.memory",
     "planner.paper",
+    "planner.placement",
     "planner.plan",
     "planner.prediction",
     "planner.shape",
@@ -1115,3 +1116,28 @@ def test_planner_step_memory_matches_the_recorded_benchmark():
     }
     bad = {k: round(e, 3) for k, e in layers.items() if abs(e) > 0.15}
     assert not bad, bad
+
+
+def test_node_map_is_never_predicted_slower_than_the_named_placements():
+    """``planner.placement.node_map`` (issue 48's search): on every topology its map is a
+    permutation of the CP ranks predicted no slower than ``team`` or ``ring``, and strictly
+    faster where the sub-ring length does not fit the node (3 nodes x 4, P = 12, C = 2,
+    G = 3, 2 GB/s between nodes); on one node it is the team placement's map."""
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS, MODEL_PRESETS
+    from startrail_megatron.planner.placement import map_cost, node_map
+    from startrail_megatron.planner.shape import AttnShape
+
+    base = CLUSTER_PRESETS["h100-ib"].with_(inter_bw=2e9, inter_bw_per_gpu=2e9)
+    model = next(iter(MODEL_PRESETS.values()))
+    for nodes, per, p in [(3, 4, 12), (4, 2, 8), (2, 4, 8), (6, 2, 12), (1, 8, 8)]:
+        cl = base.with_(num_nodes=nodes, gpus_per_node=per)
+        shape = AttnShape.for_model(model, 2 * p * 512, p)
+        m, cost = node_map(cl, shape, 2)
+        assert sorted(m) == list(range(p))
+        named = {pl: map_cost(cl, shape, 2, pl) for pl in ("team", "ring")}
+        assert cost <= min(named.values()) * (1 + 1e-12), (nodes, per, cost, named)
+        assert cost == pytest.approx(map_cost(cl, shape, 2, m))
+        if (nodes, per) == (3, 4):
+            assert cost < 0.9 * min(named.values()), (cost, named)
+        if nodes == 1:
+            assert m == tuple(range(p))

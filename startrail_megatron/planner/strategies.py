@@ -71,8 +71,12 @@ class Strategy:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"strategy kind={self.kind!r} is not known; allowed: {STRATEGY_KINDS}")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement={self.placement!r} is not known; allowed: {PLACEMENTS}")
+        if isinstance(self.placement, list):
+            object.__setattr__(self, "placement", tuple(self.placement))
+        if isinstance(self.placement, str) and self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"placement={self.placement!r} is not known; allowed: {PLACEMENTS} or a map"
+            )
         u = self.ulysses_size
         if not isinstance(u, int) or u < 1 or (u > 1) != (self.kind == "split"):
             raise ValueError(
@@ -90,8 +94,11 @@ class Strategy:
 
     @property
     def placement_label(self) -> str:
-        """The placement where it means something (StarTrail with C > 1), else ``"-"``."""
-        return self.placement if self.spec.teams and self.team_size > 1 else "-"
+        """The placement where it means something (StarTrail with C > 1), else ``"-"``; a
+        map (``planner.placement.node_map``) is ``"map"``."""
+        if not (self.spec.teams and self.team_size > 1):
+            return "-"
+        return self.placement if isinstance(self.placement, str) else "map"
 
     def layout(self, cp_size: int) -> StarTrailLayout:
         """StarTrail's rank arithmetic for this C and placement on ``cp_size`` ranks."""
@@ -165,7 +172,7 @@ def _startrail_variants(cp_size: int) -> list[Strategy]:
 def _startrail_name(st: Strategy) -> str:
     if st.team_size == 1:
         return "ring"
-    return f"startrail-C{st.team_size}-{st.placement}"
+    return f"startrail-C{st.team_size}-{st.placement_label}"
 
 
 def _startrail_comm_bytes(st: Strategy, shape: AttnShape) -> Bytes:
