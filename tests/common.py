@@ -53,6 +53,39 @@ def assert_matches_reference(results, ref, causal: bool, dtype, tol: float) -> N
         assert err <= tol, f"{what}: relative max error {err:.2e} > {tol:.0e}"
 
 
+def dense_rank_inputs(
+    rank: int, world: int, s_local: int, b: int, heads: tuple[int, int], d: int,
+    causal: bool, window=None, sinks: bool = False, seed: int = 3,
+):  # fmt: skip
+    """This rank's float64 leaves q, k, v (requiring gradients), its dout shard and the
+    sinks leaf (or None) of the inputs ``assert_dense_parity`` checks against (zigzag
+    shards under the causal mask or a window)."""
+    hq, hkv = heads
+    q, k, v, do = make_inputs(seed, s_local * world, b, hq, hkv, d)
+    zig = causal or window is not None
+    local = [shard(x, rank, world, zig).to(torch.float64).requires_grad_() for x in (q, k, v)]
+    sink = torch.linspace(-1, 1, hq, dtype=torch.float64).requires_grad_() if sinks else None
+    return local, shard(do, rank, world, zig).to(torch.float64), sink
+
+
+def assert_dense_parity(
+    results, p: int, s_local: int, b: int, heads: tuple[int, int], d: int, causal: bool,
+    window=None, softcap=None, sinks: bool = False, seed: int = 3,
+) -> None:  # fmt: skip
+    """Every rank's [out, dq, dk, dv] (``results[r][0]``) and, with ``sinks``, the ranks'
+    summed sinks gradient (``results[r][1]``) against the float64 reference of
+    ``make_inputs(seed, s_local * p, b, *heads, d)`` (sinks ``linspace(-1, 1, heads_q)``)."""
+    hq, hkv = heads
+    q, k, v, do = make_inputs(seed, s_local * p, b, hq, hkv, d)
+    ref_sinks = torch.linspace(-1, 1, hq, dtype=torch.float64) if sinks else None
+    ref = reference(q, k, v, do, causal, window=window, softcap=softcap, sinks=ref_sinks)
+    zig = causal or window is not None
+    assert_matches_reference(results, ref[:4], zig, torch.float64, TOL[torch.float64])
+    if sinks:
+        total = sum(r[1] for r in results)
+        assert (total - ref[4]).abs().max().item() < TOL[torch.float64]
+
+
 def assert_startrail_ledger(events, layout, rank: int, shape, active=None) -> None:
     """One rank's recorded transfers equal the accounting (bytes per phase and kind, P2P
     calls, never a self-send). ``shape``: an ``accounting.LocalShape``; ``active``: the

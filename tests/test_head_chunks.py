@@ -16,12 +16,12 @@ import pytest
 import torch
 from common import (
     TOL,
-    assert_matches_reference,
+    assert_dense_parity,
+    dense_rank_inputs,
     groups_for,
     make_inputs,
     packed_inputs,
     packed_reference,
-    reference,
     shard,
 )
 from harness import run_ranks
@@ -58,12 +58,9 @@ def _groups(c: int, u: int):
 
 def _chunked_rank(rank, world, c, u, causal, hq, hkv, window, softcap, sinks_on, tile, chunks):
     groups = _groups(c, u)
-    q, k, v, do = make_inputs(3, S_LOCAL * world, BATCH, hq, hkv, D)
-    zig = causal or window is not None
-    local = [shard(x, rank, world, zig).to(torch.float64).requires_grad_() for x in (q, k, v)]
-    sinks = None
-    if sinks_on:
-        sinks = torch.linspace(-1, 1, hq, dtype=torch.float64).requires_grad_()
+    local, dout, sinks = dense_rank_inputs(
+        rank, world, S_LOCAL, BATCH, (hq, hkv), D, causal, window, sinks_on
+    )
     kern, ledger = _Heads(), st.CommLedger()
     with LiveTensorBytes() as live:
         base = live.current
@@ -71,7 +68,7 @@ def _chunked_rank(rank, world, c, u, causal, hq, hkv, window, softcap, sinks_on,
             *local, groups, causal=causal, kernel=kern, window=window, softcap=softcap,
             sinks=sinks, tile=tile, ledger=ledger, head_chunks=chunks,
         )  # fmt: skip
-        out.backward(shard(do, rank, world, zig).to(torch.float64))
+        out.backward(dout)
         peak = live.peak - base
     grads = [out.detach(), *(x.grad for x in local)]
     moved = sum(e.nbytes for e in ledger.events)
@@ -96,14 +93,7 @@ def test_head_chunks_match_fp64_and_ran(p, c, u, causal, heads, window, cap, sin
     args = (c, u, causal, hq, hkv, window, cap, sinks, tile)
     res = run_ranks(p, _chunked_rank, *args, n)
     whole = run_ranks(p, _chunked_rank, *args, None)
-    q, k, v, do = make_inputs(3, S_LOCAL * p, BATCH, hq, hkv, D)
-    ref_sinks = torch.linspace(-1, 1, hq, dtype=torch.float64) if sinks else None
-    ref = reference(q, k, v, do, causal, window=window, softcap=cap, sinks=ref_sinks)
-    zig = causal or window is not None
-    assert_matches_reference(res, ref[:4], zig, torch.float64, TOL[torch.float64])
-    if sinks:
-        total = sum(r[1] for r in res)
-        assert (total - ref[4]).abs().max().item() < TOL[torch.float64]
+    assert_dense_parity(res, p, S_LOCAL, BATCH, heads, D, causal, window, cap, sinks)
     ring_hq = hq // u  # the heads each ring rank runs (the 2-D split shards them)
     for r, (got, want) in enumerate(zip(res, whole)):
         heads, events, moved, peak = got[2]

@@ -16,7 +16,7 @@ import itertools
 
 import pytest
 import torch
-from common import TOL, assert_matches_reference, groups_for, make_inputs, reference, shard
+from common import assert_dense_parity, dense_rank_inputs, groups_for, make_inputs, shard
 from harness import run_ranks
 
 import startrail_megatron as st
@@ -107,19 +107,16 @@ class _Largest(TorchKernel):
 
 def _tiled_rank(rank, world, c, causal, hq, hkv, window, softcap, sinks_on, tile):
     groups = groups_for(c)
-    q, k, v, do = make_inputs(3, S_LOCAL * world, BATCH, hq, hkv, D)
-    zig = causal or window is not None
-    local = [shard(x, rank, world, zig).to(torch.float64).requires_grad_() for x in (q, k, v)]
-    sinks = None
-    if sinks_on:
-        sinks = torch.linspace(-1, 1, hq, dtype=torch.float64).requires_grad_()
+    local, dout, sinks = dense_rank_inputs(
+        rank, world, S_LOCAL, BATCH, (hq, hkv), D, causal, window, sinks_on
+    )
     kern = _Largest()
     ledger = st.CommLedger()
     out = st.startrail_attention(
         *local, groups, causal=causal, kernel=kern, window=window, softcap=softcap,
         sinks=sinks, tile=tile, ledger=ledger,
     )  # fmt: skip
-    out.backward(shard(do, rank, world, zig).to(torch.float64))
+    out.backward(dout)
     grads = [out.detach(), *(x.grad for x in local)]
     return grads, (None if sinks is None else sinks.grad), kern.largest, len(ledger.events)
 
@@ -137,14 +134,7 @@ def test_tiled_attention_matches_fp64_and_the_tile_ran(p, c, causal, heads, wind
     tile = 5  # divides neither the chunks (6) nor the team rows (24)
     res = run_ranks(p, _tiled_rank, c, causal, hq, hkv, window, cap, sinks, tile)
     whole = run_ranks(p, _tiled_rank, c, causal, hq, hkv, window, cap, sinks, None)
-    q, k, v, do = make_inputs(3, S_LOCAL * p, BATCH, hq, hkv, D)
-    ref_sinks = torch.linspace(-1, 1, hq, dtype=torch.float64) if sinks else None
-    ref = reference(q, k, v, do, causal, window=window, softcap=cap, sinks=ref_sinks)
-    zig = causal or window is not None
-    assert_matches_reference(res, ref[:4], zig, torch.float64, TOL[torch.float64])
-    if sinks:
-        total = sum(r[1] for r in res)
-        assert (total - ref[4]).abs().max().item() < TOL[torch.float64]
+    assert_dense_parity(res, p, S_LOCAL, BATCH, heads, D, causal, window, cap, sinks)
     for r, (tiled_run, whole_run) in enumerate(zip(res, whole)):
         for way in ("fwd", "bwd"):
             assert tiled_run[2][way][0] <= tile, (r, way, tiled_run[2])
