@@ -219,6 +219,11 @@ def _handles_keep_nothing(rank, world):
         got = handle.wait()
         refs = weakref.ref(got), weakref.ref(sent)
         del got, sent
+        # gloo's worker thread lets go of a finished work's tensors just after marking it
+        # done: give it a moment (a handle that keeps its work keeps them for good)
+        deadline = time.monotonic() + 2.0
+        while any(r() is not None for r in refs) and time.monotonic() < deadline:
+            time.sleep(0.01)
         alive.append([r() is not None for r in refs])
         del handle
     return alive
