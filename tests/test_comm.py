@@ -199,41 +199,6 @@ def test_p2p_exchange():
         assert "out= must be like the tensor sent" in bad_out
 
 
-def _handles_keep_nothing(rank, world):
-    """After ``wait()``, a handle still referenced keeps neither what it received nor
-    what it sent (gloo's ``Work`` holds its tensors until destroyed): the caller's drop
-    frees the buffer. One collective and one exchange."""
-    import weakref
-
-    groups = st.StarTrailGroups.create(2)
-    tc = comm.TeamComm(groups.team_group, 2, st.CommLedger())
-    p2p = comm.P2PComm(None, rank, st.CommLedger())
-    alive = []
-    for start in (
-        lambda x: tc.all_gather_start(x, "x"),
-        lambda x: tc.reduce_scatter_start(x, "x"),
-        lambda x: p2p.exchange(x, rank ^ 1, rank ^ 1, "x"),
-    ):
-        sent = torch.full((4, 3), float(rank))
-        handle = start(sent)
-        got = handle.wait()
-        refs = weakref.ref(got), weakref.ref(sent)
-        del got, sent
-        # gloo's worker thread lets go of a finished work's tensors just after marking it
-        # done: give it a moment (a handle that keeps its work keeps them for good)
-        deadline = time.monotonic() + 2.0
-        while any(r() is not None for r in refs) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        alive.append([r() is not None for r in refs])
-        del handle
-    return alive
-
-
-def test_a_waited_handle_keeps_no_buffer():
-    for alive in run_ranks(4, _handles_keep_nothing):
-        assert alive == [[False, False]] * 3, alive
-
-
 def _skip_on_rank0(rank, world):
     import torch.distributed as dist
 

@@ -209,8 +209,8 @@ class P2PHandle:
             if self._on_error is None:
                 raise
             raise self._on_error(e) from e
-        # Neither the result nor the works (a ``Work`` keeps its tensors) is kept: the
-        # caller frees the received buffer when done, however long it keeps the handle.
+        # Neither the result nor the works is kept past the wait: the caller frees the
+        # received buffer when done, however long it keeps the handle.
         result, self._result, self._done, self._keep = self._result, None, True, None
         self._works = []
         return result
