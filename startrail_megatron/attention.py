@@ -129,6 +129,11 @@ def head_chunk_slices(heads_q: int, heads_kv: int, n: int) -> list[tuple[slice, 
     ]
 
 
+def _join(parts, dim: int) -> Tensor:
+    """The head chunks' parts side by side along ``dim``; one part is itself (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
 class _StarTrailAttention(torch.autograd.Function):
     """The thin autograd Function over one rank's forward and backward. With
     ``options.head_chunks`` = n > 1 both run n times, on one KV-head group (and its query
@@ -148,22 +153,20 @@ class _StarTrailAttention(torch.autograd.Function):
             groups, causal, ledger, packed=packed, options=options, comm_options=comm_options
         )
         chunks = head_chunk_slices(q.shape[2], k.shape[2], options.head_chunks)
+        out = None if len(chunks) == 1 else torch.empty_like(q)  # one chunk: its own out
         saved: list[Tensor] = []
-        if len(chunks) == 1:
-            joint = None if joint_k is None else (joint_k, joint_v)
-            out, saved_one = startrail_rank_forward(q, k, v, rc, scale, kernel, sinks, joint)
-            saved.extend(saved_one)
-        else:
-            out = torch.empty_like(q)
-            for qh, kh in chunks:
-                joint = None if joint_k is None else (joint_k[:, :, kh], joint_v[:, :, kh])
-                part, saved_one = startrail_rank_forward(
-                    q[:, :, qh], k[:, :, kh], v[:, :, kh], rc, scale, kernel,
-                    None if sinks is None else sinks[qh], joint,
-                )  # fmt: skip
+        for qh, kh in chunks:  # one chunk: every slice is the whole tensor (a view)
+            joint = None if joint_k is None else (joint_k[:, :, kh], joint_v[:, :, kh])
+            part, saved_one = startrail_rank_forward(
+                q[:, :, qh], k[:, :, kh], v[:, :, kh], rc, scale, kernel,
+                None if sinks is None else sinks[qh], joint,
+            )  # fmt: skip
+            if out is None:
+                out = part
+            else:
                 out[:, :, qh] = part
-                saved.extend(saved_one)
-                del part, saved_one
+            saved.extend(saved_one)
+            del part, saved_one
         ctx.save_for_backward(out, *saved, sinks, joint_k, joint_v)
         ctx.rc, ctx.scale, ctx.kernel, ctx.ledger = rc, scale, kernel, ledger
         ctx.chunks = chunks
@@ -176,40 +179,27 @@ class _StarTrailAttention(torch.autograd.Function):
         if ctx.ledger is not None:
             ctx.ledger.phase = "bwd"
         dout = dout.contiguous()
-        if len(ctx.chunks) == 1:
-            joint = None if joint_k is None else (joint_k, joint_v)
+        # each chunk's gradients kept as they come and joined at the end, when the chunks'
+        # working buffers are gone (a whole dq made first would be held through every
+        # chunk's backward)
+        parts: list[tuple[Tensor, ...]] = []
+        sink_parts, joint_parts = [], []
+        for i, (qh, kh) in enumerate(ctx.chunks):  # one chunk: whole tensors, no copies
+            joint = None if joint_k is None else (joint_k[:, :, kh], joint_v[:, :, kh])
             grads = startrail_rank_backward(
-                dout, out, tuple(saved), ctx.rc, ctx.scale, ctx.kernel, sinks, joint
-            )
-            dq, dk, dv, d_sinks, d_joint = (
-                grads.dq, grads.dk, grads.dv, grads.sinks, grads.joint
+                dout[:, :, qh].contiguous(), out[:, :, qh], tuple(saved[3 * i : 3 * i + 3]),
+                ctx.rc, ctx.scale, ctx.kernel, None if sinks is None else sinks[qh], joint,
             )  # fmt: skip
-        else:
-            # each chunk's gradients kept as they come and joined at the end, when the
-            # chunks' working buffers are gone (a whole dq made first would be held
-            # through every chunk's backward)
-            parts: list[tuple[Tensor, ...]] = []
-            sink_parts, joint_parts = [], []
-            for i, (qh, kh) in enumerate(ctx.chunks):
-                joint = None if joint_k is None else (joint_k[:, :, kh], joint_v[:, :, kh])
-                grads = startrail_rank_backward(
-                    dout[:, :, qh].contiguous(), out[:, :, qh], tuple(saved[3 * i : 3 * i + 3]),
-                    ctx.rc, ctx.scale, ctx.kernel, None if sinks is None else sinks[qh], joint,
-                )  # fmt: skip
-                parts.append((grads.dq, grads.dk, grads.dv))
-                sink_parts.append(grads.sinks)
-                joint_parts.append(grads.joint)
-                del grads
-            dq, dk, dv = (torch.cat(p, dim=2) for p in zip(*parts))
-            del parts
-            d_sinks = None if sinks is None else torch.cat(sink_parts)
-            d_joint = None
-            if joint_k is not None:  # per KV head: the chunks' parts side by side
-                d_joint = tuple(torch.cat(parts, dim=2) for parts in zip(*joint_parts))
-        d_sinks = None if sinks is None else d_sinks.to(sinks.dtype)
+            parts.append((grads.dq, grads.dk, grads.dv))
+            sink_parts.append(grads.sinks)
+            joint_parts.append(grads.joint)
+            del grads
+        dq, dk, dv = (_join(p, 2) for p in zip(*parts))
+        del parts
+        d_sinks = None if sinks is None else _join(sink_parts, 0).to(sinks.dtype)
         d_jk = d_jv = None
-        if joint_k is not None:
-            d_jk, d_jv = (g.to(joint_k.dtype) for g in d_joint)
+        if joint_k is not None:  # per KV head: the chunks' parts side by side
+            d_jk, d_jv = (_join(p, 2).to(joint_k.dtype) for p in zip(*joint_parts))
         return (dq, dk, dv, d_sinks, d_jk, d_jv) + (None,) * 8
 
 

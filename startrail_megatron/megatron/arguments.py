@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..schedule import OWN_ROWS_FIRST_SETTINGS
+from ..schedule import OWN_ROWS_FIRST_SETTINGS, check_head_chunks_setting
 from ..schedule.layout import PLACEMENTS, valid_team_sizes
 from ..schedule.ulysses import kv_repeat
 from ..validation import own_rows_first_setting
@@ -229,8 +229,7 @@ def _check_head_chunks(args: argparse.Namespace, impl: str) -> None:
             f"{name} splits StarTrail's attention: it needs --context-parallel-impl startrail "
             f"(got {impl})"
         )
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{name} must be an integer >= 1")
+    check_head_chunks_setting(n)
     heads = getattr(args, "num_attention_heads", None)
     kv = (
         getattr(args, "num_query_groups", None)
@@ -240,8 +239,8 @@ def _check_head_chunks(args: argparse.Namespace, impl: str) -> None:
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     u = getattr(args, "startrail_ulysses_size", 1) or 1
     if kv and heads:
-        kv_tp = kv // tp
-        ring_kv = kv_tp // u if kv_tp % u == 0 else 1  # repeated to U when fewer (the split)
+        kv_tp = kv // tp  # the 2-D split shards them over U, or repeats them up to U
+        ring_kv = kv_tp * kv_repeat(u, heads // tp, kv_tp) // u
         if ring_kv % n:
             allowed = [d for d in range(1, ring_kv + 1) if ring_kv % d == 0]
             raise ValueError(
