@@ -7,11 +7,17 @@ Each data-parallel replica takes its rows of one global batch; the ranks that
 share a replica (DeepSpeed's sequence-parallel ranks, if any) get the same rows.
 Without the launcher (``torchrun ... scripts/train_tiny_llama.py ...``) it is
 ordinary data-parallel DeepSpeed.
+
+``--save DIR`` (every ``--save-interval`` steps) and ``--load DIR`` (resume from its latest
+checkpoint) use ``startrail_megatron.deepspeed``'s ``save_checkpoint`` /
+``load_checkpoint`` (atomic, checksummed, weights-only loads) in place of the engine's own:
+the one StarTrail import of the script, and only with those flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 
@@ -29,6 +35,15 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.3)
     ap.add_argument("--out", default=None, help="write this rank's losses as JSON here")
+    ap.add_argument("--save", default=None, help="save a checkpoint here")
+    ap.add_argument("--save-interval", type=int, default=1, help="steps between saves")
+    ap.add_argument("--load", default=None, help="resume from this folder's latest checkpoint")
+    ap.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=None,
+        help="the collective timeout (DeepSpeed's default: 30 minutes)",
+    )
     args = ap.parse_args()
 
     cfg = LlamaConfig(
@@ -45,6 +60,11 @@ def main() -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))
     if get_accelerator().device_name() == "cuda" and local_rank >= 0:
         get_accelerator().set_device(local_rank)  # one GPU per rank; CPU ranks skip this
+    if args.distributed_timeout_minutes is not None:
+        deepspeed.init_distributed(
+            dist_backend=get_accelerator().communication_backend_name(),
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+        )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -58,15 +78,27 @@ def main() -> None:
     micro = engine.train_micro_batch_size_per_gpu()
     g = torch.Generator().manual_seed(1234)
     losses = []
+    start = 0
+    if args.load or args.save:
+        from startrail_megatron.deepspeed import load_checkpoint, save_checkpoint
+    if args.load:
+        _, client = load_checkpoint(engine, args.load)
+        start = client["step"] if client else 0
     for step in range(args.steps):
         ids = torch.randint(0, cfg.vocab_size, (replicas * micro, args.seq), generator=g)
+        if step < start:
+            continue  # done before the checkpoint: its batch drawn, not trained again
         mine = ids[replica * micro : (replica + 1) * micro].to(engine.device)
         loss = engine(input_ids=mine, labels=mine).loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
         if torch.distributed.get_rank() == 0:
-            print(f"step {step} loss {loss.item():.6f}")
+            print(f"step {step} loss {loss.item():.6f}", flush=True)
+        if args.save and (step + 1) % args.save_interval == 0:
+            save_checkpoint(
+                engine, args.save, tag=f"step{step + 1}", client_state={"step": step + 1}
+            )
     handle = getattr(engine, "startrail_handle", None)  # set when StarTrail is on
     if handle is not None and torch.distributed.get_rank() == 0:
         led, lengths = handle.ledger, sorted(handle.local_lengths)
@@ -75,7 +107,7 @@ def main() -> None:
             f"collective bytes; local sequence lengths {lengths}"
         )
     if args.out:
-        out = {"losses": losses, "startrail": handle is not None}
+        out = {"losses": losses, "first_step": start, "startrail": handle is not None}
         if handle is not None:
             mpu = engine.startrail_mpu
             out["proof"] = {

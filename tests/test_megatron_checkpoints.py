@@ -214,22 +214,22 @@ def _save_interrupted(rank, world, argv, at):
     """Train with --save every iteration, the save of iteration ``at`` failing on every rank
     after its files are written, while they are hashed (as a crash there would): that save
     is lost, nothing else."""
-    from startrail_megatron.megatron.training import checkpoint
+    from startrail_megatron import checkpoint_files
 
-    plain = checkpoint._sha256
+    plain = checkpoint_files.sha256
 
     def crash(path):
         if f"iter_{at:07d}" in path:
             raise RuntimeError("crash during the save")
         return plain(path)
 
-    checkpoint._sha256 = crash
+    checkpoint_files.sha256 = crash
     try:
         entry_point_train(rank, world, argv)
     except RuntimeError as e:
         return str(e)
     finally:
-        checkpoint._sha256 = plain
+        checkpoint_files.sha256 = plain
     return None
 
 

@@ -7,14 +7,22 @@ checkpoint loads into a CP = 1 run), so a resumed run continues exactly.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import queue
 import shutil
 
 import torch
 import torch.distributed as dist
+
+from ...checkpoint_files import (
+    commit,
+    fsync,
+    naming_save_failures,
+    read_manifest,
+    read_tracker,
+    verify_manifest,
+    write_manifest,
+)
 
 __all__ = [
     "add_checkpoint_args",
@@ -74,42 +82,7 @@ def _optimizer_file(ckpt: str) -> str:
     )
 
 
-MANIFEST = "checksums.json"
-"""A checkpoint folder's list of its files with their SHA-256 (written last, before the
-folder is renamed to its final name)."""
 TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: str, text: str) -> None:
-    """``text`` to ``path`` through a temporary name, synced, then renamed over it."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync(os.path.dirname(path) or ".")
-
-
-def _my_share(names: list[str]) -> list[str]:
-    """This rank's share of a folder's files (each file hashed by one rank)."""
-    return sorted(names)[dist.get_rank() :: dist.get_world_size()]
 
 
 SHAPE_FIELDS = (
@@ -131,67 +104,60 @@ def model_shape(model) -> dict:
     return shape
 
 
+def _last_complete(path: str) -> str | None:
+    """The checkpoint the tracker names now (before this save), for error messages."""
+    try:
+        with open(os.path.join(path, TRACKER)) as f:
+            return f"iteration {int(f.read().strip())} (the tracker's)"
+    except (OSError, ValueError):
+        return None
+
+
 def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
     """Megatron distributed checkpoint of the model (the same format for any CP impl/size),
     plus the optimizer state of each TP rank (identical over CP and DP ranks: no
     distributed optimizer), so a resumed run continues exactly.
 
-    Atomic: everything is written into ``iter_N.partial``; once every rank's files are
-    written and synced, the ranks hash them (each a share), rank 0 writes ``MANIFEST``,
-    renames the folder to ``iter_N`` and then, through a temporary name, the tracker. A save
-    killed at any point leaves the last complete checkpoint the tracker's."""
+    Atomic (``checkpoint_files``' Note [atomic checkpoints]): written into
+    ``iter_N.partial``, hashed into its manifest (with the model's shape), renamed to
+    ``iter_N``, the tracker last. A save killed at any point leaves the last complete
+    checkpoint the tracker's; one that fails (a full disk) is a ``RuntimeError`` naming the
+    rank and the folder."""
     from megatron.core import dist_checkpointing, parallel_state
 
     final = os.path.join(path, f"iter_{iteration:07d}")
     ckpt = final + ".partial"
-    if dist.get_rank() == 0:
-        if os.path.exists(ckpt):
-            shutil.rmtree(ckpt)  # an earlier save of this iteration that did not finish
-        os.makedirs(ckpt)
-    dist.barrier()
-    _in_process_write_results_queue()
-    dist_checkpointing.save(model.module.sharded_state_dict(), ckpt)  # its writer syncs
-    if (
-        optimizer is not None
-        and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-    ):
-        opt_file = _optimizer_file(ckpt)
-        torch.save(optimizer.state_dict(), opt_file)
-        _fsync(opt_file)
-    dist.barrier()
-    names = sorted(os.listdir(ckpt))
-    mine = {n: _sha256(os.path.join(ckpt, n)) for n in _my_share(names)}
-    shares: list = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, mine)
-    if dist.get_rank() == 0:
-        sums = {n: h for share in shares for n, h in share.items()}
-        manifest = {"files": sums, "model": model_shape(model)}
-        _write_durably(os.path.join(ckpt, MANIFEST), json.dumps(manifest, indent=0))
-        if os.path.exists(final):
-            shutil.rmtree(final)  # the same iteration saved again
-        os.replace(ckpt, final)
-        _fsync(path)
-        _write_durably(os.path.join(path, TRACKER), str(iteration))
+    with naming_save_failures("--save", ckpt, _last_complete(path)):
+        if dist.get_rank() == 0:
+            if os.path.exists(ckpt):
+                shutil.rmtree(ckpt)  # an earlier save of this iteration that did not finish
+            os.makedirs(ckpt)
+        dist.barrier()
+        _in_process_write_results_queue()
+        dist_checkpointing.save(model.module.sharded_state_dict(), ckpt)  # its writer syncs
+        if (
+            optimizer is not None
+            and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        ):
+            opt_file = _optimizer_file(ckpt)
+            torch.save(optimizer.state_dict(), opt_file)
+            fsync(opt_file)
+        dist.barrier()
+        write_manifest(ckpt, {"model": model_shape(model)})
+        if dist.get_rank() == 0:
+            commit(ckpt, final, os.path.join(path, TRACKER), str(iteration))
     dist.barrier()
 
 
 def verify_checkpoint(ckpt: str, skip_optimizer: bool = False, model=None) -> None:
-    """Check every file ``MANIFEST`` lists against its SHA-256 (each rank a share), on every
-    rank: a ``ValueError`` naming the files that differ or are missing, the same on every
-    rank, before anything is loaded. ``skip_optimizer``: the optimizer state files are not
-    read (``--no-load-optim``). With ``model``, first (before any collective) a
+    """Check every file the manifest lists against its SHA-256 (each rank a share), on
+    every rank: a ``ValueError`` naming the files that differ or are missing, the same on
+    every rank, before anything is loaded. ``skip_optimizer``: the optimizer state files are
+    not read (``--no-load-optim``). With ``model``, first (before any collective) a
     ``ValueError`` naming each setting of ``model_shape`` the checkpoint's model differs in."""
-    manifest = os.path.join(ckpt, MANIFEST)
-    if not os.path.exists(manifest):
-        raise ValueError(
-            f"--load: {ckpt} has no {MANIFEST}: it is not a complete checkpoint of this "
-            "entry point (saved by an older version, or a save that did not finish)"
-        )
-    with open(manifest) as f:
-        content = json.load(f)
-    sums = content["files"]
+    content = read_manifest(ckpt, "--load")
     if model is not None:
-        mine, saved = model_shape(model), content["model"]
+        mine, saved = model_shape(model), content.get("model", {})
         differ = [
             f"{k}={saved.get(k)!r} (this run: {v!r})" for k, v in mine.items() if saved.get(k) != v
         ]
@@ -200,19 +166,7 @@ def verify_checkpoint(ckpt: str, skip_optimizer: bool = False, model=None) -> No
                 f"--load: {ckpt} holds another model: it was saved with {', '.join(differ)}; "
                 "give the saved model's flags"
             )
-    names = [n for n in sums if not (skip_optimizer and n.startswith("optimizer_"))]
-    bad = []
-    for n in _my_share(names):
-        file = os.path.join(ckpt, n)
-        if not os.path.exists(file):
-            bad.append(f"{n} (missing)")
-        elif _sha256(file) != sums[n]:
-            bad.append(f"{n} (checksum differs)")
-    found: list = [None] * dist.get_world_size()
-    dist.all_gather_object(found, bad)
-    bad = sorted(b for rank_bad in found for b in rank_bad)
-    if bad:
-        raise ValueError(f"--load: {ckpt} is corrupted: {', '.join(bad)}")
+    verify_manifest(ckpt, content, skip=lambda n: skip_optimizer and n.startswith("optimizer_"))
 
 
 def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = None) -> int:
@@ -233,13 +187,9 @@ def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = No
                     flush=True,
                 )
             return 0
-        with open(tracker) as f:
-            text = f.read().strip()
-        if not text.isdigit():
-            raise ValueError(
-                f"--load {path}: the tracker {tracker} holds {text[:40]!r}, not an iteration "
-                "number (a save interrupted while writing it?); pass --ckpt-step N"
-            )
+        text = read_tracker(
+            tracker, f"--load {path}", str.isdigit, "an iteration number (pass --ckpt-step N)"
+        )
         iteration = int(text)
     ckpt = os.path.join(path, f"iter_{iteration:07d}")
     if not os.path.isdir(ckpt):

@@ -1,0 +1,190 @@
+"""Checkpoint folders that are complete or absent: the pieces both adapters' saves share.
+
+Note [atomic checkpoints]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A save writes every file into ``NAME.partial``; once every rank's files are written and
+synced, the ranks hash them (each rank a share of the files), rank 0 writes the list of
+files with their SHA-256 (``MANIFEST``), renames the folder to ``NAME`` and then writes
+the tracker (the file naming the latest checkpoint) through a temporary name and a
+rename. A save killed at any point, or one that fails (a full disk), leaves the tracker
+naming the last complete checkpoint; a load first checks every file against the
+manifest on every rank, so a flipped byte, a truncated or a missing file is a
+``ValueError`` naming the files, raised on every rank before anything is read.
+
+Framework-free: ``megatron/training/checkpoint.py`` and ``deepspeed/checkpoint.py`` call
+it with what their framework writes. Collective calls (``write_manifest``,
+``verify_manifest``) go over ``torch.distributed``'s default group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
+
+import torch.distributed as dist
+
+__all__ = [
+    "MANIFEST",
+    "commit",
+    "naming_save_failures",
+    "read_tracker",
+    "sha256",
+    "verify_manifest",
+    "write_durably",
+    "write_manifest",
+]
+
+MANIFEST = "checksums.json"
+"""A checkpoint folder's list of its files with their SHA-256 (written last, before the
+folder is renamed to its final name)."""
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync(path: str) -> None:
+    """Sync a file or a folder (its entries) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: str, text: str) -> None:
+    """``text`` to ``path`` through a temporary name, synced, then renamed over it: a crash
+    leaves the old content or the new one, never a truncated file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync(os.path.dirname(path) or ".")
+
+
+def _files(folder: str) -> list[str]:
+    """The files under ``folder`` (relative paths, sorted), the manifest excluded."""
+    out = []
+    for root, _, names in os.walk(folder):
+        for n in names:
+            rel = os.path.relpath(os.path.join(root, n), folder)
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def _share(names: list[str]) -> list[str]:
+    """This rank's share of ``names`` (each file hashed by one rank)."""
+    return sorted(names)[dist.get_rank() :: dist.get_world_size()]
+
+
+def write_manifest(folder: str, extra: dict | None = None) -> None:
+    """Collective, after every rank's files in ``folder`` are written (a barrier before):
+    every rank syncs and hashes its share, rank 0 writes ``MANIFEST`` (the files and
+    ``extra``, e.g. the model's shape) durably."""
+    mine = {}
+    for n in _share(_files(folder)):
+        fsync(os.path.join(folder, n))  # written by any rank: syncing the file is enough
+        mine[n] = sha256(os.path.join(folder, n))
+    shares: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, mine)
+    if dist.get_rank() == 0:
+        content = {"files": {n: h for s in shares for n, h in s.items()}, **(extra or {})}
+        write_durably(os.path.join(folder, MANIFEST), json.dumps(content, indent=0))
+
+
+def read_manifest(folder: str, setting: str = "--load") -> dict:
+    """The manifest of ``folder``; a ``ValueError`` naming ``setting`` when there is none
+    (not a complete checkpoint) or it does not parse."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        raise ValueError(
+            f"{setting}: {folder} has no {MANIFEST}: it is not a complete checkpoint of "
+            "startrail_megatron (saved by an older version or another tool, or a save that "
+            "did not finish)"
+        )
+    try:
+        with open(path) as f:
+            content = json.load(f)
+        if not isinstance(content.get("files"), dict):
+            raise ValueError("no 'files'")
+    except ValueError as e:
+        raise ValueError(f"{setting}: {path} is corrupted ({e})") from None
+    return content
+
+
+def verify_manifest(
+    folder: str,
+    manifest: dict,
+    skip: Callable[[str], bool] = lambda name: False,
+    setting: str = "--load",
+) -> None:
+    """Collective: every file ``manifest`` lists (but those ``skip`` names) against its
+    SHA-256, each rank a share; a ``ValueError`` naming the files that differ or are
+    missing, the same on every rank."""
+    sums = manifest["files"]
+    bad = []
+    for n in _share([n for n in sums if not skip(n)]):
+        file = os.path.join(folder, n)
+        if not os.path.exists(file):
+            bad.append(f"{n} (missing)")
+        elif sha256(file) != sums[n]:
+            bad.append(f"{n} (checksum differs)")
+    found: list = [None] * dist.get_world_size()
+    dist.all_gather_object(found, bad)
+    bad = sorted(b for rank_bad in found for b in rank_bad)
+    if bad:
+        raise ValueError(f"{setting}: {folder} is corrupted: {', '.join(bad)}")
+
+
+def commit(partial: str, final: str, tracker: str, text: str) -> None:
+    """Rank 0, after ``write_manifest``: ``partial`` renamed to ``final`` (replacing an
+    earlier save of the same name), then ``tracker`` written durably with ``text``."""
+    import shutil
+
+    fsync(partial)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    fsync(os.path.dirname(final) or ".")
+    write_durably(tracker, text)
+
+
+def read_tracker(tracker: str, setting: str, check: Callable[[str], bool], expect: str) -> str:
+    """The tracker's text, stripped; a ``ValueError`` naming ``setting`` and the file when
+    ``check`` refuses it (an empty or garbled tracker: a tool that wrote it in place)."""
+    with open(tracker) as f:
+        text = f.read().strip()
+    if not check(text):
+        raise ValueError(
+            f"{setting}: the tracker {tracker} holds {text[:40]!r}, not {expect} (a save "
+            "interrupted while writing it, or edited by hand)"
+        )
+    return text
+
+
+@contextlib.contextmanager
+def naming_save_failures(setting: str, folder: str, last: str | None) -> Iterator[None]:
+    """Turn an ``OSError`` while writing a checkpoint (a full disk, a lost mount) into a
+    ``RuntimeError`` naming the rank, the folder, the error and the checkpoint a resume
+    gets (``last``, the tracker's; the unfinished folder is never taken as complete)."""
+    try:
+        yield
+    except OSError as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        why = "the disk is full" if e.errno == errno.ENOSPC else os.strerror(e.errno or 0)
+        raise RuntimeError(
+            f"{setting}: saving {folder} failed on rank {rank}: {why} ({e}); the unfinished "
+            f"save stays {os.path.basename(folder)!r} and is never loaded; a resume gets "
+            f"{last or 'no checkpoint (none was complete)'}"
+        ) from e
