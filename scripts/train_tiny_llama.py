@@ -125,6 +125,9 @@ def main() -> None:
             }
         with open(f"{args.out}.{torch.distributed.get_rank()}", "w") as f:
             json.dump(out, f)
+    # every rank got here: a rank stalled after the last step ends the job at the collective
+    # timeout instead of leaving the launcher waiting for it forever
+    torch.distributed.barrier()
     del engine
 
 

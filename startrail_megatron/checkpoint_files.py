@@ -30,8 +30,10 @@ import torch.distributed as dist
 __all__ = [
     "MANIFEST",
     "commit",
+    "complete_checkpoints",
     "naming_save_failures",
     "read_tracker",
+    "refuse_lost_tracker",
     "sha256",
     "verify_manifest",
     "write_durably",
@@ -160,6 +162,26 @@ def commit(partial: str, final: str, tracker: str, text: str) -> None:
     write_durably(tracker, text)
 
 
+def complete_checkpoints(folder: str) -> list[str]:
+    """The folders under ``folder`` holding a manifest (complete saves), sorted."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [n for n in names if os.path.isfile(os.path.join(folder, n, MANIFEST))]
+
+
+def refuse_lost_tracker(folder: str, tracker: str, setting: str, hint: str) -> None:
+    """A ``ValueError`` when ``folder`` holds complete checkpoints but not its tracker
+    (deleted, or lost with a disk): starting from scratch there would be silent."""
+    found = complete_checkpoints(folder)
+    if found:
+        raise ValueError(
+            f"{setting}: {folder} holds complete checkpoints ({', '.join(found[-3:])}) but no "
+            f"tracker {os.path.basename(tracker)}: it was deleted or lost; {hint}"
+        )
+
+
 def read_tracker(tracker: str, setting: str, check: Callable[[str], bool], expect: str) -> str:
     """The tracker's text, stripped; a ``ValueError`` naming ``setting`` and the file when
     ``check`` refuses it (an empty or garbled tracker: a tool that wrote it in place)."""
@@ -173,18 +195,41 @@ def read_tracker(tracker: str, setting: str, check: Callable[[str], bool], expec
     return text
 
 
+def _disk_full(folder: str) -> bool:
+    """Whether the filesystem holding ``folder`` has (almost) no room left."""
+    while folder and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    try:
+        st = os.statvfs(folder or ".")
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < FULL_BELOW
+
+
+FULL_BELOW = 1 << 20
+"""Free bytes under which a failed write is put down to a full disk (torch.save's writer
+reports one as ``RuntimeError: ... iostream error``, not ``ENOSPC``)."""
+
+
 @contextlib.contextmanager
 def naming_save_failures(setting: str, folder: str, last: str | None) -> Iterator[None]:
-    """Turn an ``OSError`` while writing a checkpoint (a full disk, a lost mount) into a
-    ``RuntimeError`` naming the rank, the folder, the error and the checkpoint a resume
-    gets (``last``, the tracker's; the unfinished folder is never taken as complete)."""
+    """Turn a failed write of a checkpoint (an ``OSError``, or any error while the disk is
+    full: a lost mount, no space) into a ``RuntimeError`` naming the rank, the folder, the
+    error and the checkpoint a resume gets (``last``, the tracker's; the unfinished folder
+    is never taken as complete). Other errors pass unchanged."""
     try:
         yield
-    except OSError as e:
+    except Exception as e:
+        full = _disk_full(folder)
+        if not (full or isinstance(e, OSError)):
+            raise
         rank = dist.get_rank() if dist.is_initialized() else 0
-        why = "the disk is full" if e.errno == errno.ENOSPC else os.strerror(e.errno or 0)
+        if full or getattr(e, "errno", None) == errno.ENOSPC:
+            why = "the disk is full"
+        else:
+            why = os.strerror(e.errno) if getattr(e, "errno", None) else "a write failed"
         raise RuntimeError(
-            f"{setting}: saving {folder} failed on rank {rank}: {why} ({e}); the unfinished "
-            f"save stays {os.path.basename(folder)!r} and is never loaded; a resume gets "
-            f"{last or 'no checkpoint (none was complete)'}"
+            f"{setting}: saving {folder} failed on rank {rank}: {why} ({type(e).__name__}: "
+            f"{e}); the unfinished save stays {os.path.basename(folder)!r} and is never "
+            f"loaded; a resume gets {last or 'no checkpoint (none was complete)'}"
         ) from e

@@ -96,6 +96,31 @@ def _state(pid: int) -> str | None:
         return None
 
 
+def _end_stopped_after_the_others(context, stopped: dict, now: float, timeout: timedelta):
+    """A rank stopped after its last collective (while it exits) fails no peer: once every
+    other rank has finished cleanly and it has been stopped for the collective timeout, it
+    is killed and a ``RuntimeError`` names it (the launcher would wait for it forever)."""
+    if not stopped or now - min(stopped.values()) <= timeout.total_seconds():
+        return
+    others = [p for r, p in enumerate(context.processes) if r not in stopped]
+    if not all(p.exitcode == 0 for p in others):
+        return
+    names = ", ".join(
+        f"rank {r} (pid {context.processes[r].pid}, stopped for {now - t:.0f} s)"
+        for r, t in sorted(stopped.items())
+    )
+    for r in stopped:
+        try:
+            os.kill(context.processes[r].pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    raise RuntimeError(
+        f"{names}: stopped (SIGSTOP, a debugger) after every other rank finished, past the "
+        f"collective timeout ({timeout.total_seconds():g} s): killed; its own last steps "
+        "(after its last collective) may not have run"
+    )
+
+
 def _join_naming_stopped_ranks(context, timeout: timedelta) -> None:
     """Join the ranks (``ProcessContext.join``), polling each second which ranks are stopped
     (SIGSTOP, a debugger, a frozen cgroup: state ``T`` or ``t``). A stopped rank answers no
@@ -114,6 +139,7 @@ def _join_naming_stopped_ranks(context, timeout: timedelta) -> None:
                     stopped.setdefault(rank, now)
                 else:
                     stopped.pop(rank, None)
+            _end_stopped_after_the_others(context, stopped, now, timeout)
     except (ProcessRaisedException, ProcessExitedException) as e:
         if not stopped:
             raise

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -253,7 +254,8 @@ class AllocationCap:
 def load_script(name: str):
     """``scripts/<name>.py`` as a module (the scripts are not a package)."""
     path = os.path.join(os.path.dirname(__file__), "..", "scripts", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(f"scripts.{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module

@@ -111,7 +111,7 @@ def _copy(saved, tmp, name: str):
     return folder, folder / f"step{STEPS}"
 
 
-def test_a_flipped_byte_a_missing_manifest_or_a_bad_tracker_is_named(saved, tmp_path):
+def test_a_flipped_byte_a_missing_manifest_or_a_bad_or_lost_tracker_is_named(saved, tmp_path):
     folder, last = _copy(saved, tmp_path, "bad")
     victim = last / "zero_pp_rank_3_mp_rank_00_optim_states.pt"
     data = bytearray(victim.read_bytes())
@@ -129,6 +129,11 @@ def test_a_flipped_byte_a_missing_manifest_or_a_bad_tracker_is_named(saved, tmp_
         (folder / "latest").write_text(text)
         res = _resume(tmp_path, saved, folder)
         assert all(f"the tracker {folder / 'latest'} holds {text!r}" in r for r in res), res
+    (folder / "latest").unlink()  # no silent start from scratch beside complete checkpoints
+    res = _resume(tmp_path, saved, folder)
+    assert all(
+        "holds complete checkpoints (step1, step2, step3) but no tracker" in r for r in res
+    ), res
 
 
 class _Payload:

@@ -153,7 +153,7 @@ def test_a_fresh_optimizer_state_is_detected(runs):
 
 def test_a_bad_tracker_is_an_error_naming_it(runs, tmp_path):
     """An empty or garbled tracker (a save killed while writing it) is a ValueError naming
-    the file, not int()'s message."""
+    the file, not int()'s message; a lost one, beside complete checkpoints, one too."""
     _, startrail, _ = runs
     ckpt = tmp_path / "bad_tracker"
     shutil.copytree(startrail["save"], ckpt)
@@ -161,6 +161,9 @@ def test_a_bad_tracker_is_an_error_naming_it(runs, tmp_path):
         (ckpt / "latest_checkpointed_iteration.txt").write_text(text)
         with pytest.raises(Exception, match="latest_checkpointed_iteration.txt holds"):
             _pretrain(tmp_path, "bad", 1, None, "--load", str(ckpt))
+    (ckpt / "latest_checkpointed_iteration.txt").unlink()  # lost: no silent fresh start
+    with pytest.raises(Exception, match="holds complete checkpoints .* but no tracker"):
+        _pretrain(tmp_path, "lost", 1, None, "--load", str(ckpt))
 
 
 @pytest.mark.parametrize("cp, team", [(4, 2), (1, None)])

@@ -119,6 +119,34 @@ def test_a_stopped_rank_is_named_when_its_peers_time_out():
     assert took < 3 + 2 * GRACE_S + 8, took
 
 
+def _stop_after_the_last_collective(rank, world):
+    dist.all_reduce(torch.ones(1))
+    if rank == 1:  # no peer waits for it any more: no collective times out
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def test_a_rank_stopped_after_its_last_collective_is_named_not_waited_for():
+    """Every other rank finishes; the stopped one fails no peer. The launcher kills it once
+    it has been stopped for the collective timeout, naming it (waiting for it would hang)."""
+    import time
+
+    import pytest
+
+    def hang(signum, frame):
+        raise TimeoutError("the launcher waited for the stopped rank: a hang")
+
+    prev = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(30)  # the test's own deadline
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+, stopped for \d+ s\): stopped"):
+            spawn_local_ranks(_stop_after_the_last_collective, 2, timeout=timedelta(seconds=3))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, prev)
+    assert time.monotonic() - t0 < 3 + 8
+
+
 _FORKS = """
 import os, sys, time
 from startrail_megatron.spawn import forks_die_with_their_parent

@@ -41,6 +41,7 @@ from ..checkpoint_files import (
     naming_save_failures,
     read_manifest,
     read_tracker,
+    refuse_lost_tracker,
     verify_manifest,
     write_manifest,
 )
@@ -153,6 +154,7 @@ def load_checkpoint(
     if tag is None:
         tracker = os.path.join(load_dir, TRACKER)
         if not os.path.exists(tracker):
+            refuse_lost_tracker(load_dir, tracker, "load_checkpoint", "pass tag=")
             if dist.get_rank() == 0:
                 print(f"note: load_checkpoint: {load_dir} holds no checkpoint yet", flush=True)
             return None, None

@@ -20,6 +20,7 @@ from ...checkpoint_files import (
     naming_save_failures,
     read_manifest,
     read_tracker,
+    refuse_lost_tracker,
     verify_manifest,
     write_manifest,
 )
@@ -181,6 +182,7 @@ def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = No
     if iteration is None:
         tracker = os.path.join(path, TRACKER)
         if not os.path.exists(tracker):
+            refuse_lost_tracker(path, tracker, f"--load {path}", "pass --ckpt-step N")
             if dist.get_rank() == 0:
                 print(
                     f"note: --load {path} holds no checkpoint yet; starting from scratch",

@@ -1,0 +1,60 @@
+"""The fault campaign (``scripts/fault_campaign.py``) at CI size, one seed: on the GPT entry
+point (CP = 4, C = 2) a SIGKILLed rank, a disk that fills during a save and a damaged
+checkpoint; on the DeepSpeed path (torchrun, P = 4, C = 2, ZeRO 2) a SIGKILLed rank and a
+damaged checkpoint. Each ends non-zero within the bound (the full disk and the damage
+named), leaves no process behind, and the tracker's checkpoint resumes to the uninterrupted
+run's losses bitwise. The stalled rank and the cut link wait for the 60 s collective
+timeout: the campaign's full runs only (``docs/reliability.md``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from common import load_script
+
+fault_campaign = load_script("fault_campaign")
+
+ROOT = os.geteuid() == 0  # the full disk is a tmpfs
+
+
+def _check(records: list[dict]) -> None:
+    injected = [r for r in records if r["outcome"] != "finished before the fault"]
+    assert injected, records  # at least one fault hit a running job
+    for r in injected:
+        assert r["outcome"] == "pass", r
+        assert r.get("left_behind", []) == [] and r.get("loss_max_abs_diff", 0.0) == 0.0, r
+        if r["fault"] in ("kill-one", "full-disk", "corrupt"):
+            assert r["launcher_rc"] not in (0, None), r
+        if r["fault"] in ("kill-one", "full-disk"):
+            assert r["exit_s"] <= 30.0, r
+        if r["fault"] in ("full-disk", "corrupt"):
+            assert r["named"], r
+
+
+@pytest.mark.parametrize(
+    "path, faults",
+    [
+        ("megatron", ["kill-one", "full-disk", "corrupt"]),
+        ("deepspeed", ["kill-one", "corrupt"]),
+    ],
+)
+def test_faults_end_named_and_resume_exactly(path, faults):
+    if not ROOT:
+        faults = [f for f in faults if f != "full-disk"]
+    layout = fault_campaign.LAYOUT.split() if path == "megatron" else [fault_campaign.DS_CONFIG]
+    job = fault_campaign.Job(path, layout)
+    _check(fault_campaign.campaign(faults, seeds=1, job=job, iters=5))
+
+
+def test_the_checks_see_an_undetected_damage(tmp_path, monkeypatch):
+    """The corrupt trial's oracle can fail: a damage the resume does not refuse (here none
+    at all: the resume runs, exit 0) is a FAIL."""
+    job = fault_campaign.Job("megatron", fault_campaign.LAYOUT.split())
+    ref_dir, work = tmp_path / "ref", tmp_path / "t"
+    ref_dir.mkdir()
+    work.mkdir()
+    ref = fault_campaign.reference(job, 2, str(ref_dir))
+    monkeypatch.setattr(fault_campaign, "_damage", lambda *a: ("none", "never printed"))
+    rec = fault_campaign.trial("corrupt", 0, job, 2, ref, str(work), 30.0)
+    assert rec["outcome"] == "FAIL" and rec["launcher_rc"] == 0, rec
