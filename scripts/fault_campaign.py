@@ -313,19 +313,19 @@ def _resume_check(job: Job, rec: dict, ref: Reference, iters: int, load: str, wo
         rec["resumed_from"] = at = job.tracker_iteration(f.read())
     if at >= iters:
         return
-    log2, out2 = os.path.join(work, "resumed.json"), os.path.join(work, "resumed.txt")
-    _must_run(job.cmd(iters, save, log2, load=load), out2)
-    got = job.losses(log2)
-    rec["resumed_iterations"] = sorted(got)
-    rec["loss_max_abs_diff"] = max(abs(got[i] - ref.losses[i]) for i in got)
-    if other:
+    if other:  # first: the same-layout resume below saves on into ``load``
         log3, out3 = os.path.join(work, "other.json"), os.path.join(work, "other.txt")
         _must_run(job.cmd(iters, None, log3, load=load, layout=other), out3)
         got = job.losses(log3)
         rec["other_layout_iterations"] = sorted(got)
         rec["other_layout_max_rel_diff"] = max(
-            abs(got[i] - ref.losses[i]) / abs(ref.losses[i]) for i in got
+            (abs(got[i] - ref.losses[i]) / abs(ref.losses[i]) for i in got), default=None
         )
+    log2, out2 = os.path.join(work, "resumed.json"), os.path.join(work, "resumed.txt")
+    _must_run(job.cmd(iters, save, log2, load=load), out2)
+    got = job.losses(log2)
+    rec["resumed_iterations"] = sorted(got)
+    rec["loss_max_abs_diff"] = max((abs(got[i] - ref.losses[i]) for i in got), default=None)
 
 
 def trial(fault: str, seed: int, job: Job, iters: int, ref: Reference, work: str,
@@ -342,7 +342,8 @@ def trial(fault: str, seed: int, job: Job, iters: int, ref: Reference, work: str
         rec["damage"], name = _damage(rng, job, save, job.checkpoint(save, iters))
         rc, secs = _run(job.cmd(iters, None, log, load=save), out, STARTUP_S + bound)
         text = _read(out)
-        rec.update(launcher_rc=rc, exit_s=secs, named=name in text, trained=job.losses(log))
+        rec.update(launcher_rc=rc, exit_s=round(secs, 1), named=name in text)
+        rec["trained"] = job.losses(log)
         rec["outcome"] = (
             "pass" if rc not in (0, None) and rec["named"] and not rec["trained"] else "FAIL"
         )
@@ -461,7 +462,11 @@ def trial(fault: str, seed: int, job: Job, iters: int, ref: Reference, work: str
     ok_resume = at == iters or (
         rec["resumed_iterations"] == list(range(at + 1, iters + 1))
         and rec["loss_max_abs_diff"] == 0.0
-        and rec.get("other_layout_max_rel_diff", 0.0) <= OTHER_LAYOUT_RTOL
+        and (
+            not other
+            or rec["other_layout_iterations"] == list(range(at + 1, iters + 1))
+            and rec["other_layout_max_rel_diff"] <= OTHER_LAYOUT_RTOL
+        )
     )
     rec["outcome"] = "pass" if ok_exit and ok_resume and not rec["left_behind"] else "FAIL"
     return rec

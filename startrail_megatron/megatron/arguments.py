@@ -240,8 +240,11 @@ def _check_head_chunks(args: argparse.Namespace, impl: str) -> None:
     u = getattr(args, "startrail_ulysses_size", 1) or 1
     if kv and heads:
         kv_tp = kv // tp  # the 2-D split shards them over U, or repeats them up to U
-        ring_kv = kv_tp * kv_repeat(u, heads // tp, kv_tp) // u
-        if ring_kv % n:
+        try:
+            ring_kv = kv_tp * kv_repeat(u, heads // tp, kv_tp) // u
+        except ValueError:
+            ring_kv = None  # U does not fit the heads: the Ulysses check names its flags
+        if ring_kv is not None and ring_kv % n:
             allowed = [d for d in range(1, ring_kv + 1) if ring_kv % d == 0]
             raise ValueError(
                 f"{name} must divide the KV heads each rank's attention runs: {kv} KV heads / "
