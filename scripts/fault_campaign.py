@@ -418,7 +418,13 @@ def trial(fault: str, seed: int, job: Job, iters: int, ref: Reference, work: str
             time.sleep(0.5)
             rec["left_behind"] = alive(ranks) + group(proc.pid)
             text = _read(out)
-            if fault == "stop-one":
+            if fault == "kill-one":  # the launcher names the dead process
+                rec["named"] = (
+                    "terminated with signal SIGKILL" in text
+                    if job.path == "megatron"
+                    else f"(pid: {victim})" in text
+                )
+            elif fault == "stop-one":
                 rec["named"] = (
                     f"(pid {victim}, stopped for" in text
                     if job.path == "megatron"
@@ -456,7 +462,9 @@ def trial(fault: str, seed: int, job: Job, iters: int, ref: Reference, work: str
     ok_exit = rec["launcher_rc"] is not None and (
         fault == "kill-all" or (rec["launcher_rc"] != 0 and rec["exit_s"] <= limit)
     )
-    if fault in ("full-disk", "cut-link") or (fault == "stop-one" and job.path == "megatron"):
+    if fault in ("kill-one", "full-disk", "cut-link") or (
+        fault == "stop-one" and job.path == "megatron"
+    ):
         ok_exit = ok_exit and rec["named"]
     at = rec["resumed_from"]
     ok_resume = at == iters or (
@@ -509,6 +517,34 @@ def _ds_config_with(base: str, overrides: str, folder: str, parser) -> str:
     return path
 
 
+def summarize(records: list[dict], label: str = "") -> list[str]:
+    """Markdown table rows, one per fault: trials, faults injected (the job still running),
+    passed, mid-save, hangs (no exit within the wait), data lost (a resume that did not
+    give the uninterrupted losses, or a damaged checkpoint loaded), exit seconds (median,
+    max), the largest relative loss difference of a resume at another layout."""
+    rows = []
+    for fault in dict.fromkeys(r["fault"] for r in records):
+        rs = [r for r in records if r["fault"] == fault]
+        ran = [r for r in rs if r["outcome"] != "finished before the fault"]
+        exits = sorted(r["exit_s"] for r in ran if r.get("exit_s") is not None)
+        lost = [
+            r
+            for r in ran
+            if r.get("loss_max_abs_diff") not in (None, 0.0)
+            or (fault == "corrupt" and (r["launcher_rc"] == 0 or r["trained"]))
+        ]
+        other = [r["other_layout_max_rel_diff"] for r in ran if r.get("other_layout_max_rel_diff")]
+        rows.append(
+            f"| {label}{fault} | {len(rs)} | {len(ran)} "
+            f"| {sum(r['outcome'] == 'pass' for r in ran)} "
+            f"| {sum(bool(r.get('mid_save')) for r in ran)} "
+            f"| {sum(r.get('launcher_rc', 0) is None for r in ran)} | {len(lost)} "
+            + (f"| {exits[len(exits) // 2]:.1f} / {exits[-1]:.1f} " if exits else "| - ")
+            + (f"| {max(other):.1e} |" if other else "| - |")
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--path", choices=sorted(FAULTS), default="megatron")
@@ -524,7 +560,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--exit-bound-s", type=float, default=30.0)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--summarize",
+        nargs="+",
+        metavar="JSON",
+        help="print the table of earlier runs' --json records (LABEL=FILE) and exit",
+    )
     args = p.parse_args(argv)
+    if args.summarize:
+        print("| fault | trials | injected | passed | mid-save | hangs | data lost "
+              "| exit s (median / max) | other layout, max rel. loss diff |")  # fmt: skip
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for item in args.summarize:
+            label, _, path = item.rpartition("=")
+            with open(path) as f:
+                print("\n".join(summarize(json.load(f), f"{label}: " if label else "")))
+        return 0
     allowed = FAULTS[args.path]
     faults = [f for f in (args.faults or ",".join(allowed)).split(",") if f]
     for f in faults:

@@ -16,7 +16,7 @@ from .schedule import check_own_rows_first
 from .schedule.layout import Placement, StarTrailLayout
 from .schedule.ulysses import UlyssesLayout
 
-__all__ = ["StarTrailGroups", "UlyssesStarTrailGroups"]
+__all__ = ["StarTrailGroups", "UlyssesStarTrailGroups", "group_timeout"]
 
 
 @functools.cache
@@ -44,7 +44,7 @@ def _new_group(ranks: list[int], timeout: timedelta | None, desc: str) -> dist.P
     return dist.new_group(ranks, timeout=timeout, group_desc=desc)
 
 
-def _group_timeout(group: dist.ProcessGroup | None) -> timedelta | None:
+def group_timeout(group: dist.ProcessGroup | None) -> timedelta | None:
     """The timeout ``group`` was created with (``None`` if this torch does not say).
 
     ``dist.new_group(timeout=None)`` takes torch's 30-minute default, not the timeout of
@@ -194,7 +194,7 @@ class StarTrailGroups:
         layout = StarTrailLayout(cp_size, team_size, placement)  # ValueError on a bad setting
         cp_rank = dist.get_rank(cp_group)
         if timeout is None:
-            timeout = _group_timeout(cp_group)
+            timeout = group_timeout(cp_group)
         mine, gathered = _agree_on_setting(
             cp_group, cp_size, (team_size, placement), "StarTrail's (team_size, placement)"
         )
@@ -299,7 +299,7 @@ class UlyssesStarTrailGroups:
         layout = UlyssesLayout(cp_size, ulysses_size, team_size, placement)  # ValueError
         cp_rank = dist.get_rank(cp_group)
         if timeout is None:
-            timeout = _group_timeout(cp_group)
+            timeout = group_timeout(cp_group)
         mine, gathered = _agree_on_setting(
             cp_group, cp_size, (ulysses_size, team_size, placement),
             "(ulysses_size, team_size, placement)",

@@ -38,6 +38,7 @@ STACK_TEST_FILES = (
     "test_deepspeed*.py",
     "test_dit.py",
     "test_imports.py",
+    "test_sweep_settings.py",
 )
 """Test files (globs on the file name) that the ``stack`` lane runs."""
 
@@ -45,6 +46,7 @@ MEGATRON_TEST_FILES = (
     "test_megatron*.py",
     "test_deepspeed_megatron.py",
     "test_imports.py",
+    "test_sweep_settings.py",
 )
 """Test files (globs) whose code paths reach megatron-core: CI runs them on both releases."""
 

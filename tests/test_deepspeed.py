@@ -1170,3 +1170,24 @@ def test_no_tensor_quadratic_in_the_sequence_nor_sequence_by_vocabulary_hf():
     cfg = make_cfg(0, dp=1, startrail=_st(4, 2, tiled_mlp=128))
     for _, over, _ in run_ranks(4, _train_capped_hf, cfg, seq, vocab, cap):
         assert any(shape[-1] == vocab and seq // 4 in shape for _, shape, _ in over), over[:5]
+
+
+def _mpu_timeouts(rank: int, world: int):
+    from startrail_megatron.groups import group_timeout
+
+    cfg = sds.StarTrailConfig.from_ds_config({"startrail": _st(2, 1)})
+    mpu = sds.StarTrailMPU.create(cfg)
+    groups = (mpu.sequence_parallel_group, mpu.sequence_data_parallel_group)
+    return group_timeout(None), [group_timeout(g) for g in (*groups, mpu.startrail.team_group)]
+
+
+def test_the_groups_take_the_worlds_timeout_not_torchs_30_minutes():
+    """DeepSpeed's sequence-parallel and ZeRO groups (ours: the mpu's) and StarTrail's take
+    the world's collective timeout (``deepspeed.init_distributed(timeout=)``): a stalled
+    peer ends the job when configured (they took torch's 30-minute default, and a campaign
+    run with a 1-minute timeout hung)."""
+    from datetime import timedelta
+
+    for world_t, group_ts in run_ranks(4, _mpu_timeouts):
+        assert world_t is not None and world_t < timedelta(minutes=5)  # the pool's
+        assert group_ts == [world_t] * 3, (world_t, group_ts)

@@ -96,7 +96,7 @@ EXTERNAL_MEGATRON = ("core", "training", "legacy")
 """Megatron-LM's packages: ``megatron.X`` for X among these is Megatron-LM's; any other X
 is our Megatron adapter's (``megatron/``)."""
 
-EXTERNAL_DEEPSPEED = ("deepspeed.initialize",)
+EXTERNAL_DEEPSPEED = ("deepspeed.initialize", "deepspeed.init_distributed")
 """DeepSpeed's names the docs quote; any other ``deepspeed.X`` is our adapter's."""
 
 EXTERNAL_FLAGS = {"--num_gpus", "--module"}

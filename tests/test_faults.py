@@ -28,7 +28,7 @@ def _check(records: list[dict]) -> None:
             assert r["launcher_rc"] not in (0, None), r
         if r["fault"] in ("kill-one", "full-disk"):
             assert r["exit_s"] <= 30.0, r
-        if r["fault"] in ("full-disk", "corrupt"):
+        if r["fault"] in ("kill-one", "full-disk", "corrupt"):
             assert r["named"], r
 
 

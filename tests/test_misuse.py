@@ -126,10 +126,10 @@ def test_a_later_change_of_setting_ends_at_the_timeout_not_a_hang():
 
 
 def _timeouts(rank, world):
-    from startrail_megatron.groups import _group_timeout
+    from startrail_megatron.groups import group_timeout
 
     groups = st.StarTrailGroups.create(2)
-    return _group_timeout(None), _group_timeout(groups.team_group)
+    return group_timeout(None), group_timeout(groups.team_group)
 
 
 def test_groups_inherit_the_cp_group_timeout_not_torchs_30_minutes():

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..groups import StarTrailGroups, UlyssesStarTrailGroups
+from ..groups import StarTrailGroups, UlyssesStarTrailGroups, group_timeout
 from .config import StarTrailConfig
 
 __all__ = ["StarTrailMPU"]
@@ -62,12 +62,16 @@ class StarTrailMPU:
         world, rank = dist.get_world_size(), dist.get_rank()
         config.check_world(world)
         p = config.sequence_parallel_size
+        # the world's timeout (deepspeed.init_distributed(timeout=)), not torch's 30-minute
+        # default for a new group: a dead or stalled peer ends in an error when configured
+        timeout = group_timeout(None)
         mine = None
         for d in range(world // p):
-            g = dist.new_group(list(range(d * p, (d + 1) * p)), group_desc=f"startrail_sp_{d}")
+            ranks = list(range(d * p, (d + 1) * p))
+            g = dist.new_group(ranks, timeout=timeout, group_desc=f"startrail_sp_{d}")
             if d == rank // p:
                 mine = g
-        seq_data = dist.new_group(list(range(world)), group_desc="startrail_sp_dp")
+        seq_data = dist.new_group(list(range(world)), timeout=timeout, group_desc="startrail_sp_dp")
         kw = dict(cp_group=mine, placement=config.placement)
         kw["own_rows_first"] = config.own_rows_first_value
         if config.ulysses_size > 1:
