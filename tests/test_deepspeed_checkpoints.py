@@ -129,6 +129,9 @@ def test_a_flipped_byte_a_missing_manifest_or_a_bad_or_lost_tracker_is_named(sav
         (folder / "latest").write_text(text)
         res = _resume(tmp_path, saved, folder)
         assert all(f"the tracker {folder / 'latest'} holds {text!r}" in r for r in res), res
+    (folder / "latest").write_text("step9")  # a tag that is no folder
+    res = _resume(tmp_path, saved, folder)
+    assert all(f"the tracker {folder / 'latest'} names 'step9'" in r for r in res), res
     (folder / "latest").unlink()  # no silent start from scratch beside complete checkpoints
     res = _resume(tmp_path, saved, folder)
     assert all(

@@ -161,6 +161,9 @@ def test_a_bad_tracker_is_an_error_naming_it(runs, tmp_path):
         (ckpt / "latest_checkpointed_iteration.txt").write_text(text)
         with pytest.raises(Exception, match="latest_checkpointed_iteration.txt holds"):
             _pretrain(tmp_path, "bad", 1, None, "--load", str(ckpt))
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("9")  # no such checkpoint
+    with pytest.raises(Exception, match="latest_checkpointed_iteration.txt names iteration 9"):
+        _pretrain(tmp_path, "nine", 1, None, "--load", str(ckpt))
     (ckpt / "latest_checkpointed_iteration.txt").unlink()  # lost: no silent fresh start
     with pytest.raises(Exception, match="holds complete checkpoints .* but no tracker"):
         _pretrain(tmp_path, "lost", 1, None, "--load", str(ckpt))

@@ -151,8 +151,9 @@ def load_checkpoint(
     fresh (its files are then not read); other keywords go to ``engine.load_checkpoint``.
     Returns its ``(path, client_state)``; ``(None, None)`` when ``load_dir`` holds no
     tracker yet and no ``tag`` is asked for (a first run), as DeepSpeed."""
+    from_tracker = tag is None
+    tracker = os.path.join(load_dir, TRACKER)
     if tag is None:
-        tracker = os.path.join(load_dir, TRACKER)
         if not os.path.exists(tracker):
             refuse_lost_tracker(load_dir, tracker, "load_checkpoint", "pass tag=")
             if dist.get_rank() == 0:
@@ -166,7 +167,10 @@ def load_checkpoint(
         )
     folder = os.path.join(load_dir, tag)
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"load_checkpoint: no checkpoint {tag!r} in {load_dir}")
+        where = f"the tracker {tracker} names" if from_tracker else "asked for"
+        raise FileNotFoundError(
+            f"load_checkpoint: {where} {tag!r}, which is no checkpoint folder in {load_dir}"
+        )
     if verify:
         manifest = read_manifest(folder, "load_checkpoint")
         skip_optim = not load_optimizer_states

@@ -179,8 +179,9 @@ def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = No
     (Megatron-LM's ``--save DIR --load DIR`` on a first run)."""
     from megatron.core import dist_checkpointing
 
+    from_tracker = iteration is None
+    tracker = os.path.join(path, TRACKER)
     if iteration is None:
-        tracker = os.path.join(path, TRACKER)
         if not os.path.exists(tracker):
             refuse_lost_tracker(path, tracker, f"--load {path}", "pass --ckpt-step N")
             if dist.get_rank() == 0:
@@ -195,7 +196,10 @@ def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = No
         iteration = int(text)
     ckpt = os.path.join(path, f"iter_{iteration:07d}")
     if not os.path.isdir(ckpt):
-        raise FileNotFoundError(f"--load {path}: no checkpoint of iteration {iteration} ({ckpt})")
+        where = f"the tracker {tracker} names" if from_tracker else "--ckpt-step asks for"
+        raise FileNotFoundError(
+            f"--load {path}: {where} iteration {iteration}, which has no checkpoint ({ckpt})"
+        )
     opt_file = _optimizer_file(ckpt)
     if optimizer is not None and not os.path.exists(opt_file):  # before any collective
         raise FileNotFoundError(
