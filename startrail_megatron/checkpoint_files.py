@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 __all__ = [
     "MANIFEST",
+    "check_pickle_globals",
     "commit",
     "complete_checkpoints",
     "naming_save_failures",
@@ -160,6 +161,34 @@ def commit(partial: str, final: str, tracker: str, text: str) -> None:
     os.replace(partial, final)
     fsync(os.path.dirname(final) or ".")
     write_durably(tracker, text)
+
+
+def check_pickle_globals(path: str, allowed, setting: str) -> None:
+    """Refuse a pickle file that names any global ``allowed(module, name)`` does not admit: a
+    ``ValueError`` naming the file and the global, before anything of the file is called
+    (the restricted unpickler raises at the first foreign global). For files that a
+    framework unpickles without restriction (torch.distributed.checkpoint's ``.metadata``):
+    a crafted one would run code."""
+    import io
+    import pickle
+
+    class _Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if not allowed(module, name):
+                raise ValueError(
+                    f"{setting}: {path} names {module}.{name}, which such a file never holds; "
+                    "it is not loaded (unpickling it could run code)"
+                )
+            return super().find_class(module, name)
+
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        _Restricted(io.BytesIO(data)).load()
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - truncated or garbled: named, not a traceback
+        raise ValueError(f"{setting}: {path} does not unpickle ({type(e).__name__}: {e})") from e
 
 
 def complete_checkpoints(folder: str) -> list[str]:

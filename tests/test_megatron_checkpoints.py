@@ -198,6 +198,43 @@ def test_a_flipped_byte_or_a_missing_manifest_is_an_error_naming_it(runs, tmp_pa
         _pretrain_steps(tmp_path, "no_manifest", cp, team, *load)
 
 
+class _Payload:
+    """Unpickled without restriction, it would create ``marker``: code a crafted file runs."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("victim", [".metadata", "common.pt"])
+def test_a_file_that_would_run_code_is_refused_and_runs_nothing(runs, tmp_path, victim):
+    """torch.distributed.checkpoint unpickles ``.metadata`` with plain ``pickle.load``: a
+    crafted one (its checksum in the manifest too: whoever writes the folder can) is
+    refused by name before megatron-core reads it, and its code never runs; ``common.pt``
+    likewise."""
+    import pickle
+
+    from startrail_megatron.checkpoint_files import sha256
+
+    _, startrail, _ = runs
+    ckpt = tmp_path / "crafted"
+    shutil.copytree(startrail["save"], ckpt)
+    last = ckpt / f"iter_{ITERS:07d}"
+    marker = tmp_path / "ran"
+    with open(last / victim, "wb") as f:
+        pickle.dump({"state": _Payload(str(marker))}, f)
+    manifest = json.loads((last / "checksums.json").read_text())
+    manifest["files"][victim] = sha256(str(last / victim))
+    (last / "checksums.json").write_text(json.dumps(manifest))
+    load = ("--load", str(ckpt), "--train-iters", str(ITERS + 1))
+    want = "names io.open" if victim == ".metadata" else "holds more than tensors"
+    with pytest.raises(Exception, match=f"{victim}.*{want}|{want}"):
+        _pretrain_steps(tmp_path, "crafted", 4, 2, *load)
+    assert not marker.exists(), "the crafted file ran code"
+
+
 def test_a_checkpoint_of_another_model_is_refused_by_name(runs, tmp_path):
     """Loading into a model of another width or depth is a ValueError naming each setting
     (saved and asked), before anything is read."""

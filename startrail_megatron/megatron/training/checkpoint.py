@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ...checkpoint_files import (
+    check_pickle_globals,
     commit,
     fsync,
     naming_save_failures,
@@ -170,6 +171,43 @@ def verify_checkpoint(ckpt: str, skip_optimizer: bool = False, model=None) -> No
     verify_manifest(ckpt, content, skip=lambda n: skip_optimizer and n.startswith("optimizer_"))
 
 
+def _dcp_metadata_global(module: str, name: str) -> bool:
+    """The globals torch.distributed.checkpoint's ``.metadata`` pickle holds: its own
+    classes (and megatron-core's plan and metadata classes), ``torch.Size``, dtypes and
+    layouts."""
+    import importlib
+
+    if module.startswith(("torch.distributed.checkpoint.", "megatron.core.dist_checkpointing.")):
+        obj = getattr(importlib.import_module(module), name, None)
+        return isinstance(obj, type)  # its dataclasses and enums, no function
+    if module == "torch":
+        return name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+    return (module, name) in {
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+    }
+
+
+def _check_unpickled_files(ckpt: str) -> None:
+    """What megatron-core and torch unpickle of a checkpoint without our manifest's help
+    against a crafted file: torch.distributed.checkpoint reads ``.metadata`` with plain
+    ``pickle.load`` (checked for foreign globals), megatron-core ``common.pt`` with
+    ``torch.load``'s default (weights-only from torch 2.6 on; checked here for older
+    torch). ``ValueError`` naming the file."""
+    meta = os.path.join(ckpt, ".metadata")
+    if os.path.exists(meta):
+        check_pickle_globals(meta, _dcp_metadata_global, "--load")
+    common = os.path.join(ckpt, "common.pt")
+    if os.path.exists(common):
+        try:
+            torch.load(common, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - named below
+            raise ValueError(
+                f"--load: {common} holds more than tensors and plain data; it is not loaded "
+                f"(a weights-only load runs no code): {str(e).splitlines()[-1][:200]}"
+            ) from None
+
+
 def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = None) -> int:
     """Load the checkpoint of ``iteration`` (default: the latest); the optimizer state too
     (saved with the same tensor-parallel size: any CP implementation, CP or DP size; a
@@ -207,6 +245,7 @@ def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = No
             "tensor-parallel size); pass --no-load-optim to start the optimizer fresh"
         )
     verify_checkpoint(ckpt, skip_optimizer=optimizer is None, model=model)
+    _check_unpickled_files(ckpt)
     state = dist_checkpointing.load(model.module.sharded_state_dict(), ckpt)
     model.module.load_state_dict(state)
     if optimizer is not None:
