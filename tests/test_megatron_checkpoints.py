@@ -229,7 +229,7 @@ def test_a_file_that_would_run_code_is_refused_and_runs_nothing(runs, tmp_path, 
     manifest["files"][victim] = sha256(str(last / victim))
     (last / "checksums.json").write_text(json.dumps(manifest))
     load = ("--load", str(ckpt), "--train-iters", str(ITERS + 1))
-    want = "names io.open" if victim == ".metadata" else "holds more than tensors"
+    want = r"names _?io\.open" if victim == ".metadata" else "holds more than tensors"
     with pytest.raises(Exception, match=f"{victim}.*{want}|{want}"):
         _pretrain_steps(tmp_path, "crafted", 4, 2, *load)
     assert not marker.exists(), "the crafted file ran code"
