@@ -259,3 +259,29 @@ def load_script(name: str):
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+class _CodePayload:
+    """Unpickled without restriction, it creates ``marker``: code a crafted file runs."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def plant_code(file, marker, key: str, save) -> None:
+    """Overwrite the checkpoint file ``file`` (a ``pathlib.Path``) with ``{key: payload}``
+    written by ``save(obj, file)`` (``torch.save`` or a plain pickle) and write its SHA-256
+    into the folder's manifest too, as whoever can write the folder can: only a load that
+    runs no code keeps ``marker`` from being created."""
+    import json
+
+    from startrail_megatron.checkpoint_files import MANIFEST, sha256
+
+    save({key: _CodePayload(str(marker))}, file)
+    manifest_path = file.parent / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][file.name] = sha256(str(file))
+    manifest_path.write_text(json.dumps(manifest))

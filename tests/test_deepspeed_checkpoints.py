@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+from common import plant_code
 from ds_common import REPO, SEQ
 from ds_common import ds_config as make_cfg
 from harness import run_ranks
@@ -139,28 +140,13 @@ def test_a_flipped_byte_a_missing_manifest_or_a_bad_or_lost_tracker_is_named(sav
     ), res
 
 
-class _Payload:
-    """Unpickled by a full load, it would create ``marker``: code a crafted file runs."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def test_a_file_that_would_run_code_is_refused_and_runs_nothing(saved, tmp_path):
     """A crafted model file, its checksum written into the manifest too (whoever can write
     the folder can): the weights-only load refuses it by name and the code never runs."""
-    from startrail_megatron.checkpoint_files import sha256
-
     folder, last = _copy(saved, tmp_path, "crafted")
     marker = tmp_path / "ran"
     victim = last / "mp_rank_00_model_states.pt"
-    torch.save({"module": _Payload(str(marker))}, victim)
-    manifest = json.loads((last / "checksums.json").read_text())
-    manifest["files"][victim.name] = sha256(str(victim))
-    (last / "checksums.json").write_text(json.dumps(manifest))
+    plant_code(victim, marker, "module", torch.save)
     res = _resume(tmp_path, saved, folder)
     assert all(f"{victim} holds more than tensors" in r for r in res), res
     assert not marker.exists(), "the crafted file ran code"

@@ -31,7 +31,7 @@ import shutil
 
 import pytest
 import torch
-from common import load_script
+from common import load_script, plant_code
 from harness import run_ranks
 from megatron_common import entry_point_train
 
@@ -198,16 +198,6 @@ def test_a_flipped_byte_or_a_missing_manifest_is_an_error_naming_it(runs, tmp_pa
         _pretrain_steps(tmp_path, "no_manifest", cp, team, *load)
 
 
-class _Payload:
-    """Unpickled without restriction, it would create ``marker``: code a crafted file runs."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 @pytest.mark.parametrize("victim", [".metadata", "common.pt"])
 def test_a_file_that_would_run_code_is_refused_and_runs_nothing(runs, tmp_path, victim):
     """torch.distributed.checkpoint unpickles ``.metadata`` with plain ``pickle.load``: a
@@ -216,18 +206,16 @@ def test_a_file_that_would_run_code_is_refused_and_runs_nothing(runs, tmp_path, 
     likewise."""
     import pickle
 
-    from startrail_megatron.checkpoint_files import sha256
+    def dump(obj, file):
+        with open(file, "wb") as f:
+            pickle.dump(obj, f)
 
     _, startrail, _ = runs
     ckpt = tmp_path / "crafted"
     shutil.copytree(startrail["save"], ckpt)
     last = ckpt / f"iter_{ITERS:07d}"
     marker = tmp_path / "ran"
-    with open(last / victim, "wb") as f:
-        pickle.dump({"state": _Payload(str(marker))}, f)
-    manifest = json.loads((last / "checksums.json").read_text())
-    manifest["files"][victim] = sha256(str(last / victim))
-    (last / "checksums.json").write_text(json.dumps(manifest))
+    plant_code(last / victim, marker, "state", dump)
     load = ("--load", str(ckpt), "--train-iters", str(ITERS + 1))
     want = r"names _?io\.open" if victim == ".metadata" else "holds more than tensors"
     with pytest.raises(Exception, match=f"{victim}.*{want}|{want}"):
