@@ -96,6 +96,14 @@ def _state(pid: int) -> str | None:
         return None
 
 
+def _stopped_names(context, stopped: dict, now: float) -> str:
+    """``rank R (pid P, stopped for N s)`` for each stopped rank (``stopped``: rank -> since)."""
+    return ", ".join(
+        f"rank {r} (pid {context.processes[r].pid}, stopped for {now - t:.0f} s)"
+        for r, t in sorted(stopped.items())
+    )
+
+
 def _end_stopped_after_the_others(context, stopped: dict, now: float, timeout: timedelta):
     """A rank stopped after its last collective (while it exits) fails no peer: once every
     other rank has finished cleanly and it has been stopped for the collective timeout, it
@@ -105,10 +113,7 @@ def _end_stopped_after_the_others(context, stopped: dict, now: float, timeout: t
     others = [p for r, p in enumerate(context.processes) if r not in stopped]
     if not all(p.exitcode == 0 for p in others):
         return
-    names = ", ".join(
-        f"rank {r} (pid {context.processes[r].pid}, stopped for {now - t:.0f} s)"
-        for r, t in sorted(stopped.items())
-    )
+    names = _stopped_names(context, stopped, now)
     for r in stopped:
         try:
             os.kill(context.processes[r].pid, signal.SIGKILL)
@@ -143,11 +148,7 @@ def _join_naming_stopped_ranks(context, timeout: timedelta) -> None:
     except (ProcessRaisedException, ProcessExitedException) as e:
         if not stopped:
             raise
-        now = time.monotonic()
-        names = ", ".join(
-            f"rank {r} (pid {context.processes[r].pid}, stopped for {now - t:.0f} s)"
-            for r, t in sorted(stopped.items())
-        )
+        names = _stopped_names(context, stopped, time.monotonic())
         raise RuntimeError(
             f"{names}: a stopped process (SIGSTOP, a debugger) answers no collective, so its "
             f"peers gave up after the collective timeout ({timeout.total_seconds():g} s); the "
