@@ -21,8 +21,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
+import pickle
+import shutil
 from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
@@ -153,8 +156,6 @@ def verify_manifest(
 def commit(partial: str, final: str, tracker: str, text: str) -> None:
     """Rank 0, after ``write_manifest``: ``partial`` renamed to ``final`` (replacing an
     earlier save of the same name), then ``tracker`` written durably with ``text``."""
-    import shutil
-
     fsync(partial)
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -169,8 +170,6 @@ def check_pickle_globals(path: str, allowed, setting: str) -> None:
     (the restricted unpickler raises at the first foreign global). For files that a
     framework unpickles without restriction (torch.distributed.checkpoint's ``.metadata``):
     a crafted one would run code."""
-    import io
-    import pickle
 
     class _Restricted(pickle.Unpickler):
         def find_class(self, module: str, name: str):
@@ -241,11 +240,11 @@ reports one as ``RuntimeError: ... iostream error``, not ``ENOSPC``)."""
 
 
 @contextlib.contextmanager
-def naming_save_failures(setting: str, folder: str, last: str | None) -> Iterator[None]:
+def naming_save_failures(setting: str, folder: str, tracker: str) -> Iterator[None]:
     """Turn a failed write of a checkpoint (an ``OSError``, or any error while the disk is
     full: a lost mount, no space) into a ``RuntimeError`` naming the rank, the folder, the
-    error and the checkpoint a resume gets (``last``, the tracker's; the unfinished folder
-    is never taken as complete). Other errors pass unchanged."""
+    error and the checkpoint a resume gets (the one ``tracker`` names, read only then; the
+    unfinished folder is never taken as complete). Other errors pass unchanged."""
     try:
         yield
     except Exception as e:
@@ -257,6 +256,11 @@ def naming_save_failures(setting: str, folder: str, last: str | None) -> Iterato
             why = "the disk is full"
         else:
             why = os.strerror(e.errno) if getattr(e, "errno", None) else "a write failed"
+        try:
+            with open(tracker) as f:
+                last = f"the checkpoint its tracker names ({f.read().strip()!r})"
+        except OSError:
+            last = None
         raise RuntimeError(
             f"{setting}: saving {folder} failed on rank {rank}: {why} ({type(e).__name__}: "
             f"{e}); the unfinished save stays {os.path.basename(folder)!r} and is never "

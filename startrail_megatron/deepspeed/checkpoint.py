@@ -115,13 +115,9 @@ def save_checkpoint(
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     _check_tag(tag)
     tracker = os.path.join(save_dir, TRACKER)
-    last = None
-    if os.path.exists(tracker):
-        with open(tracker) as f:
-            last = f"{f.read().strip()!r} (the tracker's)"
     final = os.path.join(save_dir, tag)
     partial = final + ".partial"
-    with naming_save_failures("save_checkpoint", partial, last):
+    with naming_save_failures("save_checkpoint", partial, tracker):
         if dist.get_rank() == 0:
             os.makedirs(save_dir, exist_ok=True)
             if os.path.exists(partial):

@@ -106,15 +106,6 @@ def model_shape(model) -> dict:
     return shape
 
 
-def _last_complete(path: str) -> str | None:
-    """The checkpoint the tracker names now (before this save), for error messages."""
-    try:
-        with open(os.path.join(path, TRACKER)) as f:
-            return f"iteration {int(f.read().strip())} (the tracker's)"
-    except (OSError, ValueError):
-        return None
-
-
 def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
     """Megatron distributed checkpoint of the model (the same format for any CP impl/size),
     plus the optimizer state of each TP rank (identical over CP and DP ranks: no
@@ -129,7 +120,7 @@ def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
 
     final = os.path.join(path, f"iter_{iteration:07d}")
     ckpt = final + ".partial"
-    with naming_save_failures("--save", ckpt, _last_complete(path)):
+    with naming_save_failures("--save", ckpt, os.path.join(path, TRACKER)):
         if dist.get_rank() == 0:
             if os.path.exists(ckpt):
                 shutil.rmtree(ckpt)  # an earlier save of this iteration that did not finish
