@@ -90,13 +90,17 @@ def _proc_stat(pid: int) -> list[str] | None:
         return None
 
 
+def _running_stat(pid: int) -> list[str] | None:
+    """``_proc_stat`` of a process still running (None: gone, or a zombie)."""
+    st = _proc_stat(pid)
+    return st if st and st[0] != "Z" else None
+
+
 def _live(field: int, value: int) -> list[int]:
-    """The live (not zombie) processes whose ``/proc/PID/stat`` field ``field`` (after the
-    name: 0 state, 1 parent, 2 process group) is ``value``."""
+    """The live processes whose ``/proc/PID/stat`` field ``field`` (after the name: 0 state,
+    1 parent, 2 process group) is ``value``."""
     pids = (int(d) for d in os.listdir("/proc") if d.isdigit())
-    return sorted(
-        p for p in pids if (st := _proc_stat(p)) and st[0] != "Z" and int(st[field]) == value
-    )
+    return sorted(p for p in pids if (st := _running_stat(p)) and int(st[field]) == value)
 
 
 def children(pid: int) -> list[int]:
@@ -110,7 +114,8 @@ def group(pgid: int) -> list[int]:
 
 
 def alive(pids: list[int]) -> list[int]:
-    return [p for p in pids if (st := _proc_stat(p)) and st[0] != "Z"]
+    """Those of ``pids`` still running (not gone, not zombies)."""
+    return [p for p in pids if _running_stat(p)]
 
 
 def _rank_of(pid: int) -> int | None:
@@ -201,18 +206,25 @@ def _env() -> dict:
     return env
 
 
-def _run(cmd: list[str], out: str, timeout: float) -> tuple[int, float]:
-    t0 = time.monotonic()
+def _start(cmd: list[str], out: str) -> subprocess.Popen:
+    """``cmd`` in a session of its own (its process group killable at once), its output to
+    the file ``out``."""
     with open(out, "w") as f:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True
         )
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
+
+
+def _run(cmd: list[str], out: str, timeout: float) -> tuple[int | None, float]:
+    """(exit status, None past ``timeout``; seconds) of ``cmd``."""
+    t0 = time.monotonic()
+    proc = _start(cmd, out)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = None
     return rc, time.monotonic() - t0
 
 
@@ -280,9 +292,7 @@ class Reference:
 def reference(job: Job, iters: int, work: str) -> Reference:
     """The uninterrupted run (saving every iteration, as the trials)."""
     save, log, out = (os.path.join(work, n) for n in ("ckpt", "log.json", "out.txt"))
-    with open(out, "w") as f:
-        proc = subprocess.Popen(job.cmd(iters, save, log), stdout=f, stderr=subprocess.STDOUT,
-                                env=_env(), start_new_session=True)  # fmt: skip
+    proc = _start(job.cmd(iters, save, log), out)
     tracker = os.path.join(save, job.tracker)
     first = last = None
     while proc.poll() is None and last is None:
@@ -361,10 +371,7 @@ def trial(fault: str, seed: int, job: Job, iters: int, ref: Reference, work: str
     tracker = os.path.join(save, job.tracker)
     ranks: list[int] = []
     try:
-        with open(out, "w") as f:
-            proc = subprocess.Popen(job.cmd(iters, save, log, emulate_tag=tag), stdout=f,
-                                    stderr=subprocess.STDOUT, env=_env(),
-                                    start_new_session=True)  # fmt: skip
+        proc = _start(job.cmd(iters, save, log, emulate_tag=tag), out)
         try:
             deadline = time.monotonic() + 300
             while not os.path.exists(tracker):
@@ -373,7 +380,7 @@ def trial(fault: str, seed: int, job: Job, iters: int, ref: Reference, work: str
                 time.sleep(0.05)
             if fault != "full-disk":  # the disk fills when it does
                 time.sleep(rng.uniform(0.0, 0.8 * ref.delay))  # a step or a save under way
-            ranks = [p for p in children(proc.pid) if _proc_stat(p)]
+            ranks = children(proc.pid)
             if proc.poll() is not None or len(ranks) < 4 or _tracker_at(job, tracker) == iters:
                 rec["outcome"] = "finished before the fault"
                 return rec
