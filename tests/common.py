@@ -285,3 +285,11 @@ def plant_code(file, marker, key: str, save) -> None:
     manifest = json.loads(manifest_path.read_text())
     manifest["files"][file.name] = sha256(str(file))
     manifest_path.write_text(json.dumps(manifest))
+
+
+def rel_err_floor1(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest error over the reference's largest entry, that scale at least 1: where the
+    exact gradient is zero (a window of one key, a document of one token give exactly zero
+    dq) the error is absolute, not divided by zero."""
+    scale = max(ref.double().abs().max().item(), 1.0)
+    return (got.double() - ref.double()).abs().max().item() / scale

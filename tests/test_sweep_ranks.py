@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from common import make_inputs, noisy_packed_shards, reference, shard, unshard
+from common import make_inputs, noisy_packed_shards, reference, rel_err_floor1, shard, unshard
 from harness import run_ranks
 
 import startrail_megatron as st
@@ -25,13 +25,6 @@ from startrail_megatron.schedule.packing import pack_lengths
 
 CASES = {4: 48, 8: 48}
 TOL = {torch.float64: 1e-10, torch.float32: 3e-5}
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest error over the reference's largest entry, at least 1 (a document of one
-    token has exactly zero dq)."""
-    scale = max(ref.double().abs().max().item(), 1.0)
-    return (got.double() - ref.double()).abs().max().item() / scale
 
 
 def _divisors(n: int) -> list[int]:
@@ -159,7 +152,7 @@ def _check(p: int, results: list) -> dict:
             ref = reference(*full, case["causal"], window=case["window"])
             got = [unshard([r[1][j] for r in per_rank], zz) for j in range(4)]
         for j, name in enumerate(("out", "dq", "dk", "dv")):
-            err = rel_err(got[j], ref[j])
+            err = rel_err_floor1(got[j], ref[j])
             assert err <= TOL[case["dtype"]], (i, case, name, err)
         assert any(sent for _, _, sent in per_rank) or p // case["u"] == 1, (i, case)
     return counts
