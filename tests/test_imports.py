@@ -212,6 +212,7 @@ LAYERS = [
         "cli_options",
         "emulate",
         "checkpoint_files",
+        "auto_placement",
     ],
     ["dit"],
     ["megatron"],

@@ -17,7 +17,8 @@ class ClusterSpec:
     """An alpha-beta (latency-bandwidth) model of a GPU cluster.
 
     CP rank r runs on GPU r; GPUs ``[k*gpus_per_node, (k+1)*gpus_per_node)``
-    share node k. A transfer between two GPUs of one node uses the intra-node
+    share node k, unless ``rank_nodes`` names each CP rank's node (a CP group found
+    spread over its nodes in any order: ``planner.placement.nodes_from_hosts``). A transfer between two GPUs of one node uses the intra-node
     link; otherwise the inter-node network: one GPU alone reaches
     ``inter_bw_per_gpu`` (its NIC), and the GPUs of a node that send off-node
     at the same time share the node's ``inter_bw``.
@@ -101,13 +102,18 @@ class ClusterSpec:
     """With ``host_cores``: host CPU seconds per byte moved between two ranks of a node."""
     host_cpu_inter: float = 0.0
     """With ``host_cores``: host CPU seconds per byte moved between nodes."""
+    rank_nodes: tuple[int, ...] = ()
+    """The node of each CP rank (``node(r) = rank_nodes[r]``), where the CP ranks do not
+    fill the nodes in order; () = contiguous (``r // gpus_per_node``). StarTrail's times
+    read it (``node``); the peers' all-to-all and the 2-D split's node count use
+    ``gpus_per_node``."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in (
                 "name", "overlap", "own_rows_first", "reduce_scatter_via_allreduce",
-                "kernel_q_blocks",
+                "kernel_q_blocks", "rank_nodes",
             ):  # fmt: skip
                 continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
@@ -130,6 +136,21 @@ class ClusterSpec:
                 "((min_q, block), ...) with integers min_q >= 0 and block >= 1"
             )
         object.__setattr__(self, "kernel_q_blocks", blocks)
+        nodes = self.rank_nodes
+        if not isinstance(nodes, (tuple, list)) or any(
+            not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < self.num_nodes
+            for n in nodes
+        ):
+            raise ValueError(
+                f"cluster setting rank_nodes={nodes!r} must list each CP rank's node, an "
+                f"integer 0 .. num_nodes-1 = {self.num_nodes - 1}"
+            )
+        if any(nodes.count(n) > self.gpus_per_node for n in set(nodes)):
+            raise ValueError(
+                f"cluster setting rank_nodes={nodes!r} puts more than gpus_per_node="
+                f"{self.gpus_per_node} CP ranks on one node"
+            )
+        object.__setattr__(self, "rank_nodes", tuple(nodes))
         for f in (
             "intra_bw",
             "inter_bw",
@@ -145,6 +166,8 @@ class ClusterSpec:
         return self.gpus_per_node * self.num_nodes
 
     def node(self, rank: int) -> int:
+        if self.rank_nodes:
+            return self.rank_nodes[rank]
         return rank // self.gpus_per_node
 
     def with_(self, **changes) -> ClusterSpec:

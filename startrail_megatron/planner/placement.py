@@ -3,22 +3,48 @@ cost model predicts fastest on a cluster's nodes.
 
 The paper's two placements are two maps: ``team`` keeps each team on adjacent CP ranks,
 ``ring`` each sub-ring. Where the sub-ring length G = P/C^2 does not fit the node size
-(P = 24, C = 2 on nodes of 8: G = 6), both send across nodes at every step. Any
-permutation of the CP ranks is exact (``schedule.layout``: a map), so the planner can pick
-one: ``node_map`` starts from the better named placement and moves ranks between nodes
-(swapping two CP ranks of different nodes in the map) while the predicted step time
+(P = 24, C = 2 on nodes of 8: G = 6), both send across nodes at every step; where a CP
+group's ranks are spread over its nodes out of order (Megatron's CP groups under tensor
+parallelism, a scheduler's rank order), both can send off-node where no map has to. Any
+permutation of the CP ranks is exact (``schedule.layout``: a map), so the planner picks
+one: ``node_map`` starts from each named placement laid over the CP ranks in node order
+(and shifted by one team at a time, so that the node boundaries fall elsewhere in it),
+keeps the best, then moves ranks between nodes while the predicted step time
 (``times.startrail_times``: the slowest rank of every P2P step, the node links shared by
-the ranks that send off-node at once, the team collectives over their slowest edge) goes
-down. Swapping two ranks of one node changes no cost, so only swaps across nodes are
-tried. Pure: no torch.
+the ranks that send off-node at once, the placement's fan-out, the team collectives over
+their slowest edge) goes down: swapping two CP ranks of different nodes, or two whole
+teams. Swapping two ranks of one node changes no link, so only swaps across nodes are
+tried. A local search, bounded in evaluations: never predicted slower than either named
+placement, not proven optimal.
+
+``auto_map`` is what ``placement="auto"`` runs on the CP ranks' nodes
+(``auto_placement.auto_placement`` finds them from the ranks' hostnames,
+``schedule.layout.nodes_from_hosts``). Pure: no torch.
 """
 
 from __future__ import annotations
 
-from .cluster import ClusterSpec
+from collections.abc import Sequence
+
+from .cluster import CLUSTER_PRESETS, ClusterSpec
 from .shape import AttnShape
 
-__all__ = ["map_cost", "node_map"]
+__all__ = [
+    "AUTO_CLUSTER",
+    "AUTO_SHAPE",
+    "auto_map",
+    "format_map",
+    "map_cost",
+    "node_map",
+]
+
+AUTO_CLUSTER = "h100-ib"
+"""The preset whose link and kernel rates ``auto_map`` uses where it is given no cluster
+(the nodes are the CP group's own)."""
+
+AUTO_SHAPE = dict(s_local=4096, batch=1, heads_q=32, heads_kv=8, head_dim=128)
+"""The attention call ``auto_map`` prices where it is given no shape: 4096 tokens per
+rank, 32 query and 8 K,V heads of 128, bf16, causal."""
 
 
 def map_cost(cluster: ClusterSpec, shape: AttnShape, team_size: int, placement) -> float:
@@ -31,42 +57,120 @@ def map_cost(cluster: ClusterSpec, shape: AttnShape, team_size: int, placement) 
     return fwd + bwd
 
 
+def _starts(cluster: ClusterSpec, p: int, team_size: int) -> list[tuple[int, ...]]:
+    """The search's starting maps: each named placement's logical order laid over the CP
+    ranks sorted by node, and shifted by one team at a time (distinct maps only)."""
+    from ..schedule.layout import PLACEMENTS, StarTrailLayout
+
+    by_node = sorted(range(p), key=lambda r: (cluster.node(r), r))
+    out: list[tuple[int, ...]] = []
+    for name in PLACEMENTS:
+        lay = StarTrailLayout(p, team_size, name)
+        # position of each logical rank in the named placement's CP order
+        pos = [lay.rank(t, a) for t in range(lay.num_teams) for a in range(team_size)]
+        for shift in range(0, p, team_size):
+            m = tuple(by_node[(x + shift) % p] for x in pos)
+            if m not in out:
+                out.append(m)
+    return out
+
+
 def node_map(
-    cluster: ClusterSpec, shape: AttnShape, team_size: int, *, max_evals: int = 4000
+    cluster: ClusterSpec, shape: AttnShape, team_size: int, *, max_evals: int = 600
 ) -> tuple[tuple[int, ...], float]:
     """(map, predicted seconds): the placement map for ``team_size`` on ``cluster``'s nodes
-    that the cost model predicts fastest among those a first-improvement local search
-    reaches from the better of ``team`` and ``ring`` (at most ``max_evals`` evaluations).
-    Never predicted slower than either named placement; on one node it is ``team``'s."""
+    (``ClusterSpec.node``) that the cost model predicts fastest among those the search
+    reaches (module docstring) in at most ``max_evals`` evaluations after its starts.
+    Deterministic (every rank that runs it on the same inputs gets the same map); never
+    predicted slower than either named placement; on one node it is ``team``'s."""
     from ..schedule.layout import PLACEMENTS, StarTrailLayout
 
     p = shape.cp_size
-    start, best = None, float("inf")
+    named = []
     for name in PLACEMENTS:
         lay = StarTrailLayout(p, team_size, name)
-        m = tuple(lay.rank(t, a) for t in range(lay.num_teams) for a in range(team_size))
+        named.append(tuple(lay.rank(t, a) for t in range(lay.num_teams) for a in range(team_size)))
+    if len({cluster.node(r) for r in range(p)}) == 1 or team_size == 1:
+        return named[0], map_cost(cluster, shape, team_size, named[0])
+    best_map, best = None, float("inf")
+    for m in [*named, *_starts(cluster, p, team_size)]:
         cost = map_cost(cluster, shape, team_size, m)
-        if cost < best:
-            start, best = m, cost
-    current = list(start)
-    if len({cluster.node(r) for r in range(p)}) == 1:
-        return tuple(current), best
+        if cost < best * (1 - 1e-9):
+            best_map, best = m, cost
+    current = list(best_map)
+    c = team_size
+    moves = [(i, j) for i in range(p) for j in range(i + 1, p)]  # rank swaps
+    moves += [(-1 - t, -1 - u) for t in range(p // c) for u in range(t + 1, p // c)]  # teams
     evals, improved = 0, True
+
+    def swap(i: int, j: int) -> bool:
+        """Apply one move; False where it changes no node of any logical rank."""
+        if i >= 0:
+            if cluster.node(current[i]) == cluster.node(current[j]):
+                return False
+            current[i], current[j] = current[j], current[i]
+            return True
+        t, u = -1 - i, -1 - j
+        a, b = current[t * c : t * c + c], current[u * c : u * c + c]
+        if [cluster.node(r) for r in a] == [cluster.node(r) for r in b]:
+            return False
+        current[t * c : t * c + c], current[u * c : u * c + c] = b, a
+        return True
+
     while improved and evals < max_evals:
         improved = False
-        for i in range(p):
-            for j in range(i + 1, p):
-                if cluster.node(current[i]) == cluster.node(current[j]):
-                    continue
-                current[i], current[j] = current[j], current[i]
-                cost = map_cost(cluster, shape, team_size, tuple(current))
-                evals += 1
-                if cost < best * (1 - 1e-9):
-                    best, improved = cost, True
-                else:
-                    current[i], current[j] = current[j], current[i]
-                if evals >= max_evals:
-                    break
+        for i, j in moves:
+            if not swap(i, j):
+                continue
+            cost = map_cost(cluster, shape, team_size, tuple(current))
+            evals += 1
+            if cost < best * (1 - 1e-9):
+                best, improved = cost, True
+            else:
+                swap(i, j)  # undo: a swap is its own inverse
             if evals >= max_evals:
                 break
     return tuple(current), best
+
+
+def auto_map(
+    rank_nodes: Sequence[int],
+    team_size: int,
+    shape: AttnShape | None = None,
+    cluster: ClusterSpec | None = None,
+) -> tuple[int, ...]:
+    """The placement map ``placement="auto"`` runs: ``node_map`` on the CP ranks' nodes
+    (``rank_nodes[r]``: CP rank r's node), with ``cluster``'s rates (default: the
+    ``AUTO_CLUSTER`` preset's; its node layout is replaced by ``rank_nodes``) for
+    ``shape`` (default ``AUTO_SHAPE``; its CP size must be ``len(rank_nodes)``)."""
+    p = len(rank_nodes)
+    if shape is None:
+        shape = AttnShape(p, **AUTO_SHAPE, elem_bytes=2, acc_bytes=4, causal=True)
+    if shape.cp_size != p:
+        raise ValueError(f"shape.cp_size={shape.cp_size} must be the CP size {p}")
+    from ..schedule.layout import nodes_from_hosts
+
+    base = cluster if cluster is not None else CLUSTER_PRESETS[AUTO_CLUSTER]
+    nodes = nodes_from_hosts(rank_nodes)
+    per_node = max(nodes.count(n) for n in set(nodes))
+    cl = base.with_(gpus_per_node=per_node, num_nodes=max(nodes) + 1, rank_nodes=nodes)
+    return node_map(cl, shape, team_size)[0]
+
+
+def format_map(placement: Sequence[int], team_size: int, rank_nodes: Sequence[int]) -> str:
+    """A picture of a map: one line per node, its CP ranks with the logical coordinate
+    (team.member) each runs and the sub-ring it belongs to, e.g.
+    ``node 0: r0=t0.0/s0 r1=t0.1/s1 ...``."""
+    from ..schedule.layout import StarTrailLayout
+
+    p = len(placement)
+    lay = StarTrailLayout(p, team_size, tuple(placement))
+    subrings = {r: i for i, ranks in enumerate(lay.all_subring_ranks()) for r in ranks}
+    lines = []
+    for n in sorted(set(rank_nodes)):
+        cells = []
+        for r in (r for r in range(p) if rank_nodes[r] == n):
+            t, a = lay.coord(r)
+            cells.append(f"r{r}=t{t}.{a}/s{subrings[r]}")
+        lines.append(f"node {n}: " + " ".join(cells))
+    return "\n".join(lines)

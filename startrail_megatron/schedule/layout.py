@@ -93,6 +93,14 @@ def placement_code(placement: Placement) -> int:
     return 2 + h % (2**62)
 
 
+def nodes_from_hosts(hosts) -> tuple[int, ...]:
+    """Each rank's node number from its hostname, numbered in order of first appearance
+    (``["b", "a", "b"]`` -> ``(0, 1, 0)``): what ``placement="auto"`` reads the CP group's
+    nodes from."""
+    seen: dict[str, int] = {}
+    return tuple(seen.setdefault(str(h), len(seen)) for h in hosts)
+
+
 def check_placement(placement, cp_size: int) -> Placement:
     """``placement`` checked for ``cp_size`` CP ranks: a named one, or a map (a tuple or
     list of the CP ranks ``0 .. cp_size-1``, each once), returned as a tuple; else
