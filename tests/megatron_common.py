@@ -94,6 +94,7 @@ def startrail_proof(args, model, steps: int) -> dict | None:
             {k: times[k] * v for k, v in calls.items()},
         ),
         "dropout_calls": state.dropout_calls,
+        "placement": getattr(lay, "placement", None),
     }
 
 

@@ -267,6 +267,32 @@ def test_dataloader_adapter_path():
     _check(run_ranks(4, _train, cfg, True), world=4, p=4)
 
 
+def _train_on_two_hosts(rank: int, world: int, cfg: dict):
+    """``_train`` with this rank on emulated host ``rank % 2`` (the ranks alternate)."""
+    import socket
+
+    real = socket.gethostname
+    socket.gethostname = lambda: f"host{rank % 2}"
+    try:
+        return _train(rank, world, cfg)
+    finally:
+        socket.gethostname = real
+
+
+def test_placement_auto_on_two_hosts():
+    """``"placement": "auto"`` on ranks alternating between two emulated hosts: every rank
+    runs the map the planner computes for those nodes (not a named placement), and the
+    losses and parameters match one rank."""
+    from startrail_megatron.planner.placement import auto_map
+
+    cfg = make_cfg(2, dp=1, startrail=_st(4, 2, placement="auto"))
+    results = run_ranks(4, _train_on_two_hosts, cfg)
+    want = auto_map((0, 1, 0, 1), 2)
+    assert want != tuple(range(4))
+    assert all(info["layout"][2] == want for _, _, info in results), results[0][2]["layout"]
+    _check(results, world=4, p=4)
+
+
 # ---- the launcher: an unmodified DeepSpeed script gets StarTrail ----------------------------
 
 
@@ -313,7 +339,11 @@ def test_launcher_runs_unmodified_script(tmp_path):
         ({**_st(4, 2), "teamsize": 2}, {}, r"startrail\.teamsize is not a known key"),
         (_st(4, "2"), {}, r"startrail\.team_size='2'.*valid integer"),
         ({**_st(4, 2), "enabled": "yes"}, {}, r"startrail\.enabled='yes'"),
-        ({**_st(4, 2), "placement": "node"}, {}, r"startrail\.placement='node'.*'team', 'ring'"),
+        (
+            {**_st(4, 2), "placement": "node"},
+            {},
+            r"startrail\.placement='node'.*'team', 'ring', 'auto'",
+        ),
         ({**_st(4, 2), "zero_mapping": "hpz"}, {}, r"startrail\.zero_mapping='hpz'.*hpz_team"),
         (
             {**_st(4, 2), "own_rows_first": True},

@@ -134,6 +134,49 @@ def test_layout_on_8_ranks_matches_one_rank(tmp_path, one_rank, tp, cp, team, pl
     )
 
 
+def _run_on_two_hosts(rank, world, argv, ckpt):
+    """``_run`` with this rank on emulated host ``(rank // 2) % 2`` (tensor-parallel pairs
+    alternate between two hosts, so a CP group of TP = 2 alternates too), and the placement
+    map its StarTrail groups ran."""
+    import socket
+
+    from startrail_megatron.megatron.arguments import placement_shape
+    from startrail_megatron.planner.placement import auto_map
+
+    real = socket.gethostname
+    socket.gethostname = lambda: f"host{(rank // 2) % 2}"
+    try:
+        out = _run(rank, world, argv, ckpt)
+    finally:
+        socket.gethostname = real
+    # CP rank i of a TP = 2 group is global rank 2 i (+ its TP rank): host i % 2
+    return *out, auto_map((0, 1, 0, 1), 2, placement_shape(T.parse_args(argv)))
+
+
+def test_placement_auto_on_two_hosts_matches_one_rank(tmp_path, one_rank):
+    """``--startrail-placement auto`` with TP = 2, CP = 4 on two emulated hosts (each CP
+    group's ranks alternate between them): every rank runs the map the planner computes for
+    those nodes and the flags' attention call (not a named placement), and the losses and
+    parameters match one rank."""
+    argv = BASE + ["--tensor-model-parallel-size", "2", "--context-parallel-size", "4"]
+    argv += ["--context-parallel-impl", "startrail", "--startrail-team-size", "2"]
+    argv += ["--startrail-placement", "auto", "--global-batch-size", "2"]
+    reference, _ = one_rank
+    ref_losses, ref_params = reference(2)
+    ckpt = tmp_path / "run"
+    results = run_ranks(8, _run_on_two_hosts, argv, str(ckpt))
+    for losses, _local, _tp, proof, want in results:
+        assert_startrail_ran(proof)
+        assert want != tuple(range(4))
+        assert proof["placement"] == want, (proof["placement"], want)
+        for a, b in zip(losses, ref_losses):
+            assert abs(a - b) <= TOL * abs(b), (losses, ref_losses)
+    got = _checkpoint_params(ckpt)
+    for k, r in ref_params.items():
+        err = ((got[k] - r).abs().max() / r.abs().max()).item()
+        assert err <= TOL, f"{k}: {err:.2e}"
+
+
 def _init(rank, world, ckpt):
     args = T.parse_args(BASE)
     T.initialize(args)

@@ -126,6 +126,7 @@ def test_extra_args_provider_validates_and_installs():
             "tiled_mlp": None,
             "attention_tile": None,
             "attention_head_chunks": None,
+            "placement_shape": None,
         }
     finally:
         hooks.uninstall()
@@ -242,6 +243,7 @@ def test_launcher_runs_script_with_hooks(fake_megatron_lm):
             "tiled_mlp": None,
             "attention_tile": None,
             "attention_head_chunks": None,
+            "placement_shape": None,
         },
     }
 

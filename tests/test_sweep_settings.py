@@ -39,7 +39,7 @@ def _megatron_case(rng: random.Random) -> tuple[list[str], dict, set[str]]:
     seq = 2 * p * rng.randint(1, 4) + (1 if rng.random() < 0.1 else 0)
     drop = rng.choice([0.0, 0.0, 0.0, 0.1])
     chunks = rng.choice([None, None, 1, 2, 3, 4])
-    placement = rng.choice(["team", "ring"])
+    placement = rng.choice(["team", "ring", "auto"])
     flags = [
         "--context-parallel-impl", "startrail", "--startrail-team-size", c,
         "--startrail-ulysses-size", str(u), "--startrail-placement", placement,
@@ -63,6 +63,8 @@ def _megatron_case(rng: random.Random) -> tuple[list[str], dict, set[str]]:
     ring = p // u if _divides(u, p) else p
     if c == "auto" or not _divides(int(c) ** 2, ring):
         wrong.add("--startrail-team-size")  # 'auto': our entry point only
+    if c == "auto" and placement == "auto":
+        wrong.add("--startrail-placement")
     if seq % (2 * p):
         wrong.add("--seq-length")
     if chunks is not None:
@@ -90,7 +92,8 @@ def test_megatron_flags_are_accepted_or_refused_naming_the_wrong_one():
         counts["accepted"] += 1
         assert not wrong, (i, flags, mega, f"accepted though {wrong} are wrong")
         u, c = args.startrail_ulysses_size, args.startrail_team_size
-        UlyssesLayout(mega["context_parallel_size"], u, c, args.startrail_placement)
+        named = "team" if args.startrail_placement == "auto" else args.startrail_placement
+        UlyssesLayout(mega["context_parallel_size"], u, c, named)
     assert min(counts.values()) >= CASES // 5, counts
     print(f"megatron flags: {counts}")
 
@@ -104,7 +107,7 @@ def _deepspeed_case(rng: random.Random) -> tuple[dict, int, set[str]]:
     else:
         c = rng.choice([1, 2, 3, 4, True, 2.0, -1])
     bad = rng.random() < 0.3  # one key drawn from its wrong values
-    placement = rng.choice(["team", "ring"] if not bad else ["team", "ring", "rings"])
+    placement = rng.choice(["team", "ring", "auto"] if not bad else ["team", "ring", "rings"])
     zm = rng.choice(["none"] * 4 + ["hpz_team"] + (["hpz"] if bad else []))
     tile = rng.choice([None, None, 4] + ([0, "8"] if bad else []))
     section = dict(
@@ -120,7 +123,7 @@ def _deepspeed_case(rng: random.Random) -> tuple[dict, int, set[str]]:
         wrong.add("sequence_parallel_size")
     if not int_ok["team_size"] or c < 1:
         wrong.add("team_size")
-    if placement not in ("team", "ring"):
+    if placement not in ("team", "ring", "auto"):
         wrong.add("placement")
     if zm not in ("none", "hpz_team"):
         wrong.add("zero_mapping")
@@ -153,6 +156,7 @@ def test_deepspeed_sections_are_accepted_or_refused_naming_the_wrong_key():
             continue
         counts["accepted"] += 1
         assert not wrong, (i, section, world, f"accepted though {wrong} are wrong")
-        UlyssesLayout(cfg.sequence_parallel_size, cfg.ulysses_size, cfg.team_size, cfg.placement)
+        named = "team" if cfg.placement == "auto" else cfg.placement
+        UlyssesLayout(cfg.sequence_parallel_size, cfg.ulysses_size, cfg.team_size, named)
     assert min(counts.values()) >= CASES // 5, counts
     print(f"deepspeed sections: {counts}")

@@ -54,9 +54,13 @@ class StarTrailConfig(DeepSpeedConfigModel):
     team_size: int = Field(1, ge=1, strict=True)
     """C: StarTrail's team size; C*C must divide P. 1 is zigzag ring attention."""
 
-    placement: Literal["team", "ring"] = "team"
+    placement: Literal["team", "ring", "auto"] = "team"
     """``"team"``: team members on adjacent ranks (team collectives inside a node);
-    ``"ring"``: sub-ring neighbours on adjacent ranks (ring P2P inside a node)."""
+    ``"ring"``: sub-ring neighbours on adjacent ranks (ring P2P inside a node);
+    ``"auto"``: the map of teams and sub-rings onto the ranks that the planner's cost
+    model predicts fastest on the nodes the ranks run on (found by hostname;
+    ``auto_placement``), for its default attention call (``planner.placement.AUTO_SHAPE``:
+    the section does not know the model's)."""
 
     zero_mapping: Literal["none", "hpz_team"] = "none"
     """``"none"``: ZeRO partitions over sequence x data parallel ranks.
@@ -112,7 +116,7 @@ class StarTrailConfig(DeepSpeedConfigModel):
         p, c, u = self.sequence_parallel_size, self.team_size, self.ulysses_size
         if u > 1:
             try:
-                UlyssesLayout(p, u, c, self.placement)
+                UlyssesLayout(p, u, c, "team" if self.placement == "auto" else self.placement)
             except ValueError as e:
                 raise ValueError(
                     f"startrail.ulysses_size={u} with startrail.sequence_parallel_size={p} and "
@@ -174,7 +178,7 @@ _FIELD_HINTS = {
     "enabled": "true or false",
     "sequence_parallel_size": "an integer >= 1",
     "team_size": "an integer >= 1 with team_size**2 dividing sequence_parallel_size",
-    "placement": f"one of {list(PLACEMENTS)}",
+    "placement": f"one of {[*PLACEMENTS, 'auto']}",
     "zero_mapping": f"one of {list(ZERO_MAPPINGS)}",
     "own_rows_first": f"one of {list(OWN_ROWS_FIRST_SETTINGS)}",
     "ulysses_size": "an integer >= 1 dividing sequence_parallel_size",

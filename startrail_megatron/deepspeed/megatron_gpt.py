@@ -82,7 +82,10 @@ def megatron_mpu(config: StarTrailConfig) -> StarTrailMPU:
     lay = groups.layout
     ulysses = getattr(lay, "ulysses_size", 1)
     want = (config.team_size, config.placement, config.ulysses_size)
-    if (lay.team_size, lay.placement, ulysses) != want:
+    ran = lay.placement
+    if config.placement == "auto" and isinstance(ran, tuple):
+        ran = "auto"  # a computed map: the Megatron groups were made with 'auto' too
+    if (lay.team_size, ran, ulysses) != want:
         raise ValueError(
             f"startrail.team_size={config.team_size}, placement={config.placement!r}, "
             f"ulysses_size={config.ulysses_size} differ from the Megatron StarTrail groups "

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ..auto_placement import auto_placement
 from ..groups import StarTrailGroups, UlyssesStarTrailGroups, group_timeout
 from .config import StarTrailConfig
 
@@ -72,7 +73,10 @@ class StarTrailMPU:
             if d == rank // p:
                 mine = g
         seq_data = dist.new_group(list(range(world)), timeout=timeout, group_desc="startrail_sp_dp")
-        kw = dict(cp_group=mine, placement=config.placement)
+        placement = config.placement
+        if placement == "auto":  # the map for these ranks' nodes (a collective over the world)
+            placement = auto_placement(config.team_size, mine, ulysses_size=config.ulysses_size)
+        kw = dict(cp_group=mine, placement=placement)
         kw["own_rows_first"] = config.own_rows_first_value
         if config.ulysses_size > 1:
             groups = UlyssesStarTrailGroups.create(config.ulysses_size, config.team_size, **kw)

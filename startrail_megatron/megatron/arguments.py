@@ -78,10 +78,12 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     group.add_argument(
         "--startrail-placement",
-        choices=PLACEMENTS,
+        choices=(*PLACEMENTS, "auto"),
         default="team",
         help="'team': team members on adjacent CP ranks (collectives inside a node); "
-        "'ring': sub-ring neighbours adjacent (P2P inside a node).",
+        "'ring': sub-ring neighbours adjacent (P2P inside a node); 'auto': the map of "
+        "teams and sub-rings onto the CP ranks that the planner's cost model predicts "
+        "fastest on the nodes the ranks run on (found by hostname), printed at start.",
     )
     group.add_argument(
         "--startrail-own-rows-first",
@@ -313,6 +315,12 @@ def validate_startrail_args(
     if c == "auto":
         if not auto_ok:
             raise _refuse_auto()
+        if getattr(args, "startrail_placement", "team") == "auto":
+            raise ValueError(
+                "--startrail-placement auto with --startrail-team-size auto is not supported "
+                "yet: the team-size autotuner times the named placements ('team', 'ring'); "
+                "give an integer team size, or a named placement"
+            )
     elif not isinstance(c, int) or c < 1 or ring % (c * c) != 0:
         over = (
             f"--context-parallel-size {cp}"
@@ -367,6 +375,36 @@ def own_rows_first_arg(args: argparse.Namespace) -> bool | None:
     return own_rows_first_setting(raw, "--startrail-own-rows-first")
 
 
+def placement_shape(args: argparse.Namespace):
+    """The attention call ``--startrail-placement auto`` prices (``planner.shape.AttnShape``)
+    from the flags: StarTrail's ranks (CP / U), the tokens of one micro-batch per rank,
+    the heads per tensor-parallel rank (per Ulysses member with the 2-D split), the head
+    size, the dtype, causal; None where the flags do not give them (a Namespace built in
+    code: the planner's default shape)."""
+    from ..planner.shape import AttnShape
+
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    u = getattr(args, "startrail_ulysses_size", 1) or 1
+    heads, seq = getattr(args, "num_attention_heads", None), getattr(args, "seq_length", None)
+    hidden = getattr(args, "hidden_size", None)
+    if not (heads and seq and hidden):
+        return None
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    gqa = getattr(args, "group_query_attention", False)
+    kv = (getattr(args, "num_query_groups", None) or heads) if gqa else heads
+    hq, hkv = heads // tp, max(kv // tp, 1)
+    if u > 1:
+        hkv = hkv * kv_repeat(u, hq, hkv) // u
+        hq //= u
+    d = getattr(args, "kv_channels", None) or hidden // heads
+    elem = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4
+    ring = cp // u
+    return AttnShape(
+        ring, max(seq // ring, 1), getattr(args, "micro_batch_size", 1) or 1, hq, hkv, d,
+        elem_bytes=elem, acc_bytes=4, causal=True,
+    )  # fmt: skip
+
+
 def install_from_args(args: argparse.Namespace, team_size: int | None = None) -> None:
     """Install the StarTrail hooks when ``--context-parallel-impl startrail``."""
     if getattr(args, "context_parallel_impl", "te") != "startrail":
@@ -385,6 +423,7 @@ def install_from_args(args: argparse.Namespace, team_size: int | None = None) ->
         tiled_mlp=getattr(args, "startrail_tiled_mlp", None),
         attention_tile=getattr(args, "startrail_attention_tile", None),
         attention_head_chunks=getattr(args, "startrail_attention_head_chunks", None),
+        placement_shape=placement_shape(args) if args.startrail_placement == "auto" else None,
     )
 
 

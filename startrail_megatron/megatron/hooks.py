@@ -40,7 +40,8 @@ _INSTALLED: dict[str, object] = {}
 
 def installed_config() -> dict | None:
     """The (team_size, placement, kernel, own_rows_first, ulysses_size, tiled_loss,
-    tiled_mlp, attention_tile, attention_head_chunks) of ``install``, or None."""
+    tiled_mlp, attention_tile, attention_head_chunks, placement_shape) of ``install``, or
+    None."""
     cfg = _INSTALLED.get("config")
     return dict(cfg) if cfg else None
 
@@ -57,6 +58,7 @@ def install(
     tiled_mlp: int | None = None,
     attention_tile: int | None = None,
     attention_head_chunks: int | None = None,
+    placement_shape=None,
 ) -> None:
     """Make Megatron create StarTrail groups and build StarTrail attention. Reversible.
 
@@ -69,11 +71,14 @@ def install(
     (``--startrail-tiled-mlp``, ``tiled_mlp.tile_mlps``); ``attention_tile`` the
     attention's largest kernel call (``--startrail-attention-tile``,
     ``startrail_attention(tile=)``); ``attention_head_chunks`` the KV-head groups it runs one
-    after the other (``--startrail-attention-head-chunks``, ``startrail_attention(head_chunks=)``)."""
+    after the other (``--startrail-attention-head-chunks``, ``startrail_attention(head_chunks=)``).
+    ``placement="auto"``: the map computed from the CP ranks' nodes when the groups are made
+    (``registry.create_startrail_groups``), pricing ``placement_shape`` (a
+    ``planner.shape.AttnShape``; ``arguments.placement_shape`` builds it from the flags)."""
     from megatron.core import parallel_state
 
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement={placement!r} is not known; allowed: {list(PLACEMENTS)}")
+    if placement not in (*PLACEMENTS, "auto"):
+        raise ValueError(f"placement={placement!r} is not known; allowed: {[*PLACEMENTS, 'auto']}")
     if not isinstance(team_size, int) or team_size < 1:
         raise ValueError(f"team_size must be an integer >= 1, got {team_size!r}")
     if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
@@ -92,6 +97,7 @@ def install(
         "tiled_mlp": tiled_mlp,
         "attention_tile": attention_tile,
         "attention_head_chunks": attention_head_chunks,
+        "placement_shape": placement_shape,
     }
     orig_init = parallel_state.initialize_model_parallel
     orig_destroy = parallel_state.destroy_model_parallel
@@ -111,6 +117,7 @@ def install(
             ulysses_size=cfg["ulysses_size"],
             attention_tile=cfg["attention_tile"],
             attention_head_chunks=cfg["attention_head_chunks"],
+            placement_shape=cfg["placement_shape"],
         )
         return out
 

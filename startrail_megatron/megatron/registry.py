@@ -30,8 +30,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ..auto_placement import auto_placement
 from ..comm import CommLedger
 from ..groups import StarTrailGroups, UlyssesStarTrailGroups
+from ..planner.shape import AttnShape
 from ..schedule import check_head_chunks_setting, check_tile
 from ..schedule.layout import Placement
 
@@ -85,8 +87,10 @@ def create_startrail_groups(
     ulysses_size: int = 1,
     attention_tile: int | None = None,
     attention_head_chunks: int | None = None,
+    placement_shape: AttnShape | None = None,
 ) -> StarTrailMegatronState:
-    """Build and register StarTrail's groups for ``cp_group`` (collective over it).
+    """Build and register StarTrail's groups for ``cp_group`` (collective over it; with
+    ``placement="auto"`` over the default world).
 
     An entry already registered for ``cp_group`` is released first (its groups
     destroyed). ``timeout``: of the new groups (default: the default process group's).
@@ -95,10 +99,21 @@ def create_startrail_groups(
     ``attention_tile``: the attention's largest kernel call in tokens
     (``--startrail-attention-tile``; ``startrail_attention(tile=)``), checked first;
     ``attention_head_chunks``: ``startrail_attention(head_chunks=)``
-    (``--startrail-attention-head-chunks``; checked against the heads at each call)."""
+    (``--startrail-attention-head-chunks``; checked against the heads at each call).
+    ``placement="auto"`` (``--startrail-placement auto``): the map ``auto_placement``
+    computes from the CP ranks' hostnames for ``placement_shape`` (the model's attention
+    call; default ``planner.placement.AUTO_SHAPE``); the groups' layout holds the map that
+    runs, and global rank 0 prints it."""
     check_tile(attention_tile, "--startrail-attention-tile")
     check_head_chunks_setting(attention_head_chunks)
     release_startrail_groups(cp_group)
+    if placement == "auto":
+        placement = auto_placement(
+            team_size, cp_group, ulysses_size=ulysses_size, shape=placement_shape
+        )
+        if dist.get_rank() == 0:
+            print(f"StarTrail placement auto: map {list(placement)} (logical rank team*C + "
+                  "member -> CP rank)", flush=True)  # fmt: skip
     kw = dict(cp_group=cp_group, placement=placement, timeout=timeout)
     if ulysses_size > 1:
         groups = UlyssesStarTrailGroups.create(
