@@ -1141,3 +1141,32 @@ def test_node_map_is_never_predicted_slower_than_the_named_placements():
             assert cost < 0.9 * min(named.values()), (cost, named)
         if nodes == 1:
             assert m == tuple(range(p))
+
+
+def test_plan_searches_maps_and_draws_the_chosen_one():
+    """``startrail-plan`` (issue 48): where the sub-ring length does not fit the node (3 x 4
+    A100 nodes, P = 12, C = 2), the computed map is a row of its own, predicted faster than
+    both named placements, and the table draws it as nodes and ranks; on one node, or with
+    ``map_search=False``, no map row."""
+    from startrail_megatron.planner.cli import format_plan
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS, MODEL_PRESETS
+    from startrail_megatron.planner.plan import plan
+    from startrail_megatron.schedule.layout import StarTrailLayout
+
+    cl = CLUSTER_PRESETS["a100-eth"].with_(gpus_per_node=4, num_nodes=3)
+    model = MODEL_PRESETS["llama3-8b"]
+    pl = plan(cl, model, 96 * 1024, 12)
+    rows = {r.strategy: r for r in pl.rows}
+    assert set(pl.maps) == {"startrail-C2-map"}, pl.maps
+    m = pl.maps["startrail-C2-map"]
+    assert sorted(m) == list(range(12))
+    named = min(rows[f"startrail-C2-{p}"].attn_s for p in ("team", "ring"))
+    assert rows["startrail-C2-map"].attn_s < 0.97 * named
+    text = format_plan(pl)
+    assert "placement map of startrail-C2-map" in text and text.count("\nnode ") == 3, text
+    for r in range(12):  # every CP rank drawn once, with its logical coordinate
+        lay = StarTrailLayout(12, 2, m)
+        t, a = lay.coord(r)
+        assert f"r{r}=t{t}.{a}/" in text
+    assert not plan(cl, model, 96 * 1024, 12, map_search=False).maps
+    assert not plan(cl.with_(gpus_per_node=16, num_nodes=1), model, 96 * 1024, 12).maps

@@ -56,7 +56,7 @@ from ..spawn import spawn_local_ranks
 from .extensions import STALE_LOCK_S, extensions_dir, remove_stale_locks
 from .memory import PeakMemory
 from .report import format_table, write_png
-from .runner import DTYPES, run_rank
+from .runner import DTYPES, auto_placement_names, run_rank
 
 __all__ = ["WORKLOADS", "build_parser", "main", "resolve_workload", "run"]
 
@@ -124,6 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_own_rows_first(p)
     p.add_argument("--strategies", nargs="*", help="only these names (e.g. ring startrail-C2-team)")
+    p.add_argument(
+        "--auto-placement",
+        action="store_true",
+        help="also run StarTrail under the placement map computed for the ranks' nodes "
+        "(placement='auto', found by hostname) at every valid C > 1: 'startrail-C<C>-map' "
+        "(with --emulate: on the cost model of the emulated links, from its first probe)",
+    )
+    p.add_argument(
+        "--placement-cluster-json",
+        default=None,
+        help="with --auto-placement: the cluster (a ClusterSpec as JSON) whose rates the map "
+        "search uses (default: the planner's AUTO_CLUSTER preset; --emulate writes one)",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -221,6 +234,8 @@ def run(argv: list[str] | None = None) -> dict:
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.strategies:
         known = {s.name for s in candidate_strategies(world, args.heads, args.kv_heads)}
+        if args.auto_placement:
+            known |= set(auto_placement_names(world))
         bad = [s for s in args.strategies if s not in known]
         if bad:
             p.error(f"--strategies {bad} not valid here; allowed: {sorted(known)}")

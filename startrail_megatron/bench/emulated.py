@@ -26,10 +26,11 @@ from ..planner.calibrate import fit_cluster
 from ..planner.cluster import ClusterSpec
 from ..planner.prediction import predict
 from ..planner.shape import AttnShape
-from ..planner.strategies import candidate_strategies
+from ..planner.strategies import Strategy, candidate_strategies
 
 __all__ = [
     "EMULATION_FLAGS",
+    "NOMINAL_HOST_FLOPS",
     "QUIET_HOST_CORES",
     "emulated_cluster_spec",
     "host_cpu_warning",
@@ -64,8 +65,20 @@ def rank_argv(argv: list[str], out_json: str) -> list[str]:
     return [*out, "--json", out_json, "--png", ""]
 
 
+NOMINAL_HOST_FLOPS = 1.1e11
+"""Attention FLOP/s of this host's 2 cores with every rank computing at once (the fitted
+kernels of the emulated runs of docs/performance.md, section 13: 8 ranks at 1.4e10 each):
+the compute of the cluster the ranks' ``--auto-placement`` map search prices before the
+run's own microbenchmarks exist. The maps differ in their transfers, not their kernels,
+so this rate moves the search's pick little."""
+
+
 def emulated_cluster_spec(
-    spec: EmulationSpec, probe: dict, micro: dict, memory_bytes: float, backend: str = "gloo"
+    spec: EmulationSpec,
+    probe: dict,
+    micro: dict | None,
+    memory_bytes: float,
+    backend: str = "gloo",
 ) -> ClusterSpec:
     """The cost model's cluster for the emulation: compute and buffers fitted on the run's
     own microbenchmarks (``fit_cluster``), links from the probe's transfers (between nodes:
@@ -78,8 +91,22 @@ def emulated_cluster_spec(
     CPU per byte moved inside a node and between nodes, from the pairs' exchanges
     (``ClusterSpec.host_cores``). A probe without host CPU (an older report) gives no host
     term, and the ring step's rate (every rank at once, the host busy with all their
-    packets) where it is below the pair's."""
-    base = fit_cluster(micro, num_ranks=spec.world_size, memory_bytes=memory_bytes, backend=backend)
+    packets) where it is below the pair's. ``micro`` None: nominal kernels
+    (``NOMINAL_HOST_FLOPS``), for the map search before the run."""
+    if micro is None:
+        w = spec.world_size
+        base = ClusterSpec(
+            name="nominal CPU ranks", gpus_per_node=w, num_nodes=1, intra_bw=1e9,
+            intra_latency=0.0, inter_bw=1e9, inter_bw_per_gpu=1e9, inter_latency=0.0,
+            attn_flops=NOMINAL_HOST_FLOPS / w, attn_bwd_ratio=2.5,
+            matmul_flops=NOMINAL_HOST_FLOPS / w, kernel_overhead=1e-4,
+            gpu_memory=memory_bytes, overlap=False,
+            reduce_scatter_via_allreduce=backend == "gloo",
+        )  # fmt: skip
+    else:
+        base = fit_cluster(
+            micro, num_ranks=spec.world_size, memory_bytes=memory_bytes, backend=backend
+        )
     nbytes, secs = probe["bytes"], probe["seconds"]
     inter = nbytes / secs["inter_node"] if "inter_node" in secs else spec.inter_bps / 8
     cpu = probe.get("host_cpu", {})
@@ -172,9 +199,18 @@ def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:
         probe_json = [os.path.join(tmp, f"probe{i}.json") for i in (0, 1)]
         bench_json = os.path.join(tmp, "bench.json")
         py = [sys.executable, "-m"]
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         with EmulatedCluster(spec) as cl:
             cl.run([*py, "startrail_megatron.emulate.probe", probe_json[0]], timeout=timeout)
-            bench = [*py, "startrail_megatron.bench", *rank_argv(argv, bench_json)]
+            ranks_argv = rank_argv(argv, bench_json)
+            if "--auto-placement" in argv:  # the map search prices the probed links
+                with open(probe_json[0]) as f:
+                    first = json.load(f)
+                links = os.path.join(tmp, "placement_cluster.json")
+                with open(links, "w") as f:
+                    json.dump(emulated_cluster_spec(spec, first, None, mem).__dict__, f)
+                ranks_argv += ["--placement-cluster-json", links]
+            bench = [*py, "startrail_megatron.bench", *ranks_argv]
             cl.run(bench, timeout, port=29556)  # a rendezvous port of its own each
             cl.run([*py, "startrail_megatron.emulate.probe", probe_json[1]], timeout, port=29557)
         runs = []
@@ -185,7 +221,6 @@ def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:
         with open(bench_json) as f:
             report = json.load(f)
     cfg = report["config"]
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cluster = emulated_cluster_spec(spec, probe, report["calibration"]["microbenchmarks"], mem)
     cluster_med = emulated_cluster_spec(
         spec, probe, report["calibration"]["microbenchmarks_median"], mem
@@ -194,7 +229,9 @@ def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:
     by_name = {s.name: s for s in candidate_strategies(cfg["nproc"], cfg["heads"], cfg["kv_heads"])}
     rows = []
     for r in report["results"]:
-        st = by_name[r["strategy"]]
+        st = by_name.get(r["strategy"])
+        if r.get("placement_map"):  # --auto-placement: the map the ranks computed and ran
+            st = Strategy("startrail", r["team_size"], tuple(r["placement_map"]))
         pred = predict(st, cluster_med, shape).attn_s
         links = r["bytes_by_link_max_over_ranks"]
         rows.append({

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import platform
 import socket
@@ -21,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..auto_placement import auto_placement
 from ..comm import CommLedger, CommOptions
 from ..planner.calibrate import fit_cluster
 from ..planner.cluster import ClusterSpec
@@ -28,6 +30,7 @@ from ..planner.prediction import predict
 from ..planner.shape import AttnShape
 from ..planner.strategies import Strategy, attention_fn, candidate_strategies, comm_bytes
 from ..schedule import OWN_ROWS_FIRST_SETTINGS
+from ..schedule.layout import valid_team_sizes
 from ..testing import make_inputs, reference_attention, rel_err, shard, unshard
 from .memory import PeakMemory
 from .micro import cache_bytes_per_core, micro_record, micro_tasks
@@ -55,6 +58,28 @@ def _time_once(fn, device) -> float:
     fn()
     _sync(device)
     return time.perf_counter() - t0
+
+
+def auto_placement_names(world: int) -> list[str]:
+    """The names of ``--auto-placement``'s strategies: StarTrail at every valid C > 1 under
+    the computed map."""
+    return [f"startrail-C{c}-map" for c in valid_team_sizes(world) if c > 1]
+
+
+def _auto_placement_strategies(args, world: int, shape: AttnShape) -> list[Strategy]:
+    """``--auto-placement``: StarTrail at every valid C > 1 under the map
+    ``auto_placement`` computes for the ranks' nodes (a collective over every rank) and
+    this run's attention call, on ``--placement-cluster-json``'s rates (default: the
+    planner's ``AUTO_CLUSTER``)."""
+    cluster = None
+    if args.placement_cluster_json:
+        with open(args.placement_cluster_json) as f:
+            cluster = ClusterSpec(**json.load(f))
+    out = []
+    for c in valid_team_sizes(world):
+        if c > 1:
+            out.append(Strategy("startrail", c, auto_placement(c, shape=shape, cluster=cluster)))
+    return out
 
 
 def _progress(rank: int, msg: str) -> None:
@@ -251,6 +276,7 @@ def _result(
         "kind": st.kind,
         "team_size": st.team_size,
         "placement": st.placement_label,
+        "placement_map": list(st.placement) if isinstance(st.placement, tuple) else None,
         "median_s": med,
         "min_s": min(ts),
         "max_s": max(ts),
@@ -362,10 +388,12 @@ def run_rank(rank: int, world: int, args) -> dict | None:
         t0 = time.perf_counter()
         ref = reference_attention(*full, causal)
         _progress(rank, f"float64 reference: {time.perf_counter() - t0:.1f}s")
+    shape = _shape(args, world, dtype, causal)
     strategies = candidate_strategies(world, args.heads, args.kv_heads)
+    if getattr(args, "auto_placement", False):
+        strategies += _auto_placement_strategies(args, world, shape)
     if args.strategies:
         strategies = [s for s in strategies if s.name in args.strategies]
-    shape = _shape(args, world, dtype, causal)
     steps, info = [], []
     nodes = _nodes(world)
     for i, st in enumerate(strategies):

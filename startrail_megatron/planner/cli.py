@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a causal sliding window of this many tokens on every layer (4K ok); StarTrail "
         "is charged the window's pairs and the sub-ring steps it runs, the peers the pairs",
     )
+    p.add_argument(
+        "--no-map-search",
+        action="store_true",
+        help="only the named placements (default: also the placement map computed for the "
+        "cluster's nodes, where the CP ranks span several and it beats both)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
@@ -164,6 +170,10 @@ def format_plan(pl: Plan) -> str:
         )
     if pl.fastest is not None and pl.fastest is not pl.recommended:
         lines.append(f"fastest overall (peers included): {pl.fastest.strategy}")
+    mapped = [r for r in pl.rows if r.strategy in pl.maps]
+    if mapped:  # the recommended map, else the fastest one computed
+        rec = pl.recommended if pl.recommended in mapped else min(mapped, key=lambda r: r.layer_s)
+        lines.append(_map_picture(pl, rec))
     lines.append(
         "times: one layer forward+backward (layer; with recompute unless --no-recompute) and "
         f"one training iteration (step: all layers, LM head, optimizer and "
@@ -176,6 +186,23 @@ def format_plan(pl: Plan) -> str:
         )
     )
     return "\n".join(lines)
+
+
+def _map_picture(pl: Plan, rec) -> str:
+    """The recommended map as nodes and ranks: each node's CP ranks with the logical
+    coordinate (team.member) and sub-ring each runs (the split: its ring group's ranks)."""
+    from .placement import format_map
+    from .times import ring_cluster
+
+    m, u = pl.maps[rec.strategy], rec.ulysses_size
+    cl = ring_cluster(pl.cluster, u) if u > 1 else pl.cluster
+    head = (
+        f"placement map of {rec.strategy} (rN=tT.A/sS: CP rank N runs team T, member A, sub-ring S"
+    )
+    head += (
+        f"; ring ranks of one Ulysses member, CP rank = ring rank x {u} + member)" if u > 1 else ")"
+    )
+    return head + ":\n" + format_map(m, rec.team_size, [cl.node(r) for r in range(len(m))])
 
 
 def _features(args):
@@ -242,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             recompute=not args.no_recompute,
             window=args.window,
             features=_features(args),
+            map_search=not args.no_map_search,
         )
     except ValueError as e:
         p.error(str(e))

@@ -8,7 +8,7 @@ group's ranks are spread over its nodes out of order (Megatron's CP groups under
 parallelism, a scheduler's rank order), both can send off-node where no map has to. Any
 permutation of the CP ranks is exact (``schedule.layout``: a map), so the planner picks
 one: ``node_map`` starts from each named placement laid over the CP ranks in node order
-(and shifted by one team at a time, so that the node boundaries fall elsewhere in it),
+(and shifted by whole teams, so that the node boundaries fall elsewhere in it),
 keeps the best, then moves ranks between nodes while the predicted step time
 (``times.startrail_times``: the slowest rank of every P2P step, the node links shared by
 the ranks that send off-node at once, the placement's fan-out, the team collectives over
@@ -35,6 +35,7 @@ __all__ = [
     "auto_map",
     "format_map",
     "map_cost",
+    "map_strategies",
     "node_map",
 ]
 
@@ -57,9 +58,14 @@ def map_cost(cluster: ClusterSpec, shape: AttnShape, team_size: int, placement) 
     return fwd + bwd
 
 
+MAX_SHIFTS = 8
+"""At most this many shifts of each named placement start the search (evenly spaced)."""
+
+
 def _starts(cluster: ClusterSpec, p: int, team_size: int) -> list[tuple[int, ...]]:
     """The search's starting maps: each named placement's logical order laid over the CP
-    ranks sorted by node, and shifted by one team at a time (distinct maps only)."""
+    ranks sorted by node, and shifted by whole teams (at most ``MAX_SHIFTS`` shifts, evenly
+    spaced; distinct maps only)."""
     from ..schedule.layout import PLACEMENTS, StarTrailLayout
 
     by_node = sorted(range(p), key=lambda r: (cluster.node(r), r))
@@ -68,7 +74,8 @@ def _starts(cluster: ClusterSpec, p: int, team_size: int) -> list[tuple[int, ...
         lay = StarTrailLayout(p, team_size, name)
         # position of each logical rank in the named placement's CP order
         pos = [lay.rank(t, a) for t in range(lay.num_teams) for a in range(team_size)]
-        for shift in range(0, p, team_size):
+        shifts = list(range(0, p, team_size))
+        for shift in shifts[:: max(1, len(shifts) // MAX_SHIFTS)]:
             m = tuple(by_node[(x + shift) % p] for x in pos)
             if m not in out:
                 out.append(m)
@@ -174,3 +181,33 @@ def format_map(placement: Sequence[int], team_size: int, rank_nodes: Sequence[in
             cells.append(f"r{r}=t{t}.{a}/s{subrings[r]}")
         lines.append(f"node {n}: " + " ".join(cells))
     return "\n".join(lines)
+
+
+def map_strategies(
+    cluster: ClusterSpec, shape: AttnShape, candidates, *, max_evals: int = 200
+) -> list:
+    """A computed map for every StarTrail and 2-D split (C > 1, U) among ``candidates``
+    (``strategies.Strategy``) whose ranks span more than one node: ``node_map`` on the
+    CP ranks (the split: on its ring group, ``times.ring_cluster``, with the shape after
+    the all-to-all), kept where it is predicted faster than both named placements;
+    ``max_evals`` bounds each search (``startrail-plan`` prices many combinations)."""
+    from .strategies import Strategy, split_parts
+    from .times import ring_cluster
+
+    out, seen = [], set()
+    for st in candidates:
+        key = (st.kind, st.team_size, st.ulysses_size)
+        if st.kind not in ("startrail", "split") or st.team_size == 1 or key in seen:
+            continue
+        seen.add(key)
+        if st.kind == "startrail":
+            cl, sh = cluster, shape
+        else:
+            cl, sh = ring_cluster(cluster, st.ulysses_size), split_parts(st, shape)[1]
+        if len({cl.node(r) for r in range(sh.cp_size)}) == 1:
+            continue
+        m, cost = node_map(cl, sh, st.team_size, max_evals=max_evals)
+        named = [map_cost(cl, sh, st.team_size, pl) for pl in ("team", "ring")]
+        if cost < min(named) * (1 - 1e-9):
+            out.append(Strategy(st.kind, st.team_size, m, st.ulysses_size))
+    return out

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cluster import ClusterSpec, ModelSpec
+from .placement import map_strategies
 from .prediction import Prediction, predict
 from .shape import AttnShape
 from .strategies import candidate_strategies
@@ -27,6 +28,9 @@ class Plan:
     """The fastest fitting strategy of all, peers included."""
     features: object = None
     """The whole-step memory options (``memory.StepFeatures``), or None (the paper's model)."""
+    maps: dict = field(default_factory=dict)
+    """Strategy name -> the placement map of each computed-map row
+    (``placement.map_strategies``), logical rank -> CP rank (the split's: ring rank)."""
 
     def as_dict(self) -> dict:
         return {
@@ -39,6 +43,7 @@ class Plan:
             "recommended": self.recommended.as_dict() if self.recommended else None,
             "fastest": self.fastest.as_dict() if self.fastest else None,
             "features": None if self.features is None else self.features.__dict__,
+            "maps": {k: list(v) for k, v in self.maps.items()},
         }
 
 
@@ -53,6 +58,7 @@ def plan(
     recompute: bool = True,
     window: int | None = None,
     features=None,
+    map_search: bool = True,
 ) -> Plan:
     """Predict every valid (C, placement) and the peers; recommend the fastest that fits.
 
@@ -63,6 +69,8 @@ def plan(
     (``startrail_attention(window=(window - 1, 0))``): StarTrail is charged the pairs in the
     window and the sub-ring steps it runs (``AttnShape.window``); the all-gather and Ulysses
     peers the window's pairs in their calls.
+    ``map_search``: also StarTrail and the split under the placement map computed for the
+    cluster's nodes (``placement.map_strategies``), where it beats both named placements.
     Raises ``ValueError`` for a CP size larger than the cluster or a sequence
     that does not split into 2*cp_size zigzag chunks.
     """
@@ -83,9 +91,11 @@ def plan(
         )
     win = None if window is None else (window - 1, 0)
     shape = AttnShape.for_model(model, seq_len, cp_size, batch, elem_bytes=elem_bytes, window=win)
+    candidates = candidate_strategies(cp_size, model.heads, model.kv_heads)
+    mapped = map_strategies(cluster, shape, candidates) if map_search else []
     rows = [
         predict(s, cluster, shape, model, recompute=recompute, features=features)
-        for s in candidate_strategies(cp_size, model.heads, model.kv_heads)
+        for s in candidates + mapped
     ]
     fitting = [r for r in rows if r.fits]
     star = [r for r in fitting if r.strategy.startswith(("startrail", "ring"))]
@@ -99,4 +109,5 @@ def plan(
         min(star, key=lambda r: r.layer_s) if star else None,
         min(fitting, key=lambda r: r.layer_s) if fitting else None,
         features,
+        {s.name: s.placement for s in mapped},
     )
