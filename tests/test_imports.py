@@ -200,7 +200,7 @@ LAYERS = [
     ["groups"],
     ["validation"],
     ["rank"],
-    ["attention", "joint", "one_process"],
+    ["attention", "joint", "one_process", "batch_attention"],
     ["peers"],
     ["testing"],
     [

@@ -851,6 +851,7 @@ def test_registry_declares_every_kind_once():
 PURE = [
     "accounting",
     "planner",
+    "planner.batch",
     "planner.autotune",
     "planner.buffers",
     "planner.calibrate",
@@ -868,6 +869,7 @@ PURE = [
     "planner.times",
     "schedule",
     "schedule.allgather",
+    "schedule.batch",
     "schedule.blocks",
     "schedule.layout",
     "schedule.packing",

@@ -96,7 +96,7 @@ def _buffer_tasks(args, s: int, world: int, device, dtype) -> list[Task]:
             z = torch.zeros(g.shape[0], 2, *g.shape[1:], device=g.device, dtype=g.dtype)
             z[:, 0] += g
             z[:, 1] += g
-            chunks = z.chunk(len(order))
+            chunks = z.tensor_split(len(order))  # exactly 2P, as the schedules cut it
             return torch.cat([chunks[i] for i in order])
 
         tasks.append(("buffer", {"bytes": 6 * 2 * g.numel() * g.element_size()}, buf))

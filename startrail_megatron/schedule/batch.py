@@ -1,0 +1,168 @@
+"""Per-batch CP layouts: each document on a CP sub-group of its own size.
+
+Note [per-batch CP layouts]
+---------------------------
+Real corpora are long-tailed: most documents are short, a few are long, and causal work
+grows with the square of a document's length. One CP size for every document makes every
+short document pay CP's communication, and one packed sequence per data-parallel replica
+leaves the replicas unequal (their sums of squared lengths differ). A ``BatchLayout``
+instead cuts the P ranks of the group (Megatron's DP x CP ranks, say) into aligned blocks:
+a block of ``size`` k holds ranks ``[start, start + k)``, k divides P and ``start`` is a
+multiple of k (so the blocks of one size are the same sub-groups in every batch and their
+process groups are made once). Every rank is in exactly one block. Each document runs on
+one block: the block's documents are packed (``pack_lengths`` for k ranks: each padded to
+a multiple of 2k, zigzag-sharded per document over the block) and the block runs
+StarTrail over its k ranks with its own team size C (C*C divides k; C = 1 is ring; a block
+of one rank computes its documents alone, with no communication). Every document sees
+exactly its own tokens (packed attention), so the result is the same as one device's, for
+every layout; what a layout changes is which rank does which work and what it sends.
+
+A rank's causal work is counted in (query, key) pairs: a document of n tokens has
+n (n + 1) / 2, split evenly over its block's k ranks by the zigzag layout (up to one
+diagonal term, ``blocks.py``'s Note [causal balance]). ``BatchLayout.rank_pairs`` gives each
+rank's pairs and ``balance`` their max over mean. ``static_layout`` is the layout without
+this: blocks of one CP size (the data-parallel replicas), documents dealt to them in order
+by tokens. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .layout import valid_team_sizes
+from .packing import PackedLayout, pack_lengths
+
+__all__ = ["BatchBlock", "BatchLayout", "doc_pairs", "static_layout"]
+
+
+def doc_pairs(n: int) -> int:
+    """Causal (query, key) pairs of a document of ``n`` tokens."""
+    return n * (n + 1) // 2
+
+
+@dataclass(frozen=True)
+class BatchBlock:
+    """One sub-group of a ``BatchLayout``: ranks ``[start, start + size)``, StarTrail's team
+    size ``team_size`` over them, and the batch's documents ``docs`` (indices) it runs."""
+
+    start: int
+    size: int
+    team_size: int
+    docs: tuple[int, ...]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.start, self.start + self.size))
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Which block (sub-group, team size) runs each document of one batch on ``cp_size``
+    ranks (Note [per-batch CP layouts]). ``ValueError`` naming what is wrong where the
+    blocks do not cut the ranks into aligned sub-groups, a team size does not fit its block,
+    or a document is run by no block or by two."""
+
+    cp_size: int
+    lengths: tuple[int, ...]
+    blocks: tuple[BatchBlock, ...]
+
+    def __post_init__(self) -> None:
+        p = self.cp_size
+        if not isinstance(p, int) or isinstance(p, bool) or p < 1:
+            raise ValueError(f"cp_size must be an integer >= 1, got {p!r}")
+        object.__setattr__(self, "lengths", tuple(self.lengths))
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in self.lengths):
+            raise ValueError(f"lengths must be integers >= 0, got {list(self.lengths)}")
+        owner: list[int | None] = [None] * p
+        seen: dict[int, int] = {}
+        for i, b in enumerate(self.blocks):
+            if not (isinstance(b.size, int) and b.size >= 1 and p % b.size == 0):
+                raise ValueError(
+                    f"block {i}: size {b.size} must divide cp_size {p}; allowed: "
+                    f"{[d for d in range(1, p + 1) if p % d == 0]}"
+                )
+            if not (isinstance(b.start, int) and b.start % b.size == 0 and 0 <= b.start < p):
+                raise ValueError(
+                    f"block {i}: start {b.start} must be a multiple of its size {b.size} "
+                    f"below cp_size {p} (aligned sub-groups)"
+                )
+            if b.team_size not in valid_team_sizes(b.size):
+                raise ValueError(
+                    f"block {i}: team_size {b.team_size} does not fit its {b.size} ranks; "
+                    f"allowed: {valid_team_sizes(b.size)}"
+                )
+            for r in b.ranks:
+                if owner[r] is not None:
+                    raise ValueError(f"rank {r} is in blocks {owner[r]} and {i}; one each")
+                owner[r] = i
+            for d in b.docs:
+                if not 0 <= d < len(self.lengths):
+                    raise ValueError(f"block {i}: document {d} is not in the batch")
+                if d in seen:
+                    raise ValueError(f"document {d} is in blocks {seen[d]} and {i}; one each")
+                seen[d] = i
+        missing = [r for r, o in enumerate(owner) if o is None]
+        if missing:
+            raise ValueError(f"ranks {missing} are in no block; every rank needs one")
+        lost = [d for d in range(len(self.lengths)) if d not in seen]
+        if lost:
+            raise ValueError(f"documents {lost} are in no block; every document needs one")
+
+    def block_of(self, rank: int) -> BatchBlock:
+        """The block ``rank`` is in."""
+        for b in self.blocks:
+            if b.start <= rank < b.start + b.size:
+                return b
+        raise ValueError(f"rank {rank} is not below cp_size {self.cp_size}")
+
+    def packed(self, block: BatchBlock) -> PackedLayout:
+        """The packed layout of ``block``'s documents over its ranks (``pack_lengths``)."""
+        return pack_lengths([self.lengths[d] for d in block.docs], block.size)
+
+    def block_pairs(self, block: BatchBlock) -> int:
+        """Causal pairs of ``block``'s documents, all its ranks together."""
+        return sum(doc_pairs(self.lengths[d]) for d in block.docs)
+
+    def rank_pairs(self) -> list[float]:
+        """Each rank's causal pairs (its block's, split evenly over the block)."""
+        out = [0.0] * self.cp_size
+        for b in self.blocks:
+            for r in b.ranks:
+                out[r] = self.block_pairs(b) / b.size
+        return out
+
+    def balance(self) -> float:
+        """Max over mean of ``rank_pairs`` (1.0: every rank does the same work)."""
+        pairs = self.rank_pairs()
+        mean = sum(pairs) / len(pairs)
+        return max(pairs) / mean if mean else 1.0
+
+    def fingerprint(self) -> int:
+        """A 31-bit digest of the layout (ranks compare it before any transfer)."""
+        h = self.cp_size
+        for x in (*self.lengths, -1, *(v for b in self.blocks for v in
+                  (b.start, b.size, b.team_size, *b.docs, -2))):  # fmt: skip
+            h = (h * 1_000_003 + x + 7) % 2_147_483_647
+        return h
+
+
+def static_layout(
+    lengths: Sequence[int], cp_size: int, group_size: int, team_size: int = 1
+) -> BatchLayout:
+    """The layout without per-batch sub-groups: ``cp_size / group_size`` blocks of
+    ``group_size`` ranks (the data-parallel replicas of one CP size), each running StarTrail
+    with ``team_size``; the documents dealt in order, each to the replica with the fewest
+    tokens so far (a token-balanced split, as a packed data loader fills its rows)."""
+    if group_size < 1 or cp_size % group_size:
+        raise ValueError(f"group_size {group_size} must divide cp_size {cp_size}")
+    n = cp_size // group_size
+    docs: list[list[int]] = [[] for _ in range(n)]
+    tokens = [0] * n
+    for d, length in enumerate(lengths):
+        i = min(range(n), key=lambda j: (tokens[j], j))
+        docs[i].append(d)
+        tokens[i] += length
+    blocks = [BatchBlock(i * group_size, group_size, team_size, tuple(docs[i])) for i in range(n)]
+    return BatchLayout(cp_size, tuple(lengths), tuple(blocks))
