@@ -253,3 +253,24 @@ def test_memory_method_check_reads_64_mib():
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and "read_bytes" in out.stdout, out.stderr[-2000:]
+
+
+def test_the_placement_campaign_record_and_its_chart(tmp_path):
+    """docs/placement_campaign.json (section 15 of docs/performance.md): every run has the
+    computed map's row with a permutation of its CP ranks, ring's row at 1.0, and
+    scripts/placement_figure.py draws it."""
+    import json
+    import pathlib
+
+    from common import load_script
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    runs = json.loads((root / "docs" / "placement_campaign.json").read_text())
+    assert len(runs) >= 4 and {r["topology"] for r in runs} >= {"3x8", "6x2"}
+    for run in runs:
+        rows = {r["strategy"]: r for r in run["rows"]}
+        assert rows["ring"]["median_over_ring"] == 1.0
+        assert sorted(rows["startrail-C2-map"]["placement_map"]) == list(range(run["cp_size"]))
+    out = tmp_path / "placement.png"
+    load_script("placement_figure").draw(runs, str(out))
+    assert out.stat().st_size > 10_000
