@@ -37,6 +37,7 @@ __all__ = [
     "map_cost",
     "map_strategies",
     "node_map",
+    "search_pays",
 ]
 
 AUTO_CLUSTER = "h100-ib"
@@ -82,6 +83,18 @@ def _starts(cluster: ClusterSpec, p: int, team_size: int) -> list[tuple[int, ...
     return out
 
 
+def search_pays(cluster: ClusterSpec, cp_size: int, team_size: int) -> bool:
+    """Whether ``node_map`` searches beyond the named placements: not on one node, not for
+    ring (C = 1), and not where the CP ranks fill their nodes in order and the ``ring``
+    placement's sub-rings (G = P/C^2 adjacent ranks) each lie inside one node (G divides the
+    node size: the paper's case, where a named placement is the map to run)."""
+    nodes = {cluster.node(r) for r in range(cp_size)}
+    if len(nodes) == 1 or team_size == 1:
+        return False
+    g, gpn = cp_size // (team_size * team_size), cluster.gpus_per_node
+    return bool(cluster.rank_nodes) or gpn % g != 0
+
+
 def node_map(
     cluster: ClusterSpec, shape: AttnShape, team_size: int, *, max_evals: int = 600
 ) -> tuple[tuple[int, ...], float]:
@@ -89,7 +102,8 @@ def node_map(
     (``ClusterSpec.node``) that the cost model predicts fastest among those the search
     reaches (module docstring) in at most ``max_evals`` evaluations after its starts.
     Deterministic (every rank that runs it on the same inputs gets the same map); never
-    predicted slower than either named placement; on one node it is ``team``'s."""
+    predicted slower than either named placement; where ``search_pays`` is False, the
+    better named placement's map (on one node: ``team``'s, the first of equals)."""
     from ..schedule.layout import PLACEMENTS, StarTrailLayout
 
     p = shape.cp_size
@@ -97,8 +111,10 @@ def node_map(
     for name in PLACEMENTS:
         lay = StarTrailLayout(p, team_size, name)
         named.append(tuple(lay.rank(t, a) for t in range(lay.num_teams) for a in range(team_size)))
-    if len({cluster.node(r) for r in range(p)}) == 1 or team_size == 1:
-        return named[0], map_cost(cluster, shape, team_size, named[0])
+    if not search_pays(cluster, p, team_size):
+        costs = [map_cost(cluster, shape, team_size, m) for m in named]
+        i = min(range(len(named)), key=lambda j: (costs[j], j))
+        return named[i], costs[i]
     best_map, best = None, float("inf")
     for m in [*named, *_starts(cluster, p, team_size)]:
         cost = map_cost(cluster, shape, team_size, m)
@@ -187,7 +203,7 @@ def map_strategies(
     cluster: ClusterSpec, shape: AttnShape, candidates, *, max_evals: int = 200
 ) -> list:
     """A computed map for every StarTrail and 2-D split (C > 1, U) among ``candidates``
-    (``strategies.Strategy``) whose ranks span more than one node: ``node_map`` on the
+    (``strategies.Strategy``) where the search pays (``search_pays``): ``node_map`` on the
     CP ranks (the split: on its ring group, ``times.ring_cluster``, with the shape after
     the all-to-all), kept where it is predicted faster than both named placements;
     ``max_evals`` bounds each search (``startrail-plan`` prices many combinations)."""
@@ -204,7 +220,7 @@ def map_strategies(
             cl, sh = cluster, shape
         else:
             cl, sh = ring_cluster(cluster, st.ulysses_size), split_parts(st, shape)[1]
-        if len({cl.node(r) for r in range(sh.cp_size)}) == 1:
+        if not search_pays(cl, sh.cp_size, st.team_size):
             continue
         m, cost = node_map(cl, sh, st.team_size, max_evals=max_evals)
         named = [map_cost(cl, sh, st.team_size, pl) for pl in ("team", "ring")]
