@@ -183,3 +183,35 @@ def _disagree_rank(rank, world):
 def test_ranks_with_different_layouts_all_refuse():
     for msg in run_ranks(4, _disagree_rank):
         assert msg is not None and "batch layout" in msg, msg
+
+
+def _variant_rank(rank, world, window, softcap):
+    from startrail_megatron.batch_attention import BatchGroups, batch_attention, shard_batch
+
+    groups = BatchGroups.create()
+    lay = _hand_layout(LENGTHS)
+    q, k, v, do = packed_inputs(LENGTHS, 1, *HEADS, D, 5)
+    local = [shard_batch(x, lay, rank).requires_grad_() for x in (q, k, v)]
+    out = batch_attention(
+        *local, lay, groups, causal=True, kernel="torch", window=window, softcap=softcap
+    )
+    out.backward(shard_batch(do, lay, rank))
+    return [out.detach(), *(x.grad for x in local)]
+
+
+def test_batch_attention_with_a_window_and_softcapping():
+    """A sliding window and soft-capped logits pass through to every block's StarTrail call
+    (and a rank alone): every document matches its own float64 attention under both."""
+    from startrail_megatron.batch_attention import unshard_batch
+
+    window, cap = (12, 0), 3.0
+    res = run_ranks(8, _variant_rank, window, cap)
+    q, k, v, do = packed_inputs(LENGTHS, 1, *HEADS, D, 5)
+    doc_ids = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))
+    want = st.testing.reference_attention(
+        q, k, v, do, True, window=window, softcap=cap, doc_ids=doc_ids
+    )
+    lay = _hand_layout(LENGTHS)
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        err = st.testing.rel_err(unshard_batch([r[i] for r in res], lay), want[i])
+        assert err <= TOL[torch.float64], (what, err)
