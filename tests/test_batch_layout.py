@@ -122,9 +122,10 @@ def _batch_rank(rank, world, lengths, which, ignore_subgroups):
 def _layout(lengths, which) -> BatchLayout:
     if which == "hand":
         return _hand_layout(lengths)
-    # CPU-like kernels beside the preset's links (on its GPU kernels these short documents
-    # are not worth spreading: each runs alone)
-    slow = CLUSTER_PRESETS["h100-ib"].with_(attn_flops=1e9, matmul_flops=1e9)
+    # slower kernels than the preset's and no overlap (gloo on CPU cores): for these short
+    # documents the scheduler then mixes blocks of 4, 2 and 1 (on the preset itself each
+    # would run alone, or all on the whole group)
+    slow = CLUSTER_PRESETS["h100-ib"].with_(attn_flops=1e11, matmul_flops=1e11, overlap=False)
     return schedule_batch(lengths, 8, heads_q=HEADS[0], heads_kv=HEADS[1], head_dim=D, cluster=slow)
 
 

@@ -13,25 +13,26 @@ Prices, from the planner's own model (``cluster``: a ``ClusterSpec``):
   time is its kernels and its block's communication, the longer of the two where the
   cluster overlaps transfers with compute (``ClusterSpec.overlap``), else their sum.
 
-The search (greedy, O(documents x blocks)):
-1. target = every rank's share of the batch's kernel time. A document whose kernel time
-   exceeds it gets a block of its own: the smallest size k dividing P whose per-rank time
-   (its kernels / k + its communication) is within the target (none: the size with the
-   least), placed at the lowest
-   aligned free start (longest documents first; where no aligned place is left, it joins
-   the multi-rank block with the least time per rank).
+The search (greedy, O(documents x blocks), run once per threshold of ``TARGETS``):
+1. target = a fraction of every rank's share of the batch's kernel time. A document whose
+   kernel time exceeds it gets a block of its own: the smallest size k dividing P whose
+   per-rank time (its kernels / k + its communication) is within the target (none: the
+   size with the least), placed at the lowest aligned free start (longest documents
+   first; where no aligned place is left, it joins the multi-rank block with the least
+   time per rank).
 2. The ranks left over are blocks of one.
 3. The other documents, longest first, each go where the slowest rank's time grows least:
    onto the least loaded block of one, or into a multi-rank block (packed with its
    documents, sharded over its ranks).
-Pure: no torch.
+Of these layouts and the static one (every document on all P ranks, the best C), the one
+whose slowest rank the model predicts fastest is returned: never predicted slower than
+the static layout. Pure: no torch.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from functools import cache
 
 from ..schedule.batch import BatchBlock, BatchLayout, doc_pairs
 from ..schedule.layout import valid_team_sizes
@@ -61,26 +62,59 @@ class BatchPrices:
         self.dims = (heads_q, heads_kv, head_dim, elem_bytes, batch)
         flops_per_pair = 4 * head_dim * heads_q * batch
         self.pair_s = flops_per_pair / cluster.attn_flops * (1 + cluster.attn_bwd_ratio)
+        self._prices: dict[tuple[int, int], tuple[float, float]] = {}
 
-    @cache  # noqa: B019 - one instance per scheduling call, few sizes
-    def team_and_token_s(self, size: int) -> tuple[int, float]:
-        """(team size, communication seconds per local token) of a block of ``size``."""
+    def block_price(self, size: int, team_size: int) -> tuple[float, float]:
+        """(communication seconds, bytes sent) per local token of a block of ``size`` ranks
+        with ``team_size`` (max over its ranks; 0 for one rank)."""
+        key = (size, team_size)
+        if key not in self._prices:
+            self._prices[key] = self._price(size, team_size)
+        return self._prices[key]
+
+    def _price(self, size: int, team_size: int) -> tuple[float, float]:
         if size == 1:
-            return 1, 0.0
+            return 0.0, 0.0
         from .strategies import Strategy, comm_bytes
 
         hq, hkv, d, e, b = self.dims
         cl = self.cluster
         shape = AttnShape(size, _REF_TOKENS, b, hq, hkv, d, elem_bytes=e, acc_bytes=4)
         bw = cl.intra_bw if size <= cl.gpus_per_node else cl.inter_bw / cl.gpus_per_node
-        best = None
-        for c in valid_team_sizes(size):
-            per_rank = comm_bytes(Strategy("startrail", c, "team"), shape)
-            sent = max(sum(r.values()) for r in per_rank)
-            s = sent / bw / _REF_TOKENS
-            if best is None or s < best[1]:
-                best = (c, s)
-        return best
+        per_rank = comm_bytes(Strategy("startrail", team_size, "team"), shape)
+        sent = max(sum(r.values()) for r in per_rank) / _REF_TOKENS
+        return sent / bw, sent
+
+    def team_size(self, size: int) -> int:
+        """The team size of a block of ``size`` with the fewest seconds per token."""
+        return min(valid_team_sizes(size), key=lambda c: (self.block_price(size, c)[0], c))
+
+    def rank_seconds(self, size: int, team_size: int, pairs: float, tokens: int) -> float:
+        """One rank's predicted seconds in a block of ``size`` holding ``pairs`` causal
+        pairs and ``tokens`` tokens in all: its kernels and its share of the transfers,
+        the longer of the two where the cluster overlaps them, else their sum."""
+        comp = pairs * self.pair_s / size
+        comm = self.block_price(size, team_size)[0] * tokens / size
+        return max(comp, comm) if self.cluster.overlap else comp + comm
+
+    def layout_seconds(self, layout: BatchLayout) -> list[float]:
+        """Each rank's predicted seconds under ``layout``."""
+        out = [0.0] * layout.cp_size
+        for b in layout.blocks:
+            tokens = sum(layout.lengths[d] for d in b.docs)
+            t = self.rank_seconds(b.size, b.team_size, layout.block_pairs(b), tokens)
+            for r in b.ranks:
+                out[r] = t
+        return out
+
+    def layout_bytes(self, layout: BatchLayout) -> list[float]:
+        """Each rank's bytes sent under ``layout`` (the model's)."""
+        out = [0.0] * layout.cp_size
+        for b in layout.blocks:
+            tokens = sum(layout.lengths[d] for d in b.docs)
+            for r in b.ranks:
+                out[r] = self.block_price(b.size, b.team_size)[1] * tokens / b.size
+        return out
 
 
 def _divisors(p: int) -> list[int]:
@@ -106,16 +140,31 @@ def schedule_batch(
     if cluster is None:
         cluster = CLUSTER_PRESETS["h100-ib"].with_(gpus_per_node=min(p, 8))
     prices = BatchPrices(cluster, heads_q, heads_kv, head_dim, elem_bytes)
+    share = sum(doc_pairs(n) for n in lengths) * prices.pair_s / p
+    whole = BatchLayout(
+        p, lengths, (BatchBlock(0, p, prices.team_size(p), tuple(range(len(lengths)))),)
+    )
+    candidates = [whole] + [_greedy(lengths, p, prices, share * f) for f in TARGETS]
+    return min(candidates, key=lambda lay: max(prices.layout_seconds(lay)))
+
+
+TARGETS = (1.0,)
+"""The greedy search runs with a long document's threshold at these fractions of every
+rank's share (smaller: long documents spread wider); the layout predicted fastest wins.
+(Smaller fractions, tried, gained nothing on the lengths of scripts/batch_schedule_bench.py
+and cost a pass each.)"""
+
+
+def _greedy(lengths: tuple, p: int, prices: BatchPrices, target: float) -> BatchLayout:
+    """One pass of the module docstring's search with this threshold (seconds per rank)."""
     pair_s = prices.pair_s
     comp = [doc_pairs(n) * pair_s for n in lengths]
-    target = sum(comp) / p
     sizes = _divisors(p)
 
     def per_rank(size: int, comp_s: float, tokens: int) -> float:
-        comm = prices.team_and_token_s(size)[1] * tokens / size
         # transfers in flight beside the kernels where the cluster overlaps them (the
         # sub-ring steps hide their K,V behind the previous step's calls), else after them
-        return max(comp_s / size, comm) if cluster.overlap else comp_s / size + comm
+        return prices.rank_seconds(size, prices.team_size(size), comp_s / pair_s, tokens)
 
     order = sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))
     free = [True] * p
@@ -165,7 +214,7 @@ def schedule_batch(
             b["comp"] += comp[d]
             b["tokens"] += lengths[d]
     out = [
-        BatchBlock(b["start"], b["size"], prices.team_and_token_s(b["size"])[0],
+        BatchBlock(b["start"], b["size"], prices.team_size(b["size"]),
                    tuple(sorted(b["docs"])))
         for b in sorted(blocks + singles, key=lambda b: b["start"])
     ]  # fmt: skip
