@@ -25,7 +25,7 @@ from .planner.shape import AttnShape
 from .schedule.layout import StarTrailLayout, nodes_from_hosts
 from .schedule.ulysses import UlyssesLayout
 
-__all__ = ["auto_placement"]
+__all__ = ["auto_placement", "resolve_placement"]
 
 
 def auto_placement(
@@ -100,3 +100,19 @@ def auto_placement(
             f"and their best maps differ ({where}); pass placement 'team', 'ring' or one map"
         )
     return found.pop()
+
+
+def resolve_placement(
+    placement,
+    team_size: int,
+    cp_group: dist.ProcessGroup | None = None,
+    *,
+    ulysses_size: int = 1,
+    shape: AttnShape | None = None,
+):
+    """The placement the groups take for an adapter's setting: ``"auto"`` becomes
+    ``auto_placement``'s map (a collective over the default world), anything else is
+    returned as it is."""
+    if placement != "auto":
+        return placement
+    return auto_placement(team_size, cp_group, ulysses_size=ulysses_size, shape=shape)

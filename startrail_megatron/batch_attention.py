@@ -24,7 +24,7 @@ from .attention import startrail_attention
 from .comm import check_agreement
 from .groups import StarTrailGroups, group_timeout
 from .schedule.batch import BatchLayout
-from .schedule.layout import valid_team_sizes
+from .schedule.layout import divisors, valid_team_sizes
 from .zigzag import shard_packed, unshard_packed
 
 __all__ = ["BatchGroups", "batch_attention", "shard_batch", "unshard_batch"]
@@ -64,13 +64,11 @@ class BatchGroups:
         if not dist.is_initialized():
             raise RuntimeError("BatchGroups.create needs torch.distributed to be initialized")
         p = dist.get_world_size(cp_group)
-        divisors = [d for d in range(1, p + 1) if p % d == 0]
-        sizes = divisors if sizes is None else sorted(set(sizes))
-        bad = [k for k in sizes if k not in divisors]
+        allowed = divisors(p)
+        sizes = allowed if sizes is None else sorted(set(sizes))
+        bad = [k for k in sizes if k not in allowed]
         if bad:
-            raise ValueError(
-                f"block sizes {bad} do not divide the CP size {p}; allowed: {divisors}"
-            )
+            raise ValueError(f"block sizes {bad} do not divide the CP size {p}; allowed: {allowed}")
         rank = dist.get_rank(cp_group)
         if timeout is None:
             timeout = group_timeout(cp_group)

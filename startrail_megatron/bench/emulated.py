@@ -229,9 +229,10 @@ def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:
     by_name = {s.name: s for s in candidate_strategies(cfg["nproc"], cfg["heads"], cfg["kv_heads"])}
     rows = []
     for r in report["results"]:
-        st = by_name.get(r["strategy"])
         if r.get("placement_map"):  # --auto-placement: the map the ranks computed and ran
             st = Strategy("startrail", r["team_size"], tuple(r["placement_map"]))
+        else:
+            st = by_name[r["strategy"]]
         pred = predict(st, cluster_med, shape).attn_s
         links = r["bytes_by_link_max_over_ranks"]
         rows.append({

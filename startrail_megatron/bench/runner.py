@@ -30,7 +30,7 @@ from ..planner.prediction import predict
 from ..planner.shape import AttnShape
 from ..planner.strategies import Strategy, attention_fn, candidate_strategies, comm_bytes
 from ..schedule import OWN_ROWS_FIRST_SETTINGS
-from ..schedule.layout import valid_team_sizes
+from ..schedule.layout import nodes_from_hosts, valid_team_sizes
 from ..testing import make_inputs, reference_attention, rel_err, shard, unshard
 from .memory import PeakMemory
 from .micro import cache_bytes_per_core, micro_record, micro_tasks
@@ -67,17 +67,17 @@ def auto_placement_names(world: int) -> list[str]:
 
 
 def _auto_placement_strategies(args, world: int, shape: AttnShape) -> list[Strategy]:
-    """``--auto-placement``: StarTrail at every valid C > 1 under the map
-    ``auto_placement`` computes for the ranks' nodes (a collective over every rank) and
-    this run's attention call, on ``--placement-cluster-json``'s rates (default: the
-    planner's ``AUTO_CLUSTER``)."""
+    """``--auto-placement``: StarTrail at every valid C > 1 (those ``--strategies`` names,
+    where given) under the map ``auto_placement`` computes for the ranks' nodes (a
+    collective over every rank) and this run's attention call, on
+    ``--placement-cluster-json``'s rates (default: the planner's ``AUTO_CLUSTER``)."""
     cluster = None
     if args.placement_cluster_json:
         with open(args.placement_cluster_json) as f:
             cluster = ClusterSpec(**json.load(f))
     out = []
-    for c in valid_team_sizes(world):
-        if c > 1:
+    for c, name in zip((c for c in valid_team_sizes(world) if c > 1), auto_placement_names(world)):
+        if not args.strategies or name in args.strategies:
             out.append(Strategy("startrail", c, auto_placement(c, shape=shape, cluster=cluster)))
     return out
 
@@ -138,8 +138,7 @@ def _nodes(world: int) -> list[int]:
     (an emulated node has a hostname of its own: ``emulate``'s Note)."""
     hosts: list = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
-    index: dict[str, int] = {}
-    return [index.setdefault(h, len(index)) for h in hosts]
+    return list(nodes_from_hosts(hosts))
 
 
 def _link_bytes(ledger: CommLedger, rank: int, world: int, nodes: list[int]) -> list[dict]:

@@ -32,7 +32,7 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationError, model_validator
 
 from ..schedule import OWN_ROWS_FIRST_SETTINGS
-from ..schedule.layout import PLACEMENTS, valid_team_sizes
+from ..schedule.layout import PLACEMENT_SETTINGS, divisors, valid_team_sizes
 from ..schedule.ulysses import UlyssesLayout
 
 __all__ = ["STARTRAIL_KEY", "ZERO_MAPPINGS", "StarTrailConfig"]
@@ -157,10 +157,10 @@ class StarTrailConfig(DeepSpeedConfigModel):
         """Checks that need the world size (``ValueError`` naming the key)."""
         p = self.sequence_parallel_size
         if world_size % p != 0:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            allowed = divisors(world_size)
             raise ValueError(
                 f"startrail.sequence_parallel_size={p} does not divide the world size "
-                f"{world_size}; allowed: {divisors}"
+                f"{world_size}; allowed: {allowed}"
             )
 
     @property
@@ -178,7 +178,7 @@ _FIELD_HINTS = {
     "enabled": "true or false",
     "sequence_parallel_size": "an integer >= 1",
     "team_size": "an integer >= 1 with team_size**2 dividing sequence_parallel_size",
-    "placement": f"one of {[*PLACEMENTS, 'auto']}",
+    "placement": f"one of {list(PLACEMENT_SETTINGS)}",
     "zero_mapping": f"one of {list(ZERO_MAPPINGS)}",
     "own_rows_first": f"one of {list(OWN_ROWS_FIRST_SETTINGS)}",
     "ulysses_size": "an integer >= 1 dividing sequence_parallel_size",

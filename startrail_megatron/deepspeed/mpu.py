@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..auto_placement import auto_placement
+from ..auto_placement import resolve_placement
 from ..groups import StarTrailGroups, UlyssesStarTrailGroups, group_timeout
 from .config import StarTrailConfig
 
@@ -73,9 +73,10 @@ class StarTrailMPU:
             if d == rank // p:
                 mine = g
         seq_data = dist.new_group(list(range(world)), timeout=timeout, group_desc="startrail_sp_dp")
-        placement = config.placement
-        if placement == "auto":  # the map for these ranks' nodes (a collective over the world)
-            placement = auto_placement(config.team_size, mine, ulysses_size=config.ulysses_size)
+        # "auto": the map for these ranks' nodes (a collective over the world)
+        placement = resolve_placement(
+            config.placement, config.team_size, mine, ulysses_size=config.ulysses_size
+        )
         kw = dict(cp_group=mine, placement=placement)
         kw["own_rows_first"] = config.own_rows_first_value
         if config.ulysses_size > 1:

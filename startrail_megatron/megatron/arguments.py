@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 
 from ..schedule import OWN_ROWS_FIRST_SETTINGS, check_head_chunks_setting
-from ..schedule.layout import PLACEMENTS, valid_team_sizes
+from ..schedule.layout import PLACEMENT_SETTINGS, divisors, valid_team_sizes
 from ..schedule.ulysses import kv_repeat
 from ..validation import own_rows_first_setting
 from .hooks import install
@@ -78,7 +78,7 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     group.add_argument(
         "--startrail-placement",
-        choices=(*PLACEMENTS, "auto"),
+        choices=PLACEMENT_SETTINGS,
         default="team",
         help="'team': team members on adjacent CP ranks (collectives inside a node); "
         "'ring': sub-ring neighbours adjacent (P2P inside a node); 'auto': the map of "
@@ -150,7 +150,7 @@ def _check_ulysses(args: argparse.Namespace, cp: int, c) -> int:
     """R = CP / U after checking ``--startrail-ulysses-size`` (``ValueError`` naming it)."""
     u = getattr(args, "startrail_ulysses_size", 1)
     if not isinstance(u, int) or u < 1 or cp % u != 0:
-        allowed = [d for d in range(1, cp + 1) if cp % d == 0]
+        allowed = divisors(cp)
         raise ValueError(
             f"--startrail-ulysses-size {u} does not fit --context-parallel-size {cp}: it must "
             f"divide it; allowed: {allowed}"
@@ -247,7 +247,7 @@ def _check_head_chunks(args: argparse.Namespace, impl: str) -> None:
         except ValueError:
             ring_kv = None  # U does not fit the heads: the Ulysses check names its flags
         if ring_kv is not None and ring_kv % n:
-            allowed = [d for d in range(1, ring_kv + 1) if ring_kv % d == 0]
+            allowed = divisors(ring_kv)
             raise ValueError(
                 f"{name} must divide the KV heads each rank's attention runs: {kv} KV heads / "
                 f"--tensor-model-parallel-size {tp}"
@@ -377,11 +377,13 @@ def own_rows_first_arg(args: argparse.Namespace) -> bool | None:
 
 def placement_shape(args: argparse.Namespace):
     """The attention call ``--startrail-placement auto`` prices (``planner.shape.AttnShape``)
-    from the flags: StarTrail's ranks (CP / U), the tokens of one micro-batch per rank,
-    the heads per tensor-parallel rank (per Ulysses member with the 2-D split), the head
-    size, the dtype, causal; None where the flags do not give them (a Namespace built in
-    code: the planner's default shape)."""
+    from the flags: one micro-batch's tokens per CP rank, the heads per tensor-parallel
+    rank, the head size, the dtype, causal; with the 2-D split, the call its ring groups
+    run after the all-to-all (``accounting.split_ring_shape``). None where the flags do not
+    give them (a Namespace built in code: the planner's default shape)."""
+    from ..accounting import LocalShape, split_ring_shape
     from ..planner.shape import AttnShape
+    from ..schedule.ulysses import UlyssesLayout
 
     cp = getattr(args, "context_parallel_size", 1) or 1
     u = getattr(args, "startrail_ulysses_size", 1) or 1
@@ -392,15 +394,15 @@ def placement_shape(args: argparse.Namespace):
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     gqa = getattr(args, "group_query_attention", False)
     kv = (getattr(args, "num_query_groups", None) or heads) if gqa else heads
-    hq, hkv = heads // tp, max(kv // tp, 1)
-    if u > 1:
-        hkv = hkv * kv_repeat(u, hq, hkv) // u
-        hq //= u
     d = getattr(args, "kv_channels", None) or hidden // heads
     elem = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4
-    ring = cp // u
+    local = LocalShape(
+        max(seq // cp, 1), getattr(args, "micro_batch_size", 1) or 1, heads // tp,
+        max(kv // tp, 1), d, elem,
+    )  # fmt: skip
+    ring = split_ring_shape(UlyssesLayout(cp, u, 1), local)
     return AttnShape(
-        ring, max(seq // ring, 1), getattr(args, "micro_batch_size", 1) or 1, hq, hkv, d,
+        cp // u, ring.s_local, ring.batch, ring.heads_q, ring.heads_kv, ring.head_dim,
         elem_bytes=elem, acc_bytes=4, causal=True,
     )  # fmt: skip
 

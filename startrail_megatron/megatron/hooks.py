@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 
 from ..schedule import check_head_chunks_setting, check_own_rows_first, check_tile
-from ..schedule.layout import PLACEMENTS, Placement
+from ..schedule.layout import PLACEMENT_SETTINGS, Placement
 from .registry import create_startrail_groups, release_all_startrail_groups
 from .spec import apply_startrail_spec, check_startrail_model
 from .tiled_loss import tile_lm_loss
@@ -77,8 +77,10 @@ def install(
     ``planner.shape.AttnShape``; ``arguments.placement_shape`` builds it from the flags)."""
     from megatron.core import parallel_state
 
-    if placement not in (*PLACEMENTS, "auto"):
-        raise ValueError(f"placement={placement!r} is not known; allowed: {[*PLACEMENTS, 'auto']}")
+    if placement not in PLACEMENT_SETTINGS:
+        raise ValueError(
+            f"placement={placement!r} is not known; allowed: {list(PLACEMENT_SETTINGS)}"
+        )
     if not isinstance(team_size, int) or team_size < 1:
         raise ValueError(f"team_size must be an integer >= 1, got {team_size!r}")
     if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:

@@ -30,7 +30,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..auto_placement import auto_placement
+from ..auto_placement import resolve_placement
 from ..comm import CommLedger
 from ..groups import StarTrailGroups, UlyssesStarTrailGroups
 from ..planner.shape import AttnShape
@@ -107,14 +107,13 @@ def create_startrail_groups(
     check_tile(attention_tile, "--startrail-attention-tile")
     check_head_chunks_setting(attention_head_chunks)
     release_startrail_groups(cp_group)
-    if placement == "auto":
-        placement = auto_placement(
-            team_size, cp_group, ulysses_size=ulysses_size, shape=placement_shape
-        )
-        if dist.get_rank() == 0:
-            print(f"StarTrail placement auto: map {list(placement)} (logical rank team*C + "
-                  "member -> CP rank)", flush=True)  # fmt: skip
-    kw = dict(cp_group=cp_group, placement=placement, timeout=timeout)
+    ran = resolve_placement(
+        placement, team_size, cp_group, ulysses_size=ulysses_size, shape=placement_shape
+    )
+    if placement == "auto" and dist.get_rank() == 0:
+        print(f"StarTrail placement auto: map {list(ran)} (logical rank team*C + member -> "
+              "CP rank)", flush=True)  # fmt: skip
+    kw = dict(cp_group=cp_group, placement=ran, timeout=timeout)
     if ulysses_size > 1:
         groups = UlyssesStarTrailGroups.create(
             ulysses_size, team_size, own_rows_first=own_rows_first, **kw

@@ -13,8 +13,8 @@ Prices, from the planner's own model (``cluster``: a ``ClusterSpec``):
   time is its kernels and its block's communication, the longer of the two where the
   cluster overlaps transfers with compute (``ClusterSpec.overlap``), else their sum.
 
-The search (greedy, O(documents x blocks), run once per threshold of ``TARGETS``):
-1. target = a fraction of every rank's share of the batch's kernel time. A document whose
+The search (greedy, O(documents x blocks)):
+1. target = every rank's share of the batch's kernel time. A document whose
    kernel time exceeds it gets a block of its own: the smallest size k dividing P whose
    per-rank time (its kernels / k + its communication) is within the target (none: the
    size with the least), placed at the lowest aligned free start (longest documents
@@ -24,7 +24,7 @@ The search (greedy, O(documents x blocks), run once per threshold of ``TARGETS``
 3. The other documents, longest first, each go where the slowest rank's time grows least:
    onto the least loaded block of one, or into a multi-rank block (packed with its
    documents, sharded over its ranks).
-Of these layouts and the static one (every document on all P ranks, the best C), the one
+Of this layout and the static one (every document on all P ranks, the best C), the one
 whose slowest rank the model predicts fastest is returned: never predicted slower than
 the static layout. Pure: no torch.
 """
@@ -35,7 +35,7 @@ import heapq
 from collections.abc import Sequence
 
 from ..schedule.batch import BatchBlock, BatchLayout, doc_pairs
-from ..schedule.layout import valid_team_sizes
+from ..schedule.layout import divisors, valid_team_sizes
 from .cluster import CLUSTER_PRESETS, ClusterSpec
 from .shape import AttnShape
 
@@ -117,10 +117,6 @@ class BatchPrices:
         return out
 
 
-def _divisors(p: int) -> list[int]:
-    return [d for d in range(1, p + 1) if p % d == 0]
-
-
 def schedule_batch(
     lengths: Sequence[int],
     cp_size: int,
@@ -140,26 +136,20 @@ def schedule_batch(
     if cluster is None:
         cluster = CLUSTER_PRESETS["h100-ib"].with_(gpus_per_node=min(p, 8))
     prices = BatchPrices(cluster, heads_q, heads_kv, head_dim, elem_bytes)
-    share = sum(doc_pairs(n) for n in lengths) * prices.pair_s / p
     whole = BatchLayout(
         p, lengths, (BatchBlock(0, p, prices.team_size(p), tuple(range(len(lengths)))),)
     )
-    candidates = [whole] + [_greedy(lengths, p, prices, share * f) for f in TARGETS]
-    return min(candidates, key=lambda lay: max(prices.layout_seconds(lay)))
+    return min(
+        (whole, _greedy(lengths, p, prices)), key=lambda lay: max(prices.layout_seconds(lay))
+    )
 
 
-TARGETS = (1.0,)
-"""The greedy search runs with a long document's threshold at these fractions of every
-rank's share (smaller: long documents spread wider); the layout predicted fastest wins.
-(Smaller fractions, tried, gained nothing on the lengths of scripts/batch_schedule_bench.py
-and cost a pass each.)"""
-
-
-def _greedy(lengths: tuple, p: int, prices: BatchPrices, target: float) -> BatchLayout:
-    """One pass of the module docstring's search with this threshold (seconds per rank)."""
+def _greedy(lengths: tuple, p: int, prices: BatchPrices) -> BatchLayout:
+    """The module docstring's search."""
     pair_s = prices.pair_s
-    comp = [doc_pairs(n) * pair_s for n in lengths]
-    sizes = _divisors(p)
+    comp = [doc_pairs(n) * pair_s for n in lengths]  # each document's kernel seconds
+    target = sum(comp) / p
+    sizes = divisors(p)
 
     def per_rank(size: int, comp_s: float, tokens: int) -> float:
         # transfers in flight beside the kernels where the cluster overlaps them (the

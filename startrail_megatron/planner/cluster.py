@@ -17,9 +17,10 @@ class ClusterSpec:
     """An alpha-beta (latency-bandwidth) model of a GPU cluster.
 
     CP rank r runs on GPU r; GPUs ``[k*gpus_per_node, (k+1)*gpus_per_node)``
-    share node k, unless ``rank_nodes`` names each CP rank's node (a CP group found
-    spread over its nodes in any order: ``planner.placement.nodes_from_hosts``). A transfer between two GPUs of one node uses the intra-node
-    link; otherwise the inter-node network: one GPU alone reaches
+    share node k, unless ``rank_nodes`` names each CP rank's node (a CP group spread
+    over its nodes in any order: ``schedule.layout.nodes_from_hosts``). A transfer between
+    two GPUs of one node uses the intra-node link; otherwise the inter-node network: one
+    GPU alone reaches
     ``inter_bw_per_gpu`` (its NIC), and the GPUs of a node that send off-node
     at the same time share the node's ``inter_bw``.
     """

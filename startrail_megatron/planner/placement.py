@@ -63,18 +63,25 @@ MAX_SHIFTS = 8
 """At most this many shifts of each named placement start the search (evenly spaced)."""
 
 
+def _named_maps(p: int, team_size: int) -> list[tuple[int, ...]]:
+    """Each named placement (``PLACEMENTS`` order) as a map: logical rank team*C + member
+    -> CP rank."""
+    from ..schedule.layout import PLACEMENTS, StarTrailLayout
+
+    out = []
+    for name in PLACEMENTS:
+        lay = StarTrailLayout(p, team_size, name)
+        out.append(tuple(lay.rank(t, a) for t in range(lay.num_teams) for a in range(team_size)))
+    return out
+
+
 def _starts(cluster: ClusterSpec, p: int, team_size: int) -> list[tuple[int, ...]]:
     """The search's starting maps: each named placement's logical order laid over the CP
     ranks sorted by node, and shifted by whole teams (at most ``MAX_SHIFTS`` shifts, evenly
     spaced; distinct maps only)."""
-    from ..schedule.layout import PLACEMENTS, StarTrailLayout
-
     by_node = sorted(range(p), key=lambda r: (cluster.node(r), r))
     out: list[tuple[int, ...]] = []
-    for name in PLACEMENTS:
-        lay = StarTrailLayout(p, team_size, name)
-        # position of each logical rank in the named placement's CP order
-        pos = [lay.rank(t, a) for t in range(lay.num_teams) for a in range(team_size)]
+    for pos in _named_maps(p, team_size):  # each logical rank's place in that CP order
         shifts = list(range(0, p, team_size))
         for shift in shifts[:: max(1, len(shifts) // MAX_SHIFTS)]:
             m = tuple(by_node[(x + shift) % p] for x in pos)
@@ -104,13 +111,8 @@ def node_map(
     Deterministic (every rank that runs it on the same inputs gets the same map); never
     predicted slower than either named placement; where ``search_pays`` is False, the
     better named placement's map (on one node: ``team``'s, the first of equals)."""
-    from ..schedule.layout import PLACEMENTS, StarTrailLayout
-
     p = shape.cp_size
-    named = []
-    for name in PLACEMENTS:
-        lay = StarTrailLayout(p, team_size, name)
-        named.append(tuple(lay.rank(t, a) for t in range(lay.num_teams) for a in range(team_size)))
+    named = _named_maps(p, team_size)
     if not search_pays(cluster, p, team_size):
         costs = [map_cost(cluster, shape, team_size, m) for m in named]
         i = min(range(len(named)), key=lambda j: (costs[j], j))
@@ -222,8 +224,8 @@ def map_strategies(
             cl, sh = ring_cluster(cluster, st.ulysses_size), split_parts(st, shape)[1]
         if not search_pays(cl, sh.cp_size, st.team_size):
             continue
-        m, cost = node_map(cl, sh, st.team_size, max_evals=max_evals)
-        named = [map_cost(cl, sh, st.team_size, pl) for pl in ("team", "ring")]
-        if cost < min(named) * (1 - 1e-9):
+        m, _ = node_map(cl, sh, st.team_size, max_evals=max_evals)
+        # node_map leaves the named placements only for a map predicted strictly faster
+        if m not in _named_maps(sh.cp_size, st.team_size):
             out.append(Strategy(st.kind, st.team_size, m, st.ulysses_size))
     return out

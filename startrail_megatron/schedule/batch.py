@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .layout import valid_team_sizes
+from .layout import divisors, valid_team_sizes
 from .packing import PackedLayout, pack_lengths
 
 __all__ = ["BatchBlock", "BatchLayout", "doc_pairs", "static_layout"]
@@ -80,8 +80,7 @@ class BatchLayout:
         for i, b in enumerate(self.blocks):
             if not (isinstance(b.size, int) and b.size >= 1 and p % b.size == 0):
                 raise ValueError(
-                    f"block {i}: size {b.size} must divide cp_size {p}; allowed: "
-                    f"{[d for d in range(1, p + 1) if p % d == 0]}"
+                    f"block {i}: size {b.size} must divide cp_size {p}; allowed: {divisors(p)}"
                 )
             if not (isinstance(b.start, int) and b.start % b.size == 0 and 0 <= b.start < p):
                 raise ValueError(

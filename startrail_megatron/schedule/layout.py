@@ -80,6 +80,9 @@ ActiveSteps = tuple[tuple[int, ...], ...]
 ``StarTrailLayout.subring_index`` (``schedule.startrail_active_steps``)."""
 PLACEMENTS: tuple[str, ...] = get_args(get_args(Placement)[0])
 """The named placements; a tuple map is the other kind (``StarTrailLayout``)."""
+PLACEMENT_SETTINGS: tuple[str, ...] = (*PLACEMENTS, "auto")
+"""What the adapters' placement setting takes: a named placement, or ``"auto"``, the map
+``auto_placement.resolve_placement`` computes for the ranks' nodes."""
 
 
 def placement_code(placement: Placement) -> int:
@@ -126,6 +129,11 @@ def check_placement(placement, cp_size: int) -> Placement:
         f"placement={placement!r} is not known; allowed: {list(PLACEMENTS)} or a map (a tuple "
         f"of the {cp_size} CP ranks)"
     )
+
+
+def divisors(n: int) -> list[int]:
+    """Every d in 1 .. n dividing ``n`` (what a size that must divide ``n`` may be)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def valid_team_sizes(cp_size: int) -> list[int]:

@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from .layout import Placement, StarTrailLayout
+from .layout import Placement, StarTrailLayout, divisors
 
 __all__ = ["UlyssesLayout", "kv_repeat", "ring_segments"]
 
@@ -73,7 +73,7 @@ class UlyssesLayout:
         if not isinstance(p, int) or isinstance(p, bool) or p < 1:
             raise ValueError(f"context-parallel size must be an integer >= 1, got {p!r}")
         if not isinstance(u, int) or isinstance(u, bool) or u < 1 or p % u != 0:
-            allowed = [d for d in range(1, p + 1) if p % d == 0]
+            allowed = divisors(p)
             raise ValueError(
                 f"ulysses_size={u!r} does not fit context-parallel size {p}: it must divide it; "
                 f"allowed: {allowed}"
