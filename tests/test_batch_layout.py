@@ -72,6 +72,22 @@ def test_the_scheduler_balances_a_long_tail_the_static_layout_does_not():
     assert sum(len(b.docs) for b in lay.blocks) == len(lengths)
 
 
+def test_the_scheduler_keeps_to_the_sizes_and_team_sizes_it_is_given():
+    """Megatron's hybrid CP has groups for powers of two only, each with the team size the
+    run gives it: the layout uses no other block size or team size; bad settings are refused
+    by name."""
+    lengths = _long_tail(200, 1)
+    teams = {1: 1, 2: 1, 4: 1, 8: 2, 16: 2}
+    lay = schedule_batch(lengths, 16, sizes=[2, 4, 8], team_sizes=teams)
+    assert {b.size for b in lay.blocks} <= {1, 2, 4, 8, 16}
+    assert all(b.team_size == teams[b.size] for b in lay.blocks)
+    assert any(1 < b.size < 16 for b in lay.blocks)  # the long tail does use sub-groups
+    with pytest.raises(ValueError, match=r"sizes \[3\] do not divide cp_size 16"):
+        schedule_batch(lengths, 16, sizes=[3])
+    with pytest.raises(ValueError, match="team_sizes"):
+        schedule_batch(lengths, 16, sizes=[2], team_sizes={2: 2})
+
+
 def test_the_scheduler_takes_under_a_second_for_1000_documents_on_16_ranks():
     lengths = _long_tail(1000, 2)
     schedule_batch(lengths, 16)  # warm the per-size prices' imports

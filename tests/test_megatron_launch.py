@@ -56,9 +56,15 @@ ST4 = ["--context-parallel-size", "4", "--context-parallel-impl", "startrail"]
             "--log-max-attention-logit is not supported with --context-parallel-impl startrail",
         ),
         (
-            ["--hybrid-context-parallel"],
-            "--hybrid-context-parallel is not supported with --context-parallel-impl startrail",
-        ),
+            [
+                "--hybrid-context-parallel",
+                "--startrail-team-size",
+                "2",
+                "--startrail-placement",
+                "auto",
+            ],
+            "--hybrid-context-parallel is not supported with --startrail-placement auto",
+        ),  # fmt: skip
         (  # Megatron-LM packs documents with a dense mask StarTrail does not read
             ["--startrail-team-size", "2", "--reset-attention-mask"],
             "--reset-attention-mask makes packed sequences, which StarTrail takes only",

@@ -321,7 +321,7 @@ def validate_startrail_args(
                 "yet: the team-size autotuner times the named placements ('team', 'ring'); "
                 "give an integer team size, or a named placement"
             )
-    elif not isinstance(c, int) or c < 1 or ring % (c * c) != 0:
+    elif not isinstance(c, int) or c < 1 or ring % (c * c) and not _hybrid(args):
         over = (
             f"--context-parallel-size {cp}"
             if ring == cp
@@ -354,6 +354,7 @@ def validate_startrail_args(
                 "PackedSeqParams(qkv_format='thd'); Megatron-LM's dense document mask is not used"
             )
     own_rows_first_arg(args)
+    _check_hybrid(args, c)
     if getattr(args, "hierarchical_context_parallel_sizes", None):
         raise ValueError(
             "--hierarchical-context-parallel-sizes is a Transformer Engine CP option; StarTrail "
@@ -365,6 +366,32 @@ def validate_startrail_args(
                 f"--{flag.replace('_', '-')} is not supported with --context-parallel-impl "
                 f"startrail: it {why}"
             )
+
+
+def _hybrid(args: argparse.Namespace) -> bool:
+    """Whether ``--hybrid-context-parallel`` is on (the team size is then each sub-group's
+    cap: ``team_size_within``)."""
+    return bool(getattr(args, "hybrid_context_parallel", False))
+
+
+def _check_hybrid(args: argparse.Namespace, team_size) -> None:
+    """``--hybrid-context-parallel`` (per-batch sub-groups, each with the largest team size
+    up to ``--startrail-team-size`` that fits it) takes a fixed team size and a named
+    placement, without the 2-D split."""
+    if not _hybrid(args):
+        return
+    why = None
+    if team_size == "auto":
+        why = (
+            "--startrail-team-size auto (give an integer: each sub-group of k ranks runs "
+            "the largest team size up to it whose square divides k)"
+        )
+    elif getattr(args, "startrail_placement", "team") == "auto":
+        why = "--startrail-placement auto (give 'team' or 'ring')"
+    elif (getattr(args, "startrail_ulysses_size", 1) or 1) > 1:
+        why = "--startrail-ulysses-size > 1 (the 2-D split)"
+    if why:
+        raise ValueError(f"--hybrid-context-parallel is not supported with {why}")
 
 
 def own_rows_first_arg(args: argparse.Namespace) -> bool | None:

@@ -15,15 +15,16 @@ import inspect
 import math
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..attention import startrail_attention
 from .refusals import REFUSED_FLAGS
-from .registry import get_startrail_state
+from .registry import get_startrail_state, subgroup_state
 from .versions import cp_group_from
 
-__all__ = ["StarTrailCoreAttention", "packed_seq_params"]
+__all__ = ["StarTrailCoreAttention", "hybrid_size", "packed_seq_params"]
 
 
 def packed_seq_params(layout, device=None):
@@ -48,13 +49,24 @@ def packed_seq_params(layout, device=None):
     )
 
 
-def _packed_boundaries(psp) -> tuple[list[int], list[int]]:
-    """(cu_seqlens, cu_seqlens_padded) of self-attention ``PackedSeqParams``, as host ints;
-    ``NotImplementedError`` naming the field for what StarTrail does not serve."""
+def hybrid_size(psp) -> int | None:
+    """``PackedSeqParams.local_cp_size`` where Megatron's hybrid context parallelism set it
+    (the call runs on ``psp.cp_group``, a sub-group of that many DP x CP ranks), else None."""
+    k = getattr(psp, "local_cp_size", None) if psp is not None else None
+    return None if k in (None, 0) else int(k)
+
+
+def _packed_boundaries(psp, s_local: int) -> tuple[list[int] | None, list[int] | None]:
+    """(cu_seqlens, cu_seqlens_padded) of self-attention ``PackedSeqParams``, as host ints
+    (``(None, None)`` for a hybrid-CP sub-sample in ``sbhd``: one sequence zigzag-sharded
+    over its sub-group); ``NotImplementedError`` naming the field for what StarTrail does
+    not serve."""
     fmt = getattr(psp, "qkv_format", None)
-    if fmt != "thd":
+    k = hybrid_size(psp)
+    if fmt != "thd" and not (fmt == "sbhd" and k is not None):
         raise NotImplementedError(
-            f"StarTrail attention takes packed sequences in qkv_format 'thd', got {fmt!r}"
+            "StarTrail attention takes packed sequences in qkv_format 'thd' (and hybrid-CP "
+            f"sub-samples in 'sbhd'), got {fmt!r}"
         )
 
     def host(t):
@@ -63,6 +75,15 @@ def _packed_boundaries(psp) -> tuple[list[int], list[int]]:
     cu_q, cu_kv = host(psp.cu_seqlens_q), host(psp.cu_seqlens_kv)
     pad_q = host(getattr(psp, "cu_seqlens_q_padded", None))
     pad_kv = host(getattr(psp, "cu_seqlens_kv_padded", None))
+    if fmt == "sbhd" and k is not None:  # megatron-core 0.16's hybrid CP: one sub-sample
+        whole = s_local * k
+        if cu_q not in (None, [0, whole]) or pad_q not in (None, [0, whole]):
+            raise NotImplementedError(
+                "StarTrail attention takes a hybrid-CP sub-sample in qkv_format 'sbhd' as one "
+                f"sequence: cu_seqlens_q(_padded) [0, {whole}] (local_cp_size {k} x "
+                f"{s_local} local tokens), got {cu_q} / {pad_q}"
+            )
+        return None, None
     if cu_q is None:
         raise ValueError("packed_seq_params.cu_seqlens_q is None")
     if cu_kv is not None and cu_kv != cu_q or pad_kv is not None and pad_kv != pad_q:
@@ -70,12 +91,33 @@ def _packed_boundaries(psp) -> tuple[list[int], list[int]]:
             "StarTrail attention serves self-attention: packed_seq_params.cu_seqlens_kv(_padded) "
             "must equal cu_seqlens_q(_padded)"
         )
-    if getattr(psp, "local_cp_size", None) not in (None, 0):
-        raise NotImplementedError(
-            "packed_seq_params.local_cp_size (dynamic/hybrid context parallelism) is not "
-            "supported by StarTrail"
-        )
     return cu_q, pad_q
+
+
+def _check_hybrid_rope(psp, thd: bool, model_cp) -> None:
+    """Refuse a hybrid-CP call whose RoPE megatron-core slices over another group than the
+    one the call runs on (the q and k this attention gets would be rotated for other
+    positions): in ``thd`` megatron-core rotates over the model's CP group
+    (``pg_collection.cp``) whatever ``packed_seq_params.cp_group`` is; in ``sbhd`` over
+    ``packed_seq_params.cp_group``, or the model's CP group where it is None."""
+    group = psp.cp_group
+    model_ranks = dist.get_process_group_ranks(model_cp) if model_cp is not None else None
+    if thd:
+        ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
+        if ranks != (model_ranks or list(range(dist.get_world_size()))):
+            raise NotImplementedError(
+                f"a hybrid-CP sub-sample in qkv_format 'thd' on ranks {ranks}: megatron-core "
+                "applies RoPE's THD context-parallel slicing over the model's CP group "
+                f"{model_ranks}, not packed_seq_params.cp_group, so its positions would be "
+                "wrong; pass the sub-sample in 'sbhd' (megatron-core 0.16's hybrid CP)"
+            )
+    elif group is None and dist.get_world_size(model_cp) > 1:
+        raise NotImplementedError(
+            "a hybrid-CP sub-sample of local_cp_size 1 without packed_seq_params.cp_group: "
+            "megatron-core then slices RoPE over the model's CP group of "
+            f"{dist.get_world_size(model_cp)} ranks, so its positions would be wrong; pass a "
+            "one-rank group as cp_group (registry.subgroup_group(1))"
+        )
 
 
 _SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
@@ -128,12 +170,16 @@ class StarTrailCoreAttention(MegatronModule):
     (``pg_collection`` or ``model_comm_pgs``). Raises ``NotImplementedError``
     at build time for what it does not support yet: masks other than causal / no mask,
     cross attention, ``qk_clip`` / ``log_max_attention_logit`` (no
-    ``current_max_attn_logits``), ``hybrid_context_parallel``; and at call time
+    ``current_max_attn_logits``); and at call time
     for bias and for packed sequences other than self-attention in ``thd``
     format. Packed sequences (``PackedSeqParams``, ``qkv_format="thd"``): q, k, v
     ``[t, heads, hn]``, this rank's tokens in the per-document zigzag layout of
     the global ``cu_seqlens_q(_padded)`` (as TE's CP attention takes them); the
-    output is ``[t, np*hn]``. Attention dropout (``attention_dropout``, in training mode
+    output is ``[t, np*hn]``. Hybrid context parallelism (``PackedSeqParams.local_cp_size``
+    set): the call runs on ``packed_seq_params.cp_group`` (one rank alone where the size is
+    1) with the StarTrail groups registered for it (``registry.subgroup_state``), a
+    sub-sample in ``sbhd`` (megatron-core 0.16: one sequence, zigzag over the sub-group) or
+    packed in ``thd`` (0.19). Attention dropout (``attention_dropout``, in training mode
     only) runs inside every kernel call (``startrail_attention(dropout_p=)``), drawn
     inside Megatron's RNG tracker ``fork`` unless sequence parallelism is on, exactly where
     ``DotProductAttention`` draws its dropout. Sliding windows: ``config.window_size`` on
@@ -250,9 +296,14 @@ class StarTrailCoreAttention(MegatronModule):
             )
         # A causal mask tensor, if the data loader made one, is the standard causal mask
         # (as TEDotProductAttention, we follow attn_mask_type and ignore it).
-        state = self.state
-        thd = packed_seq_params is not None
-        cu, cu_padded = _packed_boundaries(packed_seq_params) if thd else (None, None)
+        psp = packed_seq_params
+        k = hybrid_size(psp)
+        # hybrid CP: the sub-group the sub-sample runs on, named per call
+        state = self.state if k is None else subgroup_state(psp.cp_group, k)
+        thd = psp is not None and getattr(psp, "qkv_format", None) == "thd"
+        if k is not None:
+            _check_hybrid_rope(psp, thd, self.cp_group)
+        cu, cu_padded = (None, None) if psp is None else _packed_boundaries(psp, query.shape[0])
         if thd:  # [t, np, hn]: the local tokens of the packed sequence, batch 1
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))
         state.local_lengths.add(query.shape[0])

@@ -2,8 +2,9 @@
 
 ``install(team_size, placement)`` wraps ``parallel_state.initialize_model_parallel``
 (all arguments passed through untouched) so that every caller, Megatron's own
-included, gets the StarTrail groups (``registry.create_startrail_groups``)
-right after Megatron's, with the same ``distributed_timeout_minutes`` as
+included, gets the StarTrail groups (``registry.create_startrail_groups``; with
+``hybrid_context_parallel=True`` also those of every hybrid sub-group,
+``registry.create_hybrid_startrail_groups``) right after Megatron's, with the same ``distributed_timeout_minutes`` as
 Megatron's groups; wraps ``destroy_model_parallel`` to release them first
 (``registry.release_all_startrail_groups``: entries dropped, their
 communicators destroyed); and wraps the model builders: the layer spec and
@@ -26,8 +27,12 @@ from datetime import timedelta
 import torch
 
 from ..schedule import check_head_chunks_setting, check_own_rows_first, check_tile
-from ..schedule.layout import PLACEMENT_SETTINGS, Placement
-from .registry import create_startrail_groups, release_all_startrail_groups
+from ..schedule.layout import PLACEMENT_SETTINGS, Placement, team_size_within
+from .registry import (
+    create_hybrid_startrail_groups,
+    create_startrail_groups,
+    release_all_startrail_groups,
+)
 from .spec import apply_startrail_spec, check_startrail_model
 from .tiled_loss import tile_lm_loss
 from .tiled_mlp import tile_mlps
@@ -109,9 +114,14 @@ def install(
     def initialize_model_parallel(*args, **kwargs):
         out = orig_init(*args, **kwargs)
         cfg = _INSTALLED["config"]
+        hybrid = _bound(init_sig, args, kwargs).get("hybrid_context_parallel")
+        cp_group = parallel_state.get_context_parallel_group()
         create_startrail_groups(
-            parallel_state.get_context_parallel_group(),
-            cfg["team_size"],
+            cp_group,
+            # hybrid CP: the team size is each group's cap (the largest that fits it)
+            team_size_within(torch.distributed.get_world_size(cp_group), cfg["team_size"])
+            if hybrid
+            else cfg["team_size"],
             cfg["placement"],
             cfg["kernel"],
             timeout=_megatron_timeout(init_sig, args, kwargs),
@@ -121,6 +131,17 @@ def install(
             attention_head_chunks=cfg["attention_head_chunks"],
             placement_shape=cfg["placement_shape"],
         )
+        if hybrid:
+            create_hybrid_startrail_groups(
+                cfg["team_size"],
+                cfg["placement"],
+                cfg["kernel"],
+                timeout=_megatron_timeout(init_sig, args, kwargs),
+                own_rows_first=cfg["own_rows_first"],
+                ulysses_size=cfg["ulysses_size"],
+                attention_tile=cfg["attention_tile"],
+                attention_head_chunks=cfg["attention_head_chunks"],
+            )
         return out
 
     @functools.wraps(orig_destroy)
@@ -185,14 +206,19 @@ def _wrap_builder(cls: type, spec_args: tuple[str, ...], tiled: bool = False):
     return lambda: setattr(cls, "__init__", orig)
 
 
+def _bound(sig: inspect.Signature, args, kwargs) -> dict:
+    """An ``initialize_model_parallel`` call's arguments by name, defaults included."""
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
 def _megatron_timeout(sig: inspect.Signature, args, kwargs) -> timedelta | None:
     """The ``distributed_timeout_minutes`` of an ``initialize_model_parallel`` call (its
     default when not given), as Megatron uses it for its own groups."""
     if "distributed_timeout_minutes" not in sig.parameters:
         return None
-    bound = sig.bind(*args, **kwargs)
-    bound.apply_defaults()
-    minutes = bound.arguments["distributed_timeout_minutes"]
+    minutes = _bound(sig, args, kwargs)["distributed_timeout_minutes"]
     return timedelta(minutes=minutes) if minutes is not None else None
 
 

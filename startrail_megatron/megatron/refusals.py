@@ -14,7 +14,4 @@ REFUSED_FLAGS = {
     "which StarTrail attention does not compute",
     "log_max_attention_logit": "needs the per-head max attention logit "
     "(core_attention.current_max_attn_logits), which StarTrail attention does not compute",
-    "hybrid_context_parallel": "builds per-batch context-parallel groups for packed "
-    "sequences, which the Megatron adapter does not wire to StarTrail yet (the core's "
-    "per-batch layouts: startrail_megatron.batch_attention, docs/attention.md)",
 }

@@ -14,6 +14,15 @@ group can take its key while it is registered (an ``id()`` key could be
 reused once a group is gone). A weak key would not help: the entry's
 ``StarTrailGroups`` refers to the CP group, so it would never expire.
 
+Megatron's hybrid (per-batch) context parallelism (``--hybrid-context-parallel``) runs
+each sub-sample on a sub-group of the DP x CP ranks, named per call by
+``PackedSeqParams.cp_group`` / ``local_cp_size``. ``create_hybrid_startrail_groups``
+registers StarTrail's groups for every such sub-group Megatron made (its
+``get_hybrid_data_context_parallel_groups``: every power of two from 2 to half the DP x
+CP ranks, and all of them) and for one rank alone (``local_cp_size`` 1, where Megatron
+passes no group), each with the largest team size up to the run's that fits it
+(``team_size_within``); ``subgroup_state`` finds them per call.
+
 Entries end only when released, which is complete: ``release_startrail_groups``
 drops the entry and destroys the team and sub-ring groups it created (their
 communicators); ``release_all_startrail_groups`` does it for every entry (the
@@ -35,15 +44,20 @@ from ..comm import CommLedger
 from ..groups import StarTrailGroups, UlyssesStarTrailGroups
 from ..planner.shape import AttnShape
 from ..schedule import check_head_chunks_setting, check_tile
-from ..schedule.layout import Placement
+from ..schedule.layout import Placement, team_size_within
 
 __all__ = [
     "StarTrailMegatronState",
+    "create_hybrid_startrail_groups",
     "create_startrail_groups",
     "get_startrail_state",
+    "hybrid_group_sizes",
+    "hybrid_team_sizes",
     "registered_cp_groups",
     "release_all_startrail_groups",
     "release_startrail_groups",
+    "subgroup_group",
+    "subgroup_state",
 ]
 
 
@@ -69,7 +83,11 @@ class StarTrailMegatronState:
     (``--startrail-attention-head-chunks``)."""
 
 
-_REGISTRY: dict[dist.ProcessGroup | None, StarTrailMegatronState] = {}
+_REGISTRY: dict[dist.ProcessGroup | str | None, StarTrailMegatronState] = {}
+_ALONE = "one rank alone"
+"""The registry key of the one-rank groups a sub-sample of ``local_cp_size`` 1 runs on."""
+_HYBRID: dict[int, dist.ProcessGroup | str] = {}
+"""The registry keys of the hybrid-CP sub-groups, by size."""
 
 
 def _key(cp_group) -> dist.ProcessGroup | None:
@@ -127,6 +145,99 @@ def create_startrail_groups(
     return state
 
 
+def hybrid_group_sizes(dp_cp_size: int) -> list[int]:
+    """The sub-group sizes megatron-core's hybrid context parallelism makes groups for over
+    ``dp_cp_size`` ranks (``parallel_state.create_hybrid_dp_cp_groups``: every power of two
+    from 2 below the whole; the whole is the DP x CP group), 1 (no group) excluded."""
+    sizes, k = [], 2
+    while k < dp_cp_size:
+        sizes.append(k)
+        k *= 2
+    return [*sizes, dp_cp_size] if dp_cp_size > 1 else []
+
+
+def create_hybrid_startrail_groups(
+    team_size: int,
+    placement: Placement = "team",
+    kernel: str = "auto",
+    timeout: timedelta | None = None,
+    **options,
+) -> dict[int, int]:
+    """Register StarTrail's groups for every sub-group of Megatron's hybrid context
+    parallelism (module docstring) and for one rank alone; a collective over the default
+    world, after ``initialize_model_parallel(hybrid_context_parallel=True)``. Each group of
+    k ranks gets ``team_size_within(k, team_size)``; ``options``: the rest of
+    ``create_startrail_groups``' (not ``ulysses_size`` or ``placement="auto"``, which
+    ``ValueError`` refuses). Returns ``{k: team size}``."""
+    from megatron.core import parallel_state
+
+    if options.get("ulysses_size", 1) != 1 or placement == "auto":
+        raise ValueError(
+            "hybrid context parallelism (--hybrid-context-parallel) runs StarTrail with a named "
+            "placement ('team' or 'ring') and without the 2-D split (--startrail-ulysses-size 1)"
+        )
+    n = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    for k in hybrid_group_sizes(n):
+        group = parallel_state.get_hybrid_data_context_parallel_groups(group_size=k)
+        create_startrail_groups(
+            group, team_size_within(k, team_size), placement, kernel, timeout, **options
+        )
+        _HYBRID[k] = group
+    alone = None
+    for r in range(dist.get_world_size()):  # every rank makes every one-rank group, in order
+        g = dist.new_group([r], timeout=timeout, group_desc="startrail_alone")
+        if r == dist.get_rank():
+            alone = g
+    release_startrail_groups(_ALONE)
+    create_startrail_groups(alone, 1, "team", kernel, timeout, **options)
+    _REGISTRY[_ALONE] = _REGISTRY.pop(_key(alone))
+    _HYBRID[1] = _ALONE
+    return hybrid_team_sizes()
+
+
+def hybrid_team_sizes() -> dict[int, int]:
+    """``{k: team size}`` of the hybrid-CP sub-groups registered on this rank (empty
+    without ``create_hybrid_startrail_groups``)."""
+    return {
+        k: _REGISTRY[key].groups.team_size for k, key in sorted(_HYBRID.items())
+        if key in _REGISTRY
+    }  # fmt: skip
+
+
+def subgroup_group(size: int):
+    """This rank's hybrid-CP sub-group of ``size`` ranks (for ``PackedSeqParams.cp_group``;
+    a one-rank group for 1); ``ValueError`` naming the sizes registered."""
+    key = _HYBRID.get(size)
+    if key is None or key not in _REGISTRY:
+        raise ValueError(
+            f"no hybrid-CP sub-group of {size} ranks is registered; sizes: "
+            f"{sorted(hybrid_team_sizes())}"
+        )
+    return _REGISTRY[key].groups.cp_group
+
+
+def subgroup_state(cp_group, local_cp_size: int) -> StarTrailMegatronState:
+    """The StarTrail groups of a hybrid-CP sub-sample: those registered for ``cp_group``
+    (``PackedSeqParams.cp_group``) of ``local_cp_size`` ranks, or of one rank alone where
+    ``local_cp_size`` is 1 (Megatron passes no group then). ``ValueError`` where the two
+    disagree; ``RuntimeError`` naming the remedy where none are registered."""
+    size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    if size != local_cp_size:
+        raise ValueError(
+            f"packed_seq_params.local_cp_size {local_cp_size} but its cp_group has {size} ranks"
+        )
+    state = _REGISTRY.get(_ALONE if size == 1 else cp_group)
+    if state is None:
+        raise RuntimeError(
+            f"StarTrail attention found no StarTrail groups for the {size}-rank sub-group of "
+            "packed_seq_params.cp_group (hybrid context parallelism): they are made when "
+            "parallel_state.initialize_model_parallel(hybrid_context_parallel=True) runs under "
+            "startrail_megatron.megatron.install(...), or by "
+            "startrail_megatron.megatron.registry.create_hybrid_startrail_groups"
+        )
+    return state
+
+
 def get_startrail_state(cp_group) -> StarTrailMegatronState:
     state = _REGISTRY.get(_key(cp_group))
     if state is None:
@@ -159,6 +270,7 @@ def release_all_startrail_groups() -> None:
     world: every rank releases its own entries, in registration order)."""
     while _REGISTRY:
         release_startrail_groups(next(iter(_REGISTRY)))
+    _HYBRID.clear()
 
 
 def _destroy_groups(groups: StarTrailGroups | UlyssesStarTrailGroups) -> None:

@@ -32,7 +32,7 @@ the static layout. Pure: no torch.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..schedule.batch import BatchBlock, BatchLayout, doc_pairs
 from ..schedule.layout import divisors, valid_team_sizes
@@ -57,8 +57,10 @@ class BatchPrices:
         head_dim: int,
         elem_bytes: int = 2,
         batch: int = 1,
+        team_sizes: Mapping[int, int] | None = None,
     ) -> None:
         self.cluster = cluster
+        self.fixed = dict(team_sizes or {})
         self.dims = (heads_q, heads_kv, head_dim, elem_bytes, batch)
         flops_per_pair = 4 * head_dim * heads_q * batch
         self.pair_s = flops_per_pair / cluster.attn_flops * (1 + cluster.attn_bwd_ratio)
@@ -86,7 +88,10 @@ class BatchPrices:
         return sent / bw, sent
 
     def team_size(self, size: int) -> int:
-        """The team size of a block of ``size`` with the fewest seconds per token."""
+        """The team size of a block of ``size`` with the fewest seconds per token (or the
+        one ``team_sizes`` fixed for that size)."""
+        if size in self.fixed:
+            return self.fixed[size]
         return min(valid_team_sizes(size), key=lambda c: (self.block_price(size, c)[0], c))
 
     def rank_seconds(self, size: int, team_size: int, pairs: float, tokens: int) -> float:
@@ -126,30 +131,47 @@ def schedule_batch(
     head_dim: int = 128,
     elem_bytes: int = 2,
     cluster: ClusterSpec | None = None,
+    sizes: Sequence[int] | None = None,
+    team_sizes: Mapping[int, int] | None = None,
 ) -> BatchLayout:
     """The batch's layout on ``cp_size`` ranks (module docstring), priced on ``cluster``
-    (default: the ``h100-ib`` preset, its nodes holding ``min(cp_size, 8)`` ranks)."""
+    (default: the ``h100-ib`` preset, its nodes holding ``min(cp_size, 8)`` ranks).
+    ``sizes``: the block sizes there are process groups for (default: every divisor of
+    ``cp_size``; 1 and ``cp_size`` are always allowed); ``team_sizes``: a fixed team size
+    per block size (default: the cheapest on the model). ``ValueError`` naming the setting
+    where a size does not divide ``cp_size`` or a team size does not fit its size."""
     p = cp_size
     if not isinstance(p, int) or isinstance(p, bool) or p < 1:
         raise ValueError(f"cp_size must be an integer >= 1, got {p!r}")
+    allowed = divisors(p)
+    sizes = allowed if sizes is None else sorted({1, p, *sizes})
+    bad = [k for k in sizes if k not in allowed]
+    if bad:
+        raise ValueError(f"sizes {bad} do not divide cp_size {p}; allowed: {allowed}")
+    for k, c in (team_sizes or {}).items():
+        if k not in sizes or c not in valid_team_sizes(k):
+            raise ValueError(
+                f"team_sizes {{{k}: {c}}}: a block size in {sizes} and a team size in "
+                f"{valid_team_sizes(k) if k in allowed else '(none)'}"
+            )
     lengths = tuple(lengths)
     if cluster is None:
         cluster = CLUSTER_PRESETS["h100-ib"].with_(gpus_per_node=min(p, 8))
-    prices = BatchPrices(cluster, heads_q, heads_kv, head_dim, elem_bytes)
+    prices = BatchPrices(cluster, heads_q, heads_kv, head_dim, elem_bytes, team_sizes=team_sizes)
     whole = BatchLayout(
         p, lengths, (BatchBlock(0, p, prices.team_size(p), tuple(range(len(lengths)))),)
     )
     return min(
-        (whole, _greedy(lengths, p, prices)), key=lambda lay: max(prices.layout_seconds(lay))
+        (whole, _greedy(lengths, p, prices, sizes)),
+        key=lambda lay: max(prices.layout_seconds(lay)),
     )
 
 
-def _greedy(lengths: tuple, p: int, prices: BatchPrices) -> BatchLayout:
-    """The module docstring's search."""
+def _greedy(lengths: tuple, p: int, prices: BatchPrices, sizes: list[int]) -> BatchLayout:
+    """The module docstring's search, over blocks of ``sizes``."""
     pair_s = prices.pair_s
     comp = [doc_pairs(n) * pair_s for n in lengths]  # each document's kernel seconds
     target = sum(comp) / p
-    sizes = divisors(p)
 
     def per_rank(size: int, comp_s: float, tokens: int) -> float:
         # transfers in flight beside the kernels where the cluster overlaps them (the

@@ -141,6 +141,15 @@ def valid_team_sizes(cp_size: int) -> list[int]:
     return [c for c in range(1, cp_size + 1) if cp_size % (c * c) == 0]
 
 
+def team_size_within(size: int, cap: int) -> int:
+    """The largest team size that fits a group of ``size`` ranks and is at most ``cap``
+    (a sub-group's team size from the run's ``--startrail-team-size``: 1, ring, where no
+    larger one fits)."""
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+        raise ValueError(f"team size cap must be an integer >= 1, got {cap!r}")
+    return max(c for c in valid_team_sizes(size) if c <= cap)
+
+
 @dataclass(frozen=True)
 class StarTrailLayout:
     """Where every CP rank sits in StarTrail's teams and sub-rings.

@@ -108,19 +108,26 @@ def _check_splits(cfg, sizes: list) -> None:
 
 def global_batches(args: argparse.Namespace, dataset, start: int = 0):
     """Yield, per iteration from ``start``, this DP rank's micro-batches of the global
-    batch (full sequence)."""
+    batch (full sequence). With ``--hybrid-context-parallel`` every rank gets every DP
+    replica's: micro-batch m holds each replica's m-th micro-batch rows, replica by
+    replica (``[DP x micro-batch size, S]``)."""
     from megatron.core import parallel_state
 
-    dp_rank = parallel_state.get_data_parallel_rank()
     gbs, mbs = args.global_batch_size, args.micro_batch_size
     per_dp = gbs // args.data_parallel_size
+    hybrid = getattr(args, "hybrid_context_parallel", False)
+    replicas = range(args.data_parallel_size) if hybrid else [
+        parallel_state.get_data_parallel_rank()
+    ]  # fmt: skip
     it = start
     while True:
-        base = it * gbs + dp_rank * per_dp
-        samples = [dataset[(base + i) % len(dataset)] for i in range(per_dp)]
         micro = []
         for m in range(0, per_dp, mbs):
-            chunk = samples[m : m + mbs]
+            chunk = [
+                dataset[(it * gbs + dp * per_dp + m + i) % len(dataset)]
+                for dp in replicas
+                for i in range(min(mbs, per_dp - m))
+            ]
             micro.append({k: torch.stack([torch.as_tensor(s[k]) for s in chunk]) for k in chunk[0]})
         yield micro
         it += 1

@@ -40,6 +40,7 @@ def initialize(args: argparse.Namespace) -> None:
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             context_parallel_size=args.context_parallel_size,
             distributed_timeout_minutes=args.distributed_timeout_minutes,
+            **({"hybrid_context_parallel": True} if args.hybrid_context_parallel else {}),
         )
         if on_cpu:
             cpu_manual_seed(args.seed)

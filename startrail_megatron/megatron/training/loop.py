@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ...accounting import LocalShape, startrail_comm_bytes
 from ...bench.memory import PHASES, PeakMemory, phase_hooks
 from ...schedule.layout import StarTrailLayout
-from ..registry import get_startrail_state
+from ..registry import get_startrail_state, hybrid_team_sizes, subgroup_group, subgroup_state
 from .autotune import autotune_team_size
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import build_datasets, global_batches
@@ -37,8 +37,9 @@ __all__ = ["train"]
 
 
 def _startrail_bytes(args) -> dict:
-    """StarTrail's bytes in the last iteration, summed over the CP group, and ring's (and
-    the attention calls that ran attention dropout).
+    """StarTrail's bytes in the last iteration, summed over the CP group (with
+    ``--hybrid-context-parallel``: over every sub-group of the DP x CP ranks), and ring's
+    on the same groups (and the attention calls that ran attention dropout).
 
     Measured from the ledger; ring attention's figure is the accounting's for C = 1 at the
     same shapes: each attention call's local length, as recorded by the attention (the
@@ -49,29 +50,34 @@ def _startrail_bytes(args) -> dict:
     from megatron.core import parallel_state
 
     cp_group = parallel_state.get_context_parallel_group()
-    state = get_startrail_state(cp_group)
-    led, lay = state.ledger, state.groups.layout
-    ring_lay, rank = StarTrailLayout(lay.cp_size, 1), state.groups.cp_rank
-    ring_p2p = 0
-    for s_local, calls in state.calls_by_length.items():  # packed batches vary in length
-        shape = LocalShape(
-            s_local=s_local,
-            batch=args.micro_batch_size if not args.reset_attention_mask else 1,
-            heads_q=args.num_attention_heads // args.tensor_model_parallel_size,
-            heads_kv=max(args.num_query_groups // args.tensor_model_parallel_size, 1),
-            head_dim=args.hidden_size // args.num_attention_heads,
-            elem_bytes=2 if args.bf16 else 4,
+    states = [get_startrail_state(cp_group)]
+    if getattr(args, "hybrid_context_parallel", False):  # and every sub-group's, summed
+        states += [subgroup_state(subgroup_group(k), k) for k in hybrid_team_sizes()]
+        cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    figures = torch.zeros(4, dtype=torch.float64, device=rank_device())
+    for state in {id(s): s for s in states}.values():
+        led, lay = state.ledger, state.groups.layout
+        ring_lay, rank = StarTrailLayout(lay.cp_size, 1), state.groups.cp_rank
+        ring_p2p = 0
+        for s_local, calls in state.calls_by_length.items():  # packed batches vary in length
+            shape = LocalShape(
+                s_local=s_local,
+                batch=args.micro_batch_size if not args.reset_attention_mask else 1,
+                heads_q=args.num_attention_heads // args.tensor_model_parallel_size,
+                heads_kv=max(args.num_query_groups // args.tensor_model_parallel_size, 1),
+                head_dim=args.hidden_size // args.num_attention_heads,
+                elem_bytes=2 if args.bf16 else 4,
+            )
+            ring = startrail_comm_bytes(ring_lay, rank, shape)
+            ring_p2p += (ring["fwd_p2p"] + ring["bwd_p2p"]) * calls
+        figures += torch.tensor(
+            [led.bytes("p2p"), led.bytes("collective"), ring_p2p, state.dropout_calls],
+            dtype=torch.float64,
+            device=rank_device(),
         )
-        ring = startrail_comm_bytes(ring_lay, rank, shape)
-        ring_p2p += (ring["fwd_p2p"] + ring["bwd_p2p"]) * calls
-    figures = torch.tensor(
-        [led.bytes("p2p"), led.bytes("collective"), ring_p2p, state.dropout_calls],
-        dtype=torch.float64,
-        device=rank_device(),
-    )
-    led.clear()
-    state.calls_by_length.clear()
-    state.dropout_calls = 0
+        led.clear()
+        state.calls_by_length.clear()
+        state.dropout_calls = 0
     dist.all_reduce(figures, group=cp_group)
     return {
         "p2p": figures[0].item(),

@@ -71,6 +71,14 @@ def forward_backward(
     dev = rank_device()  # also of every reduced tensor: NCCL groups take CUDA tensors only
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
     n_dp_cp = dist.get_world_size(dp_cp)
+    if getattr(args, "hybrid_context_parallel", False):  # every replica's rows on every rank
+        from .hybrid import hybrid_forward_backward
+
+        loss_sum, total = hybrid_forward_backward(args, model, micro_batches, dev, backward)
+        if backward:
+            model.finish_grad_sync()
+        dist.all_reduce(loss_sum, group=dp_cp)
+        return (loss_sum.item() / total, total) if return_tokens else loss_sum.item() / total
     total_tokens = torch.tensor(
         [sum(float(mb["loss_mask"].sum()) for mb in micro_batches)],
         dtype=torch.float64,

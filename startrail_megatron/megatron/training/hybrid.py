@@ -1,0 +1,218 @@
+"""``--hybrid-context-parallel``: per-batch CP sub-groups in the entry point.
+
+Megatron's hybrid context parallelism (megatron-core 0.16+) runs each document of a batch
+on a sub-group of the DP x CP ranks of its own size (``schedule/batch.py``'s Note
+[per-batch CP layouts]): one rank alone where it is short, many where it is long. Here
+every rank reads the whole global batch's micro-batch (all DP replicas' rows; the dataset
+is indexable, so no sample is sent), cuts it into documents at the end-of-document tokens
+(as ``--reset-attention-mask``), and a scheduler assigns each document to an aligned
+sub-group of the DP x CP ranks Megatron made groups for (``registry.hybrid_group_sizes``):
+
+* ``--startrail-batch-scheduler startrail``: ``planner.batch.schedule_batch`` on the
+  planner's cost model (of ``--startrail-batch-cluster``), each sub-group of k ranks with the team size the run gives it
+  (``team_size_within(k, --startrail-team-size)``);
+* ``--startrail-batch-scheduler megatron``: megatron-core's own ``BalancedCPScheduler``
+  (``--max-seqlen-per-dp-cp-rank``), its rounds one after the other.
+
+Each rank then runs its documents one forward each, as megatron-core 0.16's hybrid
+schedule does (``PackedSeqParams(qkv_format="sbhd", local_cp_size=k, cp_group=...)``,
+the document padded to a multiple of 2k and zigzag-sharded over its sub-group: RoPE is
+sliced by megatron-core over that group), in one order every rank shares (larger
+sub-groups first, then by document), so sub-groups never wait on each other in a cycle.
+The loss is the per-token mean over the global batch, and megatron's DDP averages the
+gradients over DP x CP: the same loss and gradients as CP = 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "SCHEDULERS",
+    "batch_cluster",
+    "check_hybrid_args",
+    "document_lengths",
+    "hybrid_forward_backward",
+    "rank_runs",
+]
+
+SCHEDULERS = ("startrail", "megatron")
+"""``--startrail-batch-scheduler``: ours (``planner.batch.schedule_batch``) or
+megatron-core's ``BalancedCPScheduler``."""
+
+
+def document_lengths(tokens: torch.Tensor, eod: int) -> list[int]:
+    """The documents of ``tokens`` ``[rows, S]``, in order: each ends at an end-of-document
+    token and at each row's end (Megatron-LM's ``--reset-attention-mask`` rule)."""
+    seq = tokens.shape[1]
+    lengths = []
+    for row in tokens:
+        ends = [i + 1 for i in (row == eod).nonzero().flatten().tolist()]
+        if not ends or ends[-1] != seq:
+            ends.append(seq)
+        lengths += [b - a for a, b in zip([0, *ends[:-1]], ends)]
+    return lengths
+
+
+def rank_runs(placed: list[tuple[int, int, int]], rank: int) -> list[tuple[int, int, int]]:
+    """``rank``'s runs among ``placed`` (``(document, size, start)``: the document on ranks
+    ``[start, start + size)``), in the order every rank runs its own: larger sub-groups
+    first, then by document. The order is one total order over all runs, so each
+    sub-group's ranks reach their shared runs in the same sequence and no two sub-groups
+    wait on each other. Pure."""
+    mine = [r for r in placed if r[2] <= rank < r[2] + r[1]]
+    return sorted(mine, key=lambda r: (-r[1], r[0]))
+
+
+def batch_cluster(args: argparse.Namespace, n: int):
+    """The ``ClusterSpec`` ours prices layouts on (``--startrail-batch-cluster``: a preset
+    of ``planner.cluster.CLUSTER_PRESETS``, its nodes holding ``min(n, 8)`` ranks, or a
+    JSON file as ``startrail-plan --cluster-json`` reads); ``ValueError`` naming the flag."""
+    from ...planner.cli import load_cluster
+    from ...planner.cluster import CLUSTER_PRESETS
+
+    name = args.startrail_batch_cluster
+    if name in CLUSTER_PRESETS:
+        return CLUSTER_PRESETS[name].with_(gpus_per_node=min(n, 8))
+    try:
+        return load_cluster(name)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"--startrail-batch-cluster {name!r}: neither a preset "
+            f"({sorted(CLUSTER_PRESETS)}) nor a cluster JSON file ({e})"
+        ) from None
+
+
+def _ours(args, lengths: list[int], n: int, sizes: dict[int, int]) -> list:
+    from ...planner.batch import schedule_batch
+
+    heads = args.num_attention_heads // args.tensor_model_parallel_size
+    layout = schedule_batch(
+        lengths, n, heads_q=heads,
+        heads_kv=max(args.num_query_groups // args.tensor_model_parallel_size, 1),
+        head_dim=args.hidden_size // args.num_attention_heads,
+        elem_bytes=2 if args.bf16 else 4, cluster=batch_cluster(args, n),
+        sizes=list(sizes), team_sizes=sizes,
+    )  # fmt: skip
+    return [(d, b.size, b.start) for b in layout.blocks for d in b.docs]
+
+
+def _megatrons(args, lengths: list[int], n: int, sizes: dict[int, int]) -> list:
+    """megatron-core's ``BalancedCPScheduler`` rounds as runs (a document on the ranks that
+    hold it in its round); ``ValueError`` where it refuses the batch or places a document
+    on ranks that are not one of Megatron's sub-groups."""
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+    class _Group:  # the scheduler reads the group's size alone
+        def size(self) -> int:
+            return n
+
+    cap = args.max_seqlen_per_dp_cp_rank
+    try:
+        _, rounds = BalancedCPScheduler(cap, _Group()).get_groups_and_subsamples(
+            list(enumerate(lengths)), None
+        )
+    except AssertionError as e:
+        raise ValueError(
+            f"megatron-core's BalancedCPScheduler refused a batch of {len(lengths)} documents "
+            f"(lengths {sorted(lengths)[-5:]}... with --max-seqlen-per-dp-cp-rank {cap}): "
+            f"{e or 'an assertion'}; use --startrail-batch-scheduler startrail"
+        ) from None
+    placed = []
+    for rnd in rounds:
+        holders: dict[int, list[int]] = {}
+        for r, ids in enumerate(rnd):
+            for d in ids:
+                holders.setdefault(int(d), []).append(r)
+        for d, ranks in holders.items():
+            k, start = len(ranks), ranks[0]
+            if k not in sizes or start % k or ranks != list(range(start, start + k)):
+                raise ValueError(
+                    f"megatron-core's BalancedCPScheduler put document {d} on ranks {ranks}, "
+                    f"which are not one of the sub-groups (aligned blocks of {sorted(sizes)})"
+                )
+            placed.append((d, k, start))
+    return placed
+
+
+def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = True):
+    """(loss sum, token count) of the global batch's micro-batches (each ``[DP x rows, S]``:
+    every DP replica's rows), run under per-batch sub-groups (module docstring); gradients
+    left in ``main_grad`` for DDP's average over DP x CP. ``dev``: the rank's device."""
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from ..registry import hybrid_team_sizes, subgroup_group
+    from ..versions import batch_on_this_cp_rank
+    from .data import eod_id
+
+    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    n, me = dist.get_world_size(dp_cp), dist.get_rank(dp_cp)
+    sizes = hybrid_team_sizes()  # {k: team size} of the sub-groups registered
+    total = max(sum(float(mb["loss_mask"].sum()) for mb in micro_batches), 1.0)
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
+    schedule = _ours if args.startrail_batch_scheduler == "startrail" else _megatrons
+    for mb in micro_batches:
+        lengths = document_lengths(mb["tokens"], eod_id(args))
+        cuts = [0]
+        for length in lengths:
+            cuts.append(cuts[-1] + length)
+        flat = {k: mb[k].reshape(-1) for k in ("tokens", "labels", "loss_mask", "position_ids")}
+        for d, k, _start in rank_runs(schedule(args, lengths, n, sizes), me):
+            group = subgroup_group(k)
+            pad = (-lengths[d]) % (2 * k)  # the zigzag: 2k equal chunks (end padding)
+            doc = {}
+            for key, v in flat.items():
+                part = v[cuts[d] : cuts[d + 1]]
+                if key == "position_ids":
+                    part = torch.arange(lengths[d] + pad)
+                elif pad:
+                    part = torch.cat([part, part.new_zeros(pad)])
+                doc[key] = part[None].to(dev)
+            if k > 1:
+                doc = batch_on_this_cp_rank(doc, group)
+            whole = lengths[d] + pad
+            cu = torch.tensor([0, whole], dtype=torch.int32, device=dev)
+            psp = PackedSeqParams(
+                qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                cu_seqlens_kv_padded=cu, max_seqlen_q=whole, max_seqlen_kv=whole,
+                local_cp_size=k, cp_group=group,
+            )  # fmt: skip
+            with torch.set_grad_enabled(backward):
+                losses = model(
+                    doc["tokens"], doc["position_ids"], None, labels=doc["labels"],
+                    packed_seq_params=psp,
+                )  # fmt: skip
+                local = (losses.float() * doc["loss_mask"]).sum()
+            if backward:
+                (local * n / total).backward()
+            loss_sum += local.detach().double()
+    return loss_sum, total
+
+
+def check_hybrid_args(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the flag where ``--hybrid-context-parallel`` cannot run here."""
+    if not args.hybrid_context_parallel:
+        return
+    if args.context_parallel_impl != "startrail":
+        raise ValueError("--hybrid-context-parallel needs --context-parallel-impl startrail here")
+    if not args.reset_attention_mask:
+        raise ValueError(
+            "--hybrid-context-parallel runs documents on sub-groups: give --reset-attention-mask "
+            "(documents end at the end-of-document token)"
+        )
+    n = args.data_parallel_size * args.context_parallel_size
+    if n < 2 or n & (n - 1):
+        raise ValueError(
+            f"--hybrid-context-parallel needs a power-of-two number of DP x CP ranks (megatron-"
+            f"core's sub-groups), got {args.data_parallel_size} x {args.context_parallel_size}"
+        )
+    if args.startrail_batch_scheduler == "megatron" and not args.max_seqlen_per_dp_cp_rank:
+        raise ValueError(
+            "--startrail-batch-scheduler megatron needs --max-seqlen-per-dp-cp-rank (megatron-"
+            "core's BalancedCPScheduler sizes each document's sub-group from it)"
+        )
+    batch_cluster(args, n)  # a bad --startrail-batch-cluster fails here, by name

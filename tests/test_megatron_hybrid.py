@@ -1,0 +1,236 @@
+"""Hybrid (per-batch) context parallelism on StarTrail (``--hybrid-context-parallel``).
+
+The entry point's pieces on 4 ranks (DP 4 x CP 1, as megatron-core's hybrid CP is
+configured; its sub-groups of 2 and 4 ranks and one rank alone), one global micro-batch
+whose documents differ in length (one of 256 tokens, four of 128, four of 64): each scheduler (ours on
+the planner's cost model, megatron-core's ``BalancedCPScheduler``) places the long
+document on a sub-group of ranks, and the loss and every parameter's gradient equal CP = 1
+on one rank (the packed documents of the same rows) to 1e-5. Proof that the sub-groups
+ran: the 2-rank sub-group's StarTrail state saw half the long document and sent bytes; with
+the sub-group ignored (the attention on the model's CP group of one rank) the result is
+wrong. Refusals: a sub-sample whose RoPE megatron-core slices over another group, and the
+flags that cannot combine.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings(
+    "ignore", message=r".*(Apex|Transformer Engine and Apex) (is|are) not installed"
+)
+import megatron.core  # noqa: E402, F401  (imported once here, before the ranks fork)
+from harness import run_ranks  # noqa: E402
+
+from startrail_megatron.megatron import training as T  # noqa: E402
+from startrail_megatron.megatron.training.hybrid import document_lengths, rank_runs  # noqa: E402
+from startrail_megatron.schedule.layout import team_size_within  # noqa: E402
+
+BASE = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--seq-length", "256",
+    "--mock-data", "--optimizer", "sgd", "--reset-attention-mask", "--eod-mask-loss",
+    "--context-parallel-impl", "startrail",
+]  # fmt: skip
+HYBRID = ["--hybrid-context-parallel", "--startrail-team-size", "2", "--micro-batch-size", "1",
+          "--max-seqlen-per-dp-cp-rank", "128"]  # fmt: skip
+TOL = 1e-5
+
+
+def _micro_batch(eod: int) -> dict:
+    """4 rows of 256: one document, two rows of two documents of 128, one of four of 64."""
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, eod, (4, 257), generator=g)
+    tokens[1:3, 127] = eod
+    tokens[3, 63::64] = eod
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "loss_mask": torch.ones(4, 256),
+        "position_ids": torch.arange(256).expand(4, 256).contiguous(),
+    }
+
+
+def _grads(model):
+    model.finish_grad_sync()
+    out = {n: p.main_grad.detach().clone() for n, p in model.module.named_parameters()}
+    model.zero_grad_buffer()
+    return out
+
+
+def _run(rank, world, argv, schedulers, ignore_subgroup=False):
+    from startrail_megatron.megatron import attention as A
+    from startrail_megatron.megatron import registry
+
+    args = T.parse_args(argv)
+    T.initialize(args)
+    saved = A.subgroup_state
+    try:
+        model = T.build_model(args)
+        mb = _micro_batch(T.eod_id(args))
+        out = {}
+        for name in schedulers:
+            args.startrail_batch_scheduler = name
+            if ignore_subgroup:  # every sub-sample on the model's CP group instead
+                A.subgroup_state = lambda group, k: registry.get_startrail_state(
+                    model.module.decoder.layers[0].self_attention.core_attention.cp_group
+                )
+            loss = T.forward_backward(args, model, [mb])
+            A.subgroup_state = saved
+            proof = None
+            if args.hybrid_context_parallel:
+                st = registry.subgroup_state(registry.subgroup_group(2), 2)
+                proof = (sorted(st.local_lengths), st.ledger.bytes(), registry.hybrid_team_sizes())
+                st.local_lengths.clear()
+                st.ledger.clear()
+            out[name] = (loss, _grads(model), proof)
+        return out
+    finally:
+        A.subgroup_state = saved
+        T.teardown()
+
+
+def _close(got, ref):
+    loss, grads, _ = got
+    ref_loss, ref_grads, _ = ref
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (loss, ref_loss)
+    worst = max(((grads[n] - r).abs().max() / r.abs().max()).item() for n, r in ref_grads.items())
+    return worst
+
+
+def _slow_cluster(tmp_path) -> list[str]:
+    """A CPU-like cluster (slow attention and links, no overlap) on whose cost model a
+    sub-group for the long document pays at these tiny sizes (on an H100 cluster every
+    document would run alone)."""
+    import dataclasses
+    import json
+
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+
+    spec = CLUSTER_PRESETS["h100-ib"].with_(
+        gpus_per_node=4, num_nodes=1, attn_flops=1e8, intra_bw=1e8, overlap=False
+    )
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(dataclasses.asdict(spec)))
+    return ["--startrail-batch-cluster", str(path)]
+
+
+def test_hybrid_context_parallel_matches_cp1_with_both_schedulers(tmp_path):
+    ref = run_ranks(1, _run, BASE + ["--micro-batch-size", "4"], ["startrail"])[0]["startrail"]
+    hybrid = BASE + HYBRID + _slow_cluster(tmp_path)
+    got = run_ranks(4, _run, hybrid, ["startrail", "megatron"])
+    for rank, runs in enumerate(got):
+        for name, run in runs.items():
+            assert _close(run, ref) <= TOL, (rank, name)
+            lengths, sent, teams = run[2]
+            assert teams == {1: 1, 2: 1, 4: 2}
+            if rank < 2:  # the long document ran on the 2-rank sub-group of ranks 0 and 1
+                assert 128 in lengths and sent > 0, (rank, name, lengths, sent)
+    # the sub-group ignored: the long document's halves attend only to themselves
+    bad = run_ranks(4, _run, hybrid, ["startrail"], True)
+    with pytest.raises(AssertionError):
+        for runs in bad:
+            assert _close(runs["startrail"], ref) <= TOL
+
+
+def test_rank_runs_share_one_order():
+    placed = [(0, 2, 0), (3, 1, 0), (1, 4, 0), (2, 1, 1), (4, 2, 2)]
+    assert rank_runs(placed, 0) == [(1, 4, 0), (0, 2, 0), (3, 1, 0)]
+    assert rank_runs(placed, 1) == [(1, 4, 0), (0, 2, 0), (2, 1, 1)]
+    assert rank_runs(placed, 3) == [(1, 4, 0), (4, 2, 2)]
+    eod = 9
+    assert document_lengths(torch.tensor([[1, 9, 2, 2], [9, 9, 1, 1]]), eod) == [2, 2, 1, 1, 2]
+
+
+def test_team_size_within():
+    assert [team_size_within(k, 2) for k in (1, 2, 4, 8, 16)] == [1, 1, 2, 2, 2]
+    assert [team_size_within(k, 4) for k in (4, 8, 16, 32)] == [2, 2, 4, 4]
+    with pytest.raises(ValueError, match="team size cap"):
+        team_size_within(4, 0)
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--startrail-team-size", "auto"], "--hybrid-context-parallel is not supported with "
+         "--startrail-team-size auto"),
+        (["--startrail-team-size", "2", "--startrail-placement", "auto"],
+         "--startrail-placement auto"),
+        (["--startrail-team-size", "1", "--startrail-batch-scheduler", "megatron"],
+         "needs --max-seqlen-per-dp-cp-rank"),
+    ],
+)  # fmt: skip
+def test_hybrid_flags_that_cannot_combine_fail_at_parsing(flags, needle, capsys):
+    argv = BASE + ["--hybrid-context-parallel", "--nproc", "4", "--micro-batch-size", "1"]
+    with pytest.raises(SystemExit):
+        T.parse_args(argv + flags)
+    assert needle in capsys.readouterr().err
+
+
+def test_hybrid_needs_documents_and_a_power_of_two(capsys):
+    argv = [a for a in BASE if a != "--reset-attention-mask"]
+    with pytest.raises(SystemExit):
+        T.parse_args(argv + ["--hybrid-context-parallel", "--nproc", "4"])
+    assert "give --reset-attention-mask" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        T.parse_args(BASE + ["--hybrid-context-parallel", "--nproc", "6"])
+    assert "power-of-two number of DP x CP ranks" in capsys.readouterr().err
+
+
+def _refusals(rank, world):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from startrail_megatron.megatron import registry
+
+    args = T.parse_args(BASE + HYBRID + ["--context-parallel-size", "2"])
+    T.initialize(args)
+    try:
+        model = T.build_model(args)
+        attn = model.module.decoder.layers[0].self_attention.core_attention
+        q = torch.randn(64, 1, 4, 16)
+        k = v = torch.randn(64, 1, 2, 16)
+        alone = registry.subgroup_group(1)
+
+        def psp(fmt, size, group, n=64):
+            c = torch.tensor([0, n], dtype=torch.int32)
+            return PackedSeqParams(
+                qkv_format=fmt, cu_seqlens_q=c, cu_seqlens_kv=c, cu_seqlens_q_padded=c,
+                cu_seqlens_kv_padded=c, max_seqlen_q=n, max_seqlen_kv=n, local_cp_size=size,
+                cp_group=group,
+            )  # fmt: skip
+
+        out = {}
+        cases = {
+            "no group": psp("sbhd", 1, None),
+            "thd alone": psp("thd", 1, alone),
+            "size": psp("sbhd", 2, alone),
+            "length": psp("sbhd", 1, alone, 96),
+        }
+        for name, p in cases.items():
+            try:
+                attn(q, k, v, None, packed_seq_params=p)
+                out[name] = None
+            except (NotImplementedError, ValueError) as e:
+                out[name] = (type(e).__name__, str(e))
+        assert attn(q, k, v, None, packed_seq_params=psp("sbhd", 1, alone)).shape == (64, 1, 64)
+        return out
+    finally:
+        T.teardown()
+
+
+def test_hybrid_calls_it_cannot_serve_are_refused_by_name():
+    """On CP = 2: a one-rank sub-sample without a group (megatron-core would slice its RoPE
+    over the 2 CP ranks), one in 'thd' on another group than the model's CP group (RoPE's
+    THD slicing is over the CP group), a local_cp_size its group does not have, and a
+    sub-sample whose cu_seqlens disagree with its local length."""
+    for out in run_ranks(2, _refusals):
+        assert out["no group"][0] == "NotImplementedError"
+        assert "without packed_seq_params.cp_group" in out["no group"][1]
+        assert out["thd alone"][0] == "NotImplementedError"
+        assert "RoPE's THD context-parallel slicing" in out["thd alone"][1]
+        assert out["size"] == ("ValueError", out["size"][1])
+        assert "local_cp_size 2 but its cp_group has 1 ranks" in out["size"][1]
+        assert out["length"][0] == "NotImplementedError" and "[0, 64]" in out["length"][1]
