@@ -77,7 +77,8 @@ EXTERNAL_NAMES = {
     "GPTModel", "HybridModel", "MambaModel", "GPTDataset", "MockGPTDataset",
     "OptimizerParamScheduler", "DistributedDataParallel", "PackedSeqParams",
     "WrappedTorchNorm", "get_batch_on_this_cp_rank", "parallel_state", "pretrain",
-    "parse_and_validate_args",
+    "parse_and_validate_args", "BalancedCPScheduler", "HybridCPDataLoaderWrapper",
+    "get_thd_batch_on_this_cp_rank",
     # torch
     "MemTracker", "init_process_group", "destroy_process_group",
     # DeepSpeed

@@ -234,3 +234,21 @@ def test_hybrid_calls_it_cannot_serve_are_refused_by_name():
         assert out["size"] == ("ValueError", out["size"][1])
         assert "local_cp_size 2 but its cp_group has 1 ranks" in out["size"][1]
         assert out["length"][0] == "NotImplementedError" and "[0, 64]" in out["length"][1]
+
+
+def test_packed_boundaries_read_megatron_016s_one_row_cu_seqlens():
+    """megatron-core 0.16's SFT batches give cu_seqlens as [1, n] (0.19 squeezes them):
+    read as the same boundaries; any other 2-D shape is refused by name."""
+    from types import SimpleNamespace
+
+    from startrail_megatron.megatron.attention import _packed_boundaries
+
+    def psp(t):
+        return SimpleNamespace(qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t,
+                               cu_seqlens_q_padded=t, cu_seqlens_kv_padded=t)  # fmt: skip
+
+    flat = torch.tensor([0, 8, 24], dtype=torch.int32)
+    assert _packed_boundaries(psp(flat[None]), 24) == _packed_boundaries(psp(flat), 24)
+    assert _packed_boundaries(psp(flat), 24) == ([0, 8, 24], [0, 8, 24])
+    with pytest.raises(ValueError, match="a 1-D tensor"):
+        _packed_boundaries(psp(flat.expand(2, 3)), 24)

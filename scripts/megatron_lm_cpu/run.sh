@@ -73,11 +73,15 @@ fi
 
 export PYTHONDONTWRITEBYTECODE=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# mock data and the null tokenizer, unless the flags name data (--data-path: e.g. --sft data
+# from sft_data.py for --hybrid-context-parallel, which Megatron-LM feeds from SFT data only)
+DATA=(--mock-data --tokenizer-type NullTokenizer --vocab-size 256)
+for a in "$@"; do [ "$a" = --data-path ] && DATA=(); done
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
     "$HERE/runner.py" --megatron-lm "$TREE" -m startrail_megatron.launch "$TREE/pretrain_gpt.py" \
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
     --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 2 --train-iters 4 \
-    --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 256 \
+    --lr 1e-3 "${DATA[@]}" \
     --distributed-backend gloo --transformer-impl local --attention-dropout 0 --hidden-dropout 0 \
     --no-persist-layer-norm --no-gradient-accumulation-fusion \
     --log-interval 1 --eval-iters 0 --eval-interval 1000 "$@"

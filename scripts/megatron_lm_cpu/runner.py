@@ -99,6 +99,35 @@ def prepare_megatron_lm(tree: str) -> None:
     initialize._warmup_jit_function = rng_neutral_warmup
 
 
+def report_subgroups() -> None:
+    """With ``MLM_CPU_REPORT_SUBGROUPS=1``: at exit each rank prints the hybrid-CP sub-groups
+    its StarTrail attention ran on (size: calls, bytes sent by this rank), the proof that
+    ``--hybrid-context-parallel`` used them."""
+    import atexit
+    import collections
+
+    from startrail_megatron.megatron import attention
+
+    calls, states = collections.Counter(), {}
+    pick = attention.subgroup_state
+
+    def counting(group, size):
+        state = states[size] = pick(group, size)
+        calls[size] += 1
+        return state
+
+    attention.subgroup_state = counting
+
+    def report():
+        rank = os.environ.get("RANK", "?")
+        sizes = ", ".join(
+            f"{k} ranks: {calls[k]} calls, {states[k].ledger.bytes()} bytes" for k in sorted(calls)
+        )
+        print(f"[rank {rank}] StarTrail hybrid-CP sub-groups: {sizes or 'none'}", flush=True)
+
+    atexit.register(report)
+
+
 def main(argv: list[str]) -> None:
     tree = None
     if argv[:1] == ["--megatron-lm"] and len(argv) > 1:
@@ -110,6 +139,8 @@ def main(argv: list[str]) -> None:
     cuda_on_cpu.install()
     if tree is not None:
         prepare_megatron_lm(tree)
+    if os.environ.get("MLM_CPU_REPORT_SUBGROUPS") == "1":
+        report_subgroups()
     sys.argv = [module, *args]  # argv[0] becomes the module's file, as with ``python -m``
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

@@ -70,7 +70,13 @@ def _packed_boundaries(psp, s_local: int) -> tuple[list[int] | None, list[int] |
         )
 
     def host(t):
-        return None if t is None else [int(x) for x in t.tolist()]
+        if t is None:
+            return None
+        if t.dim() == 2 and t.shape[0] == 1:  # megatron-core 0.16's SFT batches: [1, n]
+            t = t[0]
+        if t.dim() != 1:
+            raise ValueError(f"packed_seq_params.cu_seqlens_*: a 1-D tensor, got {list(t.shape)}")
+        return [int(x) for x in t.tolist()]
 
     cu_q, cu_kv = host(psp.cu_seqlens_q), host(psp.cu_seqlens_kv)
     pad_q = host(getattr(psp, "cu_seqlens_q_padded", None))
