@@ -337,6 +337,12 @@ def test_launcher_runs_unmodified_script(tmp_path):
             r"startrail\.team_size=3 does not fit .*allowed team_size values: \[1, 2\]",
         ),
         ({**_st(4, 2), "teamsize": 2}, {}, r"startrail\.teamsize is not a known key"),
+        (
+            {**_st(4, 2), "hybrid_context_parallel": True},
+            {},
+            r"startrail\.hybrid_context_parallel is not supported on the DeepSpeed path: "
+            r"per-batch CP layouts",
+        ),
         (_st(4, "2"), {}, r"startrail\.team_size='2'.*valid integer"),
         ({**_st(4, 2), "enabled": "yes"}, {}, r"startrail\.enabled='yes'"),
         (
