@@ -112,6 +112,8 @@ def shard_batch(x: Tensor, layout: BatchLayout, rank: int) -> Tensor:
     (``[sum(lengths), ...]``): its block's documents packed and zigzag-sharded over the
     block (``zigzag.shard_packed``)."""
     b = layout.block_of(rank)
+    if not b.docs:  # an idle block: no rows
+        return x[:0]
     return shard_packed(_block_docs(x, layout, b.docs), layout.packed(b), rank - b.start)
 
 
@@ -123,6 +125,8 @@ def unshard_batch(parts, layout: BatchLayout) -> Tensor:
     for length in layout.lengths:
         cu.append(cu[-1] + length)
     for b in layout.blocks:
+        if not b.docs:
+            continue
         packed = layout.packed(b)
         whole = unshard_packed([parts[r] for r in b.ranks], packed)
         at = 0
@@ -168,9 +172,14 @@ def batch_attention(
             raise ValueError(f"{name} comes from the layout; do not pass it to batch_attention")
     _agree_on_layout(layout, groups, q.device)
     b = layout.block_of(groups.cp_rank)
-    packed = layout.packed(b)
-    if not b.docs and q.shape[0] == 0:  # an idle block: nothing to attend, nothing sent
+    if not b.docs:  # an idle block: nothing to attend, nothing sent
+        if q.shape[0]:
+            raise ValueError(
+                f"q has {q.shape[0]} rows; rank {groups.cp_rank}'s block of the layout holds "
+                "no document (shard_batch gives 0 rows)"
+            )
         return q.clone()
+    packed = layout.packed(b)
     if q.shape[0] != packed.s_local:
         raise ValueError(
             f"q has {q.shape[0]} rows; rank {groups.cp_rank}'s block of the layout holds "

@@ -103,10 +103,11 @@ HEADS = (4, 2)
 
 
 def _hand_layout(lengths) -> BatchLayout:
-    """Blocks of 4 ranks (C = 2), 2 ranks (ring) and two of one rank, over 8 ranks."""
+    """Blocks of 4 ranks (C = 2), 2 ranks (ring) and two of one rank, one of them idle (no
+    document: the scheduler leaves a rank idle where that is fastest), over 8 ranks."""
     return BatchLayout(8, tuple(lengths), (
         BatchBlock(0, 4, 2, (0, 5)), BatchBlock(4, 2, 1, (1, 6, 7)),
-        BatchBlock(6, 1, 1, (2, 3)), BatchBlock(7, 1, 1, (4,)),
+        BatchBlock(6, 1, 1, (2, 3, 4)), BatchBlock(7, 1, 1, ()),
     ))  # fmt: skip
 
 
@@ -119,7 +120,9 @@ def _batch_rank(rank, world, lengths, which, ignore_subgroups):
     local = [shard_batch(x, lay, rank).requires_grad_() for x in (q, k, v)]
     ledger = st.CommLedger()
     size = lay.block_of(rank).size
-    if ignore_subgroups:  # every rank attends its own rows alone, as if its block were k = 1
+    if ignore_subgroups and not lay.block_of(rank).docs:  # idle either way
+        out = local[0] * 1
+    elif ignore_subgroups:  # every rank attends its own rows alone, as if its block were k = 1
         n = local[0].shape[0]
         packed = lay.packed(lay.block_of(rank))
         cu = (packed.cu_seqlens, packed.cu_seqlens_padded) if size == 1 else ([0, n], [0, n])
