@@ -26,7 +26,8 @@ import megatron.core  # noqa: E402, F401  (imported once here, before the ranks 
 from harness import run_ranks  # noqa: E402
 
 from startrail_megatron.megatron import training as T  # noqa: E402
-from startrail_megatron.megatron.training.hybrid import document_lengths, rank_runs  # noqa: E402
+from startrail_megatron.megatron.training.hybrid import document_lengths  # noqa: E402
+from startrail_megatron.schedule.batch import rank_runs  # noqa: E402
 from startrail_megatron.schedule.layout import team_size_within  # noqa: E402
 
 BASE = [

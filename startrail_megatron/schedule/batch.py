@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from .layout import divisors, valid_team_sizes
 from .packing import PackedLayout, pack_lengths
 
-__all__ = ["BatchBlock", "BatchLayout", "doc_pairs", "static_layout"]
+__all__ = ["BatchBlock", "BatchLayout", "doc_pairs", "rank_runs", "static_layout"]
 
 
 def doc_pairs(n: int) -> int:
@@ -165,3 +165,13 @@ def static_layout(
         tokens[i] += length
     blocks = [BatchBlock(i * group_size, group_size, team_size, tuple(docs[i])) for i in range(n)]
     return BatchLayout(cp_size, tuple(lengths), tuple(blocks))
+
+
+def rank_runs(placed: list[tuple[int, int, int]], rank: int) -> list[tuple[int, int, int]]:
+    """``rank``'s runs among ``placed`` (``(document, size, start)``: the document on ranks
+    ``[start, start + size)``), in the order every rank runs its own: larger sub-groups
+    first, then by document. The order is one total order over all runs, so each
+    sub-group's ranks reach their shared runs in the same sequence and no two sub-groups
+    wait on each other. Pure."""
+    mine = [r for r in placed if r[2] <= rank < r[2] + r[1]]
+    return sorted(mine, key=lambda r: (-r[1], r[0]))

@@ -36,7 +36,6 @@ __all__ = [
     "check_hybrid_args",
     "document_lengths",
     "hybrid_forward_backward",
-    "rank_runs",
 ]
 
 SCHEDULERS = ("startrail", "megatron")
@@ -55,16 +54,6 @@ def document_lengths(tokens: torch.Tensor, eod: int) -> list[int]:
             ends.append(seq)
         lengths += [b - a for a, b in zip([0, *ends[:-1]], ends)]
     return lengths
-
-
-def rank_runs(placed: list[tuple[int, int, int]], rank: int) -> list[tuple[int, int, int]]:
-    """``rank``'s runs among ``placed`` (``(document, size, start)``: the document on ranks
-    ``[start, start + size)``), in the order every rank runs its own: larger sub-groups
-    first, then by document. The order is one total order over all runs, so each
-    sub-group's ranks reach their shared runs in the same sequence and no two sub-groups
-    wait on each other. Pure."""
-    mine = [r for r in placed if r[2] <= rank < r[2] + r[1]]
-    return sorted(mine, key=lambda r: (-r[1], r[0]))
 
 
 def batch_cluster(args: argparse.Namespace, n: int):
@@ -145,6 +134,7 @@ def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = Tr
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from ...schedule.batch import rank_runs
     from ..registry import hybrid_team_sizes, subgroup_group
     from ..versions import batch_on_this_cp_rank
     from .data import eod_id
@@ -167,8 +157,8 @@ def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = Tr
             doc = {}
             for key, v in flat.items():
                 part = v[cuts[d] : cuts[d + 1]]
-                if key == "position_ids":
-                    part = torch.arange(lengths[d] + pad)
+                if key == "position_ids" and pad:  # the data's ids, continued
+                    part = torch.cat([part, part[-1] + 1 + torch.arange(pad)])
                 elif pad:
                     part = torch.cat([part, part.new_zeros(pad)])
                 doc[key] = part[None].to(dev)

@@ -1,0 +1,129 @@
+"""The per-batch layout measurements' chart and table (docs/performance.md section 17).
+
+    python scripts/batch_figure.py --png docs/batch_layouts.png docs/batch_measure.json
+
+Reads ``scripts/batch_measure.py --json`` rows (one file, or several: CPU ranks and
+emulated runs) and draws, per (lengths, ranks, machine), each layout's throughput against
+static StarTrail's: measured (the slowest rank's thread CPU time; on an emulated cluster
+also the wall clock) beside the model's. ``--table`` prints the Markdown table instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+LAYOUTS = ("static ring", "ours", "megatron")
+
+
+def _load(paths: list[str]) -> list[dict]:
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += json.load(f)
+    return rows
+
+
+def _groups(rows: list[dict]) -> dict:
+    out: dict = {}
+    for r in rows:
+        where = f"emulated {r['emulated']} @ {r['inter_node']}" if r.get("emulated") else "CPU"
+        key = (r["dist"], r["ranks"], r["batch_tokens"], where)
+        out.setdefault(key, {})[r["layout"]] = r
+    return out
+
+
+def _name(layout: str) -> str:
+    return "static StarTrail" if layout.startswith("static StarTrail") else layout
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| lengths | P | tokens | machine | static ring | ours | Megatron's | model: ours, "
+        "Megatron's | balance: ours, Megatron's | max MiB sent: static StarTrail, ours, "
+        "Megatron's |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for (dist, p, tokens, where), by in _groups(rows).items():
+        base = next(v for k, v in by.items() if _name(k) == "static StarTrail")
+
+        def x(name, key="cpu_critical_s", by=by, base=base):
+            r = by.get(name)
+            return f"{base[key] / r[key]:.2f}" if r else "refused"
+
+        def cell(name, key, fmt, by=by):
+            r = by.get(name)
+            return fmt.format(r[key]) if r else "-"
+
+        def mib(name, by=by):
+            r = by.get(name)
+            return f"{r['max_bytes'] / 2**20:.0f}" if r else "-"
+
+        wall = where != "CPU" or p <= 4
+        sep = " / "
+
+        def both(name):
+            return x(name) + (f"{sep}{x(name, 'wall_s')}" if wall else "")
+
+        lines.append(
+            f"| {dist} | {p} | {tokens // 1024}K | {where} | {both('static ring')} | "
+            f"{both('ours')} | {both('megatron')} | {x('ours', 'model_s')}, "
+            f"{x('megatron', 'model_s')} | {cell('ours', 'balance', '{:.2f}')}, "
+            f"{cell('megatron', 'balance', '{:.2f}')} | {base['max_bytes'] / 2**20:.0f}, "
+            f"{mib('ours')}, {mib('megatron')} |"
+        )
+    return "\n".join(lines)
+
+
+def draw(rows: list[dict], png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _groups(rows)
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(groups)), 4.2))
+    width = 0.13
+    colors = {"static ring": "#999999", "ours": "#1f77b4", "megatron": "#d62728"}
+    labels = []
+    for i, ((dist, p, tokens, where), by) in enumerate(groups.items()):
+        base = next(v for k, v in by.items() if _name(k) == "static StarTrail")
+        labels.append(f"{dist}\nP={p}, {tokens // 1024}K\n{where}")
+        for j, name in enumerate(LAYOUTS):
+            r = by.get(name)
+            if r is None:
+                continue
+            key = "wall_s" if where != "CPU" else "cpu_critical_s"
+            off = (j - 1) * 2 * width
+            ax.bar(i + off - width / 2, base[key] / r[key], width, color=colors[name],
+                   label=f"{name}, measured" if i == 0 else None)  # fmt: skip
+            ax.bar(i + off + width / 2, base["model_s"] / r["model_s"], width,
+                   color=colors[name], alpha=0.35, hatch="//",
+                   label=f"{name}, model" if i == 0 else None)  # fmt: skip
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("throughput / static StarTrail's")
+    ax.set_title(
+        "Per-batch layouts: measured (slowest rank's CPU time; emulated: wall clock) and model",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("reports", nargs="+")
+    ap.add_argument("--png", default="")
+    ap.add_argument("--table", action="store_true")
+    args = ap.parse_args(argv)
+    rows = _load(args.reports)
+    if args.table or not args.png:
+        print(table(rows))
+    if args.png:
+        draw(rows, args.png)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""Per-batch layouts measured on CPU ranks (issue 49, item 4's measured half).
+
+    python scripts/batch_measure.py [--dist stdlib lognormal] [--ranks 8 16]
+        [--batch-tokens 16384] [--batches 2] [--json OUT.json]
+
+The batches are ``scripts/batch_schedule_bench.py``'s (the standard library's ``.py``
+token lengths, and Megatron's lognormal), scaled to what 2 CPU cores attend in minutes.
+Each is run forward and backward (exact attention of every document, causal, fp32; 4 query
+heads and 2 KV heads of 32) on P gloo ranks under each layout, side by side:
+
+- ``static ring`` / ``static StarTrail``: every document on all P ranks, packed
+  (``batch_attention`` with one block), C = 1 / the best C on the model;
+- ``megatron``: megatron-core's ``BalancedCPScheduler`` (imported; ``max_seq_len_per_rank``
+  the batch's tokens / P, or the longest document / P where larger), each document on the
+  ranks of its round that hold it, one ``startrail_attention`` call per document (as
+  megatron-core runs its sub-samples), with the largest team size up to 2 that fits;
+- ``ours``: ``schedule_batch`` (packed blocks, ``batch_attention``).
+
+``--emulate NODESxRANKS --inter-node RATE`` (root): the same on an emulated cluster
+(``emulate/``: network namespaces, each node's link limited to RATE), where the wall clock
+counts the transfers; the model's cluster is then the planner's emulated one
+(``bench.emulated.emulated_cluster_spec`` at the set rate) with this machine's kernel rate.
+
+Per layout: each rank's thread CPU time of its forward and backward (``time.thread_time``:
+P ranks share 2 cores, so wall clock says little beyond P = 2; the critical path is the
+slowest rank's), the wall clock between barriers, the most bytes a rank sent (its
+``CommLedger``), the balance of causal pairs (max / mean over ranks), and the model's
+makespan for the same layout on a cluster of this machine's measured kernel rate
+(``--attn-gflops``, measured here when 0) and ``--link-gbps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pickle
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 32
+TEAM_CAP = 2
+
+
+def _layouts(lengths, p: int, prices):
+    """{name: BatchLayout or the megatron runs [(doc, k, start)], None where refused}."""
+    from startrail_megatron.planner.batch import schedule_batch
+    from startrail_megatron.schedule.batch import BatchBlock, BatchLayout
+    from startrail_megatron.schedule.layout import valid_team_sizes
+
+    best = min(valid_team_sizes(p), key=lambda c: (prices.block_price(p, c)[0], c))
+    whole = tuple(range(len(lengths)))
+    out = {
+        "static ring": BatchLayout(p, tuple(lengths), (BatchBlock(0, p, 1, whole),)),
+        f"static StarTrail C={best}": BatchLayout(
+            p, tuple(lengths), (BatchBlock(0, p, best, whole),)
+        ),
+        "ours": schedule_batch(
+            lengths, p, heads_q=HEADS_Q, heads_kv=HEADS_KV, head_dim=HEAD_DIM, elem_bytes=4,
+            cluster=prices.cluster,
+        ),
+    }  # fmt: skip
+    out["megatron"] = _megatron_runs(lengths, p)
+    return out
+
+
+def _megatron_runs(lengths, p: int) -> list | None:
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+    class _Group:
+        def size(self) -> int:
+            return p
+
+    cap = max(sum(lengths) // p, math.ceil(max(lengths) / p))
+    try:
+        _, rounds = BalancedCPScheduler(cap, _Group()).get_groups_and_subsamples(
+            list(enumerate(lengths)), None
+        )
+    except AssertionError:
+        return None
+    runs = []
+    for rnd in rounds:
+        holders: dict[int, list[int]] = {}
+        for r, ids in enumerate(rnd):
+            for d in ids:
+                holders.setdefault(int(d), []).append(r)
+        for d, rs in holders.items():
+            if rs[0] % len(rs) or rs != list(range(rs[0], rs[0] + len(rs))):
+                return None  # not an aligned sub-group: megatron-core would have no group
+            runs.append((d, len(rs), rs[0]))
+    return runs
+
+
+def _rank(rank: int, world: int, plan: list, out_path: str) -> None:
+    from startrail_megatron.attention import startrail_attention
+    from startrail_megatron.batch_attention import (
+        BatchGroups,
+        batch_attention,
+        shard_batch,
+    )
+    from startrail_megatron.comm import CommLedger
+    from startrail_megatron.schedule.batch import rank_runs
+    from startrail_megatron.schedule.layout import team_size_within
+    from startrail_megatron.zigzag import zigzag_shard
+
+    torch.set_num_threads(1)
+    groups = BatchGroups.create()
+    results = []
+    for item in plan:
+        lengths = item["lengths"]
+        total = sum(lengths)
+        g = torch.Generator().manual_seed(item["seed"])
+        q = torch.randn(total, 1, HEADS_Q, HEAD_DIM, generator=g)
+        k = torch.randn(total, 1, HEADS_KV, HEAD_DIM, generator=g)
+        v = torch.randn(total, 1, HEADS_KV, HEAD_DIM, generator=g)
+        dout = torch.randn(total, 1, HEADS_Q, HEAD_DIM, generator=g)
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        names = list(item["layouts"])
+        if item["index"] == 0:  # one untimed pass first: the first calls pay for warm-up
+            names = [names[0], *names]
+        for j, name in enumerate(names):
+            lay = item["layouts"][name]
+            if lay is None:
+                continue
+            ledger = CommLedger()
+            dist.barrier()
+            w0, t0 = time.perf_counter(), time.thread_time()
+            if isinstance(lay, list):  # megatron: one call per document on its ranks
+                for d, size, _start in rank_runs(lay, rank):
+                    pad = (-lengths[d]) % (2 * size)
+                    parts = []
+                    for x in (q, k, v, dout):
+                        doc = x[cu[d] : cu[d + 1]]
+                        if pad:
+                            doc = torch.cat([doc, doc.new_zeros(pad, *doc.shape[1:])])
+                        parts.append(zigzag_shard(doc, rank % size, size).contiguous())
+                    ql, kl, vl, dl = (t.requires_grad_(i < 3) for i, t in enumerate(parts))
+                    grp = groups.get(size, team_size_within(size, TEAM_CAP))
+                    out = startrail_attention(ql, kl, vl, grp, causal=True, ledger=ledger)
+                    out.backward(dl)
+            else:
+                ql, kl, vl, dl = (shard_batch(x, lay, rank) for x in (q, k, v, dout))
+                ql, kl, vl = (t.contiguous().requires_grad_() for t in (ql, kl, vl))
+                if ql.shape[0]:
+                    out = batch_attention(ql, kl, vl, lay, groups, causal=True, ledger=ledger)
+                    out.backward(dl)
+            cpu = time.thread_time() - t0
+            dist.barrier()
+            wall = time.perf_counter() - w0
+            if not (item["index"] == 0 and j == 0):
+                results.append((item["index"], name, cpu, wall, ledger.bytes()))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+
+
+def _attn_flops() -> float:
+    """This machine's attention rate on one thread (flop/s): one causal 2048-token call of
+    the kernel StarTrail picks here (``kernel="auto"``), forward and backward, counted as
+    the planner counts it (4 x head size x query heads per causal pair, the backward 2.5x)."""
+    from startrail_megatron.kernels.choice import resolve_kernel
+
+    torch.set_num_threads(1)
+    n = 2048
+    q = torch.randn(n, 1, HEADS_Q, HEAD_DIM)
+    k = torch.randn(n, 1, HEADS_KV, HEAD_DIM)
+    v = torch.randn(n, 1, HEADS_KV, HEAD_DIM)
+    kern, scale = resolve_kernel(q, "auto", None)
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        out, lse = kern.forward(q, k, v, causal=True, scale=scale)
+        kern.backward(torch.ones_like(out), q, k, v, out, lse, causal=True, scale=scale)
+        best = min(best, time.perf_counter() - t0)
+    pairs = n * (n + 1) / 2
+    return 4 * HEAD_DIM * HEADS_Q * pairs * (1 + 2.5) / best
+
+
+def main(argv: list[str] | None = None) -> None:
+    import batch_schedule_bench as B
+
+    from startrail_megatron.planner.batch import BatchPrices
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+    from startrail_megatron.spawn import spawn_local_ranks
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dist", nargs="+", default=["stdlib", "lognormal"])
+    ap.add_argument("--ranks", nargs="+", type=int, default=[8, 16])
+    ap.add_argument("--batch-tokens", nargs="+", type=int, default=[16384])
+    ap.add_argument("--batches", type=int, default=2)
+    ap.add_argument("--attn-gflops", type=float, default=0.0, help="0: measured here")
+    ap.add_argument("--link-gbps", type=float, default=8.0, help="the model's link, Gbit/s")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--emulate", default=None, help="NODESxRANKS: on an emulated cluster")
+    ap.add_argument("--inter-node", default="200mbit", help="with --emulate: each node's link")
+    ap.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:  # one rank of an emulated run (torchrun's variables set by the parent)
+        with open(args.worker[0], "rb") as f:
+            plan = pickle.load(f)
+        dist.init_process_group("gloo", timeout=timedelta(minutes=30))
+        try:
+            _rank(dist.get_rank(), dist.get_world_size(), plan, args.worker[1])
+        finally:
+            dist.destroy_process_group()
+        return
+    flops = args.attn_gflops * 1e9 or _attn_flops()
+    print(f"kernel rate on one thread: {flops / 1e9:.1f} GFLOP/s (the model's attn_flops)")
+    spec = None
+    if args.emulate:
+        from startrail_megatron.emulate import EmulationSpec
+
+        spec = EmulationSpec.from_flags(ap, args.emulate, args.inter_node, None)
+        args.ranks = [spec.world_size]
+    rows = []
+    for dist_name in args.dist:
+        pool = B.stdlib_lengths() if dist_name == "stdlib" else B.lognormal_lengths(20000, 1)
+        for p in args.ranks:
+            if spec is None:
+                cl = CLUSTER_PRESETS["h100-ib"].with_(
+                    name="this machine's CPU ranks", gpus_per_node=p, num_nodes=1,
+                    attn_flops=flops, intra_bw=args.link_gbps * 1e9 / 8, overlap=False,
+                )  # fmt: skip
+            else:
+                cl = _emulated_cluster(spec, flops)
+            prices = BatchPrices(cl, HEADS_Q, HEADS_KV, HEAD_DIM, 4)
+            for tokens in args.batch_tokens:
+                plan, model = [], {}
+                for i, lengths in enumerate(B.batches(pool, tokens, args.batches, seed=p + tokens)):
+                    lays = _layouts(lengths, p, prices)
+                    plan.append(dict(index=i, seed=i, lengths=lengths, layouts=lays))
+                    for name, lay in lays.items():
+                        if lay is None:
+                            continue
+                        if isinstance(lay, list):
+                            mk = _megatron_model(lengths, lay, prices)
+                            bal = _runs_balance(lengths, lay, p)
+                        else:
+                            mk, bal = max(prices.layout_seconds(lay)), lay.balance()
+                        model[(i, name)] = (mk, bal)
+                out = f"/tmp/batch_measure_{os.getpid()}.json"
+                t0 = time.perf_counter()
+                if spec is None:
+                    spawn_local_ranks(_rank, p, plan, out, timeout=timedelta(minutes=30))
+                else:
+                    _run_emulated(spec, plan, out)
+                with open(out) as f:
+                    per_rank = json.load(f)
+                os.unlink(out)
+                acc: dict[str, list] = {}
+                for i, item in enumerate(plan):
+                    for name in item["layouts"]:
+                        got = [r for rr in per_rank for r in rr if r[0] == i and r[1] == name]
+                        if not got:
+                            continue
+                        mk, bal = model[(i, name)]
+                        acc.setdefault(name, []).append(dict(
+                            cpu_critical_s=max(r[2] for r in got),
+                            cpu_mean_s=statistics.fmean(r[2] for r in got),
+                            wall_s=max(r[3] for r in got), max_bytes=max(r[4] for r in got),
+                            balance=bal, model_s=mk,
+                        ))  # fmt: skip
+                base = next(v for k, v in acc.items() if k.startswith("static StarTrail"))
+                base_cpu = statistics.fmean(x["cpu_critical_s"] for x in base)
+                where = f" on {cl.name}" if spec is not None else ""
+                print(f"{dist_name} P={p}{where}, {tokens} tokens per batch, {len(plan)} batches "
+                      f"({time.perf_counter() - t0:.0f} s):")  # fmt: skip
+                for name, vals in acc.items():
+                    row = {"dist": dist_name, "ranks": p, "batch_tokens": tokens, "layout": name,
+                           "batches": len(vals), "emulated": args.emulate,
+                           "inter_node": args.inter_node if args.emulate else None}  # fmt: skip
+                    for key in vals[0]:
+                        row[key] = statistics.fmean(x[key] for x in vals)
+                    row["throughput_vs_static_startrail"] = base_cpu / row["cpu_critical_s"]
+                    rows.append(row)
+                    print(f"  {name:24s} critical CPU {row['cpu_critical_s']:7.2f} s "
+                          f"(x{row['throughput_vs_static_startrail']:4.2f}), mean "
+                          f"{row['cpu_mean_s']:6.2f} s, wall {row['wall_s']:6.2f} s, balance "
+                          f"{row['balance']:5.2f}, max sent {row['max_bytes'] / 2**20:6.1f} MiB, "
+                          f"model {row['model_s']:6.2f} s")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _emulated_cluster(spec, flops: float):
+    """The planner's emulated cluster (``bench.emulated.emulated_cluster_spec``: the set
+    link rates, no probe) with this machine's kernel rate."""
+    from startrail_megatron.bench.emulated import emulated_cluster_spec
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    nominal = {"bytes": 1, "seconds": {}}
+    return emulated_cluster_spec(spec, nominal, None, mem).with_(
+        attn_flops=flops, matmul_flops=flops
+    )
+
+
+def _run_emulated(spec, plan: list, out: str) -> None:
+    """Every rank of ``plan`` in the emulated cluster (built and removed here)."""
+    import tempfile
+
+    from startrail_megatron.emulate import EmulatedCluster
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "plan.pkl")
+        with open(path, "wb") as f:
+            pickle.dump(plan, f)
+        with EmulatedCluster(spec) as cl:
+            cl.run([sys.executable, os.path.abspath(__file__), "--worker", path, out], 3600)
+
+
+def _megatron_model(lengths, runs, prices) -> float:
+    """The model's makespan of megatron's runs: each rank's documents one after the other."""
+    from startrail_megatron.schedule.batch import doc_pairs
+    from startrail_megatron.schedule.layout import team_size_within
+
+    per: dict[int, float] = {}
+    for d, k, start in runs:
+        c = team_size_within(k, TEAM_CAP)
+        t = prices.rank_seconds(k, c, doc_pairs(lengths[d]), lengths[d])
+        for r in range(start, start + k):
+            per[r] = per.get(r, 0.0) + t
+    return max(per.values())
+
+
+def _runs_balance(lengths, runs, p: int) -> float:
+    from startrail_megatron.schedule.batch import doc_pairs
+
+    pairs = [0.0] * p
+    for d, k, start in runs:
+        for r in range(start, start + k):
+            pairs[r] += doc_pairs(lengths[d]) / k
+    return max(pairs) / statistics.fmean(pairs)
+
+
+if __name__ == "__main__":
+    main()
