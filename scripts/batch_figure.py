@@ -37,40 +37,42 @@ def _name(layout: str) -> str:
     return "static StarTrail" if layout.startswith("static StarTrail") else layout
 
 
+def _ratio(by: dict, base: dict, name: str, key: str) -> str:
+    r = by.get(name)
+    return f"{base[key] / r[key]:.2f}" if r else "refused"
+
+
+def _cell(by: dict, name: str, key: str, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    r = by.get(name)
+    return fmt.format(r[key] / scale) if r else "-"
+
+
 def table(rows: list[dict]) -> str:
+    """Per (lengths, P, tokens, machine): each layout's throughput against static
+    StarTrail's from the slowest rank's CPU time (and the wall clock after a slash, where
+    it means something: emulated runs, P <= 4), the model's, balance and bytes sent."""
     lines = [
         "| lengths | P | tokens | machine | static ring | ours | Megatron's | model: ours, "
         "Megatron's | balance: ours, Megatron's | max MiB sent: static StarTrail, ours, "
         "Megatron's |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    mib = float(2**20)
     for (dist, p, tokens, where), by in _groups(rows).items():
         base = next(v for k, v in by.items() if _name(k) == "static StarTrail")
-
-        def x(name, key="cpu_critical_s", by=by, base=base):
-            r = by.get(name)
-            return f"{base[key] / r[key]:.2f}" if r else "refused"
-
-        def cell(name, key, fmt, by=by):
-            r = by.get(name)
-            return fmt.format(r[key]) if r else "-"
-
-        def mib(name, by=by):
-            r = by.get(name)
-            return f"{r['max_bytes'] / 2**20:.0f}" if r else "-"
-
         wall = where != "CPU" or p <= 4
-        sep = " / "
-
-        def both(name):
-            return x(name) + (f"{sep}{x(name, 'wall_s')}" if wall else "")
-
+        meas = {
+            n: _ratio(by, base, n, "cpu_critical_s")
+            + (f" / {_ratio(by, base, n, 'wall_s')}" if wall else "")
+            for n in LAYOUTS
+        }
         lines.append(
-            f"| {dist} | {p} | {tokens // 1024}K | {where} | {both('static ring')} | "
-            f"{both('ours')} | {both('megatron')} | {x('ours', 'model_s')}, "
-            f"{x('megatron', 'model_s')} | {cell('ours', 'balance', '{:.2f}')}, "
-            f"{cell('megatron', 'balance', '{:.2f}')} | {base['max_bytes'] / 2**20:.0f}, "
-            f"{mib('ours')}, {mib('megatron')} |"
+            f"| {dist} | {p} | {tokens // 1024}K | {where} | {meas['static ring']} | "
+            f"{meas['ours']} | {meas['megatron']} | {_ratio(by, base, 'ours', 'model_s')}, "
+            f"{_ratio(by, base, 'megatron', 'model_s')} | {_cell(by, 'ours', 'balance')}, "
+            f"{_cell(by, 'megatron', 'balance')} | {base['max_bytes'] / mib:.0f}, "
+            f"{_cell(by, 'ours', 'max_bytes', mib, '{:.0f}')}, "
+            f"{_cell(by, 'megatron', 'max_bytes', mib, '{:.0f}')} |"
         )
     return "\n".join(lines)
 
