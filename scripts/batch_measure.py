@@ -19,7 +19,9 @@ heads and 2 KV heads of 32) on P gloo ranks under each layout, side by side:
 ``--emulate NODESxRANKS --inter-node RATE`` (root): the same on an emulated cluster
 (``emulate/``: network namespaces, each node's link limited to RATE), where the wall clock
 counts the transfers; the model's cluster is then the planner's emulated one
-(``bench.emulated.emulated_cluster_spec`` at the set rate) with this machine's kernel rate.
+(``bench.emulated.emulated_cluster_spec``, its links from the link probe run in the
+cluster first, as ``startrail-bench --emulate`` does) with this machine's kernel rate
+shared by the ranks (cores / ranks of it each, where they outnumber the cores).
 
 Per layout: each rank's thread CPU time of its forward and backward (``time.thread_time``:
 P ranks share 2 cores, so wall clock says little beyond P = 2; the critical path is the
@@ -151,9 +153,9 @@ def _rank(rank: int, world: int, plan: list, out_path: str) -> None:
             else:
                 ql, kl, vl, dl = (shard_batch(x, lay, rank) for x in (q, k, v, dout))
                 ql, kl, vl = (t.contiguous().requires_grad_() for t in (ql, kl, vl))
-                if ql.shape[0]:
-                    out = batch_attention(ql, kl, vl, lay, groups, causal=True, ledger=ledger)
-                    out.backward(dl)
+                # every rank calls it, an idle one too (it joins the layout check)
+                out = batch_attention(ql, kl, vl, lay, groups, causal=True, ledger=ledger)
+                out.backward(dl)
             cpu = time.thread_time() - t0
             dist.barrier()
             wall = time.perf_counter() - w0
@@ -191,10 +193,6 @@ def _attn_flops() -> float:
 def main(argv: list[str] | None = None) -> None:
     import batch_schedule_bench as B
 
-    from startrail_megatron.planner.batch import BatchPrices
-    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
-    from startrail_megatron.spawn import spawn_local_ranks
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dist", nargs="+", default=["stdlib", "lognormal"])
     ap.add_argument("--ranks", nargs="+", type=int, default=[8, 16])
@@ -218,13 +216,35 @@ def main(argv: list[str] | None = None) -> None:
         return
     flops = args.attn_gflops * 1e9 or _attn_flops()
     print(f"kernel rate on one thread: {flops / 1e9:.1f} GFLOP/s (the model's attn_flops)")
-    spec = None
+    spec = emu = None
     if args.emulate:
-        from startrail_megatron.emulate import EmulationSpec
+        from startrail_megatron.emulate import EmulatedCluster, EmulationSpec
 
         spec = EmulationSpec.from_flags(ap, args.emulate, args.inter_node, None)
         args.ranks = [spec.world_size]
+        emu = EmulatedCluster(spec)
+        emu.build()
+    try:
+        rows = _measure(args, B, spec, emu, flops)
+    finally:
+        if emu is not None:
+            emu.teardown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _measure(args, B, spec, emu, flops: float) -> list[dict]:
+    from startrail_megatron.planner.batch import BatchPrices
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+    from startrail_megatron.spawn import spawn_local_ranks
+
     rows = []
+    ports = iter(range(29560, 29660))
+    model_cluster = None
+    if emu is not None:  # the links as the probe finds them, as startrail-bench --emulate
+        model_cluster = _emulated_cluster(spec, flops, _probe(emu, next(ports)))
+        print(f"the model's cluster: {model_cluster}")
     for dist_name in args.dist:
         pool = B.stdlib_lengths() if dist_name == "stdlib" else B.lognormal_lengths(20000, 1)
         for p in args.ranks:
@@ -234,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
                     attn_flops=flops, intra_bw=args.link_gbps * 1e9 / 8, overlap=False,
                 )  # fmt: skip
             else:
-                cl = _emulated_cluster(spec, flops)
+                cl = model_cluster
             prices = BatchPrices(cl, HEADS_Q, HEADS_KV, HEAD_DIM, 4)
             for tokens in args.batch_tokens:
                 plan, model = [], {}
@@ -255,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
                 if spec is None:
                     spawn_local_ranks(_rank, p, plan, out, timeout=timedelta(minutes=30))
                 else:
-                    _run_emulated(spec, plan, out)
+                    _run_emulated(emu, plan, out, next(ports))
                 with open(out) as f:
                     per_rank = json.load(f)
                 os.unlink(out)
@@ -290,35 +310,43 @@ def main(argv: list[str] | None = None) -> None:
                           f"{row['cpu_mean_s']:6.2f} s, wall {row['wall_s']:6.2f} s, balance "
                           f"{row['balance']:5.2f}, max sent {row['max_bytes'] / 2**20:6.1f} MiB, "
                           f"model {row['model_s']:6.2f} s")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    return rows
 
 
-def _emulated_cluster(spec, flops: float):
-    """The planner's emulated cluster (``bench.emulated.emulated_cluster_spec``: the set
-    link rates, no probe) with this machine's kernel rate."""
+def _probe(emu, port: int) -> dict:
+    """The link probe's report (``emulate.probe``) run in the emulated cluster."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "probe.json")
+        emu.run([sys.executable, "-m", "startrail_megatron.emulate.probe", path], 600, port)
+        with open(path) as f:
+            return json.load(f)
+
+
+def _emulated_cluster(spec, flops: float, probe: dict):
+    """The planner's emulated cluster (``bench.emulated.emulated_cluster_spec``: the links
+    from the probe) with this machine's kernel rate, shared: the ranks' kernels run on the
+    host's cores together, so each rank's wall-clock rate is the single thread's times
+    cores / ranks where the ranks outnumber the cores."""
     from startrail_megatron.bench.emulated import emulated_cluster_spec
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    nominal = {"bytes": 1, "seconds": {}}
-    return emulated_cluster_spec(spec, nominal, None, mem).with_(
-        attn_flops=flops, matmul_flops=flops
+    share = min(1.0, (os.cpu_count() or 1) / spec.world_size)
+    return emulated_cluster_spec(spec, probe, None, mem).with_(
+        attn_flops=flops * share, matmul_flops=flops * share
     )
 
 
-def _run_emulated(spec, plan: list, out: str) -> None:
-    """Every rank of ``plan`` in the emulated cluster (built and removed here)."""
+def _run_emulated(emu, plan: list, out: str, port: int) -> None:
+    """Every rank of ``plan`` in the emulated cluster ``emu``."""
     import tempfile
-
-    from startrail_megatron.emulate import EmulatedCluster
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "plan.pkl")
         with open(path, "wb") as f:
             pickle.dump(plan, f)
-        with EmulatedCluster(spec) as cl:
-            cl.run([sys.executable, os.path.abspath(__file__), "--worker", path, out], 3600)
+        emu.run([sys.executable, os.path.abspath(__file__), "--worker", path, out], 3600, port)
 
 
 def _megatron_model(lengths, runs, prices) -> float:

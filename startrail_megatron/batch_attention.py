@@ -162,7 +162,8 @@ def batch_attention(
     ``kernel``, ``ledger``, ``window``). ``ValueError`` before any transfer where the
     layout is for another number of ranks, or its local rows do not match ``q``, and on
     every rank where the ranks pass different layouts (one tiny all-reduce over the group
-    the first time a rank sees a layout)."""
+    the first time a rank sees a layout). Every rank of the group calls it, a rank whose
+    block holds no document too (with its 0 rows: it joins that check, and returns them)."""
     if layout.cp_size != groups.cp_size:
         raise ValueError(
             f"the layout is for {layout.cp_size} ranks; the groups span {groups.cp_size}"

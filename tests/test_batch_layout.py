@@ -25,7 +25,7 @@ from common import TOL, packed_inputs, packed_reference
 from harness import run_ranks
 
 import startrail_megatron as st
-from startrail_megatron.planner.batch import schedule_batch
+from startrail_megatron.planner.batch import BatchPrices, schedule_batch
 from startrail_megatron.planner.cluster import CLUSTER_PRESETS
 from startrail_megatron.schedule.batch import BatchBlock, BatchLayout, doc_pairs, static_layout
 
@@ -86,6 +86,25 @@ def test_the_scheduler_keeps_to_the_sizes_and_team_sizes_it_is_given():
         schedule_batch(lengths, 16, sizes=[3])
     with pytest.raises(ValueError, match="team_sizes"):
         schedule_batch(lengths, 16, sizes=[2], team_sizes={2: 2})
+
+
+def test_the_scheduler_keeps_a_long_document_inside_a_node_where_the_link_is_slow():
+    """A batch of the stdlib lengths on 2 nodes of 4 ranks behind a slow node link (the
+    emulated cluster's, section 17): the longest document gets a node of its own rather
+    than the whole group, and the model predicts that faster than the static layout (the
+    search without the node-wide candidate returned the static layout here)."""
+    lengths = [1471, 7427, 4373, 1646, 111, 1356]
+    slow = CLUSTER_PRESETS["h100-ib"].with_(
+        gpus_per_node=4, num_nodes=2, intra_bw=7e8, inter_bw=2.4e7, inter_bw_per_gpu=2.4e7,
+        attn_flops=1.3e10, matmul_flops=1.3e10, overlap=False,
+    )  # fmt: skip
+    shape = dict(heads_q=4, heads_kv=2, head_dim=32, elem_bytes=4, cluster=slow)
+    lay = schedule_batch(lengths, 8, **shape)
+    prices = BatchPrices(slow, 4, 2, 32, 4)
+    static = schedule_batch(lengths, 8, sizes=[8], **shape)  # blocks of 8 (or 1) only
+    assert max(b.size for b in lay.blocks) <= 4
+    assert lay.block_of(next(b.start for b in lay.blocks if 1 in b.docs)).size == 4
+    assert max(prices.layout_seconds(lay)) < 0.8 * max(prices.layout_seconds(static))
 
 
 def test_the_scheduler_takes_under_a_second_for_1000_documents_on_16_ranks():

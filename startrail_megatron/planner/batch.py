@@ -5,10 +5,11 @@ layouts]) whose slowest rank the cost model predicts shortest.
 Prices, from the planner's own model (``cluster``: a ``ClusterSpec``):
 - a rank's kernels: its causal pairs at the cluster's attention rate, forward and
   backward (``compute.kernel_time``'s FLOP count, without its per-call overhead);
-- a block's communication: StarTrail's bytes per rank for its size k and team size C
-  (``strategies.comm_bytes``, linear in the tokens each rank holds), over the inside-node
-  link where the block fits a node, else the node's link shared by its ranks
-  (``ClusterSpec.inter_bw / gpus_per_node``); a block of one rank sends nothing. Each
+- a block's communication: the planner's own time for StarTrail's transfers on k ranks
+  with team size C (``strategies``: team collectives and sub-ring steps over the links
+  they cross, the ``team`` placement, the block inside a node where it fits one) with
+  instant kernels, per local token (linear in the tokens each rank holds); a block of one
+  rank sends nothing. Each
   block size takes the team size with the fewest predicted seconds per token. A rank's
   time is its kernels and its block's communication, the longer of the two where the
   cluster overlaps transfers with compute (``ClusterSpec.overlap``), else their sum.
@@ -24,13 +25,16 @@ The search (greedy, O(documents x blocks)):
 3. The other documents, longest first, each go where the slowest rank's time grows least:
    onto the least loaded block of one, or into a multi-rank block (packed with its
    documents, sharded over its ranks).
-Of this layout and the static one (every document on all P ranks, the best C), the one
-whose slowest rank the model predicts fastest is returned: never predicted slower than
-the static layout. Pure: no torch.
+The search runs twice where the ranks span nodes: with every block size, and with
+blocks no wider than a node (a long document then takes a node's ranks, more work per rank
+but no transfer over a node link). Of these layouts and the static one (every document on
+all P ranks, the best C), the one whose slowest rank the model predicts fastest is
+returned: never predicted slower than the static layout. Pure: no torch.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Mapping, Sequence
 
@@ -77,15 +81,7 @@ class BatchPrices:
     def _price(self, size: int, team_size: int) -> tuple[float, float]:
         if size == 1:
             return 0.0, 0.0
-        from .strategies import Strategy, comm_bytes
-
-        hq, hkv, d, e, b = self.dims
-        cl = self.cluster
-        shape = AttnShape(size, _REF_TOKENS, b, hq, hkv, d, elem_bytes=e, acc_bytes=4)
-        bw = cl.intra_bw if size <= cl.gpus_per_node else cl.inter_bw / cl.gpus_per_node
-        per_rank = comm_bytes(Strategy("startrail", team_size, "team"), shape)
-        sent = max(sum(r.values()) for r in per_rank) / _REF_TOKENS
-        return sent / bw, sent
+        return _block_price(self.cluster, self.dims, size, team_size)
 
     def team_size(self, size: int) -> int:
         """The team size of a block of ``size`` with the fewest seconds per token (or the
@@ -120,6 +116,28 @@ class BatchPrices:
             for r in b.ranks:
                 out[r] = self.block_price(b.size, b.team_size)[1] * tokens / b.size
         return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_price(cluster: ClusterSpec, dims: tuple, size: int, team_size: int):
+    """(seconds, bytes sent) per local token of a block's transfers, from the planner's own
+    strategy model (``strategies.Strategy.spec.times``: team collectives and sub-ring steps
+    over the links they cross, ``team`` placement, the block at an aligned start: inside a
+    node where it fits one) on the cluster with instant kernels, so only the transfers
+    are left. Cached: the same cluster and call shape price the same in every batch."""
+    from .strategies import Strategy, comm_bytes
+
+    hq, hkv, d, e, b = dims
+    shape = AttnShape(size, _REF_TOKENS, b, hq, hkv, d, elem_bytes=e, acc_bytes=4)
+    per_node = min(cluster.gpus_per_node, size)
+    transfers_only = cluster.with_(
+        gpus_per_node=per_node, num_nodes=-(-size // per_node), attn_flops=1e30,
+        matmul_flops=1e30, kernel_overhead=0.0, mem_bw=0.0,
+    )  # fmt: skip
+    st = Strategy("startrail", team_size, "team")
+    fwd, bwd = st.spec.times(st, transfers_only, shape)
+    sent = max(sum(r.values()) for r in comm_bytes(st, shape)) / _REF_TOKENS
+    return (fwd + bwd) / _REF_TOKENS, sent
 
 
 def schedule_batch(
@@ -161,10 +179,12 @@ def schedule_batch(
     whole = BatchLayout(
         p, lengths, (BatchBlock(0, p, prices.team_size(p), tuple(range(len(lengths)))),)
     )
-    return min(
-        (whole, _greedy(lengths, p, prices, sizes)),
-        key=lambda lay: max(prices.layout_seconds(lay)),
-    )
+    candidates = [whole, _greedy(lengths, p, prices, sizes)]
+    node = cluster.gpus_per_node
+    inside = [k for k in sizes if k <= node]
+    if node < p and inside != sizes:  # no block wider than a node: its links stay inside
+        candidates.append(_greedy(lengths, p, prices, inside))
+    return min(candidates, key=lambda lay: max(prices.layout_seconds(lay)))
 
 
 def _greedy(lengths: tuple, p: int, prices: BatchPrices, sizes: list[int]) -> BatchLayout:
