@@ -77,6 +77,8 @@ def _layouts(lengths, p: int, prices):
 def _megatron_runs(lengths, p: int) -> list | None:
     from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
+    from startrail_megatron.schedule.batch import runs_from_rounds
+
     class _Group:
         def size(self) -> int:
             return p
@@ -88,17 +90,10 @@ def _megatron_runs(lengths, p: int) -> list | None:
         )
     except AssertionError:
         return None
-    runs = []
-    for rnd in rounds:
-        holders: dict[int, list[int]] = {}
-        for r, ids in enumerate(rnd):
-            for d in ids:
-                holders.setdefault(int(d), []).append(r)
-        for d, rs in holders.items():
-            if rs[0] % len(rs) or rs != list(range(rs[0], rs[0] + len(rs))):
-                return None  # not an aligned sub-group: megatron-core would have no group
-            runs.append((d, len(rs), rs[0]))
-    return runs
+    try:
+        return runs_from_rounds(rounds)
+    except ValueError:  # not an aligned sub-group: megatron-core would have no group
+        return None
 
 
 def _rank(rank: int, world: int, plan: list, out_path: str) -> None:

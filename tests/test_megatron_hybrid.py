@@ -27,7 +27,7 @@ from harness import run_ranks  # noqa: E402
 
 from startrail_megatron.megatron import training as T  # noqa: E402
 from startrail_megatron.megatron.training.hybrid import document_lengths  # noqa: E402
-from startrail_megatron.schedule.batch import rank_runs  # noqa: E402
+from startrail_megatron.schedule.batch import rank_runs, runs_from_rounds  # noqa: E402
 from startrail_megatron.schedule.layout import team_size_within  # noqa: E402
 
 BASE = [
@@ -142,6 +142,12 @@ def test_rank_runs_share_one_order():
     assert rank_runs(placed, 0) == [(1, 4, 0), (0, 2, 0), (3, 1, 0)]
     assert rank_runs(placed, 1) == [(1, 4, 0), (0, 2, 0), (2, 1, 1)]
     assert rank_runs(placed, 3) == [(1, 4, 0), (4, 2, 2)]
+    rounds = [[[0], [0], [1], [2]], [[3], [3], [3], [3]]]  # megatron-core's rounds, per rank
+    assert runs_from_rounds(rounds) == [(0, 2, 0), (1, 1, 2), (2, 1, 3), (3, 4, 0)]
+    with pytest.raises(ValueError, match=r"document 0 on ranks \[1, 2\]"):
+        runs_from_rounds([[[], [0], [0], []]])  # not an aligned pair: no group for it
+    with pytest.raises(ValueError, match=r"aligned blocks of \[1, 2\]"):
+        runs_from_rounds(rounds, {1: 1, 2: 1})
     eod = 9
     assert document_lengths(torch.tensor([[1, 9, 2, 2], [9, 9, 1, 1]]), eod) == [2, 2, 1, 1, 2]
 

@@ -116,32 +116,21 @@ def install(
         cfg = _INSTALLED["config"]
         hybrid = _bound(init_sig, args, kwargs).get("hybrid_context_parallel")
         cp_group = parallel_state.get_context_parallel_group()
-        create_startrail_groups(
-            cp_group,
-            # hybrid CP: the team size is each group's cap (the largest that fits it)
-            team_size_within(torch.distributed.get_world_size(cp_group), cfg["team_size"])
-            if hybrid
-            else cfg["team_size"],
-            cfg["placement"],
-            cfg["kernel"],
+        c, placement, kernel = cfg["team_size"], cfg["placement"], cfg["kernel"]
+        common = dict(
             timeout=_megatron_timeout(init_sig, args, kwargs),
             own_rows_first=cfg["own_rows_first"],
             ulysses_size=cfg["ulysses_size"],
             attention_tile=cfg["attention_tile"],
             attention_head_chunks=cfg["attention_head_chunks"],
-            placement_shape=cfg["placement_shape"],
+        )
+        # hybrid CP: the team size is each group's cap (the largest that fits it)
+        cp_c = team_size_within(torch.distributed.get_world_size(cp_group), c) if hybrid else c
+        create_startrail_groups(
+            cp_group, cp_c, placement, kernel, placement_shape=cfg["placement_shape"], **common
         )
         if hybrid:
-            create_hybrid_startrail_groups(
-                cfg["team_size"],
-                cfg["placement"],
-                cfg["kernel"],
-                timeout=_megatron_timeout(init_sig, args, kwargs),
-                own_rows_first=cfg["own_rows_first"],
-                ulysses_size=cfg["ulysses_size"],
-                attention_tile=cfg["attention_tile"],
-                attention_head_chunks=cfg["attention_head_chunks"],
-            )
+            create_hybrid_startrail_groups(c, placement, kernel, **common)
         return out
 
     @functools.wraps(orig_destroy)

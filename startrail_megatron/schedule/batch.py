@@ -33,7 +33,14 @@ from dataclasses import dataclass
 from .layout import divisors, valid_team_sizes
 from .packing import PackedLayout, pack_lengths
 
-__all__ = ["BatchBlock", "BatchLayout", "doc_pairs", "rank_runs", "static_layout"]
+__all__ = [
+    "BatchBlock",
+    "BatchLayout",
+    "doc_pairs",
+    "rank_runs",
+    "runs_from_rounds",
+    "static_layout",
+]
 
 
 def doc_pairs(n: int) -> int:
@@ -175,3 +182,26 @@ def rank_runs(placed: list[tuple[int, int, int]], rank: int) -> list[tuple[int, 
     wait on each other. Pure."""
     mine = [r for r in placed if r[2] <= rank < r[2] + r[1]]
     return sorted(mine, key=lambda r: (-r[1], r[0]))
+
+
+def runs_from_rounds(rounds, sizes=None) -> list[tuple[int, int, int]]:
+    """megatron-core's ``BalancedCPScheduler`` rounds (each a list, per rank, of the
+    document ids it holds) as runs ``(document, size, start)``: a document on the ranks of
+    its round that hold it. ``ValueError`` where those ranks are not an aligned block (of a
+    size in ``sizes``, where given): megatron-core has no group for them. Pure."""
+    runs = []
+    for rnd in rounds:
+        holders: dict[int, list[int]] = {}
+        for r, ids in enumerate(rnd):
+            for d in ids:
+                holders.setdefault(int(d), []).append(r)
+        for d, ranks in holders.items():
+            k, start = len(ranks), ranks[0]
+            if start % k or ranks != list(range(start, start + k)) or (sizes and k not in sizes):
+                raise ValueError(
+                    f"megatron-core's BalancedCPScheduler put document {d} on ranks {ranks}, "
+                    "which are not one of the sub-groups"
+                    + (f" (aligned blocks of {sorted(sizes)})" if sizes else " (aligned blocks)")
+                )
+            runs.append((d, k, start))
+    return runs

@@ -95,6 +95,8 @@ def _megatrons(args, lengths: list[int], n: int, sizes: dict[int, int]) -> list:
     on ranks that are not one of Megatron's sub-groups."""
     from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
+    from ...schedule.batch import runs_from_rounds
+
     class _Group:  # the scheduler reads the group's size alone
         def size(self) -> int:
             return n
@@ -110,21 +112,7 @@ def _megatrons(args, lengths: list[int], n: int, sizes: dict[int, int]) -> list:
             f"(lengths {sorted(lengths)[-5:]}... with --max-seqlen-per-dp-cp-rank {cap}): "
             f"{e or 'an assertion'}; use --startrail-batch-scheduler startrail"
         ) from None
-    placed = []
-    for rnd in rounds:
-        holders: dict[int, list[int]] = {}
-        for r, ids in enumerate(rnd):
-            for d in ids:
-                holders.setdefault(int(d), []).append(r)
-        for d, ranks in holders.items():
-            k, start = len(ranks), ranks[0]
-            if k not in sizes or start % k or ranks != list(range(start, start + k)):
-                raise ValueError(
-                    f"megatron-core's BalancedCPScheduler put document {d} on ranks {ranks}, "
-                    f"which are not one of the sub-groups (aligned blocks of {sorted(sizes)})"
-                )
-            placed.append((d, k, start))
-    return placed
+    return runs_from_rounds(rounds, sizes)
 
 
 def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = True):

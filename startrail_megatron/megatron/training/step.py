@@ -39,15 +39,10 @@ def pack_micro_batch(batch: dict, eod: int) -> tuple[dict, object]:
     from ...schedule.packing import pack_lengths
     from ...zigzag import shard_packed
     from ..attention import packed_seq_params
+    from .hybrid import document_lengths
 
     tokens = batch["tokens"]
-    seq = tokens.shape[1]
-    lengths = []
-    for row in tokens:
-        ends = [i + 1 for i in (row == eod).nonzero().flatten().tolist()]
-        if not ends or ends[-1] != seq:
-            ends.append(seq)
-        lengths += [b - a for a, b in zip([0, *ends[:-1]], ends)]
+    lengths = document_lengths(tokens, eod)
     cp = parallel_state.get_context_parallel_world_size()
     packed = pack_lengths(lengths, cp)
     r = parallel_state.get_context_parallel_rank()
