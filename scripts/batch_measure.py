@@ -75,24 +75,16 @@ def _layouts(lengths, p: int, prices):
 
 
 def _megatron_runs(lengths, p: int) -> list | None:
-    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
-
+    """megatron-core's scheduler's runs (``max_seq_len_per_rank``: the batch's tokens / P,
+    or the longest document / P where larger), None where it refuses the batch or puts a
+    document on ranks megatron-core has no group for."""
+    from startrail_megatron.megatron.training.hybrid import megatron_rounds
     from startrail_megatron.schedule.batch import runs_from_rounds
-
-    class _Group:
-        def size(self) -> int:
-            return p
 
     cap = max(sum(lengths) // p, math.ceil(max(lengths) / p))
     try:
-        _, rounds = BalancedCPScheduler(cap, _Group()).get_groups_and_subsamples(
-            list(enumerate(lengths)), None
-        )
-    except AssertionError:
-        return None
-    try:
-        return runs_from_rounds(rounds)
-    except ValueError:  # not an aligned sub-group: megatron-core would have no group
+        return runs_from_rounds(megatron_rounds(lengths, p, cap))
+    except ValueError:
         return None
 
 

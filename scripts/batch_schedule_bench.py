@@ -103,18 +103,12 @@ def static(lengths, p: int, c: int) -> BatchLayout:
 
 def megatron_seconds(lengths, p: int, prices: BatchPrices, max_per_rank: int) -> tuple:
     """(makespan, balance, max bytes) of megatron-core's BalancedCPScheduler's rounds."""
-    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
-
-    class _Group:  # the scheduler reads only the group's size
-        def size(self) -> int:
-            return p
+    from startrail_megatron.megatron.training.hybrid import megatron_rounds
 
     max_per_rank = max(max_per_rank, math.ceil(max(lengths) / p))  # every document fits
     try:
-        _, rounds = BalancedCPScheduler(max_per_rank, _Group()).get_groups_and_subsamples(
-            list(enumerate(lengths)), None
-        )
-    except AssertionError:  # megatron-core refuses some batches (e.g. fewer documents than
+        rounds = megatron_rounds(lengths, p, max_per_rank)
+    except ValueError:  # megatron-core refuses some batches (e.g. fewer documents than
         return None  # it can group): counted, not priced
     total, pairs, sent = 0.0, [0.0] * p, [0.0] * p
     for rnd in rounds:

@@ -52,6 +52,7 @@ __all__ = [
     "create_startrail_groups",
     "get_startrail_state",
     "hybrid_group_sizes",
+    "hybrid_states",
     "hybrid_team_sizes",
     "registered_cp_groups",
     "release_all_startrail_groups",
@@ -83,11 +84,10 @@ class StarTrailMegatronState:
     (``--startrail-attention-head-chunks``)."""
 
 
-_REGISTRY: dict[dist.ProcessGroup | str | None, StarTrailMegatronState] = {}
-_ALONE = "one rank alone"
-"""The registry key of the one-rank groups a sub-sample of ``local_cp_size`` 1 runs on."""
-_HYBRID: dict[int, dist.ProcessGroup | str] = {}
-"""The registry keys of the hybrid-CP sub-groups, by size."""
+_REGISTRY: dict[dist.ProcessGroup | None, StarTrailMegatronState] = {}
+_HYBRID: dict[int, dist.ProcessGroup] = {}
+"""This rank's hybrid-CP sub-groups by size (1: the one-rank group made for it), each
+registered in ``_REGISTRY``."""
 
 
 def _key(cp_group) -> dist.ProcessGroup | None:
@@ -188,32 +188,34 @@ def create_hybrid_startrail_groups(
         g = dist.new_group([r], timeout=timeout, group_desc="startrail_alone")
         if r == dist.get_rank():
             alone = g
-    release_startrail_groups(_ALONE)
+    if 1 in _HYBRID:  # a second call: the earlier one-rank group's entry goes
+        release_startrail_groups(_HYBRID[1])
     create_startrail_groups(alone, 1, "team", kernel, timeout, **options)
-    _REGISTRY[_ALONE] = _REGISTRY.pop(_key(alone))
-    _HYBRID[1] = _ALONE
+    _HYBRID[1] = alone
     return hybrid_team_sizes()
 
 
+def hybrid_states() -> dict[int, StarTrailMegatronState]:
+    """``{k: state}`` of the hybrid-CP sub-groups registered on this rank (empty without
+    ``create_hybrid_startrail_groups``)."""
+    return {k: _REGISTRY[g] for k, g in sorted(_HYBRID.items()) if g in _REGISTRY}
+
+
 def hybrid_team_sizes() -> dict[int, int]:
-    """``{k: team size}`` of the hybrid-CP sub-groups registered on this rank (empty
-    without ``create_hybrid_startrail_groups``)."""
-    return {
-        k: _REGISTRY[key].groups.team_size for k, key in sorted(_HYBRID.items())
-        if key in _REGISTRY
-    }  # fmt: skip
+    """``{k: team size}`` of the hybrid-CP sub-groups registered on this rank."""
+    return {k: state.groups.team_size for k, state in hybrid_states().items()}
 
 
 def subgroup_group(size: int):
     """This rank's hybrid-CP sub-group of ``size`` ranks (for ``PackedSeqParams.cp_group``;
     a one-rank group for 1); ``ValueError`` naming the sizes registered."""
-    key = _HYBRID.get(size)
-    if key is None or key not in _REGISTRY:
+    state = hybrid_states().get(size)
+    if state is None:
         raise ValueError(
             f"no hybrid-CP sub-group of {size} ranks is registered; sizes: "
             f"{sorted(hybrid_team_sizes())}"
         )
-    return _REGISTRY[key].groups.cp_group
+    return state.groups.cp_group
 
 
 def subgroup_state(cp_group, local_cp_size: int) -> StarTrailMegatronState:
@@ -226,7 +228,7 @@ def subgroup_state(cp_group, local_cp_size: int) -> StarTrailMegatronState:
         raise ValueError(
             f"packed_seq_params.local_cp_size {local_cp_size} but its cp_group has {size} ranks"
         )
-    state = _REGISTRY.get(_ALONE if size == 1 else cp_group)
+    state = _REGISTRY.get(_HYBRID.get(1) if size == 1 else cp_group)
     if state is None:
         raise RuntimeError(
             f"StarTrail attention found no StarTrail groups for the {size}-rank sub-group of "

@@ -36,6 +36,7 @@ __all__ = [
     "check_hybrid_args",
     "document_lengths",
     "hybrid_forward_backward",
+    "megatron_rounds",
 ]
 
 SCHEDULERS = ("startrail", "megatron")
@@ -89,30 +90,36 @@ def _ours(args, lengths: list[int], n: int, sizes: dict[int, int]) -> list:
     return [(d, b.size, b.start) for b in layout.blocks for d in b.docs]
 
 
-def _megatrons(args, lengths: list[int], n: int, sizes: dict[int, int]) -> list:
-    """megatron-core's ``BalancedCPScheduler`` rounds as runs (a document on the ranks that
-    hold it in its round); ``ValueError`` where it refuses the batch or places a document
-    on ranks that are not one of Megatron's sub-groups."""
+def megatron_rounds(lengths: list[int], n: int, cap: int) -> list:
+    """megatron-core's ``BalancedCPScheduler`` rounds for documents of ``lengths`` on ``n``
+    DP x CP ranks, ``cap`` tokens per rank (``--max-seqlen-per-dp-cp-rank``): per round,
+    per rank, the documents it holds. ``ValueError`` where megatron-core refuses the batch
+    (it asserts)."""
     from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
-
-    from ...schedule.batch import runs_from_rounds
 
     class _Group:  # the scheduler reads the group's size alone
         def size(self) -> int:
             return n
 
-    cap = args.max_seqlen_per_dp_cp_rank
     try:
-        _, rounds = BalancedCPScheduler(cap, _Group()).get_groups_and_subsamples(
+        return BalancedCPScheduler(cap, _Group()).get_groups_and_subsamples(
             list(enumerate(lengths)), None
-        )
+        )[1]
     except AssertionError as e:
         raise ValueError(
             f"megatron-core's BalancedCPScheduler refused a batch of {len(lengths)} documents "
             f"(lengths {sorted(lengths)[-5:]}... with --max-seqlen-per-dp-cp-rank {cap}): "
             f"{e or 'an assertion'}; use --startrail-batch-scheduler startrail"
         ) from None
-    return runs_from_rounds(rounds, sizes)
+
+
+def _megatrons(args, lengths: list[int], n: int, sizes: dict[int, int]) -> list:
+    """``megatron_rounds`` as runs (a document on the ranks that hold it in its round);
+    ``ValueError`` where megatron-core refuses the batch or places a document on ranks that
+    are not one of Megatron's sub-groups."""
+    from ...schedule.batch import runs_from_rounds
+
+    return runs_from_rounds(megatron_rounds(lengths, n, args.max_seqlen_per_dp_cp_rank), sizes)
 
 
 def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = True):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ...accounting import LocalShape, startrail_comm_bytes
 from ...bench.memory import PHASES, PeakMemory, phase_hooks
 from ...schedule.layout import StarTrailLayout
-from ..registry import get_startrail_state, hybrid_team_sizes, subgroup_group, subgroup_state
+from ..registry import get_startrail_state, hybrid_states
 from .autotune import autotune_team_size
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import build_datasets, global_batches
@@ -52,7 +52,7 @@ def _startrail_bytes(args) -> dict:
     cp_group = parallel_state.get_context_parallel_group()
     states = [get_startrail_state(cp_group)]
     if getattr(args, "hybrid_context_parallel", False):  # and every sub-group's, summed
-        states += [subgroup_state(subgroup_group(k), k) for k in hybrid_team_sizes()]
+        states += list(hybrid_states().values())
         cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     figures = torch.zeros(4, dtype=torch.float64, device=rank_device())
     for state in {id(s): s for s in states}.values():
