@@ -18,7 +18,7 @@ from .. import versions
 from ..arguments import add_startrail_args, validate_startrail_args
 from . import flags
 from .checkpoint import add_checkpoint_args
-from .hybrid import SCHEDULERS, check_hybrid_args
+from .hybrid import add_hybrid_args, check_hybrid_args
 from .recompute import add_recompute_args, validate_recompute
 
 __all__ = ["build_parser", "parse_args", "validate_args"]
@@ -186,33 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     g.add_argument(
-        "--hybrid-context-parallel",
-        action="store_true",
-        help="per-batch CP sub-groups: each document (--reset-attention-mask) on a sub-group "
-        "of the DP x CP ranks of its own size, with the largest team size up to "
-        "--startrail-team-size that fits it (training/hybrid.py)",
-    )
-    g.add_argument(
-        "--startrail-batch-scheduler",
-        choices=list(SCHEDULERS),
-        default="startrail",
-        help="with --hybrid-context-parallel: which scheduler places the documents: ours, on "
-        "the planner's cost model, or megatron-core's BalancedCPScheduler",
-    )
-    g.add_argument(
-        "--startrail-batch-cluster",
-        default="h100-ib",
-        help="with --startrail-batch-scheduler startrail: the cluster its cost model prices "
-        "layouts on: a preset of startrail-plan --cluster, or a cluster JSON file",
-    )
-    g.add_argument(
-        "--max-seqlen-per-dp-cp-rank",
-        type=int,
-        default=None,
-        help="with --startrail-batch-scheduler megatron: the tokens megatron-core's "
-        "BalancedCPScheduler lets a rank hold (it sizes each document's sub-group from it)",
-    )
-    g.add_argument(
         "--calculate-per-token-loss",
         action="store_true",
         help="the loss is always the mean over the global batch's unmasked tokens here "
@@ -250,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="timed iterations per candidate for --startrail-team-size auto (after 1 warm-up)",
     )
     add_checkpoint_args(p)
+    add_hybrid_args(p)
     add_startrail_args(p)
     flags.add_megatron_lm_flags(p)
     return p

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 __all__ = [
     "SCHEDULERS",
+    "add_hybrid_args",
     "batch_cluster",
     "check_hybrid_args",
     "document_lengths",
@@ -176,6 +177,37 @@ def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = Tr
                 (local * n / total).backward()
             loss_sum += local.detach().double()
     return loss_sum, total
+
+
+def add_hybrid_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("hybrid (per-batch) context parallelism")
+    g.add_argument(
+        "--hybrid-context-parallel",
+        action="store_true",
+        help="per-batch CP sub-groups: each document (--reset-attention-mask) on a sub-group "
+        "of the DP x CP ranks of its own size, with the largest team size up to "
+        "--startrail-team-size that fits it (training/hybrid.py)",
+    )
+    g.add_argument(
+        "--startrail-batch-scheduler",
+        choices=list(SCHEDULERS),
+        default="startrail",
+        help="with --hybrid-context-parallel: which scheduler places the documents: ours, on "
+        "the planner's cost model, or megatron-core's BalancedCPScheduler",
+    )
+    g.add_argument(
+        "--startrail-batch-cluster",
+        default="h100-ib",
+        help="with --startrail-batch-scheduler startrail: the cluster its cost model prices "
+        "layouts on: a preset of startrail-plan --cluster, or a cluster JSON file",
+    )
+    g.add_argument(
+        "--max-seqlen-per-dp-cp-rank",
+        type=int,
+        default=None,
+        help="with --startrail-batch-scheduler megatron: the tokens megatron-core's "
+        "BalancedCPScheduler lets a rank hold (it sizes each document's sub-group from it)",
+    )
 
 
 def check_hybrid_args(args: argparse.Namespace) -> None:
