@@ -1,7 +1,7 @@
 """Per-batch layouts measured on CPU ranks (issue 49, item 4's measured half).
 
     python scripts/batch_measure.py [--dist stdlib lognormal] [--ranks 8 16]
-        [--batch-tokens 16384] [--batches 2] [--json OUT.json]
+        [--batch-tokens 16384] [--batches 2] [--layer-ffn N] [--json OUT.json]
 
 The batches are ``scripts/batch_schedule_bench.py``'s (the standard library's ``.py``
 token lengths, and Megatron's lognormal), scaled to what 2 CPU cores attend in minutes.
@@ -15,6 +15,14 @@ heads and 2 KV heads of 32) on P gloo ranks under each layout, side by side:
   ranks of its round that hold it, one ``startrail_attention`` call per document (as
   megatron-core runs its sub-samples), with the largest team size up to 2 that fits;
 - ``ours``: ``schedule_batch`` (packed blocks, ``batch_attention``).
+
+``--layer-ffn N``: each call is a layer's, not the attention's alone: every rank also runs
+the layer's GEMMs (QKV and output projections, an MLP of N, on hidden 128 = the heads')
+forward and backward on the tokens it holds (one per document for Megatron's, as its
+sub-samples run whole layers), ours is scheduled with that layer priced
+(``schedule_batch(model=...)``), and one more row, ``ours, pairs only``, is ours scheduled
+on the attention alone. N = 24576 gives a GPT-7B layer's GEMM work per token relative to its
+attention per causal pair (24,576 x the pair's FLOPs).
 
 ``--emulate NODESxRANKS --inter-node RATE`` (root): the same on an emulated cluster
 (``emulate/``: network namespaces, each node's link limited to RATE), where the wall clock
@@ -52,7 +60,7 @@ HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 32
 TEAM_CAP = 2
 
 
-def _layouts(lengths, p: int, prices):
+def _layouts(lengths, p: int, prices, model=None):
     """{name: BatchLayout or the megatron runs [(doc, k, start)], None where refused}."""
     from startrail_megatron.planner.batch import schedule_batch
     from startrail_megatron.schedule.batch import BatchBlock, BatchLayout
@@ -67,9 +75,14 @@ def _layouts(lengths, p: int, prices):
         ),
         "ours": schedule_batch(
             lengths, p, heads_q=HEADS_Q, heads_kv=HEADS_KV, head_dim=HEAD_DIM, elem_bytes=4,
-            cluster=prices.cluster,
+            cluster=prices.cluster, model=model,
         ),
     }  # fmt: skip
+    if model is not None:
+        out["ours, pairs only"] = schedule_batch(
+            lengths, p, heads_q=HEADS_Q, heads_kv=HEADS_KV, head_dim=HEAD_DIM, elem_bytes=4,
+            cluster=prices.cluster,
+        )  # fmt: skip
     out["megatron"] = _megatron_runs(lengths, p)
     return out
 
@@ -88,6 +101,26 @@ def _megatron_runs(lengths, p: int) -> list | None:
         return None
 
 
+def _dense(ffn: int):
+    """The layer's GEMMs on a rank's tokens (``--layer-ffn``), forward and backward: a
+    callable of the token count, or None without a layer. FLOPs as the planner counts them
+    (``prediction._dense_flops``): QKV and output projections, a GELU MLP of ``ffn``."""
+    if not ffn:
+        return None
+    h, kv = HEADS_Q * HEAD_DIM, HEADS_KV * HEAD_DIM
+    g = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(h, n, generator=g) / h**0.5).requires_grad_() for n in (h + 2 * kv, h, ffn)]
+    w4 = (torch.randn(ffn, h, generator=g) / ffn**0.5).requires_grad_()
+
+    def run(tokens: int) -> None:
+        for start in range(0, tokens, 2048):  # tiled: the same FLOPs in bounded memory
+            x = torch.randn(min(2048, tokens - start), h, generator=g)
+            qkv, proj, up = (x @ w for w in ws)
+            (qkv.sum() + proj.sum() + (torch.nn.functional.gelu(up) @ w4).sum()).backward()
+
+    return run
+
+
 def _rank(rank: int, world: int, plan: list, out_path: str) -> None:
     from startrail_megatron.attention import startrail_attention
     from startrail_megatron.batch_attention import (
@@ -102,6 +135,7 @@ def _rank(rank: int, world: int, plan: list, out_path: str) -> None:
 
     torch.set_num_threads(1)
     groups = BatchGroups.create()
+    dense = _dense(plan[0].get("layer_ffn", 0)) if plan else None
     results = []
     for item in plan:
         lengths = item["lengths"]
@@ -137,12 +171,16 @@ def _rank(rank: int, world: int, plan: list, out_path: str) -> None:
                     grp = groups.get(size, team_size_within(size, TEAM_CAP))
                     out = startrail_attention(ql, kl, vl, grp, causal=True, ledger=ledger)
                     out.backward(dl)
+                    if dense is not None:
+                        dense(ql.shape[0])
             else:
                 ql, kl, vl, dl = (shard_batch(x, lay, rank) for x in (q, k, v, dout))
                 ql, kl, vl = (t.contiguous().requires_grad_() for t in (ql, kl, vl))
                 # every rank calls it, an idle one too (it joins the layout check)
                 out = batch_attention(ql, kl, vl, lay, groups, causal=True, ledger=ledger)
                 out.backward(dl)
+                if dense is not None and ql.shape[0]:
+                    dense(ql.shape[0])
             cpu = time.thread_time() - t0
             dist.barrier()
             wall = time.perf_counter() - w0
@@ -177,6 +215,19 @@ def _attn_flops() -> float:
     return 4 * HEAD_DIM * HEADS_Q * pairs * (1 + 2.5) / best
 
 
+def _matmul_flops(ffn: int) -> float:
+    """This machine's GEMM rate on one thread (flop/s): ``_dense`` on 2048 tokens, counted
+    as the planner counts it (forward and a backward of twice its FLOPs)."""
+    torch.set_num_threads(1)
+    h, kv, n = HEADS_Q * HEAD_DIM, HEADS_KV * HEAD_DIM, 2048
+    run, best = _dense(ffn), math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        run(n)
+        best = min(best, time.perf_counter() - t0)
+    return 3 * 2 * n * (h * (h + 2 * kv) + h * h + 2 * h * ffn) / best
+
+
 def main(argv: list[str] | None = None) -> None:
     import batch_schedule_bench as B
 
@@ -187,6 +238,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", type=int, default=2)
     ap.add_argument("--attn-gflops", type=float, default=0.0, help="0: measured here")
     ap.add_argument("--link-gbps", type=float, default=8.0, help="the model's link, Gbit/s")
+    ap.add_argument(
+        "--layer-ffn",
+        type=int,
+        default=0,
+        help="run the layer's GEMMs too, with an MLP of this size (0: attention only)",
+    )
     ap.add_argument("--json", default="")
     ap.add_argument("--emulate", default=None, help="NODESxRANKS: on an emulated cluster")
     ap.add_argument("--inter-node", default="200mbit", help="with --emulate: each node's link")
@@ -203,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     flops = args.attn_gflops * 1e9 or _attn_flops()
     print(f"kernel rate on one thread: {flops / 1e9:.1f} GFLOP/s (the model's attn_flops)")
+    if args.layer_ffn:
+        args.matmul_flops = _matmul_flops(args.layer_ffn)
+        print(f"GEMM rate on one thread: {args.matmul_flops / 1e9:.1f} GFLOP/s (matmul_flops)")
     spec = emu = None
     if args.emulate:
         from startrail_megatron.emulate import EmulatedCluster, EmulationSpec
@@ -230,7 +290,9 @@ def _measure(args, B, spec, emu, flops: float) -> list[dict]:
     ports = iter(range(29560, 29660))
     model_cluster = None
     if emu is not None:  # the links as the probe finds them, as startrail-bench --emulate
-        model_cluster = _emulated_cluster(spec, flops, _probe(emu, next(ports)))
+        model_cluster = _emulated_cluster(
+            spec, flops, _probe(emu, next(ports)), getattr(args, "matmul_flops", flops)
+        )
         print(f"the model's cluster: {model_cluster}")
     for dist_name in args.dist:
         pool = B.stdlib_lengths() if dist_name == "stdlib" else B.lognormal_lengths(20000, 1)
@@ -239,24 +301,32 @@ def _measure(args, B, spec, emu, flops: float) -> list[dict]:
                 cl = CLUSTER_PRESETS["h100-ib"].with_(
                     name="this machine's CPU ranks", gpus_per_node=p, num_nodes=1,
                     attn_flops=flops, intra_bw=args.link_gbps * 1e9 / 8, overlap=False,
+                    matmul_flops=getattr(args, "matmul_flops", flops),
                 )  # fmt: skip
             else:
                 cl = model_cluster
-            prices = BatchPrices(cl, HEADS_Q, HEADS_KV, HEAD_DIM, 4)
+            layer = None
+            if args.layer_ffn:  # the layer _dense runs, as the planner's ModelSpec
+                from startrail_megatron.planner.cluster import ModelSpec
+
+                layer = ModelSpec("layer", 1, HEADS_Q * HEAD_DIM, HEADS_Q, HEADS_KV, args.layer_ffn)
+            prices = BatchPrices(cl, HEADS_Q, HEADS_KV, HEAD_DIM, 4, model=layer)
             for tokens in args.batch_tokens:
                 plan, model = [], {}
                 for i, lengths in enumerate(B.batches(pool, tokens, args.batches, seed=p + tokens)):
-                    lays = _layouts(lengths, p, prices)
-                    plan.append(dict(index=i, seed=i, lengths=lengths, layouts=lays))
+                    lays = _layouts(lengths, p, prices, layer)
+                    plan.append(dict(index=i, seed=i, lengths=lengths, layouts=lays,
+                                     layer_ffn=args.layer_ffn))  # fmt: skip
                     for name, lay in lays.items():
                         if lay is None:
                             continue
                         if isinstance(lay, list):
                             mk = _megatron_model(lengths, lay, prices)
-                            bal = _runs_balance(lengths, lay, p)
+                            bal, toks = _runs_balance(lengths, lay, p)
                         else:
                             mk, bal = max(prices.layout_seconds(lay)), lay.balance()
-                        model[(i, name)] = (mk, bal)
+                            toks = lay.rank_tokens()
+                        model[(i, name)] = (mk, bal, max(toks) / statistics.fmean(toks))
                 out = f"/tmp/batch_measure_{os.getpid()}.json"
                 t0 = time.perf_counter()
                 if spec is None:
@@ -272,12 +342,12 @@ def _measure(args, B, spec, emu, flops: float) -> list[dict]:
                         got = [r for rr in per_rank for r in rr if r[0] == i and r[1] == name]
                         if not got:
                             continue
-                        mk, bal = model[(i, name)]
+                        mk, bal, tbal = model[(i, name)]
                         acc.setdefault(name, []).append(dict(
                             cpu_critical_s=max(r[2] for r in got),
                             cpu_mean_s=statistics.fmean(r[2] for r in got),
                             wall_s=max(r[3] for r in got), max_bytes=max(r[4] for r in got),
-                            balance=bal, model_s=mk,
+                            balance=bal, token_balance=tbal, model_s=mk,
                         ))  # fmt: skip
                 base = next(v for k, v in acc.items() if k.startswith("static StarTrail"))
                 base_cpu = statistics.fmean(x["cpu_critical_s"] for x in base)
@@ -287,7 +357,8 @@ def _measure(args, B, spec, emu, flops: float) -> list[dict]:
                 for name, vals in acc.items():
                     row = {"dist": dist_name, "ranks": p, "batch_tokens": tokens, "layout": name,
                            "batches": len(vals), "emulated": args.emulate,
-                           "inter_node": args.inter_node if args.emulate else None}  # fmt: skip
+                           "inter_node": args.inter_node if args.emulate else None,
+                           "layer_ffn": args.layer_ffn}  # fmt: skip
                     for key in vals[0]:
                         row[key] = statistics.fmean(x[key] for x in vals)
                     row["throughput_vs_static_startrail"] = base_cpu / row["cpu_critical_s"]
@@ -295,7 +366,7 @@ def _measure(args, B, spec, emu, flops: float) -> list[dict]:
                     print(f"  {name:24s} critical CPU {row['cpu_critical_s']:7.2f} s "
                           f"(x{row['throughput_vs_static_startrail']:4.2f}), mean "
                           f"{row['cpu_mean_s']:6.2f} s, wall {row['wall_s']:6.2f} s, balance "
-                          f"{row['balance']:5.2f}, max sent {row['max_bytes'] / 2**20:6.1f} MiB, "
+                          f"{row['balance']:5.2f}, tokens {row['token_balance']:5.2f}, max sent {row['max_bytes'] / 2**20:6.1f} MiB, "
                           f"model {row['model_s']:6.2f} s")  # fmt: skip
     return rows
 
@@ -311,7 +382,7 @@ def _probe(emu, port: int) -> dict:
             return json.load(f)
 
 
-def _emulated_cluster(spec, flops: float, probe: dict):
+def _emulated_cluster(spec, flops: float, probe: dict, gemm_flops: float):
     """The planner's emulated cluster (``bench.emulated.emulated_cluster_spec``: the links
     from the probe) with this machine's kernel rate, shared: the ranks' kernels run on the
     host's cores together, so each rank's wall-clock rate is the single thread's times
@@ -321,7 +392,7 @@ def _emulated_cluster(spec, flops: float, probe: dict):
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     share = min(1.0, (os.cpu_count() or 1) / spec.world_size)
     return emulated_cluster_spec(spec, probe, None, mem).with_(
-        attn_flops=flops * share, matmul_flops=flops * share
+        attn_flops=flops * share, matmul_flops=gemm_flops * share
     )
 
 
@@ -350,14 +421,16 @@ def _megatron_model(lengths, runs, prices) -> float:
     return max(per.values())
 
 
-def _runs_balance(lengths, runs, p: int) -> float:
-    from startrail_megatron.schedule.batch import doc_pairs
+def _runs_balance(lengths, runs, p: int) -> tuple[float, list[int]]:
+    """(the balance of causal pairs, each rank's tokens) of megatron's runs."""
+    from startrail_megatron.schedule.batch import doc_pairs, rank_doc_tokens
 
-    pairs = [0.0] * p
+    pairs, toks = [0.0] * p, [0] * p
     for d, k, start in runs:
         for r in range(start, start + k):
             pairs[r] += doc_pairs(lengths[d]) / k
-    return max(pairs) / statistics.fmean(pairs)
+            toks[r] += rank_doc_tokens(lengths[d], k)
+    return max(pairs) / statistics.fmean(pairs), toks
 
 
 if __name__ == "__main__":

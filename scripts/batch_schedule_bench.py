@@ -2,7 +2,7 @@
 model half: no attention runs here).
 
     python scripts/batch_schedule_bench.py [--dist stdlib lognormal] [--ranks 8 16]
-        [--batch-tokens 65536 262144] [--batches 8] [--json OUT.json]
+        [--batch-tokens 65536 262144] [--batches 8] [--layer gpt-7b] [--json OUT.json]
 
 Distributions: ``stdlib``, the token lengths of this interpreter's standard-library
 modules (``corpus.stdlib_documents`` whole, tokenized with the byte-level BPE tokenizer
@@ -20,9 +20,14 @@ Per batch and rank count, side by side, each priced by ``planner.batch.BatchPric
   document / P where larger), each rank's round the sum of its documents' times (one
   forward per document), rounds one after the other (a batch it refuses is counted);
 - ``ours``: ``schedule_batch``.
+With ``--layer MODEL`` (a ``startrail-plan`` model preset) every layout is priced as the
+whole layer, the attention call and the model's GEMMs per token a rank holds
+(``BatchPrices(model=...)``), ours is scheduled on that price, and one more row,
+``ours, pairs only``, is ours scheduled on the attention alone and priced as the layer.
 Printed: the model's makespan (the slowest rank) relative to static StarTrail's, the
-balance (max / mean causal pairs per rank), the most bytes a rank sends, and the
-scheduler's own time. Nothing here is measured on ranks yet.
+balance (max / mean causal pairs per rank), the token balance (max / mean tokens per
+rank: what the GEMMs and activations grow with), the most bytes a rank sends, and the
+scheduler's own time. Nothing here is measured on ranks (``batch_measure.py`` does that).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import statistics
 import time
 
 from startrail_megatron.planner.batch import BatchPrices, schedule_batch
-from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+from startrail_megatron.planner.cluster import CLUSTER_PRESETS, MODEL_PRESETS
 from startrail_megatron.schedule.batch import BatchBlock, BatchLayout, doc_pairs
 from startrail_megatron.schedule.layout import valid_team_sizes
 
@@ -110,7 +115,7 @@ def megatron_seconds(lengths, p: int, prices: BatchPrices, max_per_rank: int) ->
         rounds = megatron_rounds(lengths, p, max_per_rank)
     except ValueError:  # megatron-core refuses some batches (e.g. fewer documents than
         return None  # it can group): counted, not priced
-    total, pairs, sent = 0.0, [0.0] * p, [0.0] * p
+    total, pairs, sent, held = 0.0, [0.0] * p, [0.0] * p, [0.0] * p
     for rnd in rounds:
         k = {d: sum(d in ids for ids in rnd) for ids in rnd for d in ids}
         t = [0.0] * p
@@ -119,9 +124,20 @@ def megatron_seconds(lengths, p: int, prices: BatchPrices, max_per_rank: int) ->
                 c = prices.team_size(k[d])
                 t[r] += prices.rank_seconds(k[d], c, doc_pairs(lengths[d]), lengths[d])
                 pairs[r] += doc_pairs(lengths[d]) / k[d]
+                held[r] += lengths[d] / k[d]
                 sent[r] += prices.block_price(k[d], c)[1] * lengths[d] / k[d]
         total += max(t)
-    return total, max(pairs) / statistics.fmean(pairs), max(sent)
+    return (
+        total,
+        max(pairs) / statistics.fmean(pairs),
+        max(held) / statistics.fmean(held),
+        max(sent),
+    )
+
+
+def token_balance(layout: BatchLayout) -> float:
+    toks = layout.rank_tokens()
+    return max(toks) / statistics.fmean(toks)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,6 +146,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ranks", nargs="+", type=int, default=[8, 16])
     ap.add_argument("--batch-tokens", nargs="+", type=int, default=[65536, 262144])
     ap.add_argument("--batches", type=int, default=8)
+    ap.add_argument(
+        "--layer",
+        choices=sorted(MODEL_PRESETS),
+        default=None,
+        help="price the whole layer of this model (default: the attention alone)",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     rows, refused = [], {}
@@ -141,19 +163,25 @@ def main(argv: list[str] | None = None) -> None:
               f"max {max(pool)}; top 1% carry {top:.0%} of the sum of squared lengths")  # fmt: skip
         for p in args.ranks:
             cl = CLUSTER_PRESETS["h100-ib"].with_(gpus_per_node=min(p, 8))
-            prices = BatchPrices(cl, **SHAPE)
+            model = MODEL_PRESETS[args.layer] if args.layer else None
+            prices = BatchPrices(cl, **SHAPE, model=model)
             for tokens in args.batch_tokens:
                 acc: dict[str, list] = {}
                 for lengths in batches(pool, tokens, args.batches, seed=p + tokens):
                     best_c = min(valid_team_sizes(p), key=lambda c: prices.block_price(p, c)[0])
                     t0 = time.perf_counter()
-                    ours = schedule_batch(lengths, p, cluster=cl, **SHAPE)
+                    ours = schedule_batch(lengths, p, cluster=cl, model=model, **SHAPE)
                     cost = time.perf_counter() - t0
-                    for name, lay in (("static ring", static(lengths, p, 1)),
-                                      (f"static StarTrail C={best_c}", static(lengths, p, best_c)),
-                                      ("ours", ours)):  # fmt: skip
+                    layouts = [("static ring", static(lengths, p, 1)),
+                               (f"static StarTrail C={best_c}", static(lengths, p, best_c)),
+                               ("ours", ours)]  # fmt: skip
+                    if model is not None:
+                        layouts.append(
+                            ("ours, pairs only", schedule_batch(lengths, p, cluster=cl, **SHAPE))
+                        )
+                    for name, lay in layouts:
                         acc.setdefault(name, []).append((
-                            max(prices.layout_seconds(lay)), lay.balance(),
+                            max(prices.layout_seconds(lay)), lay.balance(), token_balance(lay),
                             max(prices.layout_bytes(lay)),
                             cost if name == "ours" else 0.0,
                         ))  # fmt: skip
@@ -170,13 +198,15 @@ def main(argv: list[str] | None = None) -> None:
                     row = {
                         "dist": dist, "ranks": p, "batch_tokens": tokens, "layout": name,
                         "makespan_s": mk, "throughput_vs_static_startrail": base / mk,
+                        "layer": args.layer or "attention",
                         "balance": statistics.fmean(v[1] for v in vals),
-                        "max_bytes": statistics.fmean(v[2] for v in vals),
-                        "schedule_ms": 1e3 * max(v[3] for v in vals),
+                        "token_balance": statistics.fmean(v[2] for v in vals),
+                        "max_bytes": statistics.fmean(v[3] for v in vals),
+                        "schedule_ms": 1e3 * max(v[4] for v in vals),
                     }  # fmt: skip
                     rows.append(row)
                     print(f"    {name:30s} makespan {mk * 1e3:8.2f} ms  x{base / mk:5.2f}  "
-                          f"balance {row['balance']:5.2f}  max sent {row['max_bytes'] / 2**20:8.1f} "
+                          f"balance {row['balance']:5.2f}  tokens {row['token_balance']:5.2f}  max sent {row['max_bytes'] / 2**20:8.1f} "
                           f"MiB" + (f"  scheduled in {row['schedule_ms']:.1f} ms" if name == "ours" else ""))  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:

@@ -259,3 +259,22 @@ def test_packed_boundaries_read_megatron_016s_one_row_cu_seqlens():
     assert _packed_boundaries(psp(flat), 24) == ([0, 8, 24], [0, 8, 24])
     with pytest.raises(ValueError, match="a 1-D tensor"):
         _packed_boundaries(psp(flat.expand(2, 3)), 24)
+
+
+def test_our_scheduler_keeps_the_entry_points_token_cap():
+    """``--max-seqlen-per-dp-cp-rank`` binds ours too (one call per document: each
+    document's share per rank, padding counted); a document that no sub-group holds within
+    it is refused naming the flag. The layer is priced with the run's GPT (``batch_model``)."""
+    from startrail_megatron.megatron.training import hybrid
+    from startrail_megatron.schedule.batch import rank_doc_tokens
+
+    args = T.parse_args(BASE + HYBRID + ["--nproc", "4"])
+    assert hybrid.batch_model(args).ffn_hidden == 4 * 64
+    sizes = {1: 1, 2: 1, 4: 2}
+    lengths = [256, 128, 128, 128, 128, 64, 64, 64, 64]
+    runs = hybrid._ours(args, lengths, 4, sizes)
+    assert sorted(d for d, _, _ in runs) == list(range(len(lengths)))
+    assert all(rank_doc_tokens(lengths[d], k) <= 128 for d, k, _ in runs)
+    assert any(k > 1 for d, k, _ in runs if d == 0)  # 256 tokens do not fit one rank
+    with pytest.raises(ValueError, match="--max-seqlen-per-dp-cp-rank 128: max_tokens_per_rank"):
+        hybrid._ours(args, [1024, 64], 4, sizes)

@@ -9,27 +9,33 @@ Prices, from the planner's own model (``cluster``: a ``ClusterSpec``):
   with team size C (``strategies``: team collectives and sub-ring steps over the links
   they cross, the ``team`` placement, the block inside a node where it fits one) with
   instant kernels, per local token (linear in the tokens each rank holds); a block of one
-  rank sends nothing. Each
-  block size takes the team size with the fewest predicted seconds per token. A rank's
-  time is its kernels and its block's communication, the longer of the two where the
-  cluster overlaps transfers with compute (``ClusterSpec.overlap``), else their sum.
+  rank sends nothing. Each block size takes the team size with the fewest predicted
+  seconds per token;
+- with a ``model``: the rest of the layer, its dense GEMMs (``prediction.
+  dense_token_seconds``) per token the rank holds. Attention alone grows with the square
+  of a document's length, the layer's GEMMs with its tokens: a layout that balances causal
+  pairs alone piles short documents' tokens on some ranks (1.2x the mean on Megatron's
+  lognormal lengths), slower than the static layout for a 7B model's layer.
+A rank's time is its kernels and its block's communication, the longer of the two where
+the cluster overlaps transfers with compute (``ClusterSpec.overlap``), else their sum, then
+its GEMMs. ``max_tokens_per_rank`` caps the tokens a rank holds in one call (memory).
 
 The search (greedy, O(documents x blocks)):
-1. target = every rank's share of the batch's kernel time. A document whose
-   kernel time exceeds it gets a block of its own: the smallest size k dividing P whose
-   per-rank time (its kernels / k + its communication) is within the target (none: the
-   size with the least), placed at the lowest aligned free start (longest documents
-   first; where no aligned place is left, it joins the multi-rank block with the least
-   time per rank).
+1. target = every rank's share of the batch's work. A document whose time alone exceeds
+   it (or whose tokens do not fit the cap on one rank) gets a block of its own: the
+   smallest size k dividing P whose per-rank time (its kernels / k + its communication)
+   is within the target (none: the size with the least) and whose share fits the cap,
+   placed at the lowest aligned free start (longest documents first; where no aligned
+   place is left, it joins the multi-rank block with the least time per rank and room).
 2. The ranks left over are blocks of one.
 3. The other documents, longest first, each go where the slowest rank's time grows least:
-   onto the least loaded block of one, or into a multi-rank block (packed with its
-   documents, sharded over its ranks).
+   onto the least loaded block of one with room, or into a multi-rank block (packed with
+   its documents, sharded over its ranks).
 The search runs twice where the ranks span nodes: with every block size, and with
 blocks no wider than a node (a long document then takes a node's ranks, more work per rank
 but no transfer over a node link). Of these layouts and the static one (every document on
-all P ranks, the best C), the one whose slowest rank the model predicts fastest is
-returned: never predicted slower than the static layout. Pure: no torch.
+all P ranks, the best C), the one within the cap whose slowest rank the model predicts
+fastest is returned: never predicted slower than the static layout. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -38,9 +44,10 @@ import functools
 import heapq
 from collections.abc import Mapping, Sequence
 
-from ..schedule.batch import BatchBlock, BatchLayout, doc_pairs
+from ..schedule.batch import BatchBlock, BatchLayout, doc_pairs, rank_doc_tokens
 from ..schedule.layout import divisors, valid_team_sizes
-from .cluster import CLUSTER_PRESETS, ClusterSpec
+from .cluster import CLUSTER_PRESETS, ClusterSpec, ModelSpec
+from .prediction import dense_token_seconds
 from .shape import AttnShape
 
 __all__ = ["BatchPrices", "schedule_batch"]
@@ -49,9 +56,10 @@ _REF_TOKENS = 1024  # tokens per rank at which a block's bytes per token are rea
 
 
 class BatchPrices:
-    """Seconds per causal pair (kernels, forward + backward) and, per block size, the team
-    size and seconds per local token of its communication, on ``cluster`` for one call
-    shape (heads, head size, element bytes)."""
+    """Seconds per causal pair (kernels, forward + backward), per token of the rest of the
+    layer (``model``'s dense GEMMs over ``tp_size`` ranks; 0 without a model) and, per block size, the team size and
+    seconds per local token of its communication, on ``cluster`` for one call shape (heads,
+    head size, element bytes)."""
 
     def __init__(
         self,
@@ -62,12 +70,17 @@ class BatchPrices:
         elem_bytes: int = 2,
         batch: int = 1,
         team_sizes: Mapping[int, int] | None = None,
+        model: ModelSpec | None = None,
+        recompute: bool = False,
+        tp_size: int = 1,
     ) -> None:
         self.cluster = cluster
         self.fixed = dict(team_sizes or {})
         self.dims = (heads_q, heads_kv, head_dim, elem_bytes, batch)
         flops_per_pair = 4 * head_dim * heads_q * batch
         self.pair_s = flops_per_pair / cluster.attn_flops * (1 + cluster.attn_bwd_ratio)
+        dense = dense_token_seconds(cluster, model, recompute) if model else 0.0
+        self.token_s = dense * batch / tp_size  # the GEMMs split over tensor parallelism
         self._prices: dict[tuple[int, int], tuple[float, float]] = {}
 
     def block_price(self, size: int, team_size: int) -> tuple[float, float]:
@@ -86,17 +99,21 @@ class BatchPrices:
     def team_size(self, size: int) -> int:
         """The team size of a block of ``size`` with the fewest seconds per token (or the
         one ``team_sizes`` fixed for that size)."""
-        if size in self.fixed:
-            return self.fixed[size]
-        return min(valid_team_sizes(size), key=lambda c: (self.block_price(size, c)[0], c))
+        if size not in self.fixed:  # cached there: the search asks at every placement
+            self.fixed[size] = min(
+                valid_team_sizes(size), key=lambda c: (self.block_price(size, c)[0], c)
+            )
+        return self.fixed[size]
 
     def rank_seconds(self, size: int, team_size: int, pairs: float, tokens: int) -> float:
         """One rank's predicted seconds in a block of ``size`` holding ``pairs`` causal
-        pairs and ``tokens`` tokens in all: its kernels and its share of the transfers,
-        the longer of the two where the cluster overlaps them, else their sum."""
+        pairs and ``tokens`` tokens in all: its kernels and its share of the transfers (the
+        longer of the two where the cluster overlaps them, else their sum), then its
+        tokens' share of the rest of the layer."""
         comp = pairs * self.pair_s / size
         comm = self.block_price(size, team_size)[0] * tokens / size
-        return max(comp, comm) if self.cluster.overlap else comp + comm
+        attn = max(comp, comm) if self.cluster.overlap else comp + comm
+        return attn + self.token_s * tokens / size
 
     def layout_seconds(self, layout: BatchLayout) -> list[float]:
         """Each rank's predicted seconds under ``layout``."""
@@ -151,13 +168,23 @@ def schedule_batch(
     cluster: ClusterSpec | None = None,
     sizes: Sequence[int] | None = None,
     team_sizes: Mapping[int, int] | None = None,
+    model: ModelSpec | None = None,
+    recompute: bool = False,
+    tp_size: int = 1,
+    max_tokens_per_rank: int | None = None,
+    one_call_per_document: bool = False,
 ) -> BatchLayout:
     """The batch's layout on ``cp_size`` ranks (module docstring), priced on ``cluster``
     (default: the ``h100-ib`` preset, its nodes holding ``min(cp_size, 8)`` ranks).
     ``sizes``: the block sizes there are process groups for (default: every divisor of
     ``cp_size``; 1 and ``cp_size`` are always allowed); ``team_sizes``: a fixed team size
-    per block size (default: the cheapest on the model). ``ValueError`` naming the setting
-    where a size does not divide ``cp_size`` or a team size does not fit its size."""
+    per block size (default: the cheapest on the model). ``model`` (``recompute``,
+    ``tp_size``): the layer around the attention call, whose dense GEMMs cost each rank per
+    token it holds (without it the layout balances attention alone). ``max_tokens_per_rank``: the most
+    tokens a rank may hold (``rank_doc_tokens``, padding included) in one call, its block's
+    documents together or, with ``one_call_per_document`` (Megatron's hybrid schedule), each
+    document alone. ``ValueError`` naming the setting where a size does not divide
+    ``cp_size``, a team size does not fit its size, or no layout keeps to the cap."""
     p = cp_size
     if not isinstance(p, int) or isinstance(p, bool) or p < 1:
         raise ValueError(f"cp_size must be an integer >= 1, got {p!r}")
@@ -172,79 +199,136 @@ def schedule_batch(
                 f"team_sizes {{{k}: {c}}}: a block size in {sizes} and a team size in "
                 f"{valid_team_sizes(k) if k in allowed else '(none)'}"
             )
+    cap = max_tokens_per_rank
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 2):
+        raise ValueError(f"max_tokens_per_rank must be an integer >= 2 or None, got {cap!r}")
     lengths = tuple(lengths)
     if cluster is None:
         cluster = CLUSTER_PRESETS["h100-ib"].with_(gpus_per_node=min(p, 8))
-    prices = BatchPrices(cluster, heads_q, heads_kv, head_dim, elem_bytes, team_sizes=team_sizes)
-    whole = BatchLayout(
-        p, lengths, (BatchBlock(0, p, prices.team_size(p), tuple(range(len(lengths)))),)
-    )
-    candidates = [whole, _greedy(lengths, p, prices, sizes)]
+    prices = BatchPrices(
+        cluster, heads_q, heads_kv, head_dim, elem_bytes, team_sizes=team_sizes, model=model,
+        recompute=recompute, tp_size=tp_size,
+    )  # fmt: skip
+    room = _Room(cap, one_call_per_document)
+    candidates = []
+    if room.fits(room.add(0, lengths, p)):
+        candidates.append(BatchLayout(
+            p, lengths, (BatchBlock(0, p, prices.team_size(p), tuple(range(len(lengths)))),)
+        ))  # fmt: skip
+    candidates.append(_greedy(lengths, p, prices, sizes, room))
     node = cluster.gpus_per_node
     inside = [k for k in sizes if k <= node]
     if node < p and inside != sizes:  # no block wider than a node: its links stay inside
-        candidates.append(_greedy(lengths, p, prices, inside))
+        candidates.append(_greedy(lengths, p, prices, inside, room))
+    candidates = [c for c in candidates if c is not None]
+    if not candidates:
+        raise ValueError(
+            f"max_tokens_per_rank {cap}: no layout of {len(lengths)} documents ({sum(lengths)} "
+            f"tokens, longest {max(lengths, default=0)}) on {p} ranks keeps every rank within "
+            f"it{'' if one_call_per_document else ' (a block packs its documents in one call)'}"
+            "; raise it or shorten the batch"
+        )
     return min(candidates, key=lambda lay: max(prices.layout_seconds(lay)))
 
 
-def _greedy(lengths: tuple, p: int, prices: BatchPrices, sizes: list[int]) -> BatchLayout:
-    """The module docstring's search, over blocks of ``sizes``."""
-    pair_s = prices.pair_s
-    comp = [doc_pairs(n) * pair_s for n in lengths]  # each document's kernel seconds
-    target = sum(comp) / p
+class _Room:
+    """The cap on a rank's tokens in one call (``schedule_batch``'s ``max_tokens_per_rank``):
+    what a rank holds grows by a document's share as the sum of its block's documents (one
+    packed call) or their largest (one call per document)."""
 
-    def per_rank(size: int, comp_s: float, tokens: int) -> float:
+    def __init__(self, cap: int | None, per_document: bool) -> None:
+        self.cap, self.per_document = cap, per_document
+
+    def add(self, held: int, lengths, size: int) -> int:
+        if self.cap is None:  # nothing to keep: not counted
+            return 0
+        shares = [rank_doc_tokens(n, size) for n in lengths]
+        return max([held, *shares]) if self.per_document else held + sum(shares)
+
+    def fits(self, held: int) -> bool:
+        return self.cap is None or held <= self.cap
+
+
+def _greedy(
+    lengths: tuple, p: int, prices: BatchPrices, sizes: list[int], room: _Room
+) -> BatchLayout | None:
+    """The module docstring's search, over blocks of ``sizes``; ``None`` where it finds no
+    room within the cap for a document."""
+    pairs = [doc_pairs(n) for n in lengths]
+    alone = [prices.rank_seconds(1, 1, pairs[d], n) for d, n in enumerate(lengths)]
+    target = sum(alone) / p  # every rank's share of the batch's work, transfers aside
+
+    def per_rank(b: dict, d: int | None = None) -> float:
         # transfers in flight beside the kernels where the cluster overlaps them (the
         # sub-ring steps hide their K,V behind the previous step's calls), else after them
-        return prices.rank_seconds(size, prices.team_size(size), comp_s / pair_s, tokens)
+        extra_pairs, extra_tokens = (0, 0) if d is None else (pairs[d], lengths[d])
+        k = b["size"]
+        return prices.rank_seconds(
+            k, prices.team_size(k), b["pairs"] + extra_pairs, b["tokens"] + extra_tokens
+        )
+
+    def block(start: int, size: int) -> dict:
+        return dict(start=start, size=size, docs=[], pairs=0, tokens=0, held=0)
+
+    def put(b: dict, d: int) -> None:
+        b["docs"].append(d)
+        b["pairs"] += pairs[d]
+        b["tokens"] += lengths[d]
+        b["held"] = room.add(b["held"], (lengths[d],), b["size"])
+
+    def fits(b: dict, d: int) -> bool:
+        return room.cap is None or room.fits(room.add(b["held"], (lengths[d],), b["size"]))
 
     order = sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))
     free = [True] * p
-    blocks: list[dict] = []  # start, size, docs, comp, tokens
+    blocks: list[dict] = []  # multi-rank blocks (and one-rank blocks of a capped document)
     small: list[int] = []
     for d in order:
-        if comp[d] <= target or p == 1:
+        if p == 1 or (alone[d] <= target and room.fits(room.add(0, (lengths[d],), 1))):
             small.append(d)
             continue
-        fits = [k for k in sizes if per_rank(k, comp[d], lengths[d]) <= target] or [
-            min(sizes, key=lambda k: per_rank(k, comp[d], lengths[d]))
+        ok = [k for k in sizes if room.fits(room.add(0, (lengths[d],), k))]
+        if not ok:
+            return None
+        fast = [k for k in ok if per_rank(block(0, k), d) <= target] or [
+            min(ok, key=lambda k: per_rank(block(0, k), d))
         ]
         placed = False
-        for k in (k for k in sizes if k >= fits[0]):
+        for k in (k for k in ok if k >= fast[0]):
             start = next((s for s in range(0, p, k) if all(free[s : s + k])), None)
             if start is not None:
                 for r in range(start, start + k):
                     free[r] = False
-                blocks.append(dict(start=start, size=k, docs=[d], comp=comp[d], tokens=lengths[d]))
+                blocks.append(block(start, k))
+                put(blocks[-1], d)
                 placed = True
                 break
-        if not placed:  # no aligned room left: the least loaded multi-rank block takes it
-            b = min(blocks, key=lambda b: per_rank(b["size"], b["comp"], b["tokens"]))
-            b["docs"].append(d)
-            b["comp"] += comp[d]
-            b["tokens"] += lengths[d]
-    singles = [dict(start=r, size=1, docs=[], comp=0.0, tokens=0) for r in range(p) if free[r]]
+        if not placed:  # no aligned room left: the least loaded block with room takes it
+            roomy = [b for b in blocks if fits(b, d)]
+            if not roomy:
+                return None
+            put(min(roomy, key=lambda b: per_rank(b, d)), d)
+    singles = [block(r, 1) for r in range(p) if free[r]]
     heap = [(0.0, i) for i in range(len(singles))]
     for d in small:
         options = []
-        if heap:
-            t, i = heap[0]
-            options.append((t + comp[d], 0, i))
+        skipped = []
+        while heap:  # the least loaded single with room for it
+            t, i = heapq.heappop(heap)
+            skipped.append((t, i))
+            if fits(singles[i], d):  # a rank alone sends nothing: its time adds up
+                options.append((t + alone[d], 0, i))
+                break
         for j, b in enumerate(blocks):
-            t = per_rank(b["size"], b["comp"] + comp[d], b["tokens"] + lengths[d])
-            options.append((t, 1, j))
+            if fits(b, d):
+                options.append((per_rank(b, d), 1, j))
+        if not options:
+            return None
         _, kind, i = min(options)
-        if kind == 0:
-            heapq.heappop(heap)
-            s = singles[i]
-            s["docs"].append(d)
-            s["comp"] += comp[d]
-            heapq.heappush(heap, (s["comp"], i))
-        else:
-            b = blocks[i]
-            b["docs"].append(d)
-            b["comp"] += comp[d]
-            b["tokens"] += lengths[d]
+        target_block = singles[i] if kind == 0 else blocks[i]
+        put(target_block, d)
+        for t, j in skipped:
+            heapq.heappush(heap, (t + alone[d] if j == i and kind == 0 else t, j))
     out = [
         BatchBlock(b["start"], b["size"], prices.team_size(b["size"]),
                    tuple(sorted(b["docs"])))

@@ -24,7 +24,7 @@ from .cluster import ClusterSpec, ModelSpec
 from .shape import AttnShape
 from .strategies import Strategy, buffer_bytes, comm_bytes, memory_bytes
 
-__all__ = ["ADAM_BYTES_PER_PARAM", "Prediction", "predict"]
+__all__ = ["ADAM_BYTES_PER_PARAM", "Prediction", "dense_token_seconds", "predict"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,14 @@ def _dense_flops(model: ModelSpec, tokens: int) -> tuple[float, float]:
     qkv = 2 * tokens * h * (h + 2 * kv)
     rest = 2 * tokens * (h * h + (3 if model.gated_mlp else 2) * h * model.ffn_hidden)
     return qkv, rest
+
+
+def dense_token_seconds(cluster: ClusterSpec, model: ModelSpec, recompute: bool = False) -> float:
+    """Seconds one token costs a layer besides its attention call: the QKV, output and MLP
+    GEMMs forward and backward (twice the forward), the forward once more under activation
+    recompute, at the cluster's ``matmul_flops`` (``predict``'s layer without attention)."""
+    qkv, rest = _dense_flops(model, 1)
+    return ((2 if recompute else 1) + 2) * (qkv + rest) / cluster.matmul_flops
 
 
 ADAM_BYTES_PER_PARAM = 28

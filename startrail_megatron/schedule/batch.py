@@ -37,6 +37,7 @@ __all__ = [
     "BatchBlock",
     "BatchLayout",
     "doc_pairs",
+    "rank_doc_tokens",
     "rank_runs",
     "runs_from_rounds",
     "static_layout",
@@ -46,6 +47,12 @@ __all__ = [
 def doc_pairs(n: int) -> int:
     """Causal (query, key) pairs of a document of ``n`` tokens."""
     return n * (n + 1) // 2
+
+
+def rank_doc_tokens(n: int, size: int) -> int:
+    """Tokens one rank of a block of ``size`` holds of a document of ``n`` tokens: the
+    document padded to a multiple of ``2 size`` (``pack_lengths``), zigzag-sharded."""
+    return -(-n // (2 * size)) * 2
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,15 @@ class BatchLayout:
         for b in self.blocks:
             for r in b.ranks:
                 out[r] = self.block_pairs(b) / b.size
+        return out
+
+    def rank_tokens(self) -> list[int]:
+        """Each rank's tokens (its block's documents packed and padded, ``rank_doc_tokens``):
+        what its activations, and the rest of the layer's work, grow with."""
+        out = [0] * self.cp_size
+        for b in self.blocks:
+            for r in b.ranks:
+                out[r] = sum(rank_doc_tokens(self.lengths[d], b.size) for d in b.docs)
         return out
 
     def balance(self) -> float:

@@ -9,8 +9,10 @@ is indexable, so no sample is sent), cuts it into documents at the end-of-docume
 sub-group of the DP x CP ranks Megatron made groups for (``registry.hybrid_group_sizes``):
 
 * ``--startrail-batch-scheduler startrail``: ``planner.batch.schedule_batch`` on the
-  planner's cost model (of ``--startrail-batch-cluster``), each sub-group of k ranks with the team size the run gives it
-  (``team_size_within(k, --startrail-team-size)``);
+  planner's cost model (of ``--startrail-batch-cluster``; the run's GPT layer, whose dense
+  GEMMs cost a rank per token it holds, ``batch_model``), each sub-group of k ranks with the
+  team size the run gives it (``team_size_within(k, --startrail-team-size)``), a document's
+  share per rank within ``--max-seqlen-per-dp-cp-rank`` where given;
 * ``--startrail-batch-scheduler megatron``: megatron-core's own ``BalancedCPScheduler``
   (``--max-seqlen-per-dp-cp-rank``), its rounds one after the other.
 
@@ -34,6 +36,7 @@ __all__ = [
     "SCHEDULERS",
     "add_hybrid_args",
     "batch_cluster",
+    "batch_model",
     "check_hybrid_args",
     "document_lengths",
     "hybrid_forward_backward",
@@ -77,17 +80,39 @@ def batch_cluster(args: argparse.Namespace, n: int):
         ) from None
 
 
+def batch_model(args):
+    """The layer ``schedule_batch`` prices around the attention call (``planner.ModelSpec``
+    of the run's GPT): its dense GEMMs cost each rank per token it holds."""
+    from ...planner.cluster import ModelSpec
+
+    return ModelSpec(
+        "run", args.num_layers, args.hidden_size, args.num_attention_heads,
+        args.num_query_groups or args.num_attention_heads,
+        args.ffn_hidden_size or 4 * args.hidden_size,  # Megatron-LM's default
+        gated_mlp=bool(args.swiglu), vocab=getattr(args, "padded_vocab_size", None) or 1,
+    )  # fmt: skip
+
+
 def _ours(args, lengths: list[int], n: int, sizes: dict[int, int]) -> list:
     from ...planner.batch import schedule_batch
 
-    heads = args.num_attention_heads // args.tensor_model_parallel_size
-    layout = schedule_batch(
-        lengths, n, heads_q=heads,
-        heads_kv=max(args.num_query_groups // args.tensor_model_parallel_size, 1),
-        head_dim=args.hidden_size // args.num_attention_heads,
-        elem_bytes=2 if args.bf16 else 4, cluster=batch_cluster(args, n),
-        sizes=list(sizes), team_sizes=sizes,
-    )  # fmt: skip
+    tp = args.tensor_model_parallel_size
+    heads = args.num_attention_heads // tp
+    cap = args.max_seqlen_per_dp_cp_rank
+    try:
+        layout = schedule_batch(
+            lengths, n, heads_q=heads,
+            heads_kv=max(args.num_query_groups // tp, 1),
+            head_dim=args.hidden_size // args.num_attention_heads,
+            elem_bytes=2 if args.bf16 else 4, cluster=batch_cluster(args, n),
+            sizes=list(sizes), team_sizes=sizes, model=batch_model(args), tp_size=tp,
+            recompute=args.recompute_granularity == "full", max_tokens_per_rank=cap,
+            one_call_per_document=True,
+        )  # fmt: skip
+    except ValueError as e:
+        if cap is None or "max_tokens_per_rank" not in str(e):
+            raise
+        raise ValueError(f"--max-seqlen-per-dp-cp-rank {cap}: {e}") from None
     return [(d, b.size, b.start) for b in layout.blocks for d in b.docs]
 
 
@@ -205,8 +230,9 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> None:
         "--max-seqlen-per-dp-cp-rank",
         type=int,
         default=None,
-        help="with --startrail-batch-scheduler megatron: the tokens megatron-core's "
-        "BalancedCPScheduler lets a rank hold (it sizes each document's sub-group from it)",
+        help="with --hybrid-context-parallel: the most tokens of one document a rank may "
+        "hold (padding included); megatron-core's BalancedCPScheduler sizes each document's "
+        "sub-group from it (needed there), ours keeps within it where given",
     )
 
 
