@@ -5,7 +5,9 @@
 Reads ``scripts/batch_measure.py --json`` rows (one file, or several: CPU ranks and
 emulated runs) and draws, per (lengths, ranks, machine), each layout's throughput against
 static StarTrail's: measured (the slowest rank's thread CPU time; on an emulated cluster
-also the wall clock) beside the model's. ``--table`` prints the Markdown table instead.
+also the wall clock) beside the model's. ``--table`` prints the Markdown table instead
+(the layer's table for ``batch_measure.py --layer-ffn`` reports: ours, ours on the pairs
+alone, Megatron's, and the tokens each rank held).
 """
 
 from __future__ import annotations
@@ -77,6 +79,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def layer_table(rows: list[dict]) -> str:
+    """``table`` for ``--layer-ffn`` reports: the layer's throughput against static
+    StarTrail's (slowest rank's CPU time), measured and the model's, and tokens max / mean."""
+    names = ("static ring", "ours", "ours, pairs only", "megatron")
+    lines = [
+        "| lengths | P | tokens | static ring | ours | ours, pairs only | Megatron's | model: "
+        "ours, pairs only, Megatron's | tokens max / mean: ours, pairs only, Megatron's |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for (dist, p, tokens, _where), by in _groups(rows).items():
+        base = next(v for k, v in by.items() if _name(k) == "static StarTrail")
+        meas = [_ratio(by, base, n, "cpu_critical_s") for n in names]
+        model = ", ".join(_ratio(by, base, n, "model_s") for n in names[1:])
+        toks = ", ".join(_cell(by, n, "token_balance") for n in names[1:])
+        lines.append(
+            f"| {dist} | {p} | {tokens // 1024}K | {' | '.join(meas)} | {model} | {toks} |"
+        )
+    return "\n".join(lines)
+
+
 def draw(rows: list[dict], png: str) -> None:
     import matplotlib
 
@@ -122,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     rows = _load(args.reports)
     if args.table or not args.png:
-        print(table(rows))
+        print(layer_table(rows) if any(r.get("layer_ffn") for r in rows) else table(rows))
     if args.png:
         draw(rows, args.png)
 
