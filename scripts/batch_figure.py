@@ -1,6 +1,8 @@
 """The per-batch layout measurements' chart and table (docs/performance.md section 17).
 
-    python scripts/batch_figure.py --png docs/batch_layouts.png docs/batch_measure.json
+    python scripts/batch_figure.py --png docs/batch_layouts.png docs/batch_measure_cpu.json \
+        docs/batch_measure_emulated_16k.json docs/batch_measure_emulated_64k.json \
+        docs/batch_measure_emulated_2x8.json
 
 Reads ``scripts/batch_measure.py --json`` rows (one file, or several: CPU ranks and
 emulated runs) and draws, per (lengths, ranks, machine), each layout's throughput against
@@ -30,6 +32,8 @@ def _groups(rows: list[dict]) -> dict:
     out: dict = {}
     for r in rows:
         where = f"emulated {r['emulated']} @ {r['inter_node']}" if r.get("emulated") else "CPU"
+        if r.get("layer_ffn"):
+            where += f", layer (MLP {r['layer_ffn']})"
         key = (r["dist"], r["ranks"], r["batch_tokens"], where)
         out.setdefault(key, {})[r["layout"]] = r
     return out
