@@ -215,6 +215,26 @@ def _attn_flops() -> float:
     return 4 * HEAD_DIM * HEADS_Q * pairs * (1 + 2.5) / best
 
 
+def _call_overhead() -> float:
+    """This machine's fixed cost of one kernel call (s), as the planner charges it
+    (``kernel_overhead`` forward, ``attn_bwd_ratio`` (2.5) times it backward): the best of
+    20 forward + backward calls on 16 tokens, whose FLOPs are negligible, over 3.5."""
+    from startrail_megatron.kernels.choice import resolve_kernel
+
+    torch.set_num_threads(1)
+    q = torch.randn(16, 1, HEADS_Q, HEAD_DIM)
+    k = torch.randn(16, 1, HEADS_KV, HEAD_DIM)
+    v = torch.randn(16, 1, HEADS_KV, HEAD_DIM)
+    kern, scale = resolve_kernel(q, "auto", None)
+    best = math.inf
+    for _ in range(20):
+        t0 = time.perf_counter()
+        out, lse = kern.forward(q, k, v, causal=True, scale=scale)
+        kern.backward(torch.ones_like(out), q, k, v, out, lse, causal=True, scale=scale)
+        best = min(best, time.perf_counter() - t0)
+    return best / (1 + 2.5)
+
+
 def _matmul_flops(ffn: int) -> float:
     """This machine's GEMM rate on one thread (flop/s): ``_dense`` on 2048 tokens, counted
     as the planner counts it (forward and a backward of twice its FLOPs)."""
@@ -237,6 +257,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-tokens", nargs="+", type=int, default=[16384])
     ap.add_argument("--batches", type=int, default=2)
     ap.add_argument("--attn-gflops", type=float, default=0.0, help="0: measured here")
+    ap.add_argument(
+        "--call-us",
+        type=float,
+        default=-1.0,
+        help="the model's fixed cost per kernel call, microseconds (-1: measured here)",
+    )
     ap.add_argument("--link-gbps", type=float, default=8.0, help="the model's link, Gbit/s")
     ap.add_argument(
         "--layer-ffn",
@@ -260,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     flops = args.attn_gflops * 1e9 or _attn_flops()
     print(f"kernel rate on one thread: {flops / 1e9:.1f} GFLOP/s (the model's attn_flops)")
+    args.call_s = args.call_us * 1e-6 if args.call_us >= 0 else _call_overhead()
+    print(f"fixed cost per kernel call: {args.call_s * 1e6:.0f} us (kernel_overhead)")
     if args.layer_ffn:
         args.matmul_flops = _matmul_flops(args.layer_ffn)
         print(f"GEMM rate on one thread: {args.matmul_flops / 1e9:.1f} GFLOP/s (matmul_flops)")
@@ -292,7 +320,7 @@ def _measure(args, B, spec, emu, flops: float) -> list[dict]:
     if emu is not None:  # the links as the probe finds them, as startrail-bench --emulate
         model_cluster = _emulated_cluster(
             spec, flops, _probe(emu, next(ports)), getattr(args, "matmul_flops", flops)
-        )
+        ).with_(kernel_overhead=args.call_s * max(1.0, spec.world_size / (os.cpu_count() or 1)))
         print(f"the model's cluster: {model_cluster}")
     for dist_name in args.dist:
         pool = B.stdlib_lengths() if dist_name == "stdlib" else B.lognormal_lengths(20000, 1)
@@ -302,6 +330,7 @@ def _measure(args, B, spec, emu, flops: float) -> list[dict]:
                     name="this machine's CPU ranks", gpus_per_node=p, num_nodes=1,
                     attn_flops=flops, intra_bw=args.link_gbps * 1e9 / 8, overlap=False,
                     matmul_flops=getattr(args, "matmul_flops", flops),
+                    kernel_overhead=args.call_s, attn_bwd_ratio=2.5,
                 )  # fmt: skip
             else:
                 cl = model_cluster

@@ -4,7 +4,9 @@ layouts]) whose slowest rank the cost model predicts shortest.
 
 Prices, from the planner's own model (``cluster``: a ``ClusterSpec``):
 - a rank's kernels: its causal pairs at the cluster's attention rate, forward and
-  backward (``compute.kernel_time``'s FLOP count, without its per-call overhead);
+  backward (``compute.kernel_time``'s FLOP count), and its block's calls at the cluster's
+  ``kernel_overhead`` each (as many as the strategy model makes for the block's size and
+  team size; a rank alone packs its documents into one call each way);
 - a block's communication: the planner's own time for StarTrail's transfers on k ranks
   with team size C (``strategies``: team collectives and sub-ring steps over the links
   they cross, the ``team`` placement, the block inside a node where it fits one) with
@@ -82,6 +84,7 @@ class BatchPrices:
         dense = dense_token_seconds(cluster, model, recompute) if model else 0.0
         self.token_s = dense * batch / tp_size  # the GEMMs split over tensor parallelism
         self._prices: dict[tuple[int, int], tuple[float, float]] = {}
+        self._calls: dict[tuple[int, int], float] = {}
 
     def block_price(self, size: int, team_size: int) -> tuple[float, float]:
         """(communication seconds, bytes sent) per local token of a block of ``size`` ranks
@@ -105,12 +108,21 @@ class BatchPrices:
             )
         return self.fixed[size]
 
+    def block_calls(self, size: int, team_size: int) -> float:
+        """Seconds of a block's kernel calls' fixed cost on each of its ranks (the planner's
+        ``kernel_overhead`` per call, as many calls as its strategy model makes: one call
+        forward and one backward for a rank alone, whatever it packs)."""
+        key = (size, team_size)
+        if key not in self._calls:
+            self._calls[key] = _block_calls(self.cluster, self.dims, size, team_size)
+        return self._calls[key]
+
     def rank_seconds(self, size: int, team_size: int, pairs: float, tokens: int) -> float:
         """One rank's predicted seconds in a block of ``size`` holding ``pairs`` causal
-        pairs and ``tokens`` tokens in all: its kernels and its share of the transfers (the
-        longer of the two where the cluster overlaps them, else their sum), then its
-        tokens' share of the rest of the layer."""
-        comp = pairs * self.pair_s / size
+        pairs and ``tokens`` tokens in all: its kernels (their FLOPs and their calls' fixed
+        cost) and its share of the transfers (the longer of the two where the cluster
+        overlaps them, else their sum), then its tokens' share of the rest of the layer."""
+        comp = pairs * self.pair_s / size + (self.block_calls(size, team_size) if pairs else 0.0)
         comm = self.block_price(size, team_size)[0] * tokens / size
         attn = max(comp, comm) if self.cluster.overlap else comp + comm
         return attn + self.token_s * tokens / size
@@ -124,6 +136,14 @@ class BatchPrices:
             for r in b.ranks:
                 out[r] = t
         return out
+
+    def layout_balance(self, layout: BatchLayout) -> float:
+        """Max over mean of ``layout_seconds``: the balance of the ranks' predicted time
+        (``BatchLayout.balance`` is their causal pairs', which a block's calls and
+        transfers, and the layer's tokens, move away from it)."""
+        t = self.layout_seconds(layout)
+        mean = sum(t) / len(t)
+        return max(t) / mean if mean else 1.0
 
     def layout_bytes(self, layout: BatchLayout) -> list[float]:
         """Each rank's bytes sent under ``layout`` (the model's)."""
@@ -155,6 +175,25 @@ def _block_price(cluster: ClusterSpec, dims: tuple, size: int, team_size: int):
     fwd, bwd = st.spec.times(st, transfers_only, shape)
     sent = max(sum(r.values()) for r in comm_bytes(st, shape)) / _REF_TOKENS
     return (fwd + bwd) / _REF_TOKENS, sent
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_calls(cluster: ClusterSpec, dims: tuple, size: int, team_size: int) -> float:
+    """Seconds of a block's kernel calls' fixed cost per rank, forward and backward: the
+    planner's strategy model on the cluster with instant kernels and transfers, so only
+    ``kernel_overhead`` times its calls is left (independent of the tokens)."""
+    from .strategies import Strategy
+
+    hq, hkv, d, e, b = dims
+    shape = AttnShape(size, _REF_TOKENS, b, hq, hkv, d, elem_bytes=e, acc_bytes=4)
+    per_node = min(cluster.gpus_per_node, size)
+    calls_only = cluster.with_(
+        gpus_per_node=per_node, num_nodes=-(-size // per_node), attn_flops=1e30,
+        matmul_flops=1e30, mem_bw=0.0, intra_bw=1e30, inter_bw=1e30, inter_bw_per_gpu=1e30,
+        intra_latency=0.0, inter_latency=0.0, host_cores=0, all_to_all_inter_bw=0.0,
+    )  # fmt: skip
+    st = Strategy("startrail", team_size, "team")
+    return sum(st.spec.times(st, calls_only, shape))
 
 
 def schedule_batch(
@@ -255,8 +294,9 @@ def _greedy(
     """The module docstring's search, over blocks of ``sizes``; ``None`` where it finds no
     room within the cap for a document."""
     pairs = [doc_pairs(n) for n in lengths]
-    alone = [prices.rank_seconds(1, 1, pairs[d], n) for d, n in enumerate(lengths)]
-    target = sum(alone) / p  # every rank's share of the batch's work, transfers aside
+    call1 = prices.block_calls(1, 1)  # a rank alone: its documents packed in one call
+    work = [prices.rank_seconds(1, 1, pairs[d], n) - call1 for d, n in enumerate(lengths)]
+    target = sum(work) / p  # every rank's share of the batch's work, transfers aside
 
     def per_rank(b: dict, d: int | None = None) -> float:
         # transfers in flight beside the kernels where the cluster overlaps them (the
@@ -284,7 +324,7 @@ def _greedy(
     blocks: list[dict] = []  # multi-rank blocks (and one-rank blocks of a capped document)
     small: list[int] = []
     for d in order:
-        if p == 1 or (alone[d] <= target and room.fits(room.add(0, (lengths[d],), 1))):
+        if p == 1 or (work[d] <= target and room.fits(room.add(0, (lengths[d],), 1))):
             small.append(d)
             continue
         ok = [k for k in sizes if room.fits(room.add(0, (lengths[d],), k))]
@@ -317,7 +357,7 @@ def _greedy(
             t, i = heapq.heappop(heap)
             skipped.append((t, i))
             if fits(singles[i], d):  # a rank alone sends nothing: its time adds up
-                options.append((t + alone[d], 0, i))
+                options.append(((t or call1) + work[d], 0, i))
                 break
         for j, b in enumerate(blocks):
             if fits(b, d):
@@ -328,7 +368,7 @@ def _greedy(
         target_block = singles[i] if kind == 0 else blocks[i]
         put(target_block, d)
         for t, j in skipped:
-            heapq.heappush(heap, (t + alone[d] if j == i and kind == 0 else t, j))
+            heapq.heappush(heap, ((t or call1) + work[d] if j == i and kind == 0 else t, j))
     out = [
         BatchBlock(b["start"], b["size"], prices.team_size(b["size"]),
                    tuple(sorted(b["docs"])))
