@@ -164,6 +164,19 @@ def test_the_scheduler_keeps_each_rank_within_its_token_cap():
             schedule_batch(lengths, 8, max_tokens_per_rank=cap)
 
 
+def test_a_blocks_kernel_calls_are_priced_once_or_per_document():
+    """A rank alone packs its documents into one call each way (the core's packed blocks)
+    or makes one per document (Megatron's hybrid schedule): the prices differ by the extra
+    calls' fixed cost, the planner's ``kernel_overhead`` per call (3.5 calls' worth: one
+    forward, one backward at ``attn_bwd_ratio``)."""
+    cl = CLUSTER_PRESETS["h100-ib"].with_(gpus_per_node=8, kernel_overhead=1e-3)
+    lay = BatchLayout(2, (64, 32, 16), (BatchBlock(0, 1, 1, (0, 1, 2)), BatchBlock(1, 1, 1, ())))
+    packed = BatchPrices(cl, 4, 2, 32).layout_seconds(lay)
+    each = BatchPrices(cl, 4, 2, 32, per_document_calls=True).layout_seconds(lay)
+    assert packed[1] == each[1] == 0.0  # an idle rank makes no call
+    assert each[0] - packed[0] == pytest.approx(2 * 3.5e-3)
+
+
 def test_the_scheduler_takes_under_a_second_for_1000_documents_on_16_ranks():
     lengths = _long_tail(1000, 2)
     schedule_batch(lengths, 16)  # warm the per-size prices' imports

@@ -6,7 +6,8 @@ Prices, from the planner's own model (``cluster``: a ``ClusterSpec``):
 - a rank's kernels: its causal pairs at the cluster's attention rate, forward and
   backward (``compute.kernel_time``'s FLOP count), and its block's calls at the cluster's
   ``kernel_overhead`` each (as many as the strategy model makes for the block's size and
-  team size; a rank alone packs its documents into one call each way);
+  team size; a rank alone packs its documents into one call each way, unless
+  ``one_call_per_document``: one per document, as Megatron's hybrid schedule runs them);
 - a block's communication: the planner's own time for StarTrail's transfers on k ranks
   with team size C (``strategies``: team collectives and sub-ring steps over the links
   they cross, the ``team`` placement, the block inside a node where it fits one) with
@@ -75,6 +76,7 @@ class BatchPrices:
         model: ModelSpec | None = None,
         recompute: bool = False,
         tp_size: int = 1,
+        per_document_calls: bool = False,
     ) -> None:
         self.cluster = cluster
         self.fixed = dict(team_sizes or {})
@@ -85,6 +87,9 @@ class BatchPrices:
         self.token_s = dense * batch / tp_size  # the GEMMs split over tensor parallelism
         self._prices: dict[tuple[int, int], tuple[float, float]] = {}
         self._calls: dict[tuple[int, int], float] = {}
+        self.per_document_calls = per_document_calls
+        """Each document its own calls (Megatron's hybrid schedule: one forward per
+        document), not a block's documents packed into one."""
 
     def block_price(self, size: int, team_size: int) -> tuple[float, float]:
         """(communication seconds, bytes sent) per local token of a block of ``size`` ranks
@@ -117,12 +122,17 @@ class BatchPrices:
             self._calls[key] = _block_calls(self.cluster, self.dims, size, team_size)
         return self._calls[key]
 
-    def rank_seconds(self, size: int, team_size: int, pairs: float, tokens: int) -> float:
+    def rank_seconds(
+        self, size: int, team_size: int, pairs: float, tokens: int, docs: int = 1
+    ) -> float:
         """One rank's predicted seconds in a block of ``size`` holding ``pairs`` causal
-        pairs and ``tokens`` tokens in all: its kernels (their FLOPs and their calls' fixed
-        cost) and its share of the transfers (the longer of the two where the cluster
-        overlaps them, else their sum), then its tokens' share of the rest of the layer."""
-        comp = pairs * self.pair_s / size + (self.block_calls(size, team_size) if pairs else 0.0)
+        pairs and ``tokens`` tokens of ``docs`` documents in all: its kernels (their FLOPs
+        and their calls' fixed cost: once, or once per document with
+        ``per_document_calls``) and its share of the transfers (the longer of the two where
+        the cluster overlaps them, else their sum), then its tokens' share of the rest of
+        the layer."""
+        runs = (docs if self.per_document_calls else 1) if pairs else 0
+        comp = pairs * self.pair_s / size + runs * self.block_calls(size, team_size)
         comm = self.block_price(size, team_size)[0] * tokens / size
         attn = max(comp, comm) if self.cluster.overlap else comp + comm
         return attn + self.token_s * tokens / size
@@ -132,7 +142,7 @@ class BatchPrices:
         out = [0.0] * layout.cp_size
         for b in layout.blocks:
             tokens = sum(layout.lengths[d] for d in b.docs)
-            t = self.rank_seconds(b.size, b.team_size, layout.block_pairs(b), tokens)
+            t = self.rank_seconds(b.size, b.team_size, layout.block_pairs(b), tokens, len(b.docs))
             for r in b.ranks:
                 out[r] = t
         return out
@@ -246,7 +256,7 @@ def schedule_batch(
         cluster = CLUSTER_PRESETS["h100-ib"].with_(gpus_per_node=min(p, 8))
     prices = BatchPrices(
         cluster, heads_q, heads_kv, head_dim, elem_bytes, team_sizes=team_sizes, model=model,
-        recompute=recompute, tp_size=tp_size,
+        recompute=recompute, tp_size=tp_size, per_document_calls=one_call_per_document,
     )  # fmt: skip
     room = _Room(cap, one_call_per_document)
     candidates = []
@@ -295,8 +305,12 @@ def _greedy(
     room within the cap for a document."""
     pairs = [doc_pairs(n) for n in lengths]
     call1 = prices.block_calls(1, 1)  # a rank alone: its documents packed in one call
+    each = prices.per_document_calls  # or one call per document
     work = [prices.rank_seconds(1, 1, pairs[d], n) - call1 for d, n in enumerate(lengths)]
     target = sum(work) / p  # every rank's share of the batch's work, transfers aside
+
+    def grown(t: float, d: int) -> float:  # a rank alone at t seconds, given document d
+        return t + work[d] + (call1 if each or not t else 0.0)
 
     def per_rank(b: dict, d: int | None = None) -> float:
         # transfers in flight beside the kernels where the cluster overlaps them (the
@@ -304,8 +318,9 @@ def _greedy(
         extra_pairs, extra_tokens = (0, 0) if d is None else (pairs[d], lengths[d])
         k = b["size"]
         return prices.rank_seconds(
-            k, prices.team_size(k), b["pairs"] + extra_pairs, b["tokens"] + extra_tokens
-        )
+            k, prices.team_size(k), b["pairs"] + extra_pairs, b["tokens"] + extra_tokens,
+            len(b["docs"]) + (d is not None),
+        )  # fmt: skip
 
     def block(start: int, size: int) -> dict:
         return dict(start=start, size=size, docs=[], pairs=0, tokens=0, held=0)
@@ -357,7 +372,7 @@ def _greedy(
             t, i = heapq.heappop(heap)
             skipped.append((t, i))
             if fits(singles[i], d):  # a rank alone sends nothing: its time adds up
-                options.append(((t or call1) + work[d], 0, i))
+                options.append((grown(t, d), 0, i))
                 break
         for j, b in enumerate(blocks):
             if fits(b, d):
@@ -368,7 +383,7 @@ def _greedy(
         target_block = singles[i] if kind == 0 else blocks[i]
         put(target_block, d)
         for t, j in skipped:
-            heapq.heappush(heap, ((t or call1) + work[d] if j == i and kind == 0 else t, j))
+            heapq.heappush(heap, (grown(t, d) if j == i and kind == 0 else t, j))
     out = [
         BatchBlock(b["start"], b["size"], prices.team_size(b["size"]),
                    tuple(sorted(b["docs"])))
