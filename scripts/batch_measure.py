@@ -193,46 +193,38 @@ def _rank(rank: int, world: int, plan: list, out_path: str) -> None:
             json.dump(gathered, f)
 
 
-def _attn_flops() -> float:
-    """This machine's attention rate on one thread (flop/s): one causal 2048-token call of
-    the kernel StarTrail picks here (``kernel="auto"``), forward and backward, counted as
-    the planner counts it (4 x head size x query heads per causal pair, the backward 2.5x)."""
+def _best_call(n: int, repeats: int) -> float:
+    """The best of ``repeats`` forward + backward calls on ``n`` causal tokens of the kernel
+    StarTrail picks here (``kernel="auto"``), one thread, in seconds."""
     from startrail_megatron.kernels.choice import resolve_kernel
 
     torch.set_num_threads(1)
-    n = 2048
     q = torch.randn(n, 1, HEADS_Q, HEAD_DIM)
     k = torch.randn(n, 1, HEADS_KV, HEAD_DIM)
     v = torch.randn(n, 1, HEADS_KV, HEAD_DIM)
     kern, scale = resolve_kernel(q, "auto", None)
     best = math.inf
-    for _ in range(3):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         out, lse = kern.forward(q, k, v, causal=True, scale=scale)
         kern.backward(torch.ones_like(out), q, k, v, out, lse, causal=True, scale=scale)
         best = min(best, time.perf_counter() - t0)
-    pairs = n * (n + 1) / 2
-    return 4 * HEAD_DIM * HEADS_Q * pairs * (1 + 2.5) / best
+    return best
+
+
+def _attn_flops() -> float:
+    """This machine's attention rate on one thread (flop/s): one causal 2048-token call,
+    forward and backward, counted as the planner counts it (4 x head size x query heads per
+    causal pair, the backward 2.5x)."""
+    n = 2048
+    return 4 * HEAD_DIM * HEADS_Q * n * (n + 1) / 2 * (1 + 2.5) / _best_call(n, 3)
 
 
 def _call_overhead() -> float:
     """This machine's fixed cost of one kernel call (s), as the planner charges it
     (``kernel_overhead`` forward, ``attn_bwd_ratio`` (2.5) times it backward): the best of
     20 forward + backward calls on 16 tokens, whose FLOPs are negligible, over 3.5."""
-    from startrail_megatron.kernels.choice import resolve_kernel
-
-    torch.set_num_threads(1)
-    q = torch.randn(16, 1, HEADS_Q, HEAD_DIM)
-    k = torch.randn(16, 1, HEADS_KV, HEAD_DIM)
-    v = torch.randn(16, 1, HEADS_KV, HEAD_DIM)
-    kern, scale = resolve_kernel(q, "auto", None)
-    best = math.inf
-    for _ in range(20):
-        t0 = time.perf_counter()
-        out, lse = kern.forward(q, k, v, causal=True, scale=scale)
-        kern.backward(torch.ones_like(out), q, k, v, out, lse, causal=True, scale=scale)
-        best = min(best, time.perf_counter() - t0)
-    return best / (1 + 2.5)
+    return _best_call(16, 20) / (1 + 2.5)
 
 
 def _matmul_flops(ffn: int) -> float:
