@@ -165,16 +165,22 @@ def test_the_scheduler_keeps_each_rank_within_its_token_cap():
 
 
 def test_a_blocks_kernel_calls_are_priced_once_or_per_document():
-    """A rank alone packs its documents into one call each way (the core's packed blocks)
-    or makes one per document (Megatron's hybrid schedule): the prices differ by the extra
-    calls' fixed cost, the planner's ``kernel_overhead`` per call (3.5 calls' worth: one
-    forward, one backward at ``attn_bwd_ratio``)."""
+    """A block packs its documents into one call each way (the core's packed blocks) or, with
+    ``per_document_calls``, a multi-rank block makes calls per document (our entry point's
+    hybrid schedule); a rank alone packs its documents either way. The prices differ by
+    the extra calls' fixed cost, the planner's ``kernel_overhead`` per call."""
     cl = CLUSTER_PRESETS["h100-ib"].with_(gpus_per_node=8, kernel_overhead=1e-3)
-    lay = BatchLayout(2, (64, 32, 16), (BatchBlock(0, 1, 1, (0, 1, 2)), BatchBlock(1, 1, 1, ())))
-    packed = BatchPrices(cl, 4, 2, 32).layout_seconds(lay)
-    each = BatchPrices(cl, 4, 2, 32, per_document_calls=True).layout_seconds(lay)
-    assert packed[1] == each[1] == 0.0  # an idle rank makes no call
-    assert each[0] - packed[0] == pytest.approx(2 * 3.5e-3)
+    lay = BatchLayout(4, (64, 32, 16, 8, 8), (
+        BatchBlock(0, 2, 1, (0, 1, 2)), BatchBlock(2, 1, 1, (3, 4)), BatchBlock(3, 1, 1, ()),
+    ))  # fmt: skip
+    once = BatchPrices(cl, 4, 2, 32)
+    each = BatchPrices(cl, 4, 2, 32, per_document_calls=True)
+    packed, per_doc = once.layout_seconds(lay), each.layout_seconds(lay)
+    assert packed[3] == per_doc[3] == 0.0  # an idle rank makes no call
+    assert per_doc[2] == packed[2]  # a rank alone: one call for its two documents
+    assert once.block_calls(1, 1) == pytest.approx(3.5e-3)  # one call forward, 2.5 backward
+    assert per_doc[0] - packed[0] == pytest.approx(2 * once.block_calls(2, 1))
+    assert once.block_calls(2, 1) > once.block_calls(1, 1)
 
 
 def test_the_scheduler_takes_under_a_second_for_1000_documents_on_16_ranks():

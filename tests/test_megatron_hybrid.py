@@ -26,7 +26,10 @@ import megatron.core  # noqa: E402, F401  (imported once here, before the ranks 
 from harness import run_ranks  # noqa: E402
 
 from startrail_megatron.megatron import training as T  # noqa: E402
-from startrail_megatron.megatron.training.hybrid import document_lengths  # noqa: E402
+from startrail_megatron.megatron.training.hybrid import (  # noqa: E402
+    document_lengths,
+    one_rank_bins,
+)
 from startrail_megatron.schedule.batch import rank_runs, runs_from_rounds  # noqa: E402
 from startrail_megatron.schedule.layout import team_size_within  # noqa: E402
 
@@ -75,6 +78,7 @@ def _run(rank, world, argv, schedulers, ignore_subgroup=False):
         out = {}
         for name in schedulers:
             args.startrail_batch_scheduler = name
+            args.max_seqlen_per_dp_cp_rank = CAPS[name]
             if ignore_subgroup:  # every sub-sample on the model's CP group instead
                 A.subgroup_state = lambda group, k: registry.get_startrail_state(
                     model.module.decoder.layers[0].self_attention.core_attention.cp_group
@@ -84,9 +88,13 @@ def _run(rank, world, argv, schedulers, ignore_subgroup=False):
             proof = None
             if args.hybrid_context_parallel:
                 st = registry.subgroup_state(registry.subgroup_group(2), 2)
-                proof = (sorted(st.local_lengths), st.ledger.bytes(), registry.hybrid_team_sizes())
-                st.local_lengths.clear()
-                st.ledger.clear()
+                alone = registry.subgroup_state(registry.subgroup_group(1), 1)
+                proof = (sorted(st.local_lengths), st.ledger.bytes(), registry.hybrid_team_sizes(),
+                         dict(alone.calls_by_length))  # fmt: skip
+                for state in (st, alone):
+                    state.local_lengths.clear()
+                    state.calls_by_length.clear()
+                    state.ledger.clear()
             out[name] = (loss, _grads(model), proof)
         return out
     finally:
@@ -116,20 +124,53 @@ def _slow_cluster(tmp_path) -> list[str]:
     )
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(dataclasses.asdict(spec)))
+    _CLUSTER[:] = [str(path)]
     return ["--startrail-batch-cluster", str(path)]
+
+
+CAPS = {"startrail": 384, "megatron": 128}
+"""--max-seqlen-per-dp-cp-rank per scheduler: megatron-core's sizes the long document's
+sub-group from it (2 ranks for 256 tokens); ours leaves room to pack several documents."""
+DOCS = [256, 128, 128, 128, 128, 64, 64, 64, 64]
+"""``_micro_batch``'s documents, in order."""
+
+
+def _one_rank_docs(scheduler: str, rank: int) -> list[int]:
+    """The documents ``scheduler`` runs on ``rank`` alone, in the run order (the same
+    schedule the ranks computed: it is a pure function of the lengths and flags)."""
+    from startrail_megatron.megatron.training import hybrid
+
+    args = T.parse_args(BASE + HYBRID + ["--nproc", "4", "--startrail-batch-scheduler", scheduler])
+    args.startrail_batch_cluster = _CLUSTER[0]
+    args.max_seqlen_per_dp_cp_rank = CAPS[scheduler]
+    schedule = hybrid._ours if scheduler == "startrail" else hybrid._megatrons
+    runs = rank_runs(schedule(args, DOCS, 4, {1: 1, 2: 1, 4: 2}), rank)
+    return [d for d, k, _ in runs if k == 1]
+
+
+_CLUSTER: list[str] = []
 
 
 def test_hybrid_context_parallel_matches_cp1_with_both_schedulers(tmp_path):
     ref = run_ranks(1, _run, BASE + ["--micro-batch-size", "4"], ["startrail"])[0]["startrail"]
     hybrid = BASE + HYBRID + _slow_cluster(tmp_path)
     got = run_ranks(4, _run, hybrid, ["startrail", "megatron"])
+    packed = 0
     for rank, runs in enumerate(got):
         for name, run in runs.items():
             assert _close(run, ref) <= TOL, (rank, name)
-            lengths, sent, teams = run[2]
+            lengths, sent, teams, alone_calls = run[2]
             assert teams == {1: 1, 2: 1, 4: 2}
             if rank < 2:  # the long document ran on the 2-rank sub-group of ranks 0 and 1
                 assert 128 in lengths and sent > 0, (rank, name, lengths, sent)
+            # a rank's one-rank documents ran packed, one forward per bin within
+            # --max-seqlen-per-dp-cp-rank: 2 layers' calls per forward
+            docs = _one_rank_docs(name, rank)
+            bins = one_rank_bins(docs, DOCS, CAPS[name])
+            assert sum(alone_calls.values()) == 2 * len(bins), (rank, name, alone_calls, docs)
+            assert {sum(DOCS[d] for d in b) for b in bins} == set(alone_calls), (rank, name)
+            packed += sum(len(b) > 1 for b in bins)
+    assert packed  # some bin held two documents: the packed call ran
     # the sub-group ignored: the long document's halves attend only to themselves
     bad = run_ranks(4, _run, hybrid, ["startrail"], True)
     with pytest.raises(AssertionError):
@@ -278,3 +319,13 @@ def test_our_scheduler_keeps_the_entry_points_token_cap():
     assert any(k > 1 for d, k, _ in runs if d == 0)  # 256 tokens do not fit one rank
     with pytest.raises(ValueError, match="--max-seqlen-per-dp-cp-rank 128: max_tokens_per_rank"):
         hybrid._ours(args, [1024, 64], 4, sizes)
+
+
+def test_one_rank_bins_keep_the_cap():
+    """A rank's one-rank documents in order, packed while a bin's tokens (each padded to
+    an even length) stay within the cap; no cap: one bin."""
+    lengths = [63, 64, 100, 30, 7]
+    assert one_rank_bins([0, 1, 2, 3, 4], lengths, None) == [[0, 1, 2, 3, 4]]
+    assert one_rank_bins([0, 1, 2, 3, 4], lengths, 128) == [[0, 1], [2], [3, 4]]
+    assert one_rank_bins([2, 4], lengths, 100) == [[2], [4]]
+    assert one_rank_bins([], lengths, 128) == []

@@ -6,8 +6,9 @@ Prices, from the planner's own model (``cluster``: a ``ClusterSpec``):
 - a rank's kernels: its causal pairs at the cluster's attention rate, forward and
   backward (``compute.kernel_time``'s FLOP count), and its block's calls at the cluster's
   ``kernel_overhead`` each (as many as the strategy model makes for the block's size and
-  team size; a rank alone packs its documents into one call each way, unless
-  ``one_call_per_document``: one per document, as Megatron's hybrid schedule runs them);
+  team size; a rank alone packs its documents into one call each way, and so does a
+  multi-rank block unless ``one_call_per_document``: one per document, as our entry point
+  runs them there);
 - a block's communication: the planner's own time for StarTrail's transfers on k ranks
   with team size C (``strategies``: team collectives and sub-ring steps over the links
   they cross, the ``team`` placement, the block inside a node where it fits one) with
@@ -88,8 +89,9 @@ class BatchPrices:
         self._prices: dict[tuple[int, int], tuple[float, float]] = {}
         self._calls: dict[tuple[int, int], float] = {}
         self.per_document_calls = per_document_calls
-        """Each document its own calls (Megatron's hybrid schedule: one forward per
-        document), not a block's documents packed into one."""
+        """Each document of a multi-rank block its own calls (our entry point's hybrid
+        schedule: one forward per document there), not the block's documents packed into
+        one; a rank alone packs its documents either way."""
 
     def block_price(self, size: int, team_size: int) -> tuple[float, float]:
         """(communication seconds, bytes sent) per local token of a block of ``size`` ranks
@@ -127,11 +129,11 @@ class BatchPrices:
     ) -> float:
         """One rank's predicted seconds in a block of ``size`` holding ``pairs`` causal
         pairs and ``tokens`` tokens of ``docs`` documents in all: its kernels (their FLOPs
-        and their calls' fixed cost: once, or once per document with
+        and their calls' fixed cost: once, or once per document of a multi-rank block with
         ``per_document_calls``) and its share of the transfers (the longer of the two where
         the cluster overlaps them, else their sum), then its tokens' share of the rest of
         the layer."""
-        runs = (docs if self.per_document_calls else 1) if pairs else 0
+        runs = (docs if self.per_document_calls and size > 1 else 1) if pairs else 0
         comp = pairs * self.pair_s / size + runs * self.block_calls(size, team_size)
         comm = self.block_price(size, team_size)[0] * tokens / size
         attn = max(comp, comm) if self.cluster.overlap else comp + comm
@@ -229,9 +231,11 @@ def schedule_batch(
     ``cp_size``; 1 and ``cp_size`` are always allowed); ``team_sizes``: a fixed team size
     per block size (default: the cheapest on the model). ``model`` (``recompute``,
     ``tp_size``): the layer around the attention call, whose dense GEMMs cost each rank per
-    token it holds (without it the layout balances attention alone). ``max_tokens_per_rank``: the most
-    tokens a rank may hold (``rank_doc_tokens``, padding included) in one call, its block's
-    documents together or, with ``one_call_per_document`` (Megatron's hybrid schedule), each
+    token it holds (without it the layout balances attention alone).
+    ``max_tokens_per_rank``: the most tokens a rank may hold (``rank_doc_tokens``, padding
+    included) in one call, its block's documents together or, with
+    ``one_call_per_document`` (our entry point's hybrid schedule: one forward per document
+    on a multi-rank sub-group, its one-rank documents in bins within the cap), each
     document alone. ``ValueError`` naming the setting where a size does not divide
     ``cp_size``, a team size does not fit its size, or no layout keeps to the cap."""
     p = cp_size
@@ -305,12 +309,11 @@ def _greedy(
     room within the cap for a document."""
     pairs = [doc_pairs(n) for n in lengths]
     call1 = prices.block_calls(1, 1)  # a rank alone: its documents packed in one call
-    each = prices.per_document_calls  # or one call per document
     work = [prices.rank_seconds(1, 1, pairs[d], n) - call1 for d, n in enumerate(lengths)]
     target = sum(work) / p  # every rank's share of the batch's work, transfers aside
 
     def grown(t: float, d: int) -> float:  # a rank alone at t seconds, given document d
-        return t + work[d] + (call1 if each or not t else 0.0)
+        return t + work[d] + (0.0 if t else call1)
 
     def per_rank(b: dict, d: int | None = None) -> float:
         # transfers in flight beside the kernels where the cluster overlaps them (the

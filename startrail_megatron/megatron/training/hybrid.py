@@ -16,11 +16,15 @@ sub-group of the DP x CP ranks Megatron made groups for (``registry.hybrid_group
 * ``--startrail-batch-scheduler megatron``: megatron-core's own ``BalancedCPScheduler``
   (``--max-seqlen-per-dp-cp-rank``), its rounds one after the other.
 
-Each rank then runs its documents one forward each, as megatron-core 0.16's hybrid
-schedule does (``PackedSeqParams(qkv_format="sbhd", local_cp_size=k, cp_group=...)``,
-the document padded to a multiple of 2k and zigzag-sharded over its sub-group: RoPE is
-sliced by megatron-core over that group), in one order every rank shares (larger
-sub-groups first, then by document), so sub-groups never wait on each other in a cycle.
+Each rank then runs its documents on multi-rank sub-groups one forward each, as
+megatron-core 0.16's hybrid schedule does (``PackedSeqParams(qkv_format="sbhd",
+local_cp_size=k, cp_group=...)``, the document padded to a multiple of 2k and
+zigzag-sharded over its sub-group: RoPE is sliced by megatron-core over that group), in
+one order every rank shares (larger sub-groups first, then by document), so sub-groups
+never wait on each other in a cycle; then the documents it runs alone, packed into THD
+forwards (``one_rank_bins``: as many as ``--max-seqlen-per-dp-cp-rank`` allows in one)
+where the model's CP group is this rank alone (megatron-core rotates THD RoPE over that
+group; with CP > 1 they run one ``sbhd`` forward each, as the others).
 The loss is the per-token mean over the global batch, and megatron's DDP averages the
 gradients over DP x CP: the same loss and gradients as CP = 1.
 """
@@ -41,6 +45,7 @@ __all__ = [
     "document_lengths",
     "hybrid_forward_backward",
     "megatron_rounds",
+    "one_rank_bins",
 ]
 
 SCHEDULERS = ("startrail", "megatron")
@@ -148,6 +153,23 @@ def _megatrons(args, lengths: list[int], n: int, sizes: dict[int, int]) -> list:
     return runs_from_rounds(megatron_rounds(lengths, n, args.max_seqlen_per_dp_cp_rank), sizes)
 
 
+def one_rank_bins(docs: list[int], lengths: list[int], cap: int | None) -> list[list[int]]:
+    """A rank's one-rank documents ``docs`` in bins, in order, each packed into one forward:
+    a bin's tokens (each document padded to an even length, as ``pack_lengths`` for one
+    rank) within ``cap`` (``--max-seqlen-per-dp-cp-rank``: what a rank holds in one call;
+    None: one bin). Pure."""
+    bins: list[list[int]] = []
+    held = 0
+    for d in docs:
+        n = lengths[d] + lengths[d] % 2
+        if not bins or (cap is not None and held + n > cap):
+            bins.append([])
+            held = 0
+        bins[-1].append(d)
+        held += n
+    return bins
+
+
 def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = True):
     """(loss sum, token count) of the global batch's micro-batches (each ``[DP x rows, S]``:
     every DP replica's rows), run under per-batch sub-groups (module docstring); gradients
@@ -156,6 +178,9 @@ def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = Tr
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from ...schedule.batch import rank_runs
+    from ...schedule.packing import pack_lengths
+    from ...zigzag import shard_packed
+    from ..attention import packed_seq_params
     from ..registry import hybrid_team_sizes, subgroup_group
     from ..versions import batch_on_this_cp_rank
     from .data import eod_id
@@ -166,13 +191,34 @@ def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = Tr
     total = max(sum(float(mb["loss_mask"].sum()) for mb in micro_batches), 1.0)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
     schedule = _ours if args.startrail_batch_scheduler == "startrail" else _megatrons
+    # a rank's one-rank documents packed into one THD forward (or a few, within the cap):
+    # only where the model's CP group is this rank alone, as megatron-core rotates THD
+    # RoPE over that group (StarTrailCoreAttention refuses it elsewhere)
+    pack_alone = parallel_state.get_context_parallel_world_size() == 1
+
+    def run(batch: dict, psp) -> None:
+        nonlocal loss_sum
+        with torch.set_grad_enabled(backward):
+            losses = model(
+                batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                packed_seq_params=psp,
+            )  # fmt: skip
+            local = (losses.float() * batch["loss_mask"]).sum()
+        if backward:
+            (local * n / total).backward()
+        loss_sum += local.detach().double()
+
     for mb in micro_batches:
         lengths = document_lengths(mb["tokens"], eod_id(args))
         cuts = [0]
         for length in lengths:
             cuts.append(cuts[-1] + length)
         flat = {k: mb[k].reshape(-1) for k in ("tokens", "labels", "loss_mask", "position_ids")}
-        for d, k, _start in rank_runs(schedule(args, lengths, n, sizes), me):
+        runs = rank_runs(schedule(args, lengths, n, sizes), me)
+        alone = [d for d, k, _ in runs if k == 1] if pack_alone else []
+        for d, k, _start in runs:
+            if d in alone:
+                continue
             group = subgroup_group(k)
             pad = (-lengths[d]) % (2 * k)  # the zigzag: 2k equal chunks (end padding)
             doc = {}
@@ -187,20 +233,22 @@ def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = Tr
                 doc = batch_on_this_cp_rank(doc, group)
             whole = lengths[d] + pad
             cu = torch.tensor([0, whole], dtype=torch.int32, device=dev)
-            psp = PackedSeqParams(
+            run(doc, PackedSeqParams(
                 qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                 cu_seqlens_kv_padded=cu, max_seqlen_q=whole, max_seqlen_kv=whole,
                 local_cp_size=k, cp_group=group,
-            )  # fmt: skip
-            with torch.set_grad_enabled(backward):
-                losses = model(
-                    doc["tokens"], doc["position_ids"], None, labels=doc["labels"],
-                    packed_seq_params=psp,
-                )  # fmt: skip
-                local = (losses.float() * doc["loss_mask"]).sum()
-            if backward:
-                (local * n / total).backward()
-            loss_sum += local.detach().double()
+            ))  # fmt: skip
+        for docs in one_rank_bins(alone, lengths, args.max_seqlen_per_dp_cp_rank):
+            packed = pack_lengths([lengths[d] for d in docs], 1)
+            batch = {
+                key: shard_packed(torch.cat([v[cuts[d] : cuts[d + 1]] for d in docs]), packed, 0)[
+                    None
+                ].to(dev)
+                for key, v in flat.items()
+            }
+            psp = packed_seq_params(packed, dev)
+            psp.local_cp_size, psp.cp_group = 1, subgroup_group(1)
+            run(batch, psp)
     return loss_sum, total
 
 
