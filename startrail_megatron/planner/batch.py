@@ -61,9 +61,10 @@ _REF_TOKENS = 1024  # tokens per rank at which a block's bytes per token are rea
 
 class BatchPrices:
     """Seconds per causal pair (kernels, forward + backward), per token of the rest of the
-    layer (``model``'s dense GEMMs over ``tp_size`` ranks; 0 without a model) and, per block size, the team size and
-    seconds per local token of its communication, on ``cluster`` for one call shape (heads,
-    head size, element bytes)."""
+    layer (``model``'s dense GEMMs over ``tp_size`` ranks; 0 without a model) and, per block
+    size, the team size, the seconds and bytes per local token of its communication and
+    its kernel calls' fixed seconds, on ``cluster`` for one call shape (heads, head size,
+    element bytes)."""
 
     def __init__(
         self,
@@ -86,25 +87,22 @@ class BatchPrices:
         self.pair_s = flops_per_pair / cluster.attn_flops * (1 + cluster.attn_bwd_ratio)
         dense = dense_token_seconds(cluster, model, recompute) if model else 0.0
         self.token_s = dense * batch / tp_size  # the GEMMs split over tensor parallelism
-        self._prices: dict[tuple[int, int], tuple[float, float]] = {}
-        self._calls: dict[tuple[int, int], float] = {}
+        self._prices: dict[tuple[int, int], tuple[float, float, float]] = {}
         self.per_document_calls = per_document_calls
         """Each document of a multi-rank block its own calls (our entry point's hybrid
         schedule: one forward per document there), not the block's documents packed into
         one; a rank alone packs its documents either way."""
 
+    def _block(self, size: int, team_size: int) -> tuple[float, float, float]:
+        key = (size, team_size)  # cached here too: the search asks at every placement
+        if key not in self._prices:
+            self._prices[key] = _block_model(self.cluster, self.dims, size, team_size)
+        return self._prices[key]
+
     def block_price(self, size: int, team_size: int) -> tuple[float, float]:
         """(communication seconds, bytes sent) per local token of a block of ``size`` ranks
         with ``team_size`` (max over its ranks; 0 for one rank)."""
-        key = (size, team_size)
-        if key not in self._prices:
-            self._prices[key] = self._price(size, team_size)
-        return self._prices[key]
-
-    def _price(self, size: int, team_size: int) -> tuple[float, float]:
-        if size == 1:
-            return 0.0, 0.0
-        return _block_price(self.cluster, self.dims, size, team_size)
+        return self._block(size, team_size)[:2]
 
     def team_size(self, size: int) -> int:
         """The team size of a block of ``size`` with the fewest seconds per token (or the
@@ -119,10 +117,7 @@ class BatchPrices:
         """Seconds of a block's kernel calls' fixed cost on each of its ranks (the planner's
         ``kernel_overhead`` per call, as many calls as its strategy model makes: one call
         forward and one backward for a rank alone, whatever it packs)."""
-        key = (size, team_size)
-        if key not in self._calls:
-            self._calls[key] = _block_calls(self.cluster, self.dims, size, team_size)
-        return self._calls[key]
+        return self._block(size, team_size)[2]
 
     def rank_seconds(
         self, size: int, team_size: int, pairs: float, tokens: int, docs: int = 1
@@ -133,9 +128,10 @@ class BatchPrices:
         ``per_document_calls``) and its share of the transfers (the longer of the two where
         the cluster overlaps them, else their sum), then its tokens' share of the rest of
         the layer."""
+        comm_per_token, _, calls = self._block(size, team_size)
         runs = (docs if self.per_document_calls and size > 1 else 1) if pairs else 0
-        comp = pairs * self.pair_s / size + runs * self.block_calls(size, team_size)
-        comm = self.block_price(size, team_size)[0] * tokens / size
+        comp = pairs * self.pair_s / size + runs * calls
+        comm = comm_per_token * tokens / size
         attn = max(comp, comm) if self.cluster.overlap else comp + comm
         return attn + self.token_s * tokens / size
 
@@ -168,44 +164,35 @@ class BatchPrices:
 
 
 @functools.lru_cache(maxsize=4096)
-def _block_price(cluster: ClusterSpec, dims: tuple, size: int, team_size: int):
-    """(seconds, bytes sent) per local token of a block's transfers, from the planner's own
-    strategy model (``strategies.Strategy.spec.times``: team collectives and sub-ring steps
-    over the links they cross, ``team`` placement, the block at an aligned start: inside a
-    node where it fits one) on the cluster with instant kernels, so only the transfers
-    are left. Cached: the same cluster and call shape price the same in every batch."""
+def _block_model(cluster: ClusterSpec, dims: tuple, size: int, team_size: int):
+    """(transfer seconds, bytes sent) per local token of a block and its kernel calls' fixed
+    seconds per rank, forward and backward, from the planner's own strategy model
+    (``strategies.Strategy.spec.times``: team collectives and sub-ring steps over the links
+    they cross, ``team`` placement, the block at an aligned start: inside a node where it
+    fits one) with instant kernels: without their per-call cost only the transfers are
+    left, with instant transfers too only ``kernel_overhead`` times the calls (independent
+    of the tokens). A block of one rank sends nothing. Cached: the same cluster and call
+    shape price the same in every batch."""
     from .strategies import Strategy, comm_bytes
 
     hq, hkv, d, e, b = dims
     shape = AttnShape(size, _REF_TOKENS, b, hq, hkv, d, elem_bytes=e, acc_bytes=4)
     per_node = min(cluster.gpus_per_node, size)
-    transfers_only = cluster.with_(
+    instant = cluster.with_(
         gpus_per_node=per_node, num_nodes=-(-size // per_node), attn_flops=1e30,
-        matmul_flops=1e30, kernel_overhead=0.0, mem_bw=0.0,
+        matmul_flops=1e30, mem_bw=0.0,
     )  # fmt: skip
     st = Strategy("startrail", team_size, "team")
-    fwd, bwd = st.spec.times(st, transfers_only, shape)
-    sent = max(sum(r.values()) for r in comm_bytes(st, shape)) / _REF_TOKENS
-    return (fwd + bwd) / _REF_TOKENS, sent
-
-
-@functools.lru_cache(maxsize=4096)
-def _block_calls(cluster: ClusterSpec, dims: tuple, size: int, team_size: int) -> float:
-    """Seconds of a block's kernel calls' fixed cost per rank, forward and backward: the
-    planner's strategy model on the cluster with instant kernels and transfers, so only
-    ``kernel_overhead`` times its calls is left (independent of the tokens)."""
-    from .strategies import Strategy
-
-    hq, hkv, d, e, b = dims
-    shape = AttnShape(size, _REF_TOKENS, b, hq, hkv, d, elem_bytes=e, acc_bytes=4)
-    per_node = min(cluster.gpus_per_node, size)
-    calls_only = cluster.with_(
-        gpus_per_node=per_node, num_nodes=-(-size // per_node), attn_flops=1e30,
-        matmul_flops=1e30, mem_bw=0.0, intra_bw=1e30, inter_bw=1e30, inter_bw_per_gpu=1e30,
-        intra_latency=0.0, inter_latency=0.0, host_cores=0, all_to_all_inter_bw=0.0,
+    calls_only = instant.with_(
+        intra_bw=1e30, inter_bw=1e30, inter_bw_per_gpu=1e30, intra_latency=0.0,
+        inter_latency=0.0, host_cores=0, all_to_all_inter_bw=0.0,
     )  # fmt: skip
-    st = Strategy("startrail", team_size, "team")
-    return sum(st.spec.times(st, calls_only, shape))
+    calls = sum(st.spec.times(st, calls_only, shape))
+    if size == 1:
+        return 0.0, 0.0, calls
+    transfers = sum(st.spec.times(st, instant.with_(kernel_overhead=0.0), shape))
+    sent = max(sum(r.values()) for r in comm_bytes(st, shape))
+    return transfers / _REF_TOKENS, sent / _REF_TOKENS, calls
 
 
 def schedule_batch(
@@ -335,7 +322,7 @@ def _greedy(
         b["held"] = room.add(b["held"], (lengths[d],), b["size"])
 
     def fits(b: dict, d: int) -> bool:
-        return room.cap is None or room.fits(room.add(b["held"], (lengths[d],), b["size"]))
+        return room.fits(room.add(b["held"], (lengths[d],), b["size"]))
 
     order = sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))
     free = [True] * p
