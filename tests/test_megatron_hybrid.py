@@ -124,7 +124,6 @@ def _slow_cluster(tmp_path) -> list[str]:
     )
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(dataclasses.asdict(spec)))
-    _CLUSTER[:] = [str(path)]
     return ["--startrail-batch-cluster", str(path)]
 
 
@@ -135,20 +134,16 @@ DOCS = [256, 128, 128, 128, 128, 64, 64, 64, 64]
 """``_micro_batch``'s documents, in order."""
 
 
-def _one_rank_docs(scheduler: str, rank: int) -> list[int]:
-    """The documents ``scheduler`` runs on ``rank`` alone, in the run order (the same
-    schedule the ranks computed: it is a pure function of the lengths and flags)."""
+def _one_rank_docs(argv: list[str], scheduler: str, rank: int) -> list[int]:
+    """The documents ``scheduler`` runs on ``rank`` alone under the ranks' ``argv``, in the
+    run order (the schedule the ranks computed: a pure function of the lengths and flags)."""
     from startrail_megatron.megatron.training import hybrid
 
-    args = T.parse_args(BASE + HYBRID + ["--nproc", "4", "--startrail-batch-scheduler", scheduler])
-    args.startrail_batch_cluster = _CLUSTER[0]
+    args = T.parse_args(argv + ["--nproc", "4", "--startrail-batch-scheduler", scheduler])
     args.max_seqlen_per_dp_cp_rank = CAPS[scheduler]
     schedule = hybrid._ours if scheduler == "startrail" else hybrid._megatrons
     runs = rank_runs(schedule(args, DOCS, 4, {1: 1, 2: 1, 4: 2}), rank)
     return [d for d, k, _ in runs if k == 1]
-
-
-_CLUSTER: list[str] = []
 
 
 def test_hybrid_context_parallel_matches_cp1_with_both_schedulers(tmp_path):
@@ -165,7 +160,7 @@ def test_hybrid_context_parallel_matches_cp1_with_both_schedulers(tmp_path):
                 assert 128 in lengths and sent > 0, (rank, name, lengths, sent)
             # a rank's one-rank documents ran packed, one forward per bin within
             # --max-seqlen-per-dp-cp-rank: 2 layers' calls per forward
-            docs = _one_rank_docs(name, rank)
+            docs = _one_rank_docs(hybrid, name, rank)
             bins = one_rank_bins(docs, DOCS, CAPS[name])
             assert sum(alone_calls.values()) == 2 * len(bins), (rank, name, alone_calls, docs)
             assert {sum(DOCS[d] for d in b) for b in bins} == set(alone_calls), (rank, name)

@@ -24,7 +24,7 @@ from .refusals import REFUSED_FLAGS
 from .registry import get_startrail_state, subgroup_state
 from .versions import cp_group_from
 
-__all__ = ["StarTrailCoreAttention", "hybrid_size", "packed_seq_params"]
+__all__ = ["StarTrailCoreAttention", "hybrid_size", "packed_documents", "packed_seq_params"]
 
 
 def packed_seq_params(layout, device=None):
@@ -47,6 +47,22 @@ def packed_seq_params(layout, device=None):
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
     )
+
+
+def packed_documents(
+    flat: dict, lengths, cp_size: int, cp_rank: int, device
+) -> tuple[dict, object]:
+    """Documents of ``lengths``, one after another in each of ``flat``'s 1-D tensors, packed
+    for CP rank ``cp_rank`` of ``cp_size``: each document padded to a multiple of 2P and
+    sharded by the per-document zigzag (``shard_packed``; padding: token 0, label 0, loss
+    mask 0). Returns the local batch (``[1, s_local]`` each, on ``device``) and megatron's
+    ``PackedSeqParams(qkv_format="thd")`` with the global boundaries."""
+    from ..schedule.packing import pack_lengths
+    from ..zigzag import shard_packed
+
+    packed = pack_lengths(lengths, cp_size)
+    local = {k: shard_packed(v, packed, cp_rank)[None].to(device) for k, v in flat.items()}
+    return local, packed_seq_params(packed, device)
 
 
 def hybrid_size(psp) -> int | None:

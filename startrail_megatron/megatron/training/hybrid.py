@@ -178,9 +178,7 @@ def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = Tr
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from ...schedule.batch import rank_runs
-    from ...schedule.packing import pack_lengths
-    from ...zigzag import shard_packed
-    from ..attention import packed_seq_params
+    from ..attention import packed_documents
     from ..registry import hybrid_team_sizes, subgroup_group
     from ..versions import batch_on_this_cp_rank
     from .data import eod_id
@@ -217,7 +215,7 @@ def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = Tr
         runs = rank_runs(schedule(args, lengths, n, sizes), me)
         alone = [d for d, k, _ in runs if k == 1] if pack_alone else []
         for d, k, _start in runs:
-            if d in alone:
+            if k == 1 and pack_alone:  # in one_rank_bins below
                 continue
             group = subgroup_group(k)
             pad = (-lengths[d]) % (2 * k)  # the zigzag: 2k equal chunks (end padding)
@@ -239,14 +237,10 @@ def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = Tr
                 local_cp_size=k, cp_group=group,
             ))  # fmt: skip
         for docs in one_rank_bins(alone, lengths, args.max_seqlen_per_dp_cp_rank):
-            packed = pack_lengths([lengths[d] for d in docs], 1)
-            batch = {
-                key: shard_packed(torch.cat([v[cuts[d] : cuts[d + 1]] for d in docs]), packed, 0)[
-                    None
-                ].to(dev)
-                for key, v in flat.items()
+            parts = {
+                k: torch.cat([v[cuts[d] : cuts[d + 1]] for d in docs]) for k, v in flat.items()
             }
-            psp = packed_seq_params(packed, dev)
+            batch, psp = packed_documents(parts, [lengths[d] for d in docs], 1, 0, dev)
             psp.local_cp_size, psp.cp_group = 1, subgroup_group(1)
             run(batch, psp)
     return loss_sum, total

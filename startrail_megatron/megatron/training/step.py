@@ -28,28 +28,22 @@ def pack_micro_batch(batch: dict, eod: int) -> tuple[dict, object]:
     """One micro-batch ``[b, S]`` as packed documents for this CP rank (``--reset-attention-mask``).
 
     Documents end at each end-of-document token and at each row's end (Megatron-LM's
-    rule); the rows' documents are concatenated into one packed sequence (batch 1), each
-    document padded to a multiple of 2P and sharded by the per-document zigzag
-    (``shard_packed``; padding: token 0, label 0, loss mask 0). Returns the local batch
-    (``[1, s_local]`` each) and megatron's ``PackedSeqParams(qkv_format="thd")`` with the
-    global boundaries.
+    rule); the rows' documents are concatenated into one packed sequence (batch 1),
+    ``packed_documents`` for this CP rank.
     """
     from megatron.core import parallel_state
 
-    from ...schedule.packing import pack_lengths
-    from ...zigzag import shard_packed
-    from ..attention import packed_seq_params
+    from ..attention import packed_documents
     from .hybrid import document_lengths
 
     tokens = batch["tokens"]
-    lengths = document_lengths(tokens, eod)
-    cp = parallel_state.get_context_parallel_world_size()
-    packed = pack_lengths(lengths, cp)
-    r = parallel_state.get_context_parallel_rank()
-    local = {k: shard_packed(v.reshape(-1), packed, r)[None] for k, v in batch.items()}
-
-    psp = packed_seq_params(packed, tokens.device)
-    return local, psp
+    return packed_documents(
+        {k: v.reshape(-1) for k, v in batch.items()},
+        document_lengths(tokens, eod),
+        parallel_state.get_context_parallel_world_size(),
+        parallel_state.get_context_parallel_rank(),
+        tokens.device,
+    )
 
 
 def forward_backward(
