@@ -162,6 +162,8 @@ def test_the_scheduler_keeps_each_rank_within_its_token_cap():
     for cap in (0, 1.5, True):
         with pytest.raises(ValueError, match="max_tokens_per_rank must be an integer"):
             schedule_batch(lengths, 8, max_tokens_per_rank=cap)
+    with pytest.raises(ValueError, match="tp_size must be an integer >= 1, got 0"):
+        schedule_batch(lengths, 8, model=MODEL_PRESETS["gpt-7b"], tp_size=0)
 
 
 def test_a_blocks_kernel_calls_are_priced_once_or_per_document():

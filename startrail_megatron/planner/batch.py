@@ -239,6 +239,8 @@ def schedule_batch(
                 f"team_sizes {{{k}: {c}}}: a block size in {sizes} and a team size in "
                 f"{valid_team_sizes(k) if k in allowed else '(none)'}"
             )
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
     cap = max_tokens_per_rank
     if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 2):
         raise ValueError(f"max_tokens_per_rank must be an integer >= 2 or None, got {cap!r}")
