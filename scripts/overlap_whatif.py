@@ -13,8 +13,9 @@ batch 1, head_dim 128). The figures of docs/performance.md section 11 are this o
 2. What the last step's combine would gain from designs that are not built, priced by
    replacing the number of tail groups the model charges
    (``planner.times.tail_head_groups``): two row halves at G = 1 (where it is one group
-   today), and four head groups instead of two at G > 1. Neither charges the extra calls
-   or collectives such a split would cost, so both are upper bounds.
+   today), and four head groups instead of two at G > 1. Each group makes the step's
+   calls again (``times.step_kernel_seconds`` charges them); the extra collectives' latency
+   is not charged.
 """
 
 from __future__ import annotations

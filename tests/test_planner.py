@@ -355,8 +355,15 @@ def test_cli_loads_a_saved_cluster_and_takes_a_dtype(tmp_path, capsys):
             "--json"]  # fmt: skip
     assert cli.main(argv) == 0
     rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    # The report's predictions were made before the planner priced the last sub-ring step's
+    # calls once per head group (``times.step_kernel_seconds``): StarTrail with a team
+    # combine and a sub-ring (C = 2, G = 2 here) now costs that step's extra calls more
+    # (1.5 - 4.2 % on this host's per-call cost); every other strategy is priced as then.
+    grouped = {"startrail-C2-team": 1.0146, "startrail-C2-ring": 1.0420}
     for r in report["emulation"]["rows"]:
-        assert rows[r["strategy"]]["attn_s"] == pytest.approx(r["predicted_median_s"], rel=1e-9)
+        ratio = grouped.get(r["strategy"], 1.0)
+        got = rows[r["strategy"]]["attn_s"] / r["predicted_median_s"]
+        assert got == pytest.approx(ratio, abs=1e-9 if ratio == 1.0 else 1e-4), r["strategy"]
     bad = tmp_path / "bad.json"
     bad.write_text('{"name": "x"}')
     with pytest.raises(SystemExit):
@@ -663,6 +670,7 @@ def test_startrail_prediction_counts_each_ranks_own_sum():
     steps; with free links the forward kernel time is one rank's sum, below the sum of
     per-step maxima."""
     from startrail_megatron.planner.compute import kernel_time, startrail_work
+    from startrail_megatron.planner.times import step_kernel_seconds
     from startrail_megatron.schedule.layout import StarTrailLayout
 
     cl = CLUSTER_PRESETS["h100-ib"].with_(
@@ -672,7 +680,8 @@ def test_startrail_prediction_counts_each_ranks_own_sum():
     shape = AttnShape(8, 512, 1, 8, 8, 64, causal=True)
     lay = StarTrailLayout(8, 2, "team")
     work = startrail_work(lay, True, 512)
-    per = [[kernel_time(cl, shape, pr, n, False, sh) for pr, n, sh in row] for row in work]
+    per = step_kernel_seconds(lay, cl, shape, work, False)  # the last step per head group
+    assert per[1][0] > kernel_time(cl, shape, *work[1][0][:2], False)
     own_sum = max(sum(per[s][r] for s in range(2)) for r in range(8))
     step_max = sum(max(row) for row in per)
     assert own_sum < step_max
@@ -713,7 +722,8 @@ def test_own_rows_first_priced_as_the_code_runs_it():
         t_on, t_off, t_auto = (
             sum(startrail_times(lay_, cl, shape, None)) for cl in (on, off, base)
         )
-        assert t_off < t_on and t_auto == t_off
+        assert t_off <= t_on and t_auto == t_off
+        assert t_off < t_on or lay_ is ring  # MHA on the ring placement: hidden by transfers
     with pytest.raises(SystemExit):
         cli.main(["--own-rows-first", "maybe"])
 
@@ -738,7 +748,9 @@ def test_overlap_whatif_script():
     ).groups()
     assert int(total) == 160 and int(best) >= 0.9 * 160 and float(behind) <= 1.0
     gains = re.findall(r"at G [=>] 1: ([-.\d]+)% to ([-.\d]+)%", out.stdout)
-    assert len(gains) == 2 and all(0 <= float(a) <= float(b) < 5 for a, b in gains)
+    assert len(gains) == 2 and all(-5 < float(a) <= float(b) < 5 for a, b in gains)
+    # row halves at G = 1 gain a little; four head groups lose once their calls are charged
+    assert 0 <= float(gains[0][0]) and float(gains[1][1]) < 0
 
 
 # ---- autotune --------------------------------------------------------------------------
@@ -1009,7 +1021,9 @@ def test_cost_model_counts_the_window_pairs():
     from startrail_megatron.planner.compute import startrail_work
     from startrail_megatron.schedule import startrail_active_steps
 
-    p, s_local = 8, 512
+    # 16K tokens: at 4K a window's more calls (31 against C = 2's 22, its one step's doubled
+    # by the head groups) outweigh its pairs on the H100 preset, as they would on the GPU
+    p, s_local = 8, 2048
     n = p * s_local
     lay = st.StarTrailLayout(p, 1)
     for w in (n // 16, n // 4):

@@ -44,6 +44,7 @@ __all__ = [
     "ring_pipeline",
     "split_times",
     "startrail_times",
+    "step_kernel_seconds",
     "ulysses_times",
 ]
 
@@ -114,6 +115,24 @@ def ring_pipeline(
     return max(end)
 
 
+def step_kernel_seconds(
+    lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, work: tuple, bwd: bool
+) -> list[list[float]]:
+    """[step][rank] kernel seconds of StarTrail's calls (``work``: ``compute.startrail_work``
+    for this layout and shape). A rank's last computed step makes its calls once per head
+    group (``tail_head_groups``): the same pairs in as many times the calls."""
+    k_tail = len(tail_head_groups(lay, shape.heads_q, shape.heads_kv, False))
+    active = shape.active_steps(lay)
+    last = [lay.computed_steps(r, active)[-1] for r in range(shape.cp_size)]
+    return [
+        [
+            kernel_time(cl, shape, pr, nc * (k_tail if s == last[r] else 1), bwd, sh)
+            for r, (pr, nc, sh) in enumerate(row)
+        ]
+        for s, row in enumerate(work)
+    ]
+
+
 def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byts: Bytes):
     """(fwd, bwd) seconds for StarTrail / ring."""
     p = shape.cp_size
@@ -178,13 +197,13 @@ def startrail_times(lay: StarTrailLayout, cl: ClusterSpec, shape: AttnShape, byt
             worst = max(worst, ring_pipeline(cl, sub, sub_prev, x_kv, x_dkv, *cpu))
         return worst
 
+    k_tail = len(tail_head_groups(lay, shape.heads_q, shape.heads_kv, False))
+
     def comp(bwd: bool) -> list[list[float]]:
-        return [[kernel_time(cl, shape, pr, nc, bwd, sh) for pr, nc, sh in row] for row in work]
+        return step_kernel_seconds(lay, cl, shape, work, bwd)
 
     def fan(targets, nbytes: int) -> float:
         return p2p_fan(cl, [(r, d, nbytes) for r in range(p) for d in targets(r)])
-
-    k_tail = len(tail_head_groups(lay, shape.heads_q, shape.heads_kv, False))
 
     def tail(t_coll: float, work: list[list[float]]) -> float:
         """Team collectives of the last step's head groups (``tail_head_groups``): all but
