@@ -31,6 +31,13 @@ counts the transfers; the model's cluster is then the planner's emulated one
 cluster first, as ``startrail-bench --emulate`` does) with this machine's kernel rate
 shared by the ranks (cores / ranks of it each, where they outnumber the cores).
 
+``--timed-kernels`` (Note [timed kernels], ``bench/timed_kernel.py``): every attention call
+and the layer's GEMMs wait their modelled time (this machine's rates shared by the ranks,
+as the model prices them) instead of computing, so the ranks compute side by side as
+accelerators would, and the wall clock is the slowest rank's path with the transfers, not
+the host's total work; the schedules, merges and transfers stay real, the numbers do not
+(no check runs here either way). Compare layouts on the wall clock then.
+
 Per layout: each rank's thread CPU time of its forward and backward (``time.thread_time``:
 P ranks share 2 cores, so wall clock says little beyond P = 2; the critical path is the
 slowest rank's), the wall clock between barriers, the most bytes a rank sent (its
@@ -136,6 +143,14 @@ def _rank(rank: int, world: int, plan: list, out_path: str) -> None:
     torch.set_num_threads(1)
     groups = BatchGroups.create()
     dense = _dense(plan[0].get("layer_ffn", 0)) if plan else None
+    timed = plan[0].get("timed") if plan else None
+    kern = "auto"
+    if timed:  # Note [timed kernels]: waits of the modelled time instead of arithmetic
+        from startrail_megatron.bench.timed_kernel import TimedKernel, dense_wait
+
+        kern = TimedKernel(timed["attn_flops"], 2.5, timed["call_s"])
+        if dense is not None:
+            dense = dense_wait(timed["dense_flops_per_token"], timed["matmul_flops"])
     results = []
     for item in plan:
         lengths = item["lengths"]
@@ -169,7 +184,9 @@ def _rank(rank: int, world: int, plan: list, out_path: str) -> None:
                         parts.append(zigzag_shard(doc, rank % size, size).contiguous())
                     ql, kl, vl, dl = (t.requires_grad_(i < 3) for i, t in enumerate(parts))
                     grp = groups.get(size, team_size_within(size, TEAM_CAP))
-                    out = startrail_attention(ql, kl, vl, grp, causal=True, ledger=ledger)
+                    out = startrail_attention(
+                        ql, kl, vl, grp, causal=True, ledger=ledger, kernel=kern
+                    )
                     out.backward(dl)
                     if dense is not None:
                         dense(ql.shape[0])
@@ -177,7 +194,9 @@ def _rank(rank: int, world: int, plan: list, out_path: str) -> None:
                 ql, kl, vl, dl = (shard_batch(x, lay, rank) for x in (q, k, v, dout))
                 ql, kl, vl = (t.contiguous().requires_grad_() for t in (ql, kl, vl))
                 # every rank calls it, an idle one too (it joins the layout check)
-                out = batch_attention(ql, kl, vl, lay, groups, causal=True, ledger=ledger)
+                out = batch_attention(
+                    ql, kl, vl, lay, groups, causal=True, ledger=ledger, kernel=kern
+                )
                 out.backward(dl)
                 if dense is not None and ql.shape[0]:
                     dense(ql.shape[0])
@@ -227,17 +246,23 @@ def _call_overhead() -> float:
     return _best_call(16, 20) / (1 + 2.5)
 
 
+def _dense_flops_per_token(ffn: int) -> float:
+    """``_dense``'s FLOPs per token, forward and backward, as the planner counts them."""
+    h, kv = HEADS_Q * HEAD_DIM, HEADS_KV * HEAD_DIM
+    return 3 * 2 * (h * (h + 2 * kv) + h * h + 2 * h * ffn)
+
+
 def _matmul_flops(ffn: int) -> float:
     """This machine's GEMM rate on one thread (flop/s): ``_dense`` on 2048 tokens, counted
     as the planner counts it (forward and a backward of twice its FLOPs)."""
     torch.set_num_threads(1)
-    h, kv, n = HEADS_Q * HEAD_DIM, HEADS_KV * HEAD_DIM, 2048
+    n = 2048
     run, best = _dense(ffn), math.inf
     for _ in range(3):
         t0 = time.perf_counter()
         run(n)
         best = min(best, time.perf_counter() - t0)
-    return 3 * 2 * n * (h * (h + 2 * kv) + h * h + 2 * h * ffn) / best
+    return n * _dense_flops_per_token(ffn) / best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -261,6 +286,12 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=0,
         help="run the layer's GEMMs too, with an MLP of this size (0: attention only)",
+    )
+    ap.add_argument(
+        "--timed-kernels",
+        action="store_true",
+        help="kernels and GEMMs wait their modelled time instead of computing "
+        "(Note [timed kernels]): ranks compute side by side, as on accelerators",
     )
     ap.add_argument("--json", default="")
     ap.add_argument("--emulate", default=None, help="NODESxRANKS: on an emulated cluster")
@@ -326,6 +357,14 @@ def _measure(args, B, spec, emu, flops: float) -> list[dict]:
                 )  # fmt: skip
             else:
                 cl = model_cluster
+            timed = None
+            if args.timed_kernels:  # the waits are the model's kernel terms, no more
+                from startrail_megatron.bench.timed_kernel import timed_cluster
+
+                cl = timed_cluster(cl, cl.attn_flops)
+                timed = {"attn_flops": cl.attn_flops, "matmul_flops": cl.matmul_flops,
+                         "call_s": 0.0,
+                         "dense_flops_per_token": _dense_flops_per_token(args.layer_ffn)}  # fmt: skip
             layer = None
             if args.layer_ffn:  # the layer _dense runs, as the planner's ModelSpec
                 from startrail_megatron.planner.cluster import ModelSpec
@@ -337,7 +376,7 @@ def _measure(args, B, spec, emu, flops: float) -> list[dict]:
                 for i, lengths in enumerate(B.batches(pool, tokens, args.batches, seed=p + tokens)):
                     lays = _layouts(lengths, p, prices, layer)
                     plan.append(dict(index=i, seed=i, lengths=lengths, layouts=lays,
-                                     layer_ffn=args.layer_ffn))  # fmt: skip
+                                     layer_ffn=args.layer_ffn, timed=timed))  # fmt: skip
                     for name, lay in lays.items():
                         if lay is None:
                             continue
@@ -372,6 +411,7 @@ def _measure(args, B, spec, emu, flops: float) -> list[dict]:
                         ))  # fmt: skip
                 base = next(v for k, v in acc.items() if k.startswith("static StarTrail"))
                 base_cpu = statistics.fmean(x["cpu_critical_s"] for x in base)
+                base_wall = statistics.fmean(x["wall_s"] for x in base)
                 where = f" on {cl.name}" if spec is not None else ""
                 print(f"{dist_name} P={p}{where}, {tokens} tokens per batch, {len(plan)} batches "
                       f"({time.perf_counter() - t0:.0f} s):")  # fmt: skip
@@ -379,14 +419,17 @@ def _measure(args, B, spec, emu, flops: float) -> list[dict]:
                     row = {"dist": dist_name, "ranks": p, "batch_tokens": tokens, "layout": name,
                            "batches": len(vals), "emulated": args.emulate,
                            "inter_node": args.inter_node if args.emulate else None,
-                           "layer_ffn": args.layer_ffn}  # fmt: skip
+                           "layer_ffn": args.layer_ffn,
+                           "timed_kernels": args.timed_kernels}  # fmt: skip
                     for key in vals[0]:
                         row[key] = statistics.fmean(x[key] for x in vals)
                     row["throughput_vs_static_startrail"] = base_cpu / row["cpu_critical_s"]
+                    row["wall_vs_static_startrail"] = base_wall / row["wall_s"]
                     rows.append(row)
                     print(f"  {name:24s} critical CPU {row['cpu_critical_s']:7.2f} s "
                           f"(x{row['throughput_vs_static_startrail']:4.2f}), mean "
-                          f"{row['cpu_mean_s']:6.2f} s, wall {row['wall_s']:6.2f} s, balance "
+                          f"{row['cpu_mean_s']:6.2f} s, wall {row['wall_s']:6.2f} s "
+                          f"(x{row['wall_vs_static_startrail']:4.2f}), balance "
                           f"{row['balance']:5.2f}, tokens {row['token_balance']:5.2f}, max sent {row['max_bytes'] / 2**20:6.1f} MiB, "
                           f"model {row['model_s']:6.2f} s")  # fmt: skip
     return rows

@@ -10,6 +10,8 @@
 # at 100 and 400 Mbit/s. 4800 tokens, 24 heads of 16 (every U the split takes), fp32,
 # causal, 1 warm-up and 3 repeats. Writes OUT_DIR/placement_<NxR>_<rate>.json and .png;
 # `python scripts/emulated_table.py OUT_DIR/placement_*.json` makes the tables.
+# BENCH_ARGS: more startrail-bench flags for every run, e.g. BENCH_ARGS="--timed-kernels 0"
+# (kernels as waits of their modelled time: ranks compute side by side, Note [timed kernels]).
 set -euo pipefail
 out=${1:?usage: placement_campaign.sh OUT_DIR [TOPOLOGY@RATE ...]}
 shift
@@ -33,5 +35,6 @@ for run in "${runs[@]}"; do
   # shellcheck disable=SC2086
   "$py" -m startrail_megatron.bench --emulate "$topo" --inter-node "$rate" --seq-len 4800 \
     --heads 24 --head-dim 16 --repeats 3 --warmup 1 --auto-placement \
-    --strategies $strategies --json "$name.json" --png "$name.png" 2>"$name.log" | tail -20
+    --strategies $strategies ${BENCH_ARGS:-} --json "$name.json" --png "$name.png" \
+    2>"$name.log" | tail -20
 done

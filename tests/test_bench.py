@@ -84,8 +84,29 @@ def test_bench_dit_workload_full_attention():
     assert "dit workload" in bench.format_table(report) and "full" in bench.format_table(report)
 
 
+def test_timed_kernels_wait_the_models_kernel_time_and_check_nothing():
+    """``--timed-kernels`` (Note [timed kernels]): each call waits its modelled time, so at
+    a slow rate every strategy takes the model's time (its kernel term is the waits', the
+    calibrated cluster takes the rate), no error is checked, and the config records the
+    rate; the same run computing takes a small fraction of it."""
+    argv = [*TINY, "--strategies", "ring", "startrail-C2-team", "--no-check"]
+    args = bench.build_parser().parse_args(argv)
+    args.cuda, args.timed_kernels_flops = False, 2e6  # ~60 ms of kernels per step
+    report = run_ranks(4, _bench_rank, args)[0]
+    assert report["config"]["timed_kernels_flops"] == 2e6
+    assert report["calibration"]["cluster_median"]["attn_flops"] == 2e6
+    for r in report["results"]:
+        assert r["max_rel_error"] is None
+        assert r["median_s"] > 0.04 and 0.7 < r["predicted_over_median"] < 1.3, r
+    args.timed_kernels_flops = None
+    computed = run_ranks(4, _bench_rank, args)[0]
+    for a, b in zip(report["results"], computed["results"]):
+        assert b["median_s"] < 0.3 * a["median_s"], (a["strategy"], a["median_s"], b["median_s"])
+
+
 def test_bench_argument_errors(capsys):
     for argv, msg in (
+        (["--timed-kernels", "-1"], "--timed-kernels -1.0 must be a finite number >= 0"),
         (["--seq-len", "30"], "divisible by 2*nproc = 8"),
         (["--heads", "8", "--kv-heads", "3"], "multiple of --kv-heads"),
         (["--strategies", "startrail-C3-team"], "not valid here"),

@@ -137,6 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --auto-placement: the cluster (a ClusterSpec as JSON) whose rates the map "
         "search uses (default: the planner's AUTO_CLUSTER preset; --emulate writes one)",
     )
+    p.add_argument(
+        "--timed-kernels",
+        type=float,
+        default=None,
+        metavar="GFLOPS",
+        help="CPU ranks: each kernel call waits its modelled time at GFLOPS per rank instead "
+        "of computing (Note [timed kernels]): the ranks compute side by side, as on "
+        "accelerators; implies --no-check. 0: the host's nominal rate shared by the ranks",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -228,6 +237,17 @@ def run(argv: list[str] | None = None) -> dict:
             )
     if world < 1:
         p.error("--nproc must be >= 1")
+    args.timed_kernels_flops = None
+    if args.timed_kernels is not None:
+        v = args.timed_kernels
+        if not (math.isfinite(v) and v >= 0):
+            p.error(f"--timed-kernels {v} must be a finite number >= 0 (GFLOP/s; 0: nominal)")
+        if args.cuda:
+            p.error("--timed-kernels is for CPU ranks (an emulated cluster); on CUDA: unset")
+        from .emulated import NOMINAL_HOST_FLOPS
+
+        args.timed_kernels_flops = v * 1e9 if v > 0 else NOMINAL_HOST_FLOPS / world
+        args.no_check = True
     if args.seq_len % (2 * world):
         p.error(f"--seq-len {args.seq_len} must be divisible by 2*nproc = {2 * world}")
     if args.heads % args.kv_heads:

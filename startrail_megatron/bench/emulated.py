@@ -27,6 +27,7 @@ from ..planner.cluster import ClusterSpec
 from ..planner.prediction import predict
 from ..planner.shape import AttnShape
 from ..planner.strategies import Strategy, candidate_strategies
+from .timed_kernel import timed_cluster
 
 __all__ = [
     "EMULATION_FLAGS",
@@ -225,6 +226,9 @@ def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:
     cluster_med = emulated_cluster_spec(
         spec, probe, report["calibration"]["microbenchmarks_median"], mem
     )
+    if cfg.get("timed_kernels_flops"):  # the kernels waited the model's term at this rate
+        rate = cfg["timed_kernels_flops"]
+        cluster, cluster_med = timed_cluster(cluster, rate), timed_cluster(cluster_med, rate)
     shape = _shape(cfg)
     by_name = {s.name: s for s in candidate_strategies(cfg["nproc"], cfg["heads"], cfg["kv_heads"])}
     rows = []

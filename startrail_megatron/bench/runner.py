@@ -34,6 +34,7 @@ from ..schedule.layout import nodes_from_hosts, valid_team_sizes
 from ..testing import make_inputs, reference_attention, rel_err, shard, unshard
 from .memory import PeakMemory
 from .micro import cache_bytes_per_core, micro_record, micro_tasks
+from .timed_kernel import TimedKernel, timed_cluster
 
 __all__ = ["DTYPES", "run_rank"]
 
@@ -151,12 +152,13 @@ def _link_bytes(ledger: CommLedger, rank: int, world: int, nodes: list[int]) -> 
 
 
 def _prepare(
-    st: Strategy, args, device: torch.device, causal: bool, local, ref, rank, world, nodes
-):
+    st: Strategy, args, device: torch.device, causal: bool, local, ref, rank, world, nodes,
+    kernel="auto",
+):  # fmt: skip
     """One strategy's timed step, after one accounted run checked against the reference,
     a peak-memory measurement and the warm-up: (step, (strategy, error, peak, kept,
     ledger totals, overlap, bytes per link class per rank))."""
-    attn = attention_fn(st, causal)  # StarTrail creates its groups here
+    attn = attention_fn(st, causal, kernel)  # StarTrail creates its groups here
     q0, k0, v0, do = local
     leaves = [x.clone().requires_grad_() for x in (q0, k0, v0)]
     base = comm_options(args)
@@ -318,9 +320,11 @@ def _calibrate(
     world: int,
     device,
     own_rows_first: bool | None = None,
+    timed_flops: float | None = None,
 ) -> tuple[ClusterSpec, ClusterSpec]:
     """Fit the cost model to the microbenchmarks and add its prediction to every row
-    (StarTrail's first step split as the run's ``--own-rows-first``)."""
+    (StarTrail's first step split as the run's ``--own-rows-first``; with ``timed_flops``,
+    the kernels the timed kernels' rate, ``timed_kernel.timed_cluster``)."""
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     fit = dict(
         num_ranks=world,
@@ -332,6 +336,8 @@ def _calibrate(
     # the fastest round of each strategy; calibrated on their medians, the median.
     cluster = fit_cluster(micro, **fit).with_(own_rows_first=own_rows_first)
     cluster_median = fit_cluster(micro_median, **fit).with_(own_rows_first=own_rows_first)
+    if timed_flops:  # Note [timed kernels]: the kernels waited the model's term
+        cluster, cluster_median = (timed_cluster(c, timed_flops) for c in (cluster, cluster_median))
     for st, r in zip(strategies, results):
         pred = predict(st, cluster, shape).attn_s
         pred_med = predict(st, cluster_median, shape).attn_s
@@ -359,6 +365,7 @@ def _config(args, world: int, causal: bool) -> dict:
         "comm_delay_ms": getattr(args, "comm_delay_ms", 0.0),
         "comm_delay_ms_per_mib": getattr(args, "comm_delay_ms_per_mib", 0.0),
         "own_rows_first": getattr(args, "own_rows_first", "auto"),
+        "timed_kernels_flops": getattr(args, "timed_kernels_flops", None),
     }
 
 
@@ -395,9 +402,12 @@ def run_rank(rank: int, world: int, args) -> dict | None:
         strategies = [s for s in strategies if s.name in args.strategies]
     steps, info = [], []
     nodes = _nodes(world)
+    kernel = "auto"
+    if getattr(args, "timed_kernels_flops", None):  # Note [timed kernels]
+        kernel = TimedKernel(args.timed_kernels_flops)
     for i, st in enumerate(strategies):
         t_start = time.perf_counter()
-        step, row = _prepare(st, args, device, causal, local, ref, rank, world, nodes)
+        step, row = _prepare(st, args, device, causal, local, ref, rank, world, nodes, kernel)
         steps.append(step)
         info.append(row)
         _progress(
@@ -444,7 +454,7 @@ def run_rank(rank: int, world: int, args) -> dict | None:
         return None
     cluster, cluster_median = _calibrate(
         strategies, results, micro, micro_median, shape, world, device,
-        comm_options(args).own_rows_first,
+        comm_options(args).own_rows_first, getattr(args, "timed_kernels_flops", None),
     )  # fmt: skip
     return {
         "config": _config(args, world, causal),

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..kernels.contract import acc_dtype
 
-__all__ = ["TimedKernel", "dense_wait"]
+__all__ = ["TimedKernel", "dense_wait", "timed_cluster"]
 
 
 class TimedKernel:
@@ -83,6 +83,17 @@ class TimedKernel:
         grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
         self._wait(t0, self.bwd_ratio * self.seconds(sq, k.shape[0], b, hq, d, causal))
         return grads
+
+
+def timed_cluster(cluster, attn_flops: float, bwd_ratio: float = 2.5):
+    """The cost model's cluster whose kernel term is exactly what ``TimedKernel(attn_flops,
+    bwd_ratio)`` waits: its rate and backward ratio, no masked tile waste, no K,V
+    re-streaming (a ``ClusterSpec``; the fixed cost per call stays the cluster's: the
+    calls' own host work is real)."""
+    return cluster.with_(
+        attn_flops=attn_flops, attn_bwd_ratio=bwd_ratio, causal_tile_waste=0.0,
+        kv_stream_bw=0.0, kv_stream_bw_bwd=0.0,
+    )  # fmt: skip
 
 
 def dense_wait(flops_per_token: float, matmul_flops: float):

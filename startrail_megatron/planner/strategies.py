@@ -138,9 +138,10 @@ class KindSpec:
     """(forward, backward) elementwise bytes; the flag: reduce-scatter via all-reduce."""
     attention_work: Callable[[Strategy, AttnShape], int]
     """The attention's working set at its peak, bytes."""
-    attention: Callable[[Strategy, bool], AttentionFn]
-    """Its attention as ``fn(q, k, v, ledger)`` for causal or not; imports torch (lazily)
-    and may create process groups (a collective: every rank, in the same order)."""
+    attention: Callable[[Strategy, bool, object], AttentionFn]
+    """Its attention as ``fn(q, k, v, ledger)`` for causal or not, on a kernel (a name or
+    an ``AttentionKernel``); imports torch (lazily) and may create process groups (a
+    collective: every rank, in the same order)."""
     variant_supported: Callable[[Strategy, int, int], bool] = lambda st, hq, hkv: True
     """Whether one of its variants runs for (heads_q, heads_kv) (the split's U and heads)."""
 
@@ -203,13 +204,13 @@ def _startrail_work(st: Strategy, shape: AttnShape) -> int:
     return memory.startrail_attention_work(st.team_size, shape)
 
 
-def _startrail_attention(st: Strategy, causal: bool) -> AttentionFn:
+def _startrail_attention(st: Strategy, causal: bool, kernel) -> AttentionFn:
     from ..attention import startrail_attention
     from ..groups import StarTrailGroups
 
     groups = StarTrailGroups.create(st.team_size, placement=st.placement)
     return lambda q, k, v, ledger, comm=None: startrail_attention(
-        q, k, v, groups, causal=causal, ledger=ledger, comm_options=comm
+        q, k, v, groups, causal=causal, ledger=ledger, comm_options=comm, kernel=kernel
     )
 
 
@@ -281,26 +282,26 @@ def _split_work(st: Strategy, shape: AttnShape) -> int:
     return memory.startrail_attention_work(st.team_size, ring) + memory.split_a2a_work(ring)
 
 
-def _split_attention(st: Strategy, causal: bool) -> AttentionFn:
+def _split_attention(st: Strategy, causal: bool, kernel) -> AttentionFn:
     from ..attention import startrail_attention
     from ..groups import UlyssesStarTrailGroups
 
     groups = UlyssesStarTrailGroups.create(st.ulysses_size, st.team_size, placement=st.placement)
     return lambda q, k, v, ledger, comm=None: startrail_attention(
-        q, k, v, groups, causal=causal, ledger=ledger, comm_options=comm
+        q, k, v, groups, causal=causal, ledger=ledger, comm_options=comm, kernel=kernel
     )
 
 
 # ---- the peers -------------------------------------------------------------------
-def _peer_attention(name: str) -> Callable[[Strategy, bool], AttentionFn]:
+def _peer_attention(name: str) -> Callable[[Strategy, bool, object], AttentionFn]:
     """A peer of ``peers/`` by name, on the whole CP group (the default group)."""
 
-    def attention(st: Strategy, causal: bool) -> AttentionFn:
+    def attention(st: Strategy, causal: bool, kernel) -> AttentionFn:
         from .. import peers
 
         fn = getattr(peers, name)
         return lambda q, k, v, ledger, comm=None: fn(
-            q, k, v, None, causal=causal, ledger=ledger, comm_options=comm
+            q, k, v, None, causal=causal, ledger=ledger, comm_options=comm, kernel=kernel
         )
 
     return attention
@@ -427,7 +428,8 @@ def memory_bytes(
     return memory.memory_breakdown(work, shape, model, zero_shards, features, named, team)
 
 
-def attention_fn(strategy: Strategy, causal: bool) -> AttentionFn:
-    """The strategy's attention as ``fn(q, k, v, ledger)`` (imports torch; StarTrail creates
-    its process groups here, a collective)."""
-    return strategy.spec.attention(strategy, causal)
+def attention_fn(strategy: Strategy, causal: bool, kernel="auto") -> AttentionFn:
+    """The strategy's attention as ``fn(q, k, v, ledger)`` on ``kernel`` (a name or an
+    ``AttentionKernel``; imports torch; StarTrail creates its process groups here, a
+    collective)."""
+    return strategy.spec.attention(strategy, causal, kernel)
