@@ -1,6 +1,6 @@
 """The emulated cluster's tables of docs/performance.md from ``startrail-bench --emulate`` reports.
 
-    python scripts/emulated_table.py [--wide] REPORT.json [REPORT.json ...]
+    python scripts/emulated_table.py [--wide] [--repredict] REPORT.json [REPORT.json ...]
 
 Each report is one topology and rate (``startrail-bench --emulate NODESxRANKS --inter-node
 RATE --json REPORT.json``). Prints, per report (``--wide``: one table, a column group per
@@ -10,6 +10,11 @@ the median, MB sent inside the node and off it, max over ranks), then a summary 
 per report, the probe's rates, how many predictions are within 20% of the median, and
 the model's pick against the measured fastest, over all strategies and over the StarTrail
 family alone (ring and StarTrail, with or without the 2-D split).
+
+``--repredict``: each prediction made again by the current cost model from the report's
+own calibration (``emulation.cluster_median``: the probe's links and the run's median
+microbenchmarks; with timed kernels ``timed_cluster`` of it), for reports made before a
+change to the model.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from startrail_megatron.bench.emulated import model_pick
+from startrail_megatron.bench.emulated import emulation_rows, model_pick
+from startrail_megatron.bench.timed_kernel import timed_cluster
+from startrail_megatron.planner.cli import load_cluster
 
 
 def _title(rep: dict) -> str:
@@ -94,6 +101,9 @@ def summary_table(reports: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--wide", action="store_true", help="one table, a column group per report")
+    p.add_argument(
+        "--repredict", action="store_true", help="predict again with the current cost model"
+    )
     p.add_argument("reports", nargs="+")
     args = p.parse_args(argv)
     reports = []
@@ -103,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     for path, rep in zip(args.reports, reports):
         if "emulation" not in rep:
             raise SystemExit(f"{path}: not an emulated report (no 'emulation')")
+        if args.repredict:
+            cl, rate = load_cluster(path), rep["config"].get("timed_kernels_flops")
+            rep["emulation"]["rows"] = emulation_rows(rep, timed_cluster(cl, rate) if rate else cl)
         if not args.wide:
             print("\n".join(strategy_table(rep)), end="\n\n")
     if args.wide:

@@ -34,6 +34,7 @@ __all__ = [
     "NOMINAL_HOST_FLOPS",
     "QUIET_HOST_CORES",
     "emulated_cluster_spec",
+    "emulation_rows",
     "host_cpu_warning",
     "merge_probes",
     "model_pick",
@@ -229,28 +230,7 @@ def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:
     if cfg.get("timed_kernels_flops"):  # the kernels waited the model's term at this rate
         rate = cfg["timed_kernels_flops"]
         cluster, cluster_med = timed_cluster(cluster, rate), timed_cluster(cluster_med, rate)
-    shape = _shape(cfg)
-    by_name = {s.name: s for s in candidate_strategies(cfg["nproc"], cfg["heads"], cfg["kv_heads"])}
-    rows = []
-    for r in report["results"]:
-        if r.get("placement_map"):  # --auto-placement: the map the ranks computed and ran
-            st = Strategy("startrail", r["team_size"], tuple(r["placement_map"]))
-        else:
-            st = by_name[r["strategy"]]
-        pred = predict(st, cluster_med, shape).attn_s
-        links = r["bytes_by_link_max_over_ranks"]
-        rows.append({
-            "strategy": r["strategy"],
-            "median_s": r["median_s"],
-            "predicted_median_s": pred,
-            "predicted_over_median": pred / r["median_s"],
-            "predicted_min_s": predict(st, cluster, shape).attn_s,
-            "intra_node_bytes_max": links["intra_node"],
-            "inter_node_bytes_max": links["inter_node"],
-        })  # fmt: skip
-    ring = next((r["median_s"] for r in report["results"] if r["strategy"] == "ring"), None)
-    for row in rows:
-        row["median_over_ring"] = row["median_s"] / ring if ring else None
+    rows = emulation_rows(report, cluster_med, cluster)
     secs = probe["seconds"]
     report["emulation"] = {
         **spec.as_dict(),
@@ -266,6 +246,39 @@ def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:
         "pick": model_pick(rows),
     }
     return report
+
+
+def emulation_rows(report: dict, cluster_med: ClusterSpec, cluster: ClusterSpec | None = None):
+    """Per strategy of a report: its median, the model's prediction on ``cluster_med`` (the
+    emulated cluster calibrated on the run's median microbenchmarks; on ``cluster``, their
+    fastest rounds', where given), MB sent inside and off the node, its median over
+    ring's."""
+    cfg = report["config"]
+    shape = _shape(cfg)
+    by_name = {s.name: s for s in candidate_strategies(cfg["nproc"], cfg["heads"], cfg["kv_heads"])}
+    rows = []
+    for r in report["results"]:
+        if r.get("placement_map"):  # --auto-placement: the map the ranks computed and ran
+            st = Strategy("startrail", r["team_size"], tuple(r["placement_map"]))
+        else:
+            st = by_name[r["strategy"]]
+        pred = predict(st, cluster_med, shape).attn_s
+        links = r["bytes_by_link_max_over_ranks"]
+        row = {
+            "strategy": r["strategy"],
+            "median_s": r["median_s"],
+            "predicted_median_s": pred,
+            "predicted_over_median": pred / r["median_s"],
+            "intra_node_bytes_max": links["intra_node"],
+            "inter_node_bytes_max": links["inter_node"],
+        }
+        if cluster is not None:
+            row["predicted_min_s"] = predict(st, cluster, shape).attn_s
+        rows.append(row)
+    ring = next((r["median_s"] for r in report["results"] if r["strategy"] == "ring"), None)
+    for row in rows:
+        row["median_over_ring"] = row["median_s"] / ring if ring else None
+    return rows
 
 
 def model_pick(rows: list[dict]) -> dict:

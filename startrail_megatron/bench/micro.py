@@ -22,18 +22,20 @@ Task = tuple[str, dict, object]
 """(table, row, fn): time ``fn``, record it in ``table`` with the row's sizes."""
 
 
-def micro_tasks(args, rank, world, device, dtype) -> list[Task]:
-    """Kernel calls, buffer work, P2P exchanges and all-gathers to time: (table, row, fn)."""
+def micro_tasks(args, rank, world, device, dtype, kernel=None) -> list[Task]:
+    """Kernel calls, buffer work, P2P exchanges and all-gathers to time: (table, row, fn);
+    the calls on ``kernel`` (an ``AttentionKernel``; None: ``"auto"``'s), the one the
+    strategies run."""
     s = args.seq_len // world
-    tasks = _kernel_tasks(args, s, world, device, dtype)
+    tasks = _kernel_tasks(args, s, world, device, dtype, kernel)
     tasks += _buffer_tasks(args, s, world, device, dtype)
     if world > 1:
         tasks += _comm_tasks(args, s, rank, world, device, dtype)
     return tasks
 
 
-def _kernel_tasks(args, s: int, world: int, device, dtype) -> list[Task]:
-    kern = get_kernel("auto", dtype)
+def _kernel_tasks(args, s: int, world: int, device, dtype, kernel=None) -> list[Task]:
+    kern = get_kernel("auto", dtype) if kernel is None else kernel
     b, h, hkv, d = args.batch, args.heads, args.kv_heads, args.head_dim
     scale = d**-0.5
     tasks: list[Task] = []

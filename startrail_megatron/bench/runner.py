@@ -415,7 +415,9 @@ def run_rank(rank: int, world: int, args) -> dict | None:
             f"[{i + 1}/{len(strategies)}] {st.name}: checked, memory, warm-up "
             f"({time.perf_counter() - t_start:.1f}s)",
         )
-    tasks = micro_tasks(args, rank, world, device, dtype)
+    # the kernel microbenchmarks time the strategies' kernel: timed calls under the host's
+    # load give the model their real fixed cost per call
+    tasks = micro_tasks(args, rank, world, device, dtype, None if kernel == "auto" else kernel)
     names = [st.name for st in strategies]
     n_st = len(steps)
     delay_s = getattr(args, "comm_delay_ms", 0.0) / 1e3
