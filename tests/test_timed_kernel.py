@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from startrail_megatron.bench.timed_kernel import TimedKernel, dense_wait
+from startrail_megatron.bench.timed_kernel import TimedKernel, dense_wait, timed_cluster
 from startrail_megatron.kernels import KERNEL_NAMES
 from startrail_megatron.one_process import one_process_attention
 from startrail_megatron.planner.cluster import CLUSTER_PRESETS
@@ -56,10 +56,14 @@ def test_the_planner_prices_a_startrail_run_as_exactly_what_its_timed_kernel_wai
     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
     bwd_waited = kern.waited_s - fwd_waited
 
-    cl = CLUSTER_PRESETS["h100-ib"].with_(
-        attn_flops=kern.attn_flops, kernel_overhead=kern.call_s, attn_bwd_ratio=kern.bwd_ratio,
-        causal_tile_waste=0.0, kv_stream_bw=0.0, kv_stream_bw_bwd=0.0,
+    # the cluster the benchmarks price timed runs on (a CPU preset's tile waste and K,V
+    # re-streaming switched off by it), with the kernel's fixed cost per call
+    cpu = CLUSTER_PRESETS["h100-ib"].with_(
+        causal_tile_waste=64.0, kv_stream_bw=1e9, kv_stream_bw_bwd=1e9, kernel_cache_bytes=1e3,
+        kernel_q_blocks=((0, 32),), attn_bwd_ratio=1.7,
     )  # fmt: skip
+    cl = timed_cluster(cpu, kern.attn_flops, kern.bwd_ratio).with_(kernel_overhead=kern.call_s)
+    assert cl.overlap and cl.attn_bwd_ratio == 2.5
     shape = AttnShape(p, s_local, 1, heads_q, heads_kv, d, elem_bytes=4)
     lay = StarTrailLayout(p, c, "team")
     work = startrail_work(lay, True, s_local)
