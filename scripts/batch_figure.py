@@ -3,6 +3,8 @@
     python scripts/batch_figure.py --png docs/batch_layouts.png docs/batch_measure_cpu.json \
         docs/batch_measure_emulated_16k.json docs/batch_measure_emulated_64k.json \
         docs/batch_measure_emulated_2x8.json
+    python scripts/batch_figure.py --png docs/batch_layouts_timed.png \
+        docs/batch_measure_emulated_2x4_timed.json docs/batch_measure_emulated_2x8_timed.json
 
 Reads ``scripts/batch_measure.py --json`` rows (one file, or several: CPU ranks and
 emulated runs) and draws, per (lengths, ranks, machine), each layout's throughput against
@@ -125,7 +127,9 @@ def draw(rows: list[dict], png: str) -> None:
     labels = []
     for i, ((dist, p, tokens, where), by) in enumerate(groups.items()):
         base = next(v for k, v in by.items() if _name(k) == "static StarTrail")
-        labels.append(f"{dist}\nP={p}, {tokens // 1024}K\n" + where.replace(" @ ", "\n"))
+        labels.append(
+            f"{dist}\nP={p}, {tokens // 1024}K\n" + where.replace(" @ ", "\n").replace(", ", "\n")
+        )
         for j, name in enumerate(LAYOUTS):
             r = by.get(name)
             if r is None:
@@ -141,7 +145,8 @@ def draw(rows: list[dict], png: str) -> None:
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("throughput / static StarTrail's")
     ax.set_title(
-        "Per-batch layouts: measured (slowest rank's CPU time; emulated: wall clock) and model",
+        "Per-batch layouts: measured (slowest rank's CPU time; emulated or timed kernels: wall "
+        "clock) and model",
         fontsize=9,
     )
     ax.legend(fontsize=7, ncol=3)
