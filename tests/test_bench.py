@@ -94,6 +94,7 @@ def test_timed_kernels_wait_the_models_kernel_time_and_check_nothing():
     args.cuda, args.timed_kernels_flops = False, 2e6  # ~60 ms of kernels per step
     report = run_ranks(4, _bench_rank, args)[0]
     assert report["config"]["timed_kernels_flops"] == 2e6
+    assert "kernels timed at 0.002 GFLOP/s per rank" in bench.format_table(report)
     assert report["calibration"]["cluster_median"]["attn_flops"] == 2e6
     for r in report["results"]:
         assert r["max_rel_error"] is None

@@ -5,8 +5,11 @@ What is measured and how: ``cli.py``'s docstring (the ``--help`` text).
 
   cli.py     the command: arguments, spawned gloo ranks or torchrun, the outputs
   runner.py  one rank: each strategy checked against float64, its bytes, peak
-             memory and timed rounds; the cost model calibrated and its predictions
+             memory and timed rounds
+  rows.py    a strategy's row of the report; the cost model calibrated and its predictions
   micro.py   the microbenchmarks the cost model is calibrated on
+  timed_kernel.py  a kernel whose calls wait their modelled time (``--timed-kernels``)
+  emulated.py  ``--emulate``: the run on an emulated multi-node cluster
   memory.py  ``PeakMemory``: CUDA allocator, live tensors, PyTorch's MemTracker or RSS
   step_memory.py, step_memory_report.py  ``--workload memory``: the whole step's memory
   report.py  the table and the PNG chart

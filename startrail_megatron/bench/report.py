@@ -13,7 +13,13 @@ def format_table(report: dict) -> str:
         f"{report['environment']['device']}), seq {c['seq_len']}, batch {c['batch']}, "
         f"{c['heads']} q / {c['kv_heads']} kv heads, head_dim {c['head_dim']}, {c['dtype']}, "
         f"{'causal' if c['causal'] else 'full'}; {c['repeats']} repeats after {c['warmup']} warm-up"
-        f"; own rows first: {c.get('own_rows_first', 'auto')}",
+        f"; own rows first: {c.get('own_rows_first', 'auto')}"
+        + (
+            f"; kernels timed at {c['timed_kernels_flops'] / 1e9:.3g} GFLOP/s per rank, "
+            "not computed (no error check)"
+            if c.get("timed_kernels_flops")
+            else ""
+        ),
         f"{'strategy':28s}{'median ms':>10s}{'IQR ms':>8s}{'fwd P2P':>10s}{'fwd coll':>10s}"
         f"{'bwd P2P':>10s}{'bwd coll':>10s}{'calls':>7s}{'peak MiB':>9s}{'max err':>9s}"
         f"{'min ms':>9s}{'model ms':>9s}{'mod/min':>9s}{'model med':>10s}{'mod/med':>9s}"
