@@ -365,7 +365,7 @@ def _measure(args, B, spec, emu, flops: float) -> list[dict]:
                 # cost per call here is one quiet thread's (--call-us), not one under the
                 # run's load as startrail-bench fits it, and priced as overlapping the
                 # kernels the transfers look free to the scheduler (section 17)
-                cl = timed_cluster(cl, cl.attn_flops).with_(overlap=cl.overlap)
+                cl = timed_cluster(cl, cl.attn_flops, overlap=cl.overlap)
                 timed = {"attn_flops": cl.attn_flops, "matmul_flops": cl.matmul_flops,
                          "call_s": 0.0,
                          "dense_flops_per_token": _dense_flops_per_token(args.layer_ffn)}  # fmt: skip

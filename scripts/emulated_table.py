@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> None:
         if "emulation" not in rep:
             raise SystemExit(f"{path}: not an emulated report (no 'emulation')")
         if args.repredict:
-            cl, rate = load_cluster(path), rep["config"].get("timed_kernels_flops")
-            rep["emulation"]["rows"] = emulation_rows(rep, timed_cluster(cl, rate) if rate else cl)
+            rate = rep["config"].get("timed_kernels_flops")
+            rep["emulation"]["rows"] = emulation_rows(rep, timed_cluster(load_cluster(path), rate))
         if not args.wide:
             print("\n".join(strategy_table(rep)), end="\n\n")
     if args.wide:

@@ -227,9 +227,8 @@ def run_emulated(spec: EmulationSpec, argv: list[str], timeout: float) -> dict:
     cluster_med = emulated_cluster_spec(
         spec, probe, report["calibration"]["microbenchmarks_median"], mem
     )
-    if cfg.get("timed_kernels_flops"):  # the kernels waited the model's term at this rate
-        rate = cfg["timed_kernels_flops"]
-        cluster, cluster_med = timed_cluster(cluster, rate), timed_cluster(cluster_med, rate)
+    rate = cfg.get("timed_kernels_flops")  # timed kernels waited the model's term at it
+    cluster, cluster_med = timed_cluster(cluster, rate), timed_cluster(cluster_med, rate)
     rows = emulation_rows(report, cluster_med, cluster)
     secs = probe["seconds"]
     report["emulation"] = {

@@ -98,8 +98,8 @@ def calibrate(
     # the fastest round of each strategy; calibrated on their medians, the median.
     cluster = fit_cluster(micro, **fit).with_(own_rows_first=own_rows_first)
     cluster_median = fit_cluster(micro_median, **fit).with_(own_rows_first=own_rows_first)
-    if timed_flops:  # Note [timed kernels]: the kernels waited the model's term
-        cluster, cluster_median = (timed_cluster(c, timed_flops) for c in (cluster, cluster_median))
+    # Note [timed kernels]: timed kernels waited the model's term at ``timed_flops``
+    cluster, cluster_median = (timed_cluster(c, timed_flops) for c in (cluster, cluster_median))
     for st, r in zip(strategies, results):
         pred = predict(st, cluster, shape).attn_s
         pred_med = predict(st, cluster_median, shape).attn_s

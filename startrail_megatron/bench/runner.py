@@ -311,12 +311,13 @@ def run_rank(rank: int, world: int, args) -> dict | None:
         strategies = [s for s in strategies if s.name in args.strategies]
     steps, info = [], []
     nodes = _nodes(world)
-    kernel = "auto"
-    if getattr(args, "timed_kernels_flops", None):  # Note [timed kernels]
-        kernel = TimedKernel(args.timed_kernels_flops)
+    timed_flops = getattr(args, "timed_kernels_flops", None)
+    timed = TimedKernel(timed_flops) if timed_flops else None  # Note [timed kernels]
     for i, st in enumerate(strategies):
         t_start = time.perf_counter()
-        step, row = _prepare(st, args, device, causal, local, ref, rank, world, nodes, kernel)
+        step, row = _prepare(
+            st, args, device, causal, local, ref, rank, world, nodes, timed or "auto"
+        )
         steps.append(step)
         info.append(row)
         _progress(
@@ -326,7 +327,7 @@ def run_rank(rank: int, world: int, args) -> dict | None:
         )
     # the kernel microbenchmarks time the strategies' kernel: timed calls under the host's
     # load give the model their real fixed cost per call
-    tasks = micro_tasks(args, rank, world, device, dtype, None if kernel == "auto" else kernel)
+    tasks = micro_tasks(args, rank, world, device, dtype, timed)
     names = [st.name for st in strategies]
     n_st = len(steps)
     delay_s = getattr(args, "comm_delay_ms", 0.0) / 1e3
@@ -365,7 +366,7 @@ def run_rank(rank: int, world: int, args) -> dict | None:
         return None
     cluster, cluster_median = calibrate(
         strategies, results, micro, micro_median, shape, world, device,
-        comm_options(args).own_rows_first, getattr(args, "timed_kernels_flops", None),
+        comm_options(args).own_rows_first, timed_flops,
     )  # fmt: skip
     return {
         "config": _config(args, world, causal),
