@@ -14,6 +14,7 @@ flags that cannot combine.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -28,6 +29,7 @@ from harness import run_ranks  # noqa: E402
 from startrail_megatron.megatron import training as T  # noqa: E402
 from startrail_megatron.megatron.training.hybrid import (  # noqa: E402
     document_lengths,
+    model_team_sizes,
     one_rank_bins,
 )
 from startrail_megatron.schedule.batch import rank_runs, runs_from_rounds  # noqa: E402
@@ -166,6 +168,15 @@ def test_hybrid_context_parallel_matches_cp1_with_both_schedulers(tmp_path):
             assert {sum(DOCS[d] for d in b) for b in bins} == set(alone_calls), (rank, name)
             packed += sum(len(b) > 1 for b in bins)
     assert packed  # some bin held two documents: the packed call ran
+    # --startrail-team-size auto: each sub-group size's team size is the cost model's pick
+    # (on this slow cluster ring, C = 1, for 4 ranks, where the cap rule gives 2)
+    at = hybrid.index("--startrail-team-size") + 1
+    auto = [*hybrid[:at], "auto", *hybrid[at + 1 :]]
+    picked = model_team_sizes(T.parse_args(auto + ["--nproc", "4"]))
+    assert picked == {2: 1, 4: 1} != {k: team_size_within(k, 2) for k in picked}
+    for rank, runs in enumerate(run_ranks(4, _run, auto, ["startrail"])):
+        assert _close(runs["startrail"], ref) <= TOL, rank
+        assert runs["startrail"][2][2] == {1: 1, **picked}, (rank, runs["startrail"][2])
     # the sub-group ignored: the long document's halves attend only to themselves
     bad = run_ranks(4, _run, hybrid, ["startrail"], True)
     with pytest.raises(AssertionError):
@@ -198,8 +209,6 @@ def test_team_size_within():
 @pytest.mark.parametrize(
     "flags,needle",
     [
-        (["--startrail-team-size", "auto"], "--hybrid-context-parallel is not supported with "
-         "--startrail-team-size auto"),
         (["--startrail-team-size", "2", "--startrail-placement", "auto"],
          "--startrail-placement auto"),
         (["--startrail-team-size", "1", "--startrail-batch-scheduler", "megatron"],
@@ -324,3 +333,29 @@ def test_one_rank_bins_keep_the_cap():
     assert one_rank_bins([0, 1, 2, 3, 4], lengths, 128) == [[0, 1], [2], [3, 4]]
     assert one_rank_bins([2, 4], lengths, 100) == [[2], [4]]
     assert one_rank_bins([], lengths, 128) == []
+
+
+def test_hybrid_team_sizes_are_checked_by_name():
+    """A team size per sub-group size must cover every size and fit each; ``auto`` under
+    hybrid CP needs them (our entry point passes the model's), before anything is made."""
+    import argparse
+
+    from startrail_megatron.megatron import hooks
+    from startrail_megatron.megatron.arguments import install_from_args
+    from startrail_megatron.megatron.registry import check_hybrid_team_sizes
+
+    check_hybrid_team_sizes({2: 1, 4: 2, 8: 2}, [2, 4, 8])
+    for sizes, needle in (({2: 1, 4: 2}, "missing [8]"), ({2: 2, 4: 2, 8: 2}, "not fitting {2: 2}"),
+                          ({2: 1, 4: True, 8: 2}, "not fitting {4: True}")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            check_hybrid_team_sizes(sizes, [2, 4, 8])
+    with pytest.raises(ValueError, match=re.escape("not fitting {4: 4}")):
+        hooks.install(2, hybrid_team_sizes={2: 1, 4: 4})
+    assert hooks.installed_config() is None
+    ns = argparse.Namespace(
+        context_parallel_impl="startrail", startrail_team_size="auto", startrail_placement="team",
+        hybrid_context_parallel=True, startrail_autotune_iters=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="auto with --hybrid-context-parallel"):
+        install_from_args(ns)
+    assert hooks.installed_config() is None

@@ -133,6 +133,7 @@ def test_extra_args_provider_validates_and_installs():
             "attention_tile": None,
             "attention_head_chunks": None,
             "placement_shape": None,
+            "hybrid_team_sizes": None,
         }
     finally:
         hooks.uninstall()
@@ -250,6 +251,7 @@ def test_launcher_runs_script_with_hooks(fake_megatron_lm):
             "attention_tile": None,
             "attention_head_chunks": None,
             "placement_shape": None,
+            "hybrid_team_sizes": None,
         },
     }
 

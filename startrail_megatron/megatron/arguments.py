@@ -79,7 +79,8 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         type=_team_size,
         default=1,
         help="StarTrail team size C (C*C must divide --context-parallel-size; 1 = ring "
-        "attention), or 'auto' to profile the candidates and keep the fastest "
+        "attention), or 'auto' to profile the candidates and keep the fastest (with "
+        "--hybrid-context-parallel: the cost model's pick per sub-group size) "
         "(python -m startrail_megatron.pretrain_gpt only).",
     )
     group.add_argument(
@@ -263,7 +264,7 @@ def validate_startrail_args(
                 "PackedSeqParams(qkv_format='thd'); Megatron-LM's dense document mask is not used"
             )
     own_rows_first_arg(args)
-    _check_hybrid(args, c)
+    _check_hybrid(args)
     if getattr(args, "hierarchical_context_parallel_sizes", None):
         raise ValueError(
             "--hierarchical-context-parallel-sizes is a Transformer Engine CP option; StarTrail "
@@ -283,19 +284,15 @@ def _hybrid(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "hybrid_context_parallel", False))
 
 
-def _check_hybrid(args: argparse.Namespace, team_size) -> None:
+def _check_hybrid(args: argparse.Namespace) -> None:
     """``--hybrid-context-parallel`` (per-batch sub-groups, each with the largest team size
-    up to ``--startrail-team-size`` that fits it) takes a fixed team size and a named
-    placement, without the 2-D split."""
+    up to ``--startrail-team-size`` that fits it, or with ``auto``, which only our entry
+    point takes, the cost model's pick per sub-group size) takes a named placement, without
+    the 2-D split."""
     if not _hybrid(args):
         return
     why = None
-    if team_size == "auto":
-        why = (
-            "--startrail-team-size auto (give an integer: each sub-group of k ranks runs "
-            "the largest team size up to it whose square divides k)"
-        )
-    elif getattr(args, "startrail_placement", "team") == "auto":
+    if getattr(args, "startrail_placement", "team") == "auto":
         why = "--startrail-placement auto (give 'team' or 'ring')"
     elif (getattr(args, "startrail_ulysses_size", 1) or 1) > 1:
         why = "--startrail-ulysses-size > 1 (the 2-D split)"
@@ -343,15 +340,26 @@ def placement_shape(args: argparse.Namespace):
     )  # fmt: skip
 
 
-def install_from_args(args: argparse.Namespace, team_size: int | None = None) -> None:
-    """Install the StarTrail hooks when ``--context-parallel-impl startrail``."""
+def install_from_args(
+    args: argparse.Namespace, team_size: int | None = None, hybrid_team_sizes=None
+) -> None:
+    """Install the StarTrail hooks when ``--context-parallel-impl startrail``.
+    ``hybrid_team_sizes``: ``{sub-group size: team size}`` under ``--hybrid-context-parallel``
+    (our entry point's ``auto``: the cost model's pick per size; ``hooks.install``)."""
     if getattr(args, "context_parallel_impl", "te") != "startrail":
         return
     c = team_size if team_size is not None else args.startrail_team_size
     if c == "auto":
         if not autotuner_available(args):
             raise _refuse_auto()
-        c = 1  # placeholder until the entry point's autotuner picks one
+        if _hybrid(args) and hybrid_team_sizes is None:
+            raise ValueError(
+                "--startrail-team-size auto with --hybrid-context-parallel: the team size of "
+                "each sub-group size (hybrid_team_sizes) is needed"
+            )
+        # a placeholder until the entry point's autotuner picks one; under hybrid CP the
+        # largest of the sizes' (each group takes its own from hybrid_team_sizes)
+        c = max(hybrid_team_sizes.values(), default=1) if _hybrid(args) else 1
     install(
         int(c),
         args.startrail_placement,
@@ -362,6 +370,7 @@ def install_from_args(args: argparse.Namespace, team_size: int | None = None) ->
         attention_tile=getattr(args, "startrail_attention_tile", None),
         attention_head_chunks=getattr(args, "startrail_attention_head_chunks", None),
         placement_shape=placement_shape(args) if args.startrail_placement == "auto" else None,
+        hybrid_team_sizes=hybrid_team_sizes,
     )
 
 

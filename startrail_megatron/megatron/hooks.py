@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch
@@ -29,6 +30,7 @@ import torch
 from ..schedule import check_head_chunks_setting, check_own_rows_first, check_tile
 from ..schedule.layout import PLACEMENT_SETTINGS, Placement, team_size_within
 from .registry import (
+    check_hybrid_team_sizes,
     create_hybrid_startrail_groups,
     create_startrail_groups,
     release_all_startrail_groups,
@@ -45,8 +47,8 @@ _INSTALLED: dict[str, object] = {}
 
 def installed_config() -> dict | None:
     """The (team_size, placement, kernel, own_rows_first, ulysses_size, tiled_loss,
-    tiled_mlp, attention_tile, attention_head_chunks, placement_shape) of ``install``, or
-    None."""
+    tiled_mlp, attention_tile, attention_head_chunks, placement_shape, hybrid_team_sizes) of
+    ``install``, or None."""
     cfg = _INSTALLED.get("config")
     return dict(cfg) if cfg else None
 
@@ -64,6 +66,7 @@ def install(
     attention_tile: int | None = None,
     attention_head_chunks: int | None = None,
     placement_shape=None,
+    hybrid_team_sizes: Mapping[int, int] | None = None,
 ) -> None:
     """Make Megatron create StarTrail groups and build StarTrail attention. Reversible.
 
@@ -79,7 +82,10 @@ def install(
     after the other (``--startrail-attention-head-chunks``, ``startrail_attention(head_chunks=)``).
     ``placement="auto"``: the map computed from the CP ranks' nodes when the groups are made
     (``registry.create_startrail_groups``), pricing ``placement_shape`` (a
-    ``planner.shape.AttnShape``; ``arguments.placement_shape`` builds it from the flags)."""
+    ``planner.shape.AttnShape``; ``arguments.placement_shape`` builds it from the flags).
+    ``hybrid_team_sizes``: under hybrid CP, the team size of each sub-group size (and of the
+    model's CP group's size) instead of the largest up to ``team_size`` that fits it (our
+    entry point's ``--startrail-team-size auto``: the cost model's pick per size)."""
     from megatron.core import parallel_state
 
     if placement not in PLACEMENT_SETTINGS:
@@ -93,6 +99,9 @@ def install(
     check_own_rows_first(own_rows_first)
     check_tile(attention_tile, "--startrail-attention-tile")
     check_head_chunks_setting(attention_head_chunks)
+    if hybrid_team_sizes is not None:
+        check_hybrid_team_sizes(hybrid_team_sizes, sorted(hybrid_team_sizes))
+        hybrid_team_sizes = dict(hybrid_team_sizes)
     uninstall()
     _INSTALLED["config"] = {
         "team_size": team_size,
@@ -105,6 +114,7 @@ def install(
         "attention_tile": attention_tile,
         "attention_head_chunks": attention_head_chunks,
         "placement_shape": placement_shape,
+        "hybrid_team_sizes": hybrid_team_sizes,
     }
     orig_init = parallel_state.initialize_model_parallel
     orig_destroy = parallel_state.destroy_model_parallel
@@ -124,13 +134,18 @@ def install(
             attention_tile=cfg["attention_tile"],
             attention_head_chunks=cfg["attention_head_chunks"],
         )
-        # hybrid CP: the team size is each group's cap (the largest that fits it)
-        cp_c = team_size_within(torch.distributed.get_world_size(cp_group), c) if hybrid else c
+        # hybrid CP: the team size is each group's cap (the largest that fits it), or the
+        # one given for its size
+        per_size = cfg["hybrid_team_sizes"] if hybrid else None
+        cp_c = c
+        if hybrid:
+            cp_size = torch.distributed.get_world_size(cp_group)
+            cp_c = (per_size or {}).get(cp_size) or team_size_within(cp_size, c)
         create_startrail_groups(
             cp_group, cp_c, placement, kernel, placement_shape=cfg["placement_shape"], **common
         )
         if hybrid:
-            create_hybrid_startrail_groups(c, placement, kernel, **common)
+            create_hybrid_startrail_groups(c, placement, kernel, team_sizes=per_size, **common)
         return out
 
     @functools.wraps(orig_destroy)

@@ -21,7 +21,8 @@ registers StarTrail's groups for every such sub-group Megatron made (its
 ``get_hybrid_data_context_parallel_groups``: every power of two from 2 to half the DP x
 CP ranks, and all of them) and for one rank alone (``local_cp_size`` 1, where Megatron
 passes no group), each with the largest team size up to the run's that fits it
-(``team_size_within``); ``subgroup_state`` finds them per call.
+(``team_size_within``), or with a team size per sub-group size given (the cost model's
+pick under ``--startrail-team-size auto``); ``subgroup_state`` finds them per call.
 
 Entries end only when released, which is complete: ``release_startrail_groups``
 drops the entry and destroys the team and sub-ring groups it created (their
@@ -34,6 +35,7 @@ every group down, and release only drops the entries).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -44,10 +46,11 @@ from ..comm import CommLedger
 from ..groups import StarTrailGroups, UlyssesStarTrailGroups
 from ..planner.shape import AttnShape
 from ..schedule import check_head_chunks_setting, check_tile
-from ..schedule.layout import Placement, team_size_within
+from ..schedule.layout import Placement, team_size_within, valid_team_sizes
 
 __all__ = [
     "StarTrailMegatronState",
+    "check_hybrid_team_sizes",
     "create_hybrid_startrail_groups",
     "create_startrail_groups",
     "get_startrail_state",
@@ -156,19 +159,36 @@ def hybrid_group_sizes(dp_cp_size: int) -> list[int]:
     return [*sizes, dp_cp_size] if dp_cp_size > 1 else []
 
 
+def check_hybrid_team_sizes(team_sizes: Mapping[int, int], sizes: Sequence[int]) -> None:
+    """``ValueError`` unless ``team_sizes`` gives each sub-group size of ``sizes`` a team
+    size that fits it (its square divides the size). Pure."""
+    missing = [k for k in sizes if k not in team_sizes]
+    bad = {
+        k: c for k, c in team_sizes.items()
+        if not isinstance(c, int) or isinstance(c, bool) or c not in valid_team_sizes(k)
+    }  # fmt: skip
+    if missing or bad:
+        raise ValueError(
+            f"hybrid team sizes {dict(team_sizes)}: each of the sub-group sizes {list(sizes)} "
+            f"needs a team size whose square divides it (missing {missing}, not fitting {bad})"
+        )
+
+
 def create_hybrid_startrail_groups(
     team_size: int,
     placement: Placement = "team",
     kernel: str = "auto",
     timeout: timedelta | None = None,
+    team_sizes: Mapping[int, int] | None = None,
     **options,
 ) -> dict[int, int]:
     """Register StarTrail's groups for every sub-group of Megatron's hybrid context
     parallelism (module docstring) and for one rank alone; a collective over the default
     world, after ``initialize_model_parallel(hybrid_context_parallel=True)``. Each group of
-    k ranks gets ``team_size_within(k, team_size)``; ``options``: the rest of
-    ``create_startrail_groups``' (not ``ulysses_size`` or ``placement="auto"``, which
-    ``ValueError`` refuses). Returns ``{k: team size}``."""
+    k ranks gets ``team_sizes[k]`` where given (every size's then: the cost model's pick,
+    ``--startrail-team-size auto``), else ``team_size_within(k, team_size)``; ``options``:
+    the rest of ``create_startrail_groups``' (not ``ulysses_size`` or ``placement="auto"``,
+    which ``ValueError`` refuses). Returns ``{k: team size}``."""
     from megatron.core import parallel_state
 
     if options.get("ulysses_size", 1) != 1 or placement == "auto":
@@ -177,11 +197,13 @@ def create_hybrid_startrail_groups(
             "placement ('team' or 'ring') and without the 2-D split (--startrail-ulysses-size 1)"
         )
     n = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    for k in hybrid_group_sizes(n):
+    sizes = hybrid_group_sizes(n)
+    if team_sizes is not None:
+        check_hybrid_team_sizes(team_sizes, sizes)
+    for k in sizes:
         group = parallel_state.get_hybrid_data_context_parallel_groups(group_size=k)
-        create_startrail_groups(
-            group, team_size_within(k, team_size), placement, kernel, timeout, **options
-        )
+        c = team_sizes[k] if team_sizes is not None else team_size_within(k, team_size)
+        create_startrail_groups(group, c, placement, kernel, timeout, **options)
         _HYBRID[k] = group
     alone = None
     for r in range(dist.get_world_size()):  # every rank makes every one-rank group, in order

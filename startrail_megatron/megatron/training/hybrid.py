@@ -11,8 +11,9 @@ sub-group of the DP x CP ranks Megatron made groups for (``registry.hybrid_group
 * ``--startrail-batch-scheduler startrail``: ``planner.batch.schedule_batch`` on the
   planner's cost model (of ``--startrail-batch-cluster``; the run's GPT layer, whose dense
   GEMMs cost a rank per token it holds, ``batch_model``), each sub-group of k ranks with the
-  team size the run gives it (``team_size_within(k, --startrail-team-size)``), a document's
-  share per rank within ``--max-seqlen-per-dp-cp-rank`` where given;
+  team size the run gives it (``team_size_within(k, --startrail-team-size)``; with ``auto``
+  the cost model's pick for k, ``model_team_sizes``), a document's share per rank within
+  ``--max-seqlen-per-dp-cp-rank`` where given;
 * ``--startrail-batch-scheduler megatron``: megatron-core's own ``BalancedCPScheduler``
   (``--max-seqlen-per-dp-cp-rank``), its rounds one after the other.
 
@@ -45,6 +46,7 @@ __all__ = [
     "document_lengths",
     "hybrid_forward_backward",
     "megatron_rounds",
+    "model_team_sizes",
     "one_rank_bins",
 ]
 
@@ -96,6 +98,34 @@ def batch_model(args):
         args.ffn_hidden_size or 4 * args.hidden_size,  # Megatron-LM's default
         gated_mlp=bool(args.swiglu), vocab=getattr(args, "padded_vocab_size", None) or 1,
     )  # fmt: skip
+
+
+def _prices(args, n: int, team_sizes=None):
+    """``planner.batch.BatchPrices`` of the run on ``n`` DP x CP ranks, as ``_ours``'s
+    ``schedule_batch`` makes them (its cluster, the run's heads per TP rank and layer)."""
+    from ...planner.batch import BatchPrices
+
+    tp = args.tensor_model_parallel_size
+    return BatchPrices(
+        batch_cluster(args, n), args.num_attention_heads // tp,
+        max((args.num_query_groups or args.num_attention_heads) // tp, 1),
+        args.hidden_size // args.num_attention_heads, 2 if args.bf16 else 4,
+        team_sizes=team_sizes, model=batch_model(args), tp_size=tp,
+        recompute=args.recompute_granularity == "full", per_document_calls=True,
+    )  # fmt: skip
+
+
+def model_team_sizes(args) -> dict[int, int]:
+    """``--startrail-team-size auto`` under ``--hybrid-context-parallel``: each sub-group
+    size's team size (Megatron's sizes over the DP x CP ranks) as ``schedule_batch`` picks
+    it by default, the cost model's fewest communication seconds per token on
+    ``--startrail-batch-cluster`` (``BatchPrices.team_size``; ties to the smaller). The
+    same on every rank: a pure function of the flags."""
+    from ..registry import hybrid_group_sizes
+
+    n = args.data_parallel_size * args.context_parallel_size
+    prices = _prices(args, n)
+    return {k: prices.team_size(k) for k in hybrid_group_sizes(n)}
 
 
 def _ours(args, lengths: list[int], n: int, sizes: dict[int, int]) -> list:
@@ -253,7 +283,8 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="per-batch CP sub-groups: each document (--reset-attention-mask) on a sub-group "
         "of the DP x CP ranks of its own size, with the largest team size up to "
-        "--startrail-team-size that fits it (training/hybrid.py)",
+        "--startrail-team-size that fits it, or with 'auto' the cost model's pick for its "
+        "size (training/hybrid.py)",
     )
     g.add_argument(
         "--startrail-batch-scheduler",

@@ -35,7 +35,12 @@ def initialize(args: argparse.Namespace) -> None:
     forks_die_with_their_parent()  # a checkpoint writer's worker must not outlive its rank
     on_cpu = enable_cpu_support()
     try:
-        install_from_args(args)
+        per_size = None
+        if args.hybrid_context_parallel and args.startrail_team_size == "auto":
+            from .hybrid import model_team_sizes  # the cost model's pick per sub-group size
+
+            per_size = model_team_sizes(args)
+        install_from_args(args, hybrid_team_sizes=per_size)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             context_parallel_size=args.context_parallel_size,

@@ -96,7 +96,12 @@ def train(args: argparse.Namespace) -> list[dict]:
     try:
         model = build_model(args)
         optimizer = build_optimizer(args, model)
-        if args.context_parallel_impl == "startrail" and args.startrail_team_size == "auto":
+        # under hybrid CP ``auto`` is the cost model's pick per sub-group size (initialize)
+        if (
+            args.context_parallel_impl == "startrail"
+            and args.startrail_team_size == "auto"
+            and not args.hybrid_context_parallel
+        ):
             autotune_team_size(args, model)
         start = 0
         if args.load:
