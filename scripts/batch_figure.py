@@ -38,6 +38,8 @@ def _groups(rows: list[dict]) -> dict:
             where += f", layer (MLP {r['layer_ffn']})"
         if r.get("timed_kernels"):  # Note [timed kernels]: the wall clock is the measure
             where += ", timed kernels"
+            if r.get("timed_kernels_flops"):  # recorded since the rate can be set
+                where += f" at {r['timed_kernels_flops'] / 1e9:.3g} GFLOP/s"
         key = (r["dist"], r["ranks"], r["batch_tokens"], where)
         out.setdefault(key, {})[r["layout"]] = r
     return out
@@ -106,7 +108,8 @@ def layer_table(rows: list[dict]) -> str:
         meas = [_ratio(by, base, n, key) for n in names]
         model = ", ".join(_ratio(by, base, n, "model_s") for n in names[1:])
         toks = ", ".join(_cell(by, n, "token_balance") for n in names[1:])
-        where = where.split(", layer")[0] + (", timed kernels" if key == "wall_s" else "")
+        timed = ", timed kernels" + where.split(", timed kernels")[1] if key == "wall_s" else ""
+        where = where.split(", layer")[0].split(", timed kernels")[0] + timed
         lines.append(
             f"| {dist} | {p} | {tokens // 1024}K | {where} | {' | '.join(meas)} | {model} | "
             f"{toks} |"

@@ -31,9 +31,12 @@ counts the transfers; the model's cluster is then the planner's emulated one
 cluster first, as ``startrail-bench --emulate`` does) with this machine's kernel rate
 shared by the ranks (cores / ranks of it each, where they outnumber the cores).
 
-``--timed-kernels`` (Note [timed kernels], ``bench/timed_kernel.py``): every attention call
-and the layer's GEMMs wait their modelled time (this machine's rates shared by the ranks,
-as the model prices them) instead of computing, so the ranks compute side by side as
+``--timed-kernels [RATE]`` (Note [timed kernels], ``bench/timed_kernel.py``): every
+attention call and the layer's GEMMs wait their modelled time (at ``host``, the default:
+this machine's rates shared by the ranks, as the model prices them; a number: GFLOP/s per
+rank; a cluster preset such as ``h100-ib``, with ``--emulate``: the rate that gives each
+emulated node that preset's ratio of attention FLOP/s to off-node bytes/s,
+``ratio_matched_flops``) instead of computing, so the ranks compute side by side as
 accelerators would, and the wall clock is the slowest rank's path with the transfers, not
 the host's total work; the schedules, merges and transfers stay real, the numbers do not
 (no check runs here either way). Compare layouts on the wall clock then.
@@ -289,9 +292,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--timed-kernels",
-        action="store_true",
+        nargs="?",
+        const="host",
+        default=None,
+        metavar="RATE",
         help="kernels and GEMMs wait their modelled time instead of computing "
-        "(Note [timed kernels]): ranks compute side by side, as on accelerators",
+        "(Note [timed kernels]): ranks compute side by side, as on accelerators. RATE: "
+        "'host' (the default: this machine's rate shared by the ranks), a number (GFLOP/s "
+        "per rank), or a cluster preset (with --emulate: the rate that gives a node the "
+        "preset's ratio of attention FLOP/s to off-node bytes/s)",
     )
     ap.add_argument("--json", default="")
     ap.add_argument("--emulate", default=None, help="NODESxRANKS: on an emulated cluster")
@@ -307,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             dist.destroy_process_group()
         return
+    _check_timed(ap, args)
     flops = args.attn_gflops * 1e9 or _attn_flops()
     print(f"kernel rate on one thread: {flops / 1e9:.1f} GFLOP/s (the model's attn_flops)")
     args.call_s = args.call_us * 1e-6 if args.call_us >= 0 else _call_overhead()
@@ -365,7 +375,10 @@ def _measure(args, B, spec, emu, flops: float) -> list[dict]:
                 # cost per call here is one quiet thread's (--call-us), not one under the
                 # run's load as startrail-bench fits it, and priced as overlapping the
                 # kernels the transfers look free to the scheduler (section 17)
-                cl = timed_cluster(cl, cl.attn_flops, overlap=cl.overlap)
+                rate = _timed_rate(args, spec, cl)
+                cl = cl.with_(matmul_flops=cl.matmul_flops * rate / cl.attn_flops)
+                cl = timed_cluster(cl, rate, overlap=cl.overlap)
+                print(f"timed kernels at {rate / 1e9:.3g} GFLOP/s per rank ({args.timed_kernels})")
                 timed = {"attn_flops": cl.attn_flops, "matmul_flops": cl.matmul_flops,
                          "call_s": 0.0,
                          "dense_flops_per_token": _dense_flops_per_token(args.layer_ffn)}  # fmt: skip
@@ -424,7 +437,8 @@ def _measure(args, B, spec, emu, flops: float) -> list[dict]:
                            "batches": len(vals), "emulated": args.emulate,
                            "inter_node": args.inter_node if args.emulate else None,
                            "layer_ffn": args.layer_ffn,
-                           "timed_kernels": args.timed_kernels}  # fmt: skip
+                           "timed_kernels": bool(args.timed_kernels),
+                           "timed_kernels_flops": timed["attn_flops"] if timed else None}  # fmt: skip
                     for key in vals[0]:
                         row[key] = statistics.fmean(x[key] for x in vals)
                     row["throughput_vs_static_startrail"] = base_cpu / row["cpu_critical_s"]
@@ -448,6 +462,40 @@ def _probe(emu, port: int) -> dict:
         emu.run([sys.executable, "-m", "startrail_megatron.emulate.probe", path], 600, port)
         with open(path) as f:
             return json.load(f)
+
+
+def _check_timed(ap, args) -> None:
+    """``--timed-kernels RATE``: 'host', a number > 0 or a preset (with ``--emulate``);
+    ``ap.error`` naming the flag otherwise, before anything starts."""
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+
+    v = args.timed_kernels
+    if v is None or v == "host" or (v in CLUSTER_PRESETS and args.emulate):
+        return
+    try:
+        ok = math.isfinite(float(v)) and float(v) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        ap.error(
+            f"--timed-kernels {v!r}: 'host', a number of GFLOP/s per rank > 0, or (with "
+            f"--emulate) a cluster preset: {sorted(CLUSTER_PRESETS)}"
+        )
+
+
+def _timed_rate(args, spec, cl) -> float:
+    """A rank's timed-kernel rate (FLOP/s) for ``--timed-kernels``: the model cluster's own
+    (``host``), the number given, or a preset's node ratio on the emulated node link
+    (``bench.timed_kernel.ratio_matched_flops``, at the link's set rate)."""
+    from startrail_megatron.bench.timed_kernel import ratio_matched_flops
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+
+    v = args.timed_kernels
+    if v == "host":
+        return cl.attn_flops
+    if v in CLUSTER_PRESETS:
+        return ratio_matched_flops(CLUSTER_PRESETS[v], spec.inter_bps / 8, spec.ranks_per_node)
+    return float(v) * 1e9
 
 
 def _emulated_cluster(spec, flops: float, probe: dict, gemm_flops: float):

@@ -9,7 +9,12 @@ import time
 import pytest
 import torch
 
-from startrail_megatron.bench.timed_kernel import TimedKernel, dense_wait, timed_cluster
+from startrail_megatron.bench.timed_kernel import (
+    TimedKernel,
+    dense_wait,
+    ratio_matched_flops,
+    timed_cluster,
+)
 from startrail_megatron.kernels import KERNEL_NAMES
 from startrail_megatron.one_process import one_process_attention
 from startrail_megatron.planner.cluster import CLUSTER_PRESETS
@@ -102,3 +107,44 @@ def test_bad_settings_are_refused_by_name_and_it_is_no_users_kernel():
     t0 = time.perf_counter()
     run(20)
     assert 0.019 <= time.perf_counter() - t0 < 0.25
+
+
+def test_a_presets_ratio_on_an_emulated_node_link():
+    """``ratio_matched_flops``: a node of the emulation then does as many attention FLOPs per
+    off-node byte as a node of the preset (h100-ib: 8 x 300 TFLOP/s over 360 GB/s); on a
+    slower link or with more ranks per node each rank is slower in proportion."""
+    h100 = CLUSTER_PRESETS["h100-ib"]
+    rate = ratio_matched_flops(h100, 25e6, 8)  # 2 x 8 at 200 Mbit/s
+    assert rate == pytest.approx(8 * 300e12 / 360e9 * 25e6 / 8)  # 20.8 GFLOP/s
+    assert 8 * rate / 25e6 == pytest.approx(h100.gpus_per_node * h100.attn_flops / h100.inter_bw)
+    assert ratio_matched_flops(h100, 12.5e6, 4) == pytest.approx(rate)
+    slower = CLUSTER_PRESETS["a100-eth"]  # one 100 GbE port per node: a higher ratio
+    assert ratio_matched_flops(slower, 25e6, 8) > 10 * rate
+    for bad in (dict(node_link_bytes_s=0), dict(ranks_per_node=0), dict(node_link_bytes_s=None)):
+        kw = dict(node_link_bytes_s=25e6, ranks_per_node=8) | bad
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ratio_matched_flops(h100, **kw)
+
+
+def test_batch_measure_takes_a_timed_rate_or_a_preset_and_refuses_anything_else(capsys):
+    from argparse import ArgumentParser, Namespace
+
+    from common import load_script
+
+    from startrail_megatron.emulate import EmulationSpec
+
+    bm = load_script("batch_measure")
+    spec = EmulationSpec(2, 8, 200e6)
+    cl = CLUSTER_PRESETS["h100-ib"].with_(attn_flops=7e9)
+    for value, emulate, want in (
+        ("host", None, 7e9),
+        ("12.5", None, 12.5e9),
+        ("h100-ib", "2x8", ratio_matched_flops(CLUSTER_PRESETS["h100-ib"], 25e6, 8)),
+    ):
+        args = Namespace(timed_kernels=value, emulate=emulate)
+        bm._check_timed(ArgumentParser(), args)
+        assert bm._timed_rate(args, spec, cl) == pytest.approx(want)
+    for value, emulate in (("0", None), ("fast", None), ("nan", None), ("h100-ib", None)):
+        with pytest.raises(SystemExit):
+            bm._check_timed(ArgumentParser(), Namespace(timed_kernels=value, emulate=emulate))
+        assert f"--timed-kernels {value!r}" in capsys.readouterr().err

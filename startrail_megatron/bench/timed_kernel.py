@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..kernels.contract import acc_dtype
 
-__all__ = ["TimedKernel", "dense_wait", "timed_cluster"]
+__all__ = ["TimedKernel", "dense_wait", "ratio_matched_flops", "timed_cluster"]
 
 
 class TimedKernel:
@@ -109,6 +109,21 @@ def timed_cluster(cluster, attn_flops: float | None, bwd_ratio: float = 2.5, ove
         attn_flops=attn_flops, attn_bwd_ratio=bwd_ratio, causal_tile_waste=0.0,
         kv_stream_bw=0.0, kv_stream_bw_bwd=0.0, overlap=overlap,
     )  # fmt: skip
+
+
+def ratio_matched_flops(like, node_link_bytes_s: float, ranks_per_node: int) -> float:
+    """A rank's timed-kernel rate (FLOP/s) that gives an emulated node the ratio of ``like``
+    (a ``ClusterSpec``, e.g. the ``h100-ib`` preset): its node's attention FLOP/s over the
+    node's off-node bytes/s (``gpus_per_node x attn_flops / inter_bw``). The emulated node
+    moves ``node_link_bytes_s`` off-node and holds ``ranks_per_node`` ranks, so each runs at
+    ``ratio x node_link_bytes_s / ranks_per_node``. Kernel time and off-node time then
+    weigh against each other as on ``like``: the host's own rate (its 2 cores shared by the
+    ranks) sets that ratio by accident, not by any cluster's."""
+    for what, v in (("node_link_bytes_s", node_link_bytes_s), ("ranks_per_node", ranks_per_node)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"ratio_matched_flops {what}={v!r}: a finite number > 0")
+    ratio = like.gpus_per_node * like.attn_flops / like.inter_bw
+    return ratio * node_link_bytes_s / ranks_per_node
 
 
 def dense_wait(flops_per_token: float, matmul_flops: float):
