@@ -100,9 +100,10 @@ is our Megatron adapter's (``megatron/``)."""
 EXTERNAL_DEEPSPEED = ("deepspeed.initialize", "deepspeed.init_distributed")
 """DeepSpeed's names the docs quote; any other ``deepspeed.X`` is our adapter's."""
 
-EXTERNAL_FLAGS = {"--num_gpus", "--module"}
+EXTERNAL_FLAGS = {"--num_gpus", "--module", "--dynamic-context-parallel"}
 """Flags of other tools the docs use that our code does not pass itself: DeepSpeed's
-launcher's."""
+launcher's, and Megatron-LM's dev branch's dynamic CP (which ``megatron/refusals.py``
+refuses)."""
 
 EXTERNAL_ENV: set[str] = set()
 """Environment variables of other tools that the docs set and our code does not name."""

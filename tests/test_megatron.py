@@ -1038,7 +1038,7 @@ def _build_both_ways(rank, world):
         other = torch.distributed.new_group([0])
         with pytest.raises(RuntimeError, match="found no StarTrail groups for its context-parall"):
             StarTrailCoreAttention(pg_collection=SimpleNamespace(cp=other), **common)
-        for name in ("qk_clip", "log_max_attention_logit"):
+        for name in ("qk_clip", "log_max_attention_logit", "dynamic_context_parallel"):
             bad = copy.copy(cfg)
             setattr(bad, name, True)
             with pytest.raises(NotImplementedError, match=name):

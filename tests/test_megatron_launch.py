@@ -32,6 +32,7 @@ def _parser(chain=None):
         "--qk-clip",
         "--log-max-attention-logit",
         "--hybrid-context-parallel",
+        "--dynamic-context-parallel",  # Megatron-LM's dev branch (no release up to 0.19)
         "--reset-attention-mask",
         "--reset-position-ids",
     ):
@@ -51,6 +52,11 @@ ST4 = ["--context-parallel-size", "4", "--context-parallel-impl", "startrail"]
             "'python -m startrail_megatron.pretrain_gpt' runs",
         ),
         (["--qk-clip"], "--qk-clip is not supported with --context-parallel-impl startrail"),
+        (
+            ["--dynamic-context-parallel"],
+            "--dynamic-context-parallel is not supported with --context-parallel-impl startrail: "
+            "it is Megatron-LM's dev-branch dynamic CP",
+        ),
         (
             ["--log-max-attention-logit"],
             "--log-max-attention-logit is not supported with --context-parallel-impl startrail",
