@@ -15,6 +15,13 @@ family alone (ring and StarTrail, with or without the 2-D split).
 own calibration (``emulation.cluster_median``: the probe's links and the run's median
 microbenchmarks; with timed kernels ``timed_cluster`` of it), for reports made before a
 change to the model.
+
+``--ratio-of PRESET`` (a what-if of the model alone): per report, each strategy's
+prediction over ring's at the run's own kernel rate and with timed kernels at the rate that
+gives a node of the emulation the preset's ratio of attention FLOP/s to off-node bytes/s
+(``bench.timed_kernel.ratio_matched_flops``; ``h100-ib``: 8 x 300 TFLOP/s per 360 GB/s).
+Where a strategy loses to ring by moving more bytes off-node, a cluster of faster kernels
+makes it lose more; where it loses on unhidden collectives, less.
 """
 
 from __future__ import annotations
@@ -98,14 +105,54 @@ def summary_table(reports: list[dict]) -> list[str]:
     return out
 
 
+def ratio_table(rep: dict, path: str, preset: str) -> list[str]:
+    """``--ratio-of``: predictions over ring's at the run's rate and at ``preset``'s ratio."""
+    from startrail_megatron.bench.timed_kernel import ratio_matched_flops
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+
+    em = rep["emulation"]
+    base = load_cluster(path)
+    run_rate = rep["config"].get("timed_kernels_flops")
+    like = ratio_matched_flops(
+        CLUSTER_PRESETS[preset], em["inter_node_bits_per_s"] / 8, em["ranks_per_node"]
+    )
+    cols = []
+    for rate in (run_rate, like):
+        rows = emulation_rows(rep, timed_cluster(base, rate))
+        ring = next(r["predicted_median_s"] for r in rows if r["strategy"] == "ring")
+        cols.append({r["strategy"]: r["predicted_median_s"] / ring for r in rows})
+    at = "its kernels" if run_rate is None else f"{run_rate / 1e9:.3g} GFLOP/s"
+    out = [
+        f"{_title(rep)}: the model's time over ring's, at the run's rate ({at}) and at "
+        f"{preset}'s ratio ({like / 1e9:.3g} GFLOP/s per rank)",
+        "",
+        "| strategy | model / ring, run's rate | model / ring, " + preset + "'s ratio |",
+        "| --- | --- | --- |",
+    ]
+    for name in cols[0]:
+        out.append(f"| {name} | {cols[0][name]:.2f} | {cols[1][name]:.2f} |")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--wide", action="store_true", help="one table, a column group per report")
     p.add_argument(
         "--repredict", action="store_true", help="predict again with the current cost model"
     )
+    p.add_argument(
+        "--ratio-of",
+        default=None,
+        metavar="PRESET",
+        help="also the model's what-if at a cluster preset's ratio of kernel rate to link",
+    )
     p.add_argument("reports", nargs="+")
     args = p.parse_args(argv)
+    if args.ratio_of is not None:
+        from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+
+        if args.ratio_of not in CLUSTER_PRESETS:
+            p.error(f"--ratio-of {args.ratio_of!r}: one of {sorted(CLUSTER_PRESETS)}")
     reports = []
     for path in args.reports:
         with open(path) as f:
@@ -118,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
             rep["emulation"]["rows"] = emulation_rows(rep, timed_cluster(load_cluster(path), rate))
         if not args.wide:
             print("\n".join(strategy_table(rep)), end="\n\n")
+        if args.ratio_of is not None:
+            print("\n".join(ratio_table(rep, path, args.ratio_of)), end="\n\n")
     if args.wide:
         print("\n".join(wide_table(reports)), end="\n\n")
     print("\n".join(summary_table(reports)))

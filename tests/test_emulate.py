@@ -220,6 +220,26 @@ def test_the_docs_table_script(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SystemExit, match="not an emulated report"):
         mod.main([str(tmp_path / "bad.json")])
+    # --ratio-of: the model's what-if at a preset's kernel rate per off-node byte/s
+    from startrail_megatron.bench.timed_kernel import ratio_matched_flops, timed_cluster
+    from startrail_megatron.planner.cli import load_cluster
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+
+    saved = os.path.join(os.path.dirname(__file__), "..", "docs", "bench_emulated_4x2.json")
+    with open(saved) as f:
+        em = json.load(f)["emulation"]
+    like = ratio_matched_flops(CLUSTER_PRESETS["h100-ib"], em["inter_node_bits_per_s"] / 8, 2)
+    mod.main(["--ratio-of", "h100-ib", saved])
+    out = capsys.readouterr().out
+    assert f"at h100-ib's ratio ({like / 1e9:.3g} GFLOP/s per rank)" in out
+    assert "| ring | 1.00 | 1.00 |" in out
+    with open(saved) as f:
+        rows = emulated.emulation_rows(json.load(f), timed_cluster(load_cluster(saved), like))
+    ring = next(r["predicted_median_s"] for r in rows if r["strategy"] == "ring")
+    team = next(r["predicted_median_s"] for r in rows if r["strategy"] == "startrail-C2-team")
+    assert "| startrail-C2-team | " in out and f" | {team / ring:.2f} |\n" in out
+    with pytest.raises(SystemExit):
+        mod.main(["--ratio-of", "tpu", saved])
 
 
 def test_the_collectives_script_compares_with_the_model(tmp_path):
