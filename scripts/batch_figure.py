@@ -131,7 +131,8 @@ def draw(rows: list[dict], png: str) -> None:
     for i, ((dist, p, tokens, where), by) in enumerate(groups.items()):
         base = next(v for k, v in by.items() if _name(k) == "static StarTrail")
         labels.append(
-            f"{dist}\nP={p}, {tokens // 1024}K\n" + where.replace(" @ ", "\n").replace(", ", "\n")
+            f"{dist}\nP={p}, {tokens // 1024}K\n"
+            + where.replace(" @ ", "\n").replace(", ", "\n").replace(" at ", "\n")
         )
         for j, name in enumerate(LAYOUTS):
             r = by.get(name)
