@@ -359,3 +359,17 @@ def test_hybrid_team_sizes_are_checked_by_name():
     with pytest.raises(ValueError, match="auto with --hybrid-context-parallel"):
         install_from_args(ns)
     assert hooks.installed_config() is None
+
+
+def test_the_banner_names_the_team_size_each_sub_group_size_gets_under_auto(tmp_path, capsys):
+    from startrail_megatron.megatron.pretrain_gpt import _banner
+
+    argv = BASE + HYBRID + _slow_cluster(tmp_path) + ["--nproc", "4"]
+    at = argv.index("--startrail-team-size") + 1
+    _banner(T.parse_args([*argv[:at], "auto", *argv[at + 1 :]]))
+    assert (
+        "team size auto, placement team (per sub-group size, the cost model's: {2: 1, 4: 1})"
+        in (capsys.readouterr().out)
+    )
+    _banner(T.parse_args(argv))
+    assert "per sub-group size" not in capsys.readouterr().out

@@ -68,6 +68,10 @@ def _banner(args) -> None:
         if impl == "startrail"
         else ""
     )
+    if impl == "startrail" and args.hybrid_context_parallel and args.startrail_team_size == "auto":
+        from .training.hybrid import model_team_sizes  # what initialize gives each size
+
+        extra += f" (per sub-group size, the cost model's: {model_team_sizes(args)})"
     orf = getattr(args, "startrail_own_rows_first", "auto")
     if impl == "startrail" and orf != "auto":
         extra += f", own rows first {orf}"
