@@ -119,7 +119,9 @@ def test_timed_kernels_wait_the_models_kernel_time_and_check_nothing():
 
 def test_bench_argument_errors(capsys):
     for argv, msg in (
-        (["--timed-kernels", "-1"], "--timed-kernels -1.0 must be a finite number >= 0"),
+        (["--timed-kernels", "-1"], "--timed-kernels -1 must be a finite number >= 0"),
+        (["--timed-kernels", "fast"], "or, with --emulate, a cluster preset: ["),
+        (["--timed-kernels", "h100-ib"], "a preset's ratio needs --emulate"),
         (["--seq-len", "30"], "divisible by 2*nproc = 8"),
         (["--heads", "8", "--kv-heads", "3"], "multiple of --kv-heads"),
         (["--strategies", "startrail-C3-team"], "not valid here"),
@@ -308,3 +310,23 @@ def test_the_placement_campaign_record_and_its_chart(tmp_path):
     out = tmp_path / "placement.png"
     load_script("placement_figure").draw(runs, str(out))
     assert out.stat().st_size > 10_000
+
+
+def test_timed_kernels_take_a_presets_ratio_on_the_emulated_link():
+    """``--timed-kernels h100-ib --emulate 3x8 --inter-node 200mbit``: each rank at the rate
+    that gives a node h100-ib's FLOPs per off-node byte (20.8 GFLOP/s); a number is GFLOP/s
+    per rank, 0 the host's nominal rate shared by the ranks."""
+    import argparse
+
+    from startrail_megatron.bench import cli
+    from startrail_megatron.bench.emulated import NOMINAL_HOST_FLOPS
+    from startrail_megatron.bench.timed_kernel import ratio_matched_flops
+    from startrail_megatron.emulate import EmulationSpec
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+
+    p, spec = argparse.ArgumentParser(), EmulationSpec(3, 8, 200e6)
+    rate = cli._timed_rate(p, "h100-ib", spec, 24)
+    assert rate == ratio_matched_flops(CLUSTER_PRESETS["h100-ib"], 25e6, 8)
+    assert round(rate / 1e9, 1) == 20.8
+    assert cli._timed_rate(p, "12.5", spec, 24) == 12.5e9
+    assert cli._timed_rate(p, "0", None, 24) == NOMINAL_HOST_FLOPS / 24

@@ -139,12 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timed-kernels",
-        type=float,
         default=None,
         metavar="GFLOPS",
         help="CPU ranks: each kernel call waits its modelled time at GFLOPS per rank instead "
         "of computing (Note [timed kernels]): the ranks compute side by side, as on "
-        "accelerators; implies --no-check. 0: the host's nominal rate shared by the ranks",
+        "accelerators; implies --no-check. 0: the host's nominal rate shared by the ranks; "
+        "a cluster preset (with --emulate, e.g. h100-ib): the rate that gives an emulated "
+        "node the preset's ratio of attention FLOP/s to off-node bytes/s",
     )
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference")
     p.add_argument("--seed", type=int, default=0)
@@ -207,6 +208,30 @@ def _without_memory_workload(argv: list[str]) -> list[str] | None:
     return None
 
 
+def _timed_rate(p, value: str, spec, world: int) -> float:
+    """``--timed-kernels``' rate per rank (FLOP/s): GFLOP/s given, 0 for the host's nominal
+    rate shared by the ranks, or a cluster preset's node ratio on the emulated node link
+    (``timed_kernel.ratio_matched_flops``, with ``--emulate``); ``p.error`` naming the flag."""
+    from ..planner.cluster import CLUSTER_PRESETS
+    from .emulated import NOMINAL_HOST_FLOPS
+    from .timed_kernel import ratio_matched_flops
+
+    if value in CLUSTER_PRESETS:
+        if spec is None:
+            p.error(f"--timed-kernels {value}: a preset's ratio needs --emulate (its node link)")
+        return ratio_matched_flops(CLUSTER_PRESETS[value], spec.inter_bps / 8, spec.ranks_per_node)
+    try:
+        v = float(value)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v >= 0):
+        p.error(
+            f"--timed-kernels {value} must be a finite number >= 0 (GFLOP/s; 0: nominal) or, "
+            f"with --emulate, a cluster preset: {sorted(CLUSTER_PRESETS)}"
+        )
+    return v * 1e9 if v > 0 else NOMINAL_HOST_FLOPS / world
+
+
 def run(argv: list[str] | None = None) -> dict:
     """Run the benchmark and return the report (rank 0's; ``{}`` on other torchrun ranks)."""
     p = build_parser()
@@ -239,14 +264,9 @@ def run(argv: list[str] | None = None) -> dict:
         p.error("--nproc must be >= 1")
     args.timed_kernels_flops = None
     if args.timed_kernels is not None:
-        v = args.timed_kernels
-        if not (math.isfinite(v) and v >= 0):
-            p.error(f"--timed-kernels {v} must be a finite number >= 0 (GFLOP/s; 0: nominal)")
+        args.timed_kernels_flops = _timed_rate(p, args.timed_kernels, spec, world)
         if args.cuda:
             p.error("--timed-kernels is for CPU ranks (an emulated cluster); on CUDA: unset")
-        from .emulated import NOMINAL_HOST_FLOPS
-
-        args.timed_kernels_flops = v * 1e9 if v > 0 else NOMINAL_HOST_FLOPS / world
         args.no_check = True
     if args.seq_len % (2 * world):
         p.error(f"--seq-len {args.seq_len} must be divisible by 2*nproc = {2 * world}")
