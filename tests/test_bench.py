@@ -330,3 +330,9 @@ def test_timed_kernels_take_a_presets_ratio_on_the_emulated_link():
     assert round(rate / 1e9, 1) == 20.8
     assert cli._timed_rate(p, "12.5", spec, 24) == 12.5e9
     assert cli._timed_rate(p, "0", None, 24) == NOMINAL_HOST_FLOPS / 24
+    # the emulated ranks re-read the command line without --emulate: they get the number
+    assert cli._with_flag(["--timed-kernels", "h100-ib", "--seq-len", "64"], "--timed-kernels",
+                          "20.8") == ["--timed-kernels", "20.8", "--seq-len", "64"]  # fmt: skip
+    assert cli._with_flag(["--timed-kernels=h100-ib"], "--timed-kernels", "1.5") == [
+        "--timed-kernels=1.5"
+    ]

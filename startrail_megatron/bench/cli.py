@@ -208,6 +208,20 @@ def _without_memory_workload(argv: list[str]) -> list[str] | None:
     return None
 
 
+def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    """``argv`` with ``flag``'s value (``FLAG V`` or ``FLAG=V``; the last one, as argparse
+    reads it) replaced by ``value``. Pure."""
+    out = list(argv)
+    for i in reversed(range(len(out))):
+        if out[i] == flag and i + 1 < len(out):
+            out[i + 1] = value
+            return out
+        if out[i].startswith(flag + "="):
+            out[i] = f"{flag}={value}"
+            return out
+    return out
+
+
 def _timed_rate(p, value: str, spec, world: int) -> float:
     """``--timed-kernels``' rate per rank (FLOP/s): GFLOP/s given, 0 for the host's nominal
     rate shared by the ranks, or a cluster preset's node ratio on the emulated node link
@@ -289,6 +303,8 @@ def run(argv: list[str] | None = None) -> dict:
         from .emulated import format_emulation, run_emulated
 
         given = list(sys.argv[1:] if argv is None else argv)
+        if args.timed_kernels_flops is not None:  # the ranks, without --emulate, get the rate
+            given = _with_flag(given, "--timed-kernels", repr(args.timed_kernels_flops / 1e9))
         report = run_emulated(spec, given, 4 * args.timeout)  # rank 0 printed its table
         print(format_emulation(report))
     elif under_torchrun:
