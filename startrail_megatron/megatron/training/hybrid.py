@@ -100,18 +100,17 @@ def batch_model(args):
     )  # fmt: skip
 
 
-def _prices(args, n: int, team_sizes=None):
-    """``planner.batch.BatchPrices`` of the run on ``n`` DP x CP ranks, as ``_ours``'s
-    ``schedule_batch`` makes them (its cluster, the run's heads per TP rank and layer)."""
-    from ...planner.batch import BatchPrices
-
+def _priced_run(args, n: int) -> dict:
+    """What ``planner.batch`` prices the run's layouts on over ``n`` DP x CP ranks, as
+    keywords of ``BatchPrices`` and ``schedule_batch``: the cluster of
+    ``--startrail-batch-cluster``, the heads a TP rank holds, the GPT layer around them."""
     tp = args.tensor_model_parallel_size
-    return BatchPrices(
-        batch_cluster(args, n), args.num_attention_heads // tp,
-        max((args.num_query_groups or args.num_attention_heads) // tp, 1),
-        args.hidden_size // args.num_attention_heads, 2 if args.bf16 else 4,
-        team_sizes=team_sizes, model=batch_model(args), tp_size=tp,
-        recompute=args.recompute_granularity == "full", per_document_calls=True,
+    return dict(
+        cluster=batch_cluster(args, n), heads_q=args.num_attention_heads // tp,
+        heads_kv=max((args.num_query_groups or args.num_attention_heads) // tp, 1),
+        head_dim=args.hidden_size // args.num_attention_heads,
+        elem_bytes=2 if args.bf16 else 4, model=batch_model(args), tp_size=tp,
+        recompute=args.recompute_granularity == "full",
     )  # fmt: skip
 
 
@@ -121,28 +120,22 @@ def model_team_sizes(args) -> dict[int, int]:
     it by default, the cost model's fewest communication seconds per token on
     ``--startrail-batch-cluster`` (``BatchPrices.team_size``; ties to the smaller). The
     same on every rank: a pure function of the flags."""
+    from ...planner.batch import BatchPrices
     from ..registry import hybrid_group_sizes
 
     n = args.data_parallel_size * args.context_parallel_size
-    prices = _prices(args, n)
+    prices = BatchPrices(**_priced_run(args, n), per_document_calls=True)
     return {k: prices.team_size(k) for k in hybrid_group_sizes(n)}
 
 
 def _ours(args, lengths: list[int], n: int, sizes: dict[int, int]) -> list:
     from ...planner.batch import schedule_batch
 
-    tp = args.tensor_model_parallel_size
-    heads = args.num_attention_heads // tp
     cap = args.max_seqlen_per_dp_cp_rank
     try:
         layout = schedule_batch(
-            lengths, n, heads_q=heads,
-            heads_kv=max(args.num_query_groups // tp, 1),
-            head_dim=args.hidden_size // args.num_attention_heads,
-            elem_bytes=2 if args.bf16 else 4, cluster=batch_cluster(args, n),
-            sizes=list(sizes), team_sizes=sizes, model=batch_model(args), tp_size=tp,
-            recompute=args.recompute_granularity == "full", max_tokens_per_rank=cap,
-            one_call_per_document=True,
+            lengths, n, **_priced_run(args, n), sizes=list(sizes), team_sizes=sizes,
+            max_tokens_per_rank=cap, one_call_per_document=True,
         )  # fmt: skip
     except ValueError as e:
         if cap is None or "max_tokens_per_rank" not in str(e):
