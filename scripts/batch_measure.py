@@ -467,13 +467,14 @@ def _probe(emu, port: int) -> dict:
 def _check_timed(ap, args) -> None:
     """``--timed-kernels RATE``: 'host', a number > 0 or a preset (with ``--emulate``);
     ``ap.error`` naming the flag otherwise, before anything starts."""
+    from startrail_megatron.bench.timed_kernel import timed_rate
     from startrail_megatron.planner.cluster import CLUSTER_PRESETS
 
     v = args.timed_kernels
     if v is None or v == "host" or (v in CLUSTER_PRESETS and args.emulate):
         return
     try:
-        ok = math.isfinite(float(v)) and float(v) > 0
+        ok = bool(timed_rate(v))  # a preset without --emulate raises
     except ValueError:
         ok = False
     if not ok:
@@ -485,17 +486,12 @@ def _check_timed(ap, args) -> None:
 
 def _timed_rate(args, spec, cl) -> float:
     """A rank's timed-kernel rate (FLOP/s) for ``--timed-kernels``: the model cluster's own
-    (``host``), the number given, or a preset's node ratio on the emulated node link
-    (``bench.timed_kernel.ratio_matched_flops``, at the link's set rate)."""
-    from startrail_megatron.bench.timed_kernel import ratio_matched_flops
-    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+    (``host``), or the number or preset given (``bench.timed_kernel.timed_rate``: a preset's
+    node ratio on the emulated node link, at the link's set rate)."""
+    from startrail_megatron.bench.timed_kernel import timed_rate
 
     v = args.timed_kernels
-    if v == "host":
-        return cl.attn_flops
-    if v in CLUSTER_PRESETS:
-        return ratio_matched_flops(CLUSTER_PRESETS[v], spec.inter_bps / 8, spec.ranks_per_node)
-    return float(v) * 1e9
+    return cl.attn_flops if v == "host" else timed_rate(v, spec)
 
 
 def _emulated_cluster(spec, flops: float, probe: dict, gemm_flops: float):

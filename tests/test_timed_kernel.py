@@ -14,6 +14,7 @@ from startrail_megatron.bench.timed_kernel import (
     dense_wait,
     ratio_matched_flops,
     timed_cluster,
+    timed_rate,
 )
 from startrail_megatron.kernels import KERNEL_NAMES
 from startrail_megatron.one_process import one_process_attention
@@ -120,6 +121,14 @@ def test_a_presets_ratio_on_an_emulated_node_link():
     assert ratio_matched_flops(h100, 12.5e6, 4) == pytest.approx(rate)
     slower = CLUSTER_PRESETS["a100-eth"]  # one 100 GbE port per node: a higher ratio
     assert ratio_matched_flops(slower, 25e6, 8) > 10 * rate
+    # the flags' values (startrail-bench, batch_measure.py): a preset on the emulated link
+    from startrail_megatron.emulate import EmulationSpec
+
+    assert timed_rate("h100-ib", EmulationSpec(2, 8, 200e6)) == pytest.approx(rate)
+    assert timed_rate("12.5") == 12.5e9 and timed_rate("0") == 0.0
+    assert [timed_rate(v) for v in ("-1", "nan", "inf", "fast")] == [None] * 4
+    with pytest.raises(ValueError, match="needs --emulate"):
+        timed_rate("h100-ib")
     for bad in (dict(node_link_bytes_s=0), dict(ranks_per_node=0), dict(node_link_bytes_s=None)):
         kw = dict(node_link_bytes_s=25e6, ranks_per_node=8) | bad
         with pytest.raises(ValueError, match=next(iter(bad))):

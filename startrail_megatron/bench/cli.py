@@ -225,25 +225,21 @@ def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
 def _timed_rate(p, value: str, spec, world: int) -> float:
     """``--timed-kernels``' rate per rank (FLOP/s): GFLOP/s given, 0 for the host's nominal
     rate shared by the ranks, or a cluster preset's node ratio on the emulated node link
-    (``timed_kernel.ratio_matched_flops``, with ``--emulate``); ``p.error`` naming the flag."""
+    (``timed_kernel.timed_rate``, with ``--emulate``); ``p.error`` naming the flag."""
     from ..planner.cluster import CLUSTER_PRESETS
     from .emulated import NOMINAL_HOST_FLOPS
-    from .timed_kernel import ratio_matched_flops
+    from .timed_kernel import timed_rate
 
-    if value in CLUSTER_PRESETS:
-        if spec is None:
-            p.error(f"--timed-kernels {value}: a preset's ratio needs --emulate (its node link)")
-        return ratio_matched_flops(CLUSTER_PRESETS[value], spec.inter_bps / 8, spec.ranks_per_node)
     try:
-        v = float(value)
-    except ValueError:
-        v = math.nan
-    if not (math.isfinite(v) and v >= 0):
+        rate = timed_rate(value, spec)
+    except ValueError as e:
+        p.error(f"--timed-kernels {value}: {e}")
+    if rate is None:
         p.error(
             f"--timed-kernels {value} must be a finite number >= 0 (GFLOP/s; 0: nominal) or, "
             f"with --emulate, a cluster preset: {sorted(CLUSTER_PRESETS)}"
         )
-    return v * 1e9 if v > 0 else NOMINAL_HOST_FLOPS / world
+    return rate or NOMINAL_HOST_FLOPS / world
 
 
 def run(argv: list[str] | None = None) -> dict:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..kernels.contract import acc_dtype
 
-__all__ = ["TimedKernel", "dense_wait", "ratio_matched_flops", "timed_cluster"]
+__all__ = ["TimedKernel", "dense_wait", "ratio_matched_flops", "timed_cluster", "timed_rate"]
 
 
 class TimedKernel:
@@ -124,6 +124,25 @@ def ratio_matched_flops(like, node_link_bytes_s: float, ranks_per_node: int) -> 
             raise ValueError(f"ratio_matched_flops {what}={v!r}: a finite number > 0")
     ratio = like.gpus_per_node * like.attn_flops / like.inter_bw
     return ratio * node_link_bytes_s / ranks_per_node
+
+
+def timed_rate(value: str, spec=None) -> float | None:
+    """A ``--timed-kernels`` value (``startrail-bench``, ``scripts/batch_measure.py``) as a
+    rank's rate in FLOP/s: a cluster preset's node ratio on the emulated node link of
+    ``spec`` (an ``emulate.EmulationSpec``; ``ratio_matched_flops``; ``ValueError`` without
+    one), or a number of GFLOP/s (a finite number >= 0: 0 is the caller's to give a
+    meaning); None for anything else. The callers name the flag and their defaults."""
+    from ..planner.cluster import CLUSTER_PRESETS
+
+    if value in CLUSTER_PRESETS:
+        if spec is None:
+            raise ValueError("a preset's ratio needs --emulate (its node link)")
+        return ratio_matched_flops(CLUSTER_PRESETS[value], spec.inter_bps / 8, spec.ranks_per_node)
+    try:
+        v = float(value)
+    except ValueError:
+        return None
+    return v * 1e9 if math.isfinite(v) and v >= 0 else None
 
 
 def dense_wait(flops_per_token: float, matmul_flops: float):
