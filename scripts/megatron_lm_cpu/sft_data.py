@@ -67,12 +67,13 @@ def rendered(conv: list[dict]) -> str:
     return out
 
 
-def round_up(conv: list[dict], tok, multiple: int) -> list[dict]:
-    """``conv`` with its assistant turn lengthened until its tokens and the end-of-document
-    token Megatron-LM appends are a multiple of ``multiple`` (its hybrid CP needs each
-    sub-sample divisible by 2 x its sub-group, and its SFT dataset pads to 2 x CP only)."""
+def round_up(conv: list[dict], tok, multiple: int, eod: int = 1) -> list[dict]:
+    """``conv`` with its assistant turn lengthened until its tokens and the ``eod``
+    end-of-document tokens Megatron-LM appends are a multiple of ``multiple`` (its hybrid CP
+    needs each sub-sample divisible by 2 x its sub-group, and its SFT dataset pads to 2 x CP
+    only). Megatron-LM's SFT dataset appends one up to core_r0.16.0, none from core_r0.17.0."""
     for i in range(200):
-        n = len(tok.encode(rendered(conv), add_special_tokens=False)) + 1
+        n = len(tok.encode(rendered(conv), add_special_tokens=False)) + eod
         if n % multiple == 0:
             return conv
         conv[-1]["content"] += " x" if i % 2 else "#"
@@ -89,6 +90,11 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--multiple", type=int, default=1,
         help="round every conversation up to a multiple of this many tokens (2 x DP x CP)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--eod", type=int, choices=(0, 1), default=1,
+        help="end-of-document tokens Megatron-LM's SFT dataset appends to a conversation: "
+        "1 up to core_r0.16.0, 0 from core_r0.17.0 (counted by --multiple)",
     )  # fmt: skip
     args = ap.parse_args(argv)
     docs = stdlib_documents(args.modules)
@@ -111,7 +117,7 @@ def main(argv=None) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for msgs in conversations(docs, args.per_line, args.max_chars, args.scale):
             convs = [msgs[i : i + 3] for i in range(0, len(msgs), 3)]
-            msgs = [m for c in convs for m in round_up(c, tok, args.multiple)]
+            msgs = [m for c in convs for m in round_up(c, tok, args.multiple, args.eod)]
             f.write(json.dumps({"messages": msgs}) + "\n")
     print(f"{tok_dir} ({len(tok)} tokens), {path}")
 
