@@ -1159,6 +1159,87 @@ def test_node_map_is_never_predicted_slower_than_the_named_placements():
             assert m == tuple(range(p))
 
 
+def test_node_map_tries_every_sharing_of_whole_teams_among_few_nodes():
+    """``node_map``'s whole-team starts: on 3 nodes x 4 of ``h100-ib`` (P = 12, C = 2,
+    4,096 tokens per rank) the swaps alone stop at the team placement's map (22.7 ms);
+    every team on one node with one team of each team group per node is 3 % faster, and
+    that sharing is what the search returns: its cost is the least of all 15 ways to share
+    the 6 teams among the nodes (fails without ``_team_starts``). Also: the 15 and 105
+    ways of 3 x 4 and 4 x 4 are all distinct; 3 x 8 (5,775 ways) and uneven nodes take none."""
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+    from startrail_megatron.planner.placement import (
+        AUTO_SHAPE,
+        _team_starts,
+        map_cost,
+        node_assignments,
+        node_map,
+    )  # fmt: skip
+    from startrail_megatron.planner.shape import AttnShape
+
+    cl = CLUSTER_PRESETS["h100-ib"].with_(gpus_per_node=4, num_nodes=3)
+    shape = AttnShape(cp_size=12, **AUTO_SHAPE)
+    starts = _team_starts(cl, 12, 2)
+    assert len(starts) == len(set(starts)) == 15
+    costs = [map_cost(cl, shape, 2, m) for m in starts]
+    m, cost = node_map(cl, shape, 2)
+    assert cost == pytest.approx(min(costs)), (cost, min(costs))
+    team = map_cost(cl, shape, 2, "team")
+    assert cost < 0.98 * team, (cost, team)
+    nodes = [[cl.node(r) for r in m[t * 2 : t * 2 + 2]] for t in range(6)]
+    assert all(a == b for a, b in nodes), m  # whole teams
+    assert sorted(n for n, _ in nodes[:3]) == [0, 1, 2], m  # team group 0: a team per node
+    ways = list(node_assignments(8, 4, 2))
+    assert len(ways) == len(set(ways)) == 105
+    assert _team_starts(cl.with_(gpus_per_node=8), 24, 2) == []  # 5,775 ways
+    uneven = cl.with_(num_nodes=4, rank_nodes=(0,) * 4 + (1,) * 4 + (2,) * 2 + (3,) * 2)
+    assert _team_starts(uneven, 12, 2) == []
+
+
+def test_exhaustive_map_prices_every_assignment_and_bounds_the_search(capsys):
+    """``exhaustive_map`` (the check of ``node_map``'s search): it prices each assignment of
+    the logical ranks to nodes once (105 on 4 x 2, 462 on 2 x 6: 8! / (2!^4 4!) and
+    12! / (6!^2 2!)), none is faster than its answer, and the search is never faster than it
+    (equal on these); uneven nodes and too many assignments refused by name. The script
+    prints the row for a preset."""
+    from common import load_script
+
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+    from startrail_megatron.planner.placement import (
+        AUTO_SHAPE,
+        exhaustive_map,
+        map_cost,
+        node_assignments,
+        node_map,
+    )  # fmt: skip
+    from startrail_megatron.planner.shape import AttnShape
+
+    for nodes, per, ways in [(4, 2, 105), (2, 6, 462)]:
+        cl = CLUSTER_PRESETS["h100-ib"].with_(num_nodes=nodes, gpus_per_node=per)
+        shape = AttnShape(nodes * per, **AUTO_SHAPE)
+        m, best, count = exhaustive_map(cl, shape, 2)
+        assert count == ways == len(set(node_assignments(nodes * per, nodes, per)))
+        assert sorted(m) == list(range(nodes * per)) and best == map_cost(cl, shape, 2, m)
+        for assignment in list(node_assignments(nodes * per, nodes, per))[:: ways // 20]:
+            other = [0] * (nodes * per)
+            fill = [0] * nodes
+            for logical, node in enumerate(assignment):
+                other[logical] = node * per + fill[node]
+                fill[node] += 1
+            assert best <= map_cost(cl, shape, 2, tuple(other)) * (1 + 1e-12)
+        assert node_map(cl, shape, 2)[1] == pytest.approx(best, rel=1e-9)
+    cl = CLUSTER_PRESETS["h100-ib"].with_(num_nodes=3, gpus_per_node=8)
+    with pytest.raises(ValueError, match="max_assignments=20000"):
+        exhaustive_map(cl, AttnShape(24, **AUTO_SHAPE), 2)
+    uneven = CLUSTER_PRESETS["h100-ib"].with_(
+        num_nodes=3, gpus_per_node=4, rank_nodes=(0,) * 4 + (1,) * 2 + (2,) * 2
+    )
+    with pytest.raises(ValueError, match="as many CP ranks"):
+        exhaustive_map(uneven, AttnShape(8, **AUTO_SHAPE), 2)
+    load_script("placement_exhaustive").main(["--preset", "h100-ib", "--topology", "4x2"])
+    out = capsys.readouterr().out
+    assert "| h100-ib 4 x 2 | 105 (" in out, out
+
+
 def test_plan_searches_maps_and_draws_the_chosen_one():
     """``startrail-plan`` (issue 48): where the sub-ring length does not fit the node (3 x 4
     A100 nodes, P = 12, C = 2), the computed map is a row of its own, predicted faster than
