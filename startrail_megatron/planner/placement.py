@@ -8,15 +8,18 @@ group's ranks are spread over its nodes out of order (Megatron's CP groups under
 parallelism, a scheduler's rank order), both can send off-node where no map has to. Any
 permutation of the CP ranks is exact (``schedule.layout``: a map), so the planner picks
 one: ``node_map`` starts from each named placement laid over the CP ranks in node order
-(and shifted by whole teams, so that the node boundaries fall elsewhere in it) and from
-every sharing of whole teams among the nodes where there are few (``_team_starts``),
-keeps the best, then moves ranks between nodes while the predicted step time
-(``times.startrail_times``: the slowest rank of every P2P step, the node links shared by
-the ranks that send off-node at once, the placement's fan-out, the team collectives over
-their slowest edge) goes down: swapping two CP ranks of different nodes, or two whole
-teams. Swapping two ranks of one node changes no link, so only swaps across nodes are
-tried. A local search, bounded in evaluations: never predicted slower than either named
-placement, not proven optimal.
+(and shifted by whole teams, so that the node boundaries fall elsewhere in it), from the
+packings of whole sub-rings into nodes (``_subring_starts``) and from every sharing of
+whole teams among the nodes where there are few (``_team_starts``), keeps the best, then
+moves ranks between nodes while the predicted step time (``times.startrail_times``: the
+slowest rank of every P2P step, the node links shared by the ranks that send off-node at
+once, the placement's fan-out, the team collectives over their slowest edge, each rank's
+causal work) goes down: swapping two CP ranks of different nodes, or two whole teams.
+Swapping two ranks of one node changes no link (only which chunks of the sequence a team
+holds, and so the causal work of its steps: a second-order term), so only swaps across
+nodes are tried. A local search, bounded in evaluations: never predicted slower than
+either named placement, not proven optimal (``exhaustive_map`` checks it where the
+assignments of ranks to nodes are few).
 
 ``auto_map`` is what ``placement="auto"`` runs on the CP ranks' nodes
 (``auto_placement.auto_placement`` finds them from the ranks' hostnames,
@@ -151,6 +154,62 @@ def _team_starts(cluster: ClusterSpec, p: int, team_size: int) -> list[tuple[int
     return [_laid(a, order, team_size) for a in node_assignments(teams, n, slots)]
 
 
+MAX_SUBRING_ORDERS = 120
+"""``_subring_starts`` tries every order of the C^2 sub-rings where there are at most this
+many (C = 2: 24), else each cyclic shift of the sub-rings and of their reverse."""
+
+
+def _subring_starts(cluster: ClusterSpec, p: int, team_size: int) -> list[tuple[int, ...]]:
+    """Maps that keep as many whole sub-rings on one node as fit: each node in turn takes
+    the next sub-rings (in some order) while a whole one fits its free ranks, and the
+    sub-rings left over are laid in ring order over the ranks still free, node after node
+    (3 x 8 ranks, C = 2, G = 6: three sub-rings whole, the fourth in pieces of 2 on every
+    node, so each node link carries one sub-ring hop per step where the ``ring``
+    placement's two split sub-rings put two on the middle node's). No swap of one rank or
+    two teams moves a whole sub-ring, so ``node_map``'s search alone does not reach these
+    (its best at the 3 x 8 campaign's model: 1.78 of ring's time; this start's: 1.39).
+    One map per order of the sub-rings (``MAX_SUBRING_ORDERS``) and order of the nodes
+    (all of up to 3 nodes, else each cyclic shift): which CP ranks, and so which chunks of
+    the sequence, form each team changes the causal work of the model's every step; none
+    where the nodes hold unequal numbers of CP ranks or no whole sub-ring fits a node."""
+    from itertools import permutations, product
+
+    order = _ranks_by_node(cluster, p)
+    c = team_size
+    g = p // (c * c)
+    if order is None or len(order) < 2 or g > len(order[0]):
+        return []
+    rings = [[(grp * g + i) * c + a for i in range(g)] for grp in range(c) for a in range(c)]
+    n_rings = len(rings)
+    if factorial(n_rings) <= MAX_SUBRING_ORDERS:
+        orders = list(permutations(range(n_rings)))
+    else:
+        base = list(range(n_rings))
+        orders = [tuple(base[i:] + base[:i]) for i in range(n_rings)]
+        orders += [tuple(reversed(o)) for o in orders]
+    nodes = list(range(len(order)))
+    if factorial(len(nodes)) <= 6:
+        node_orders = list(permutations(nodes))
+    else:
+        node_orders = [tuple(nodes[i:] + nodes[:i]) for i in nodes]
+    out: list[tuple[int, ...]] = []
+    for ring_order, node_order in product(orders, node_orders):
+        m = [0] * p
+        free = [list(order[n]) for n in node_order]
+        queue = list(ring_order)
+        for slots in free:  # whole sub-rings first, node by node
+            while queue and len(slots) >= g:
+                for logical in rings[queue.pop(0)]:
+                    m[logical] = slots.pop(0)
+        rest = [r for slots in free for r in slots]
+        for logical in (x for i in queue for x in rings[i]):
+            m[logical] = rest.pop(0)
+        t = tuple(m)
+        if t not in out:
+            out.append(t)
+    return out
+
+
 def _ranks_by_node(cluster: ClusterSpec, p: int) -> list[list[int]] | None:
     """The CP ranks of each node, in node order; None unless every node holds as many."""
     ranks: dict[int, list[int]] = {}
@@ -229,7 +288,7 @@ def node_map(
         i = min(range(len(named)), key=lambda j: (costs[j], j))
         return named[i], costs[i]
     best_map, best = None, float("inf")
-    for m in [*named, *_starts(cluster, p, team_size)]:
+    for m in [*named, *_starts(cluster, p, team_size), *_subring_starts(cluster, p, team_size)]:
         cost = map_cost(cluster, shape, team_size, m)
         if cost < best * (1 - 1e-9):
             best_map, best = m, cost
