@@ -1227,7 +1227,8 @@ def test_exhaustive_map_prices_every_assignment_and_bounds_the_search(capsys):
     the logical ranks to nodes once (105 on 4 x 2, 462 on 2 x 6: 8! / (2!^4 4!) and
     12! / (6!^2 2!)), none is faster than its answer, and the search is never faster than it
     (equal on these); uneven nodes and too many assignments refused by name. The script
-    prints the row for a preset."""
+    prints the row for a preset; its annealing returns a permutation no slower than its
+    start, the same on every run."""
     from common import load_script
 
     from startrail_megatron.planner.cluster import CLUSTER_PRESETS
@@ -1262,9 +1263,17 @@ def test_exhaustive_map_prices_every_assignment_and_bounds_the_search(capsys):
     )
     with pytest.raises(ValueError, match="as many CP ranks"):
         exhaustive_map(uneven, AttnShape(8, **AUTO_SHAPE), 2)
-    load_script("placement_exhaustive").main(["--preset", "h100-ib", "--topology", "4x2"])
+    script = load_script("placement_exhaustive")
+    script.main(["--preset", "h100-ib", "--topology", "4x2"])
     out = capsys.readouterr().out
     assert "| h100-ib 4 x 2 | 105 (" in out, out
+    cl = CLUSTER_PRESETS["h100-ib"].with_(num_nodes=4, gpus_per_node=2)
+    shape = AttnShape(8, **AUTO_SHAPE)
+    start = tuple(range(8))
+    m, cost = script.anneal(cl, shape, 2, start, 60)  # where enumerating is too costly
+    assert sorted(m) == list(range(8)) and cost == map_cost(cl, shape, 2, m)
+    assert cost <= map_cost(cl, shape, 2, start)
+    assert script.anneal(cl, shape, 2, start, 60) == (m, cost)  # seeded
 
 
 def test_plan_searches_maps_and_draws_the_chosen_one():
