@@ -1213,7 +1213,7 @@ def test_node_map_packs_whole_sub_rings_into_nodes():
     starts = _subring_starts(cl, 24, 2)
     assert len(starts) == len(set(starts)) == 144
     assert all(sorted(m) == list(range(24)) for m in starts)
-    m, cost = node_map(cl, shape, 2)
+    m, cost = node_map(cl, shape, 2, max_evals=20)  # the packing is a start: few swaps
     ring = map_cost(cl, shape, 2, "ring")
     assert cost < 0.8 * ring, (cost, ring)
     lay = StarTrailLayout(24, 2, m)
@@ -1222,11 +1222,50 @@ def test_node_map_packs_whole_sub_rings_into_nodes():
     assert _subring_starts(cl.with_(num_nodes=6, gpus_per_node=4), 24, 2) == []  # G = 6 > 4
 
 
+def test_node_map_swaps_ranks_inside_a_node_last():
+    """``node_map``'s last phase: swaps of two ranks of one node change no link but which
+    chunks of the sequence form each team, and so each step's causal work. On the model of
+    the emulated 3 x 8 run at h100-ib's ratio (its probe's links, timed kernels at 20.8
+    GFLOP/s; docs/performance.md section 15) the map the cross-node search returns gains
+    from such a swap; the map ``node_map`` returns gains from none (fails without the phase)
+    and is predicted under 0.99 of the best packing of whole sub-rings."""
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+    from startrail_megatron.planner.placement import _subring_starts, map_cost, node_map
+    from startrail_megatron.planner.shape import AttnShape
+
+    cl = CLUSTER_PRESETS["h100-ib"].with_(
+        name="emulated 3x8 at 200 Mbit/s", gpus_per_node=8, num_nodes=3, intra_bw=3.69e8,
+        intra_latency=0.0, inter_bw=2.35e7, inter_bw_per_gpu=2.35e7, inter_latency=0.0,
+        attn_flops=2.08e10, attn_bwd_ratio=2.5, matmul_flops=2.2e10, kernel_overhead=0.0103,
+        overlap=True, all_to_all_inter_bw=2.35e7, causal_tile_waste=0.0, mem_bw=5.37e8,
+        host_cores=2, host_cpu_intra=7.2e-10, host_cpu_inter=8.05e-9,
+    )  # fmt: skip
+    shape = AttnShape(24, s_local=400, batch=1, heads_q=24, heads_kv=24, head_dim=16,
+                      elem_bytes=4, acc_bytes=4, causal=True)  # fmt: skip
+
+    def inside_gain(m) -> bool:
+        base = map_cost(cl, shape, 2, m)
+        for i in range(24):
+            for j in range(i + 1, 24):
+                if cl.node(m[i]) == cl.node(m[j]):
+                    x = list(m)
+                    x[i], x[j] = x[j], x[i]
+                    if map_cost(cl, shape, 2, tuple(x)) < base * (1 - 1e-9):
+                        return True
+        return False
+
+    packing = min(_subring_starts(cl, 24, 2), key=lambda m: map_cost(cl, shape, 2, m))
+    assert inside_gain(packing)
+    m, cost = node_map(cl, shape, 2, max_evals=200)
+    assert not inside_gain(m), m
+    assert cost < 0.99 * map_cost(cl, shape, 2, packing)
+
+
 def test_exhaustive_map_prices_every_assignment_and_bounds_the_search(capsys):
     """``exhaustive_map`` (the check of ``node_map``'s search): it prices each assignment of
     the logical ranks to nodes once (105 on 4 x 2, 462 on 2 x 6: 8! / (2!^4 4!) and
-    12! / (6!^2 2!)), none is faster than its answer, and the search is never faster than it
-    (equal on these); uneven nodes and too many assignments refused by name. The script
+    12! / (6!^2 2!)), none is faster than its answer, and the search finds a map at least as
+    fast (it also orders the ranks inside a node, which the enumeration does not); uneven nodes and too many assignments refused by name. The script
     prints the row for a preset; its annealing returns a permutation no slower than its
     start, the same on every run."""
     from common import load_script
@@ -1254,7 +1293,7 @@ def test_exhaustive_map_prices_every_assignment_and_bounds_the_search(capsys):
                 other[logical] = node * per + fill[node]
                 fill[node] += 1
             assert best <= map_cost(cl, shape, 2, tuple(other)) * (1 + 1e-12)
-        assert node_map(cl, shape, 2)[1] == pytest.approx(best, rel=1e-9)
+        assert node_map(cl, shape, 2)[1] <= best * (1 + 1e-9)
     cl = CLUSTER_PRESETS["h100-ib"].with_(num_nodes=3, gpus_per_node=8)
     with pytest.raises(ValueError, match="max_assignments=20000"):
         exhaustive_map(cl, AttnShape(24, **AUTO_SHAPE), 2)
