@@ -168,7 +168,7 @@ def _subring_starts(cluster: ClusterSpec, p: int, team_size: int) -> list[tuple[
     node, so each node link carries one sub-ring hop per step where the ``ring``
     placement's two split sub-rings put two on the middle node's). No swap of one rank or
     two teams moves a whole sub-ring, so ``node_map``'s search alone does not reach these
-    (its best at the 3 x 8 campaign's model: 1.78 of ring's time; this start's: 1.39).
+    (its best at the 3 x 8 campaign's model: 1.78 of ring's time; this start's: 1.43).
     One map per order of the sub-rings (``MAX_SUBRING_ORDERS``) and order of the nodes
     (all of up to 3 nodes, else each cyclic shift): which CP ranks, and so which chunks of
     the sequence, form each team changes the causal work of the model's every step; none
