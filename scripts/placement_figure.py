@@ -7,7 +7,8 @@ With ``--summary``: reads ``startrail-bench --emulate ... --auto-placement`` rep
 (``scripts/placement_campaign.sh``) and writes their rows (per topology and strategy: the
 median, its ratio to ring's, the model's prediction, MB sent off-node per rank, the map
 that ran) to one small JSON. With ``--png``: draws, per topology, each strategy's median
-over ring's from that JSON (the StarTrail C = 2 placements, the fastest 2-D split, Ulysses).
+over ring's from that JSON (the StarTrail C = 2 placements, the fastest 2-D split, Ulysses:
+those the runs measured).
 """
 
 from __future__ import annotations
@@ -58,15 +59,21 @@ def draw(summary: list[dict], png: str) -> None:
     ]
     fig, ax = plt.subplots(figsize=(10, 4.2))
     width = 0.16
-    for i, (key, label) in enumerate(kinds):
+    nan = float("nan")
+    bars = []
+    for key, label in kinds:  # each kind some run measured (a run need not have them all)
         ys = []
         for run in summary:
             rows = {r["strategy"]: r["median_over_ring"] for r in run["rows"]}
             if key == "split":
-                ys.append(min(v for k, v in rows.items() if "+ulysses" in k))
+                splits = [v for k, v in rows.items() if "+ulysses" in k]
+                ys.append(min(splits) if splits else nan)
             else:
-                ys.append(rows.get(key, float("nan")))
-        xs = [j + (i - 2) * width for j in range(len(summary))]
+                ys.append(rows.get(key, nan))
+        if any(y == y for y in ys):
+            bars.append((label, ys))
+    for i, (label, ys) in enumerate(bars):
+        xs = [j + (i - (len(bars) - 1) / 2) * width for j in range(len(summary))]
         ax.bar(xs, ys, width, label=label)
     ax.axhline(1.0, color="black", linewidth=1, label="ring")
     ax.axhline(0.85, color="grey", linestyle="--", linewidth=1)
@@ -75,7 +82,7 @@ def draw(summary: list[dict], png: str) -> None:
         [f"{r['topology']} P={r['cp_size']}\n{r['inter_node_mbit']:g} Mbit/s" for r in summary]
     )
     ax.set_ylabel("median time / ring's")
-    ax.set_title("Emulated nodes x ranks: StarTrail's placements beside ring, the split, Ulysses")
+    ax.set_title("Emulated nodes x ranks: each strategy's median time over ring's")
     ax.legend(fontsize=8, ncol=3)
     fig.tight_layout()
     fig.savefig(png, dpi=110)

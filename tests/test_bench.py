@@ -310,6 +310,18 @@ def test_the_placement_campaign_record_and_its_chart(tmp_path):
     out = tmp_path / "placement.png"
     load_script("placement_figure").draw(runs, str(out))
     assert out.stat().st_size > 10_000
+    # the runs with whole sub-rings packed into nodes: ring and three C = 2 placements only
+    from startrail_megatron.schedule.layout import StarTrailLayout
+
+    runs = json.loads((root / "docs" / "placement_subring_h100ratio.json").read_text())
+    assert [r["inter_node_mbit"] for r in runs] == [100.0, 200.0, 400.0]
+    for run in runs:
+        m = {r["strategy"]: r for r in run["rows"]}["startrail-C2-map"]["placement_map"]
+        lay = StarTrailLayout(24, 2, tuple(m))
+        pieces = sorted(len({r // 8 for r in ranks}) for ranks in lay.all_subring_ranks())
+        assert pieces == [1, 1, 1, 3], m
+    load_script("placement_figure").draw(runs, str(out))  # no split, no Ulysses rows
+    assert out.stat().st_size > 10_000
 
 
 def test_timed_kernels_take_a_presets_ratio_on_the_emulated_link():
