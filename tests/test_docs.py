@@ -79,6 +79,7 @@ EXTERNAL_NAMES = {
     "WrappedTorchNorm", "get_batch_on_this_cp_rank", "parallel_state", "pretrain",
     "parse_and_validate_args", "BalancedCPScheduler", "HybridCPDataLoaderWrapper",
     "get_thd_batch_on_this_cp_rank", "get_batch_on_this_tp_rank", "backward_step",
+    "pg_collection", "pg_collection.cp",
     # torch
     "MemTracker", "init_process_group", "destroy_process_group",
     # DeepSpeed

@@ -6,9 +6,10 @@ whose documents differ in length (one of 256 tokens, four of 128, four of 64): e
 the planner's cost model, megatron-core's ``BalancedCPScheduler``) places the long
 document on a sub-group of ranks, and the loss and every parameter's gradient equal CP = 1
 on one rank (the packed documents of the same rows) to 1e-5. Proof that the sub-groups
-ran: the 2-rank sub-group's StarTrail state saw half the long document and sent bytes; with
-the sub-group ignored (the attention on the model's CP group of one rank) the result is
-wrong. Refusals: a sub-sample whose RoPE megatron-core slices over another group, and the
+ran: the 2-rank sub-group's StarTrail state saw the local tokens of each packed bin (the
+long document with another, in one THD forward, RoPE rotated over the sub-group) and sent
+bytes; with the sub-group ignored (the attention on the model's CP group of one rank) the
+call is refused by name. Refusals: a sub-sample whose RoPE megatron-core slices over another group, and the
 flags that cannot combine.
 """
 
@@ -24,10 +25,11 @@ warnings.filterwarnings(
     "ignore", message=r".*(Apex|Transformer Engine and Apex) (is|are) not installed"
 )
 import megatron.core  # noqa: E402, F401  (imported once here, before the ranks fork)
-from harness import run_ranks  # noqa: E402
+from harness import MultiRankError, run_ranks  # noqa: E402
 
 from startrail_megatron.megatron import training as T  # noqa: E402
 from startrail_megatron.megatron.training.hybrid import (  # noqa: E402
+    document_bins,
     document_lengths,
     model_team_sizes,
     one_rank_bins,
@@ -136,38 +138,46 @@ DOCS = [256, 128, 128, 128, 128, 64, 64, 64, 64]
 """``_micro_batch``'s documents, in order."""
 
 
-def _one_rank_docs(argv: list[str], scheduler: str, rank: int) -> list[int]:
-    """The documents ``scheduler`` runs on ``rank`` alone under the ranks' ``argv``, in the
-    run order (the schedule the ranks computed: a pure function of the lengths and flags)."""
+def _docs_on(argv: list[str], scheduler: str, rank: int, k: int = 1) -> list[int]:
+    """The documents ``scheduler`` runs on ``rank``'s sub-group of ``k`` ranks under the
+    ranks' ``argv``, in the run order (the schedule the ranks computed: a pure function of
+    the lengths and flags)."""
     from startrail_megatron.megatron.training import hybrid
 
     args = T.parse_args(argv + ["--nproc", "4", "--startrail-batch-scheduler", scheduler])
     args.max_seqlen_per_dp_cp_rank = CAPS[scheduler]
     schedule = hybrid._ours if scheduler == "startrail" else hybrid._megatrons
     runs = rank_runs(schedule(args, DOCS, 4, {1: 1, 2: 1, 4: 2}), rank)
-    return [d for d, k, _ in runs if k == 1]
+    return [d for d, size, _ in runs if size == k]
 
 
 def test_hybrid_context_parallel_matches_cp1_with_both_schedulers(tmp_path):
     ref = run_ranks(1, _run, BASE + ["--micro-batch-size", "4"], ["startrail"])[0]["startrail"]
     hybrid = BASE + HYBRID + _slow_cluster(tmp_path)
     got = run_ranks(4, _run, hybrid, ["startrail", "megatron"])
-    packed = 0
+    packed, packed2 = 0, 0
     for rank, runs in enumerate(got):
         for name, run in runs.items():
             assert _close(run, ref) <= TOL, (rank, name)
             lengths, sent, teams, alone_calls = run[2]
             assert teams == {1: 1, 2: 1, 4: 2}
-            if rank < 2:  # the long document ran on the 2-rank sub-group of ranks 0 and 1
-                assert 128 in lengths and sent > 0, (rank, name, lengths, sent)
+            if rank < 2:  # the long document ran on the 2-rank sub-group of ranks 0 and 1,
+                # with the sub-group's other documents packed in THD forwards (bins within
+                # --max-seqlen-per-dp-cp-rank): each call's local tokens those of a bin
+                docs2 = _docs_on(hybrid, name, rank, 2)
+                bins2 = document_bins(docs2, DOCS, 2, CAPS[name])
+                assert 0 in docs2 and sent > 0, (rank, name, docs2, sent)
+                assert set(lengths) == {sum(DOCS[d] // 2 for d in b) for b in bins2}, lengths
+                packed2 += sum(len(b) > 1 for b in bins2)
             # a rank's one-rank documents ran packed, one forward per bin within
             # --max-seqlen-per-dp-cp-rank: 2 layers' calls per forward
-            docs = _one_rank_docs(hybrid, name, rank)
+            docs = _docs_on(hybrid, name, rank)
             bins = one_rank_bins(docs, DOCS, CAPS[name])
             assert sum(alone_calls.values()) == 2 * len(bins), (rank, name, alone_calls, docs)
             assert {sum(DOCS[d] for d in b) for b in bins} == set(alone_calls), (rank, name)
             packed += sum(len(b) > 1 for b in bins)
     assert packed  # some bin held two documents: the packed call ran
+    assert packed2  # and some 2-rank bin (with RoPE over the sub-group: exact above)
     # --startrail-team-size auto: each sub-group size's team size is the cost model's pick
     # (on this slow cluster ring, C = 1, for 4 ranks, where the cap rule gives 2)
     at = hybrid.index("--startrail-team-size") + 1
@@ -177,11 +187,11 @@ def test_hybrid_context_parallel_matches_cp1_with_both_schedulers(tmp_path):
     for rank, runs in enumerate(run_ranks(4, _run, auto, ["startrail"])):
         assert _close(runs["startrail"], ref) <= TOL, rank
         assert runs["startrail"][2][2] == {1: 1, **picked}, (rank, runs["startrail"][2])
-    # the sub-group ignored: the long document's halves attend only to themselves
-    bad = run_ranks(4, _run, hybrid, ["startrail"], True)
-    with pytest.raises(AssertionError):
-        for runs in bad:
-            assert _close(runs["startrail"], ref) <= TOL
+    # the sub-group ignored (each call on the model's CP group, this rank alone): the packed
+    # boundaries of the 2-rank bin do not fit one rank's tokens, refused by name on ranks
+    # 0 and 1 (not computed as if the long document's halves were whole documents)
+    with pytest.raises(MultiRankError, match="cu_seqlens_padded ends at 384"):
+        run_ranks(4, _run, hybrid, ["startrail"], True)
 
 
 def test_rank_runs_share_one_order():
@@ -268,6 +278,14 @@ def _refusals(rank, world):
             except (NotImplementedError, ValueError) as e:
                 out[name] = (type(e).__name__, str(e))
         assert attn(q, k, v, None, packed_seq_params=psp("sbhd", 1, alone)).shape == (64, 1, 64)
+        # 'thd' on a sub-group is served while pg_collection.cp is that sub-group (RoPE was
+        # rotated over it), as the entry point's rope_over sets it for a forward
+        from startrail_megatron.megatron.training.hybrid import rope_over
+
+        with rope_over(model, alone):  # thd: [t, heads, head_dim]
+            thd = attn(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=psp("thd", 1, alone))
+            out["thd alone, rope over it"] = tuple(thd.shape)
+        out["cp restored"] = attn._pg_collection.cp is attn.cp_group
         return out
     finally:
         T.teardown()
@@ -277,7 +295,8 @@ def test_hybrid_calls_it_cannot_serve_are_refused_by_name():
     """On CP = 2: a one-rank sub-sample without a group (megatron-core would slice its RoPE
     over the 2 CP ranks), one in 'thd' on another group than the model's CP group (RoPE's
     THD slicing is over the CP group), a local_cp_size its group does not have, and a
-    sub-sample whose cu_seqlens disagree with its local length."""
+    sub-sample whose cu_seqlens disagree with its local length. The 'thd' one is served
+    while ``rope_over`` has set pg_collection.cp to its group, which is restored after."""
     for out in run_ranks(2, _refusals):
         assert out["no group"][0] == "NotImplementedError"
         assert "without packed_seq_params.cp_group" in out["no group"][1]
@@ -286,6 +305,7 @@ def test_hybrid_calls_it_cannot_serve_are_refused_by_name():
         assert out["size"] == ("ValueError", out["size"][1])
         assert "local_cp_size 2 but its cp_group has 1 ranks" in out["size"][1]
         assert out["length"][0] == "NotImplementedError" and "[0, 64]" in out["length"][1]
+        assert out["thd alone, rope over it"] == (64, 64) and out["cp restored"]
 
 
 def test_packed_boundaries_read_megatron_016s_one_row_cu_seqlens():

@@ -116,22 +116,26 @@ def _packed_boundaries(psp, s_local: int) -> tuple[list[int] | None, list[int] |
     return cu_q, pad_q
 
 
-def _check_hybrid_rope(psp, thd: bool, model_cp) -> None:
+def _check_hybrid_rope(psp, thd: bool, model_cp, rope_cp=None) -> None:
     """Refuse a hybrid-CP call whose RoPE megatron-core slices over another group than the
     one the call runs on (the q and k this attention gets would be rotated for other
-    positions): in ``thd`` megatron-core rotates over the model's CP group
-    (``pg_collection.cp``) whatever ``packed_seq_params.cp_group`` is; in ``sbhd`` over
-    ``packed_seq_params.cp_group``, or the model's CP group where it is None."""
+    positions): in ``thd`` megatron-core rotates over ``pg_collection.cp`` as it is at the
+    call (``rope_cp``: the model's CP group, unless the caller set the sub-group there for
+    the call, as our entry point does) whatever ``packed_seq_params.cp_group`` is; in
+    ``sbhd`` over ``packed_seq_params.cp_group``, or the model's CP group where it is None."""
     group = psp.cp_group
     model_ranks = dist.get_process_group_ranks(model_cp) if model_cp is not None else None
     if thd:
+        rope_cp = model_cp if rope_cp is None else rope_cp
+        model_ranks = dist.get_process_group_ranks(rope_cp) if rope_cp is not None else None
         ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
         if ranks != (model_ranks or list(range(dist.get_world_size()))):
             raise NotImplementedError(
                 f"a hybrid-CP sub-sample in qkv_format 'thd' on ranks {ranks}: megatron-core "
-                "applies RoPE's THD context-parallel slicing over the model's CP group "
+                "applies RoPE's THD context-parallel slicing over pg_collection.cp, the ranks "
                 f"{model_ranks}, not packed_seq_params.cp_group, so its positions would be "
-                "wrong; pass the sub-sample in 'sbhd' (megatron-core 0.16's hybrid CP)"
+                "wrong; pass the sub-sample in 'sbhd' (megatron-core 0.16's hybrid CP), or "
+                "set pg_collection.cp to the sub-group for the call"
             )
     elif group is None and dist.get_world_size(model_cp) > 1:
         raise NotImplementedError(
@@ -269,6 +273,9 @@ class StarTrailCoreAttention(MegatronModule):
         # scores back in the softmax: the effective scale is unchanged.
         self.softmax_scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
         self.cp_group = cp_group_from(pg_collection, model_comm_pgs)
+        # the parent attention's own collection (megatron-core passes it on): its ``cp`` at
+        # call time is the group megatron-core rotated this call's THD RoPE over
+        self._pg_collection = pg_collection
         get_startrail_state(self.cp_group)  # fail at build time when the groups are missing
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
@@ -324,7 +331,8 @@ class StarTrailCoreAttention(MegatronModule):
         state = self.state if k is None else subgroup_state(psp.cp_group, k)
         thd = psp is not None and getattr(psp, "qkv_format", None) == "thd"
         if k is not None:
-            _check_hybrid_rope(psp, thd, self.cp_group)
+            rope_cp = getattr(self._pg_collection, "cp", None) or self.cp_group
+            _check_hybrid_rope(psp, thd, self.cp_group, rope_cp)
         cu, cu_padded = (None, None) if psp is None else _packed_boundaries(psp, query.shape[0])
         if thd:  # [t, np, hn]: the local tokens of the packed sequence, batch 1
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))

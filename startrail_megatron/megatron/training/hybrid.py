@@ -17,15 +17,18 @@ sub-group of the DP x CP ranks Megatron made groups for (``registry.hybrid_group
 * ``--startrail-batch-scheduler megatron``: megatron-core's own ``BalancedCPScheduler``
   (``--max-seqlen-per-dp-cp-rank``), its rounds one after the other.
 
-Each rank then runs its documents on multi-rank sub-groups one forward each, as
-megatron-core 0.16's hybrid schedule does (``PackedSeqParams(qkv_format="sbhd",
-local_cp_size=k, cp_group=...)``, the document padded to a multiple of 2k and
-zigzag-sharded over its sub-group: RoPE is sliced by megatron-core over that group), in
-one order every rank shares (larger sub-groups first, then by document), so sub-groups
-never wait on each other in a cycle; then the documents it runs alone, packed into THD
-forwards (``one_rank_bins``: as many as ``--max-seqlen-per-dp-cp-rank`` allows in one)
-where the model's CP group is this rank alone (megatron-core rotates THD RoPE over that
-group; with CP > 1 they run one ``sbhd`` forward each, as the others).
+Each rank then runs its documents sub-group by sub-group, larger sub-groups first (a rank
+is in one aligned sub-group of each size, so every rank of a sub-group reaches it in the
+same order and no two sub-groups wait on each other in a cycle), the documents of one
+sub-group packed into THD forwards (``document_bins``: as many as
+``--max-seqlen-per-dp-cp-rank`` allows in one; each document padded to a multiple of 2k
+and sharded by the per-document zigzag over the sub-group's k ranks,
+``PackedSeqParams(qkv_format="thd", local_cp_size=k, cp_group=...)``). megatron-core
+rotates a THD call's RoPE over ``pg_collection.cp``, so for each forward ``rope_over``
+sets that to the sub-group (StarTrailCoreAttention checks it). (megatron-core 0.16's own
+hybrid schedule passes one ``sbhd`` sub-sample per forward instead, which the attention
+also takes.) The scheduler prices a multi-rank sub-group's documents as one call each
+(``one_call_per_document``, its cap per document): more calls than the bins make.
 The loss is the per-token mean over the global batch, and megatron's DDP averages the
 gradients over DP x CP: the same loss and gradients as CP = 1.
 """
@@ -33,6 +36,7 @@ gradients over DP x CP: the same loss and gradients as CP = 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -43,11 +47,13 @@ __all__ = [
     "batch_cluster",
     "batch_model",
     "check_hybrid_args",
+    "document_bins",
     "document_lengths",
     "hybrid_forward_backward",
     "megatron_rounds",
     "model_team_sizes",
     "one_rank_bins",
+    "rope_over",
 ]
 
 SCHEDULERS = ("startrail", "megatron")
@@ -176,15 +182,16 @@ def _megatrons(args, lengths: list[int], n: int, sizes: dict[int, int]) -> list:
     return runs_from_rounds(megatron_rounds(lengths, n, args.max_seqlen_per_dp_cp_rank), sizes)
 
 
-def one_rank_bins(docs: list[int], lengths: list[int], cap: int | None) -> list[list[int]]:
-    """A rank's one-rank documents ``docs`` in bins, in order, each packed into one forward:
-    a bin's tokens (each document padded to an even length, as ``pack_lengths`` for one
-    rank) within ``cap`` (``--max-seqlen-per-dp-cp-rank``: what a rank holds in one call;
-    None: one bin). Pure."""
+def document_bins(docs: list[int], lengths: list[int], k: int, cap: int | None) -> list[list[int]]:
+    """A rank's documents ``docs`` on its sub-group of ``k`` ranks in bins, in order, each
+    packed into one THD forward: a bin's tokens per rank (each document padded to a
+    multiple of 2k and split over the k ranks, as ``pack_lengths``) within ``cap``
+    (``--max-seqlen-per-dp-cp-rank``: what a rank holds in one call; None: one bin). The
+    same on every rank of the sub-group (a function of the documents alone). Pure."""
     bins: list[list[int]] = []
     held = 0
     for d in docs:
-        n = lengths[d] + lengths[d] % 2
+        n = (lengths[d] + (-lengths[d]) % (2 * k)) // k
         if not bins or (cap is not None and held + n > cap):
             bins.append([])
             held = 0
@@ -193,17 +200,44 @@ def one_rank_bins(docs: list[int], lengths: list[int], cap: int | None) -> list[
     return bins
 
 
+def one_rank_bins(docs: list[int], lengths: list[int], cap: int | None) -> list[list[int]]:
+    """``document_bins`` of a rank's one-rank documents."""
+    return document_bins(docs, lengths, 1, cap)
+
+
+@contextlib.contextmanager
+def rope_over(model, group):
+    """For one forward: every ``pg_collection`` of ``model`` with ``cp`` = ``group``, the
+    sub-group the call runs on. megatron-core rotates a THD call's RoPE over
+    ``pg_collection.cp`` (its per-document zigzag slice of the positions for that group's
+    size and rank), which is the model's CP group; StarTrailCoreAttention refuses a THD
+    sub-sample unless ``pg_collection.cp`` is its sub-group at the call. Nothing else in
+    the forward of our entry point's GPT reads it; RoPE's backward reads no group. Restored
+    on exit, also on error."""
+    seen: dict[int, object] = {}
+    for m in model.modules():
+        pgc = getattr(m, "pg_collection", None)
+        if pgc is not None and hasattr(pgc, "cp"):
+            seen.setdefault(id(pgc), pgc)
+    saved = [(pgc, pgc.cp) for pgc in seen.values()]
+    try:
+        for pgc, _ in saved:
+            pgc.cp = group
+        yield
+    finally:
+        for pgc, cp in saved:
+            pgc.cp = cp
+
+
 def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = True):
     """(loss sum, token count) of the global batch's micro-batches (each ``[DP x rows, S]``:
     every DP replica's rows), run under per-batch sub-groups (module docstring); gradients
     left in ``main_grad`` for DDP's average over DP x CP. ``dev``: the rank's device."""
     from megatron.core import parallel_state
-    from megatron.core.packed_seq_params import PackedSeqParams
 
     from ...schedule.batch import rank_runs
     from ..attention import packed_documents
     from ..registry import hybrid_team_sizes, subgroup_group
-    from ..versions import batch_on_this_cp_rank
     from .data import eod_id
 
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -212,14 +246,10 @@ def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = Tr
     total = max(sum(float(mb["loss_mask"].sum()) for mb in micro_batches), 1.0)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
     schedule = _ours if args.startrail_batch_scheduler == "startrail" else _megatrons
-    # a rank's one-rank documents packed into one THD forward (or a few, within the cap):
-    # only where the model's CP group is this rank alone, as megatron-core rotates THD
-    # RoPE over that group (StarTrailCoreAttention refuses it elsewhere)
-    pack_alone = parallel_state.get_context_parallel_world_size() == 1
 
-    def run(batch: dict, psp) -> None:
+    def run(batch: dict, psp, group) -> None:
         nonlocal loss_sum
-        with torch.set_grad_enabled(backward):
+        with torch.set_grad_enabled(backward), rope_over(model, group):
             losses = model(
                 batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                 packed_seq_params=psp,
@@ -236,36 +266,20 @@ def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = Tr
             cuts.append(cuts[-1] + length)
         flat = {k: mb[k].reshape(-1) for k in ("tokens", "labels", "loss_mask", "position_ids")}
         runs = rank_runs(schedule(args, lengths, n, sizes), me)
-        alone = [d for d, k, _ in runs if k == 1] if pack_alone else []
-        for d, k, _start in runs:
-            if k == 1 and pack_alone:  # in one_rank_bins below
-                continue
+        # a rank's documents of one sub-group size share its one aligned sub-group of that
+        # size: packed into THD forwards there (bins within the cap), larger sizes first
+        for k in sorted({k for _, k, _ in runs}, reverse=True):
             group = subgroup_group(k)
-            pad = (-lengths[d]) % (2 * k)  # the zigzag: 2k equal chunks (end padding)
-            doc = {}
-            for key, v in flat.items():
-                part = v[cuts[d] : cuts[d + 1]]
-                if key == "position_ids" and pad:  # the data's ids, continued
-                    part = torch.cat([part, part[-1] + 1 + torch.arange(pad)])
-                elif pad:
-                    part = torch.cat([part, part.new_zeros(pad)])
-                doc[key] = part[None].to(dev)
-            if k > 1:
-                doc = batch_on_this_cp_rank(doc, group)
-            whole = lengths[d] + pad
-            cu = torch.tensor([0, whole], dtype=torch.int32, device=dev)
-            run(doc, PackedSeqParams(
-                qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                cu_seqlens_kv_padded=cu, max_seqlen_q=whole, max_seqlen_kv=whole,
-                local_cp_size=k, cp_group=group,
-            ))  # fmt: skip
-        for docs in one_rank_bins(alone, lengths, args.max_seqlen_per_dp_cp_rank):
-            parts = {
-                k: torch.cat([v[cuts[d] : cuts[d + 1]] for d in docs]) for k, v in flat.items()
-            }
-            batch, psp = packed_documents(parts, [lengths[d] for d in docs], 1, 0, dev)
-            psp.local_cp_size, psp.cp_group = 1, subgroup_group(1)
-            run(batch, psp)
+            docs = [d for d, size, _ in runs if size == k]
+            for part in document_bins(docs, lengths, k, args.max_seqlen_per_dp_cp_rank):
+                parts = {
+                    key: torch.cat([v[cuts[d] : cuts[d + 1]] for d in part])
+                    for key, v in flat.items()
+                }
+                rank = dist.get_rank(group) if k > 1 else 0
+                batch, psp = packed_documents(parts, [lengths[d] for d in part], k, rank, dev)
+                psp.local_cp_size, psp.cp_group = k, group
+                run(batch, psp, group)
     return loss_sum, total
 
 
