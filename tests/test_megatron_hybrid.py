@@ -194,6 +194,25 @@ def test_hybrid_context_parallel_matches_cp1_with_both_schedulers(tmp_path):
         run_ranks(4, _run, hybrid, ["startrail"], True)
 
 
+def test_hybrid_packs_documents_where_the_models_cp_group_is_not_the_sub_group(tmp_path):
+    """DP 2 x CP 2 (the model's CP group: 2 ranks): every sub-group's documents still run
+    packed in THD forwards, the one-rank ones too (RoPE rotated over the rank alone, by
+    ``rope_over``, not over the model's 2 CP ranks), with CP = 1's loss and every gradient
+    to 1e-5; before, a one-rank document here ran in its own ``sbhd`` forward."""
+    ref = run_ranks(1, _run, BASE + ["--micro-batch-size", "4"], ["startrail"])[0]["startrail"]
+    argv = BASE + HYBRID + _slow_cluster(tmp_path)
+    at = argv.index("--micro-batch-size") + 1
+    argv = [*argv[:at], "2", *argv[at + 1 :], "--context-parallel-size", "2"]
+    packed = 0
+    for rank, runs in enumerate(run_ranks(4, _run, argv, ["startrail"])):
+        assert _close(runs["startrail"], ref) <= TOL, rank
+        alone_calls = runs["startrail"][2][3]
+        bins = one_rank_bins(_docs_on(argv, "startrail", rank), DOCS, CAPS["startrail"])
+        assert {sum(DOCS[d] for d in b) for b in bins} == set(alone_calls), (rank, alone_calls)
+        packed += sum(len(b) > 1 for b in bins)
+    assert packed
+
+
 def test_rank_runs_share_one_order():
     placed = [(0, 2, 0), (3, 1, 0), (1, 4, 0), (2, 1, 1), (4, 2, 2)]
     assert rank_runs(placed, 0) == [(1, 4, 0), (0, 2, 0), (3, 1, 0)]
