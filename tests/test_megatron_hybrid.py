@@ -32,7 +32,6 @@ from startrail_megatron.megatron.training.hybrid import (  # noqa: E402
     document_bins,
     document_lengths,
     model_team_sizes,
-    one_rank_bins,
 )
 from startrail_megatron.schedule.batch import rank_runs, runs_from_rounds  # noqa: E402
 from startrail_megatron.schedule.layout import team_size_within  # noqa: E402
@@ -172,7 +171,7 @@ def test_hybrid_context_parallel_matches_cp1_with_both_schedulers(tmp_path):
             # a rank's one-rank documents ran packed, one forward per bin within
             # --max-seqlen-per-dp-cp-rank: 2 layers' calls per forward
             docs = _docs_on(hybrid, name, rank)
-            bins = one_rank_bins(docs, DOCS, CAPS[name])
+            bins = document_bins(docs, DOCS, 1, CAPS[name])
             assert sum(alone_calls.values()) == 2 * len(bins), (rank, name, alone_calls, docs)
             assert {sum(DOCS[d] for d in b) for b in bins} == set(alone_calls), (rank, name)
             packed += sum(len(b) > 1 for b in bins)
@@ -207,7 +206,7 @@ def test_hybrid_packs_documents_where_the_models_cp_group_is_not_the_sub_group(t
     for rank, runs in enumerate(run_ranks(4, _run, argv, ["startrail"])):
         assert _close(runs["startrail"], ref) <= TOL, rank
         alone_calls = runs["startrail"][2][3]
-        bins = one_rank_bins(_docs_on(argv, "startrail", rank), DOCS, CAPS["startrail"])
+        bins = document_bins(_docs_on(argv, "startrail", rank), DOCS, 1, CAPS["startrail"])
         assert {sum(DOCS[d] for d in b) for b in bins} == set(alone_calls), (rank, alone_calls)
         packed += sum(len(b) > 1 for b in bins)
     assert packed
@@ -364,14 +363,14 @@ def test_our_scheduler_keeps_the_entry_points_token_cap():
         hybrid._ours(args, [1024, 64], 4, sizes)
 
 
-def test_one_rank_bins_keep_the_cap():
+def test_document_bins_keep_the_cap():
     """A rank's one-rank documents in order, packed while a bin's tokens (each padded to
     an even length) stay within the cap; no cap: one bin."""
     lengths = [63, 64, 100, 30, 7]
-    assert one_rank_bins([0, 1, 2, 3, 4], lengths, None) == [[0, 1, 2, 3, 4]]
-    assert one_rank_bins([0, 1, 2, 3, 4], lengths, 128) == [[0, 1], [2], [3, 4]]
-    assert one_rank_bins([2, 4], lengths, 100) == [[2], [4]]
-    assert one_rank_bins([], lengths, 128) == []
+    assert document_bins([0, 1, 2, 3, 4], lengths, 1, None) == [[0, 1, 2, 3, 4]]
+    assert document_bins([0, 1, 2, 3, 4], lengths, 1, 128) == [[0, 1], [2], [3, 4]]
+    assert document_bins([2, 4], lengths, 1, 100) == [[2], [4]]
+    assert document_bins([], lengths, 1, 128) == []
 
 
 def test_hybrid_team_sizes_are_checked_by_name():

@@ -116,7 +116,7 @@ def _packed_boundaries(psp, s_local: int) -> tuple[list[int] | None, list[int] |
     return cu_q, pad_q
 
 
-def _check_hybrid_rope(psp, thd: bool, model_cp, rope_cp=None) -> None:
+def _check_hybrid_rope(psp, thd: bool, model_cp, rope_cp) -> None:
     """Refuse a hybrid-CP call whose RoPE megatron-core slices over another group than the
     one the call runs on (the q and k this attention gets would be rotated for other
     positions): in ``thd`` megatron-core rotates over ``pg_collection.cp`` as it is at the
@@ -124,16 +124,14 @@ def _check_hybrid_rope(psp, thd: bool, model_cp, rope_cp=None) -> None:
     the call, as our entry point does) whatever ``packed_seq_params.cp_group`` is; in
     ``sbhd`` over ``packed_seq_params.cp_group``, or the model's CP group where it is None."""
     group = psp.cp_group
-    model_ranks = dist.get_process_group_ranks(model_cp) if model_cp is not None else None
     if thd:
-        rope_cp = model_cp if rope_cp is None else rope_cp
-        model_ranks = dist.get_process_group_ranks(rope_cp) if rope_cp is not None else None
+        rope_ranks = dist.get_process_group_ranks(rope_cp) if rope_cp is not None else None
         ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
-        if ranks != (model_ranks or list(range(dist.get_world_size()))):
+        if ranks != (rope_ranks or list(range(dist.get_world_size()))):
             raise NotImplementedError(
                 f"a hybrid-CP sub-sample in qkv_format 'thd' on ranks {ranks}: megatron-core "
                 "applies RoPE's THD context-parallel slicing over pg_collection.cp, the ranks "
-                f"{model_ranks}, not packed_seq_params.cp_group, so its positions would be "
+                f"{rope_ranks}, not packed_seq_params.cp_group, so its positions would be "
                 "wrong; pass the sub-sample in 'sbhd' (megatron-core 0.16's hybrid CP), or "
                 "set pg_collection.cp to the sub-group for the call"
             )

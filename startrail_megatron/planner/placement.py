@@ -304,7 +304,6 @@ def node_map(
     c = team_size
     moves = [(i, j) for i in range(p) for j in range(i + 1, p)]  # rank swaps
     moves += [(-1 - t, -1 - u) for t in range(p // c) for u in range(t + 1, p // c)]  # teams
-    evals, improved = 0, True
 
     def swap(i: int, j: int) -> bool:
         """Apply one move; False where it changes no node of any logical rank."""
@@ -320,36 +319,37 @@ def node_map(
         current[t * c : t * c + c], current[u * c : u * c + c] = b, a
         return True
 
-    while improved and evals < max_evals:
-        improved = False
-        for i, j in moves:
-            if not swap(i, j):
-                continue
-            cost = map_cost(cluster, shape, team_size, tuple(current))
-            evals += 1
-            if cost < best * (1 - 1e-9):
-                best, improved = cost, True
-            else:
-                swap(i, j)  # undo: a swap is its own inverse
-            if evals >= max_evals:
-                break
+    def swap_inside(i: int, j: int) -> bool:
+        current[i], current[j] = current[j], current[i]
+        return True
+
+    def descend(pairs, apply, budget: int) -> None:
+        """Keep each move of ``pairs`` that lowers the predicted time (``apply`` makes it,
+        False where it changes nothing; applied again, it undoes itself), pass after pass,
+        until a pass gains nothing or ``budget`` evaluations are spent."""
+        nonlocal best
+        evals, improved = 0, True
+        while improved and evals < budget:
+            improved = False
+            for i, j in pairs:
+                if not apply(i, j):
+                    continue
+                cost = map_cost(cluster, shape, team_size, tuple(current))
+                evals += 1
+                if cost < best * (1 - 1e-9):
+                    best, improved = cost, True
+                else:
+                    apply(i, j)  # undo
+                if evals >= budget:
+                    break
+
+    descend(moves, swap, max_evals)
     # then swaps inside a node: no link changes, but which CP ranks (which chunks of the
     # sequence) form a team does, and so the causal work of each step
-    same = [(i, j) for i, j in moves if i >= 0]
-    inside = [(i, j) for i, j in same if cluster.node(current[i]) == cluster.node(current[j])]
-    evals, improved = 0, True
-    while improved and evals < max_evals // 2:
-        improved = False
-        for i, j in inside:
-            current[i], current[j] = current[j], current[i]
-            cost = map_cost(cluster, shape, team_size, tuple(current))
-            evals += 1
-            if cost < best * (1 - 1e-9):
-                best, improved = cost, True
-            else:
-                current[i], current[j] = current[j], current[i]
-            if evals >= max_evals // 2:
-                break
+    inside = [
+        (i, j) for i, j in moves if i >= 0 and cluster.node(current[i]) == cluster.node(current[j])
+    ]
+    descend(inside, swap_inside, max_evals // 2)
     return tuple(current), best
 
 

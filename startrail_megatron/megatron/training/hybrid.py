@@ -52,7 +52,6 @@ __all__ = [
     "hybrid_forward_backward",
     "megatron_rounds",
     "model_team_sizes",
-    "one_rank_bins",
     "rope_over",
 ]
 
@@ -200,11 +199,6 @@ def document_bins(docs: list[int], lengths: list[int], k: int, cap: int | None) 
     return bins
 
 
-def one_rank_bins(docs: list[int], lengths: list[int], cap: int | None) -> list[list[int]]:
-    """``document_bins`` of a rank's one-rank documents."""
-    return document_bins(docs, lengths, 1, cap)
-
-
 @contextlib.contextmanager
 def rope_over(model, group):
     """For one forward: every ``pg_collection`` of ``model`` with ``cp`` = ``group``, the
@@ -276,7 +270,7 @@ def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = Tr
                     key: torch.cat([v[cuts[d] : cuts[d + 1]] for d in part])
                     for key, v in flat.items()
                 }
-                rank = dist.get_rank(group) if k > 1 else 0
+                rank = dist.get_rank(group)
                 batch, psp = packed_documents(parts, [lengths[d] for d in part], k, rank, dev)
                 psp.local_cp_size, psp.cp_group = k, group
                 run(batch, psp, group)
