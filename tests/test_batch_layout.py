@@ -33,6 +33,7 @@ from startrail_megatron.schedule.batch import (
     BatchBlock,
     BatchLayout,
     doc_pairs,
+    document_bins,
     rank_doc_tokens,
     static_layout,
 )
@@ -144,8 +145,8 @@ def test_with_the_layer_priced_the_scheduler_balances_tokens_too():
 
 
 def test_the_scheduler_keeps_each_rank_within_its_token_cap():
-    """``max_tokens_per_rank``: a block's packed documents (or, one call per document,
-    each document's share) within the cap on every rank, padding counted; a cap no layout
+    """``max_tokens_per_rank``: a block's packed documents (or, in bins, each bin's)
+    within the cap on every rank, padding counted; a cap no layout
     keeps is refused by name, as is a cap that is not a count."""
     rng = random.Random(1)
     lengths = [min(8192, max(128, int(rng.lognormvariate(6.2, 1.5)))) for _ in range(64)]
@@ -153,12 +154,16 @@ def test_the_scheduler_keeps_each_rank_within_its_token_cap():
     assert max(free.rank_tokens()) > 9000  # the cap below binds
     packed = schedule_batch(lengths, 8, max_tokens_per_rank=8400)
     assert max(packed.rank_tokens()) <= 8400
-    per_doc = schedule_batch(lengths, 8, max_tokens_per_rank=2048, one_call_per_document=True)
-    shares = [rank_doc_tokens(lengths[d], b.size) for b in per_doc.blocks for d in b.docs]
-    assert max(shares) <= 2048 and max(lengths) > 4096  # the longest needs 4 ranks
+    binned = schedule_batch(lengths, 8, max_tokens_per_rank=2048, binned=True)
+    bins = [
+        [sum(rank_doc_tokens(lengths[d], b.size) for d in part) for part in
+         document_bins(b.docs, lengths, b.size, 2048)] for b in binned.blocks
+    ]  # fmt: skip
+    assert max(map(max, filter(None, bins))) <= 2048 and max(lengths) > 4096  # needs 4 ranks
+    assert max(binned.rank_tokens()) > 2048  # some block runs more than one bin
     for cap, per in ((4096, False), (512, True)):
         with pytest.raises(ValueError, match=f"max_tokens_per_rank {cap}: no layout"):
-            schedule_batch(lengths, 8, max_tokens_per_rank=cap, one_call_per_document=per)
+            schedule_batch(lengths, 8, max_tokens_per_rank=cap, binned=per)
     for cap in (0, 1.5, True):
         with pytest.raises(ValueError, match="max_tokens_per_rank must be an integer"):
             schedule_batch(lengths, 8, max_tokens_per_rank=cap)
@@ -166,23 +171,42 @@ def test_the_scheduler_keeps_each_rank_within_its_token_cap():
         schedule_batch(lengths, 8, model=MODEL_PRESETS["gpt-7b"], tp_size=0)
 
 
-def test_a_blocks_kernel_calls_are_priced_once_or_per_document():
-    """A block packs its documents into one call each way (the core's packed blocks) or, with
-    ``per_document_calls``, a multi-rank block makes calls per document (our entry point's
-    hybrid schedule); a rank alone packs its documents either way. The prices differ by
-    the extra calls' fixed cost, the planner's ``kernel_overhead`` per call."""
+def test_a_blocks_kernel_calls_are_priced_once_or_per_bin():
+    """A block packs its documents into one call each way (the core's packed blocks) or,
+    ``binned``, a multi-rank block makes one per bin within the cap (our entry point's
+    hybrid schedule, ``document_bins``); a rank alone packs its documents either way. The
+    prices differ by the extra calls' fixed cost, the planner's ``kernel_overhead`` per
+    call."""
     cl = CLUSTER_PRESETS["h100-ib"].with_(gpus_per_node=8, kernel_overhead=1e-3)
     lay = BatchLayout(4, (64, 32, 16, 8, 8), (
         BatchBlock(0, 2, 1, (0, 1, 2)), BatchBlock(2, 1, 1, (3, 4)), BatchBlock(3, 1, 1, ()),
     ))  # fmt: skip
     once = BatchPrices(cl, 4, 2, 32)
-    each = BatchPrices(cl, 4, 2, 32, per_document_calls=True)
-    packed, per_doc = once.layout_seconds(lay), each.layout_seconds(lay)
-    assert packed[3] == per_doc[3] == 0.0  # an idle rank makes no call
-    assert per_doc[2] == packed[2]  # a rank alone: one call for its two documents
+    binned = BatchPrices(cl, 4, 2, 32, binned=True, max_tokens_per_rank=40)
+    packed, in_bins = once.layout_seconds(lay), binned.layout_seconds(lay)
+    assert packed[3] == in_bins[3] == 0.0  # an idle rank makes no call
+    assert in_bins[2] == packed[2]  # a rank alone: one call for its two documents
     assert once.block_calls(1, 1) == pytest.approx(3.5e-3)  # one call forward, 2.5 backward
-    assert per_doc[0] - packed[0] == pytest.approx(2 * once.block_calls(2, 1))
+    # 32, 16 and 8 tokens per rank within 40: two bins, one call more than packed
+    assert binned.block_runs(lay, lay.blocks[0]) == 2
+    assert in_bins[0] - packed[0] == pytest.approx(once.block_calls(2, 1))
     assert once.block_calls(2, 1) > once.block_calls(1, 1)
+    no_cap = BatchPrices(cl, 4, 2, 32, binned=True)
+    assert no_cap.layout_seconds(lay) == packed  # no cap: one bin
+
+
+def test_document_bins_keep_the_cap():
+    """A block's documents in bins, longest first into the first with room: a bin's tokens
+    per rank (each padded to a multiple of 2 x size) within the cap; no cap: one bin; a
+    document over the cap alone refused."""
+    lengths = [63, 64, 100, 30, 7]
+    assert document_bins([0, 1, 2, 3, 4], lengths, 1, None) == [[2, 1, 0, 3, 4]]
+    assert document_bins([0, 1, 2, 3, 4], lengths, 1, 128) == [[2, 4], [1, 0], [3]]
+    assert document_bins([4, 2], lengths, 1, 100) == [[2], [4]]
+    assert document_bins([0, 1], lengths, 2, 64) == [[1, 0]]  # 32 + 32 tokens per rank
+    assert document_bins([], lengths, 1, 128) == []
+    with pytest.raises(ValueError, match="a document of 100 tokens holds 100 per rank"):
+        document_bins([2], lengths, 1, 64)
 
 
 def test_the_scheduler_takes_under_a_second_for_1000_documents_on_16_ranks():

@@ -29,11 +29,14 @@ from harness import MultiRankError, run_ranks  # noqa: E402
 
 from startrail_megatron.megatron import training as T  # noqa: E402
 from startrail_megatron.megatron.training.hybrid import (  # noqa: E402
-    document_bins,
     document_lengths,
     model_team_sizes,
 )
-from startrail_megatron.schedule.batch import rank_runs, runs_from_rounds  # noqa: E402
+from startrail_megatron.schedule.batch import (  # noqa: E402
+    document_bins,
+    rank_runs,
+    runs_from_rounds,
+)
 from startrail_megatron.schedule.layout import team_size_within  # noqa: E402
 
 BASE = [
@@ -361,16 +364,6 @@ def test_our_scheduler_keeps_the_entry_points_token_cap():
     assert any(k > 1 for d, k, _ in runs if d == 0)  # 256 tokens do not fit one rank
     with pytest.raises(ValueError, match="--max-seqlen-per-dp-cp-rank 128: max_tokens_per_rank"):
         hybrid._ours(args, [1024, 64], 4, sizes)
-
-
-def test_document_bins_keep_the_cap():
-    """A rank's one-rank documents in order, packed while a bin's tokens (each padded to
-    an even length) stay within the cap; no cap: one bin."""
-    lengths = [63, 64, 100, 30, 7]
-    assert document_bins([0, 1, 2, 3, 4], lengths, 1, None) == [[0, 1, 2, 3, 4]]
-    assert document_bins([0, 1, 2, 3, 4], lengths, 1, 128) == [[0, 1], [2], [3, 4]]
-    assert document_bins([2, 4], lengths, 1, 100) == [[2], [4]]
-    assert document_bins([], lengths, 1, 128) == []
 
 
 def test_hybrid_team_sizes_are_checked_by_name():

@@ -7,8 +7,8 @@ Prices, from the planner's own model (``cluster``: a ``ClusterSpec``):
   backward (``compute.kernel_time``'s FLOP count), and its block's calls at the cluster's
   ``kernel_overhead`` each (as many as the strategy model makes for the block's size and
   team size; a rank alone packs its documents into one call each way, and so does a
-  multi-rank block unless ``one_call_per_document``: one per document, as our entry point
-  runs them there);
+  multi-rank block unless ``binned``: then its documents run in bins within the cap,
+  ``schedule.batch.document_bins``, one call each, as our entry point runs them);
 - a block's communication: the planner's own time for StarTrail's transfers on k ranks
   with team size C (``strategies``: team collectives and sub-ring steps over the links
   they cross, the ``team`` placement, the block inside a node where it fits one) with
@@ -48,7 +48,7 @@ import functools
 import heapq
 from collections.abc import Mapping, Sequence
 
-from ..schedule.batch import BatchBlock, BatchLayout, doc_pairs, rank_doc_tokens
+from ..schedule.batch import BatchBlock, BatchLayout, doc_pairs, document_bins, rank_doc_tokens
 from ..schedule.layout import divisors, valid_team_sizes
 from .cluster import CLUSTER_PRESETS, ClusterSpec, ModelSpec
 from .prediction import dense_token_seconds
@@ -64,7 +64,10 @@ class BatchPrices:
     layer (``model``'s dense GEMMs over ``tp_size`` ranks; 0 without a model) and, per block
     size, the team size, the seconds and bytes per local token of its communication and
     its kernel calls' fixed seconds, on ``cluster`` for one call shape (heads, head size,
-    element bytes)."""
+    element bytes). ``binned``: a multi-rank block's documents run in bins, each within
+    ``max_tokens_per_rank`` per rank (``schedule.batch.document_bins``), one call each (our
+    entry point's hybrid schedule), not packed into one; a rank alone packs them either
+    way."""
 
     def __init__(
         self,
@@ -78,7 +81,8 @@ class BatchPrices:
         model: ModelSpec | None = None,
         recompute: bool = False,
         tp_size: int = 1,
-        per_document_calls: bool = False,
+        binned: bool = False,
+        max_tokens_per_rank: int | None = None,
     ) -> None:
         self.cluster = cluster
         self.fixed = dict(team_sizes or {})
@@ -88,10 +92,7 @@ class BatchPrices:
         dense = dense_token_seconds(cluster, model, recompute) if model else 0.0
         self.token_s = dense * batch / tp_size  # the GEMMs split over tensor parallelism
         self._prices: dict[tuple[int, int], tuple[float, float, float]] = {}
-        self.per_document_calls = per_document_calls
-        """Each document of a multi-rank block its own calls (our entry point's hybrid
-        schedule: one forward per document there), not the block's documents packed into
-        one; a rank alone packs its documents either way."""
+        self.binned, self.cap = binned, max_tokens_per_rank
 
     def _block(self, size: int, team_size: int) -> tuple[float, float, float]:
         key = (size, team_size)  # cached here too: the search asks at every placement
@@ -120,16 +121,15 @@ class BatchPrices:
         return self._block(size, team_size)[2]
 
     def rank_seconds(
-        self, size: int, team_size: int, pairs: float, tokens: int, docs: int = 1
+        self, size: int, team_size: int, pairs: float, tokens: int, runs: int = 1
     ) -> float:
         """One rank's predicted seconds in a block of ``size`` holding ``pairs`` causal
-        pairs and ``tokens`` tokens of ``docs`` documents in all: its kernels (their FLOPs
-        and their calls' fixed cost: once, or once per document of a multi-rank block with
-        ``per_document_calls``) and its share of the transfers (the longer of the two where
-        the cluster overlaps them, else their sum), then its tokens' share of the rest of
-        the layer."""
+        pairs and ``tokens`` tokens in ``runs`` packed calls each way (a multi-rank block's
+        bins; a rank alone makes one): its kernels (their FLOPs and their calls' fixed
+        cost) and its share of the transfers (the longer of the two where the cluster
+        overlaps them, else their sum), then its tokens' share of the rest of the layer."""
         comm_per_token, _, calls = self._block(size, team_size)
-        runs = (docs if self.per_document_calls and size > 1 else 1) if pairs else 0
+        runs = (runs if size > 1 else 1) if pairs else 0
         comp = pairs * self.pair_s / size + runs * calls
         comm = comm_per_token * tokens / size
         attn = max(comp, comm) if self.cluster.overlap else comp + comm
@@ -140,10 +140,18 @@ class BatchPrices:
         out = [0.0] * layout.cp_size
         for b in layout.blocks:
             tokens = sum(layout.lengths[d] for d in b.docs)
-            t = self.rank_seconds(b.size, b.team_size, layout.block_pairs(b), tokens, len(b.docs))
+            t = self.rank_seconds(
+                b.size, b.team_size, layout.block_pairs(b), tokens, self.block_runs(layout, b)
+            )
             for r in b.ranks:
                 out[r] = t
         return out
+
+    def block_runs(self, layout: BatchLayout, b: BatchBlock) -> int:
+        """The packed calls each way of block ``b``: its bins where ``binned``, else one."""
+        if not self.binned or b.size == 1:
+            return 1
+        return len(document_bins(b.docs, layout.lengths, b.size, self.cap))
 
     def layout_balance(self, layout: BatchLayout) -> float:
         """Max over mean of ``layout_seconds``: the balance of the ranks' predicted time
@@ -210,7 +218,7 @@ def schedule_batch(
     recompute: bool = False,
     tp_size: int = 1,
     max_tokens_per_rank: int | None = None,
-    one_call_per_document: bool = False,
+    binned: bool = False,
 ) -> BatchLayout:
     """The batch's layout on ``cp_size`` ranks (module docstring), priced on ``cluster``
     (default: the ``h100-ib`` preset, its nodes holding ``min(cp_size, 8)`` ranks).
@@ -220,10 +228,10 @@ def schedule_batch(
     ``tp_size``): the layer around the attention call, whose dense GEMMs cost each rank per
     token it holds (without it the layout balances attention alone).
     ``max_tokens_per_rank``: the most tokens a rank may hold (``rank_doc_tokens``, padding
-    included) in one call, its block's documents together or, with
-    ``one_call_per_document`` (our entry point's hybrid schedule: one forward per document
-    on a multi-rank sub-group, its one-rank documents in bins within the cap), each
-    document alone. ``ValueError`` naming the setting where a size does not divide
+    included) in one call, its block's documents together or, with ``binned`` (our entry
+    point's hybrid schedule: a block's documents in bins within the cap,
+    ``schedule.batch.document_bins``, one call each), each document alone; the bins'
+    calls are priced. ``ValueError`` naming the setting where a size does not divide
     ``cp_size``, a team size does not fit its size, or no layout keeps to the cap."""
     p = cp_size
     if not isinstance(p, int) or isinstance(p, bool) or p < 1:
@@ -249,9 +257,9 @@ def schedule_batch(
         cluster = CLUSTER_PRESETS["h100-ib"].with_(gpus_per_node=min(p, 8))
     prices = BatchPrices(
         cluster, heads_q, heads_kv, head_dim, elem_bytes, team_sizes=team_sizes, model=model,
-        recompute=recompute, tp_size=tp_size, per_document_calls=one_call_per_document,
+        recompute=recompute, tp_size=tp_size, binned=binned, max_tokens_per_rank=cap,
     )  # fmt: skip
-    room = _Room(cap, one_call_per_document)
+    room = _Room(cap, binned)
     candidates = []
     if room.fits(room.add(0, lengths, p)):
         candidates.append(BatchLayout(
@@ -267,7 +275,7 @@ def schedule_batch(
         raise ValueError(
             f"max_tokens_per_rank {cap}: no layout of {len(lengths)} documents ({sum(lengths)} "
             f"tokens, longest {max(lengths, default=0)}) on {p} ranks keeps every rank within "
-            f"it{'' if one_call_per_document else ' (a block packs its documents in one call)'}"
+            f"it{'' if binned else ' (a block packs its documents in one call)'}"
             "; raise it or shorten the batch"
         )
     return min(candidates, key=lambda lay: max(prices.layout_seconds(lay)))
@@ -276,10 +284,10 @@ def schedule_batch(
 class _Room:
     """The cap on a rank's tokens in one call (``schedule_batch``'s ``max_tokens_per_rank``):
     what a rank holds grows by a document's share as the sum of its block's documents (one
-    packed call) or their largest (one call per document)."""
+    packed call) or their largest (in bins: a document fits if it fits a bin of its own)."""
 
-    def __init__(self, cap: int | None, per_document: bool) -> None:
-        self.cap, self.per_document = cap, per_document
+    def __init__(self, cap: int | None, binned: bool) -> None:
+        self.cap, self.per_document = cap, binned
 
     def add(self, held: int, lengths, size: int) -> int:
         if self.cap is None:  # nothing to keep: not counted
@@ -311,13 +319,26 @@ def _greedy(
         k = b["size"]
         return prices.rank_seconds(
             k, prices.team_size(k), b["pairs"] + extra_pairs, b["tokens"] + extra_tokens,
-            len(b["docs"]) + (d is not None),
+            len(b["bins"]) + (d is not None and first_bin(b, d) == len(b["bins"])),
         )  # fmt: skip
 
     def block(start: int, size: int) -> dict:
-        return dict(start=start, size=size, docs=[], pairs=0, tokens=0, held=0)
+        return dict(start=start, size=size, docs=[], pairs=0, tokens=0, held=0, bins=[])
+
+    def first_bin(b: dict, d: int) -> int:
+        # documents reach a block longest first: first fit here is document_bins' packing
+        if not prices.binned:
+            return 0
+        n = rank_doc_tokens(lengths[d], b["size"])
+        cap = prices.cap
+        return next((i for i, h in enumerate(b["bins"]) if cap is None or h + n <= cap),
+                    len(b["bins"]))  # fmt: skip
 
     def put(b: dict, d: int) -> None:
+        i = first_bin(b, d)
+        if i == len(b["bins"]):
+            b["bins"].append(0)
+        b["bins"][i] += rank_doc_tokens(lengths[d], b["size"])
         b["docs"].append(d)
         b["pairs"] += pairs[d]
         b["tokens"] += lengths[d]

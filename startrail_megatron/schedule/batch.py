@@ -37,6 +37,7 @@ __all__ = [
     "BatchBlock",
     "BatchLayout",
     "doc_pairs",
+    "document_bins",
     "rank_doc_tokens",
     "rank_runs",
     "runs_from_rounds",
@@ -53,6 +54,33 @@ def rank_doc_tokens(n: int, size: int) -> int:
     """Tokens one rank of a block of ``size`` holds of a document of ``n`` tokens: the
     document padded to a multiple of ``2 size`` (``pack_lengths``), zigzag-sharded."""
     return -(-n // (2 * size)) * 2
+
+
+def document_bins(
+    docs: Sequence[int], lengths: Sequence[int], size: int, cap: int | None
+) -> list[list[int]]:
+    """A block's documents ``docs`` (indices into ``lengths``) on ``size`` ranks in bins,
+    each bin packed into one call: a bin's tokens per rank (``rank_doc_tokens`` of each of
+    its documents) within ``cap`` (None: one bin). First fit, longest first (ties to the
+    lower index), the order ``planner.batch``'s scheduler adds documents to a block in, so
+    the calls it prices are these bins. The same on every rank (a function of the
+    documents alone). ``ValueError`` where one document alone exceeds ``cap``. Pure."""
+    bins: list[list[int]] = []
+    held: list[int] = []
+    for d in sorted(docs, key=lambda d: (-lengths[d], d)):
+        n = rank_doc_tokens(lengths[d], size)
+        if cap is not None and n > cap:
+            raise ValueError(
+                f"a document of {lengths[d]} tokens holds {n} per rank on {size} ranks: more "
+                f"than the cap of {cap} tokens per rank in one call"
+            )
+        i = next((i for i, h in enumerate(held) if cap is None or h + n <= cap), len(bins))
+        if i == len(bins):
+            bins.append([])
+            held.append(0)
+        bins[i].append(d)
+        held[i] += n
+    return bins
 
 
 @dataclass(frozen=True)

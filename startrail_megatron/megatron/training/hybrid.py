@@ -20,15 +20,14 @@ sub-group of the DP x CP ranks Megatron made groups for (``registry.hybrid_group
 Each rank then runs its documents sub-group by sub-group, larger sub-groups first (a rank
 is in one aligned sub-group of each size, so every rank of a sub-group reaches it in the
 same order and no two sub-groups wait on each other in a cycle), the documents of one
-sub-group packed into THD forwards (``document_bins``: as many as
-``--max-seqlen-per-dp-cp-rank`` allows in one; each document padded to a multiple of 2k
+sub-group packed into THD forwards (``schedule.batch.document_bins``: first fit, longest
+first, as many as ``--max-seqlen-per-dp-cp-rank`` allows in one; each document padded to a multiple of 2k
 and sharded by the per-document zigzag over the sub-group's k ranks,
 ``PackedSeqParams(qkv_format="thd", local_cp_size=k, cp_group=...)``). megatron-core
 rotates a THD call's RoPE over ``pg_collection.cp``, so for each forward ``rope_over``
 sets that to the sub-group (StarTrailCoreAttention checks it). (megatron-core 0.16's own
 hybrid schedule passes one ``sbhd`` sub-sample per forward instead, which the attention
-also takes.) The scheduler prices a multi-rank sub-group's documents as one call each
-(``one_call_per_document``, its cap per document): more calls than the bins make.
+also takes.) Our scheduler prices a sub-group's calls as these bins (``binned``).
 The loss is the per-token mean over the global batch, and megatron's DDP averages the
 gradients over DP x CP: the same loss and gradients as CP = 1.
 """
@@ -47,7 +46,6 @@ __all__ = [
     "batch_cluster",
     "batch_model",
     "check_hybrid_args",
-    "document_bins",
     "document_lengths",
     "hybrid_forward_backward",
     "megatron_rounds",
@@ -129,7 +127,7 @@ def model_team_sizes(args) -> dict[int, int]:
     from ..registry import hybrid_group_sizes
 
     n = args.data_parallel_size * args.context_parallel_size
-    prices = BatchPrices(**_priced_run(args, n), per_document_calls=True)
+    prices = BatchPrices(**_priced_run(args, n))
     return {k: prices.team_size(k) for k in hybrid_group_sizes(n)}
 
 
@@ -140,7 +138,7 @@ def _ours(args, lengths: list[int], n: int, sizes: dict[int, int]) -> list:
     try:
         layout = schedule_batch(
             lengths, n, **_priced_run(args, n), sizes=list(sizes), team_sizes=sizes,
-            max_tokens_per_rank=cap, one_call_per_document=True,
+            max_tokens_per_rank=cap, binned=True,
         )  # fmt: skip
     except ValueError as e:
         if cap is None or "max_tokens_per_rank" not in str(e):
@@ -181,24 +179,6 @@ def _megatrons(args, lengths: list[int], n: int, sizes: dict[int, int]) -> list:
     return runs_from_rounds(megatron_rounds(lengths, n, args.max_seqlen_per_dp_cp_rank), sizes)
 
 
-def document_bins(docs: list[int], lengths: list[int], k: int, cap: int | None) -> list[list[int]]:
-    """A rank's documents ``docs`` on its sub-group of ``k`` ranks in bins, in order, each
-    packed into one THD forward: a bin's tokens per rank (each document padded to a
-    multiple of 2k and split over the k ranks, as ``pack_lengths``) within ``cap``
-    (``--max-seqlen-per-dp-cp-rank``: what a rank holds in one call; None: one bin). The
-    same on every rank of the sub-group (a function of the documents alone). Pure."""
-    bins: list[list[int]] = []
-    held = 0
-    for d in docs:
-        n = (lengths[d] + (-lengths[d]) % (2 * k)) // k
-        if not bins or (cap is not None and held + n > cap):
-            bins.append([])
-            held = 0
-        bins[-1].append(d)
-        held += n
-    return bins
-
-
 @contextlib.contextmanager
 def rope_over(model, group):
     """For one forward: every ``pg_collection`` of ``model`` with ``cp`` = ``group``, the
@@ -229,7 +209,7 @@ def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = Tr
     left in ``main_grad`` for DDP's average over DP x CP. ``dev``: the rank's device."""
     from megatron.core import parallel_state
 
-    from ...schedule.batch import rank_runs
+    from ...schedule.batch import document_bins, rank_runs
     from ..attention import packed_documents
     from ..registry import hybrid_team_sizes, subgroup_group
     from .data import eod_id
