@@ -488,12 +488,15 @@ def trial(fault: str, seed: int, job: Job, iters: int, ref: Reference, work: str
 
 
 def campaign(faults: list[str], seeds: int, job: Job, iters: int = 30, bound: float = 30.0,
-             other: list[str] | None = None, log=print) -> list[dict]:  # fmt: skip
-    """``seeds`` trials of each fault against one uninterrupted run; the records."""
+             other: list[str] | None = None, log=print,
+             ref: Reference | None = None) -> list[dict]:  # fmt: skip
+    """``seeds`` trials of each fault against one uninterrupted run (``ref``: one of ``job``
+    at ``iters`` made before, else one made here); the records."""
     with tempfile.TemporaryDirectory() as work:
-        ref_dir = os.path.join(work, "ref")
-        os.makedirs(ref_dir)
-        ref = reference(job, iters, ref_dir)
+        if ref is None:
+            ref_dir = os.path.join(work, "ref")
+            os.makedirs(ref_dir)
+            ref = reference(job, iters, ref_dir)
         records = []
         for fault in faults:
             for seed in range(seeds):

@@ -18,6 +18,7 @@ from common import load_script
 fault_campaign = load_script("fault_campaign")
 
 ROOT = os.geteuid() == 0  # the full disk is a tmpfs
+ITERS = 5
 
 
 def _check(records: list[dict]) -> None:
@@ -34,29 +35,28 @@ def _check(records: list[dict]) -> None:
             assert r["named"], r
 
 
-@pytest.mark.parametrize(
-    "path, faults",
-    [
-        ("megatron", ["full-disk", "corrupt"]),
-        ("deepspeed", ["corrupt"]),
-    ],
-)
-def test_faults_end_named_and_resume_exactly(path, faults):
-    if not ROOT:
-        faults = [f for f in faults if f != "full-disk"]
-    layout = fault_campaign.LAYOUT.split() if path == "megatron" else [fault_campaign.DS_CONFIG]
-    job = fault_campaign.Job(path, layout)
-    _check(fault_campaign.campaign(faults, seeds=1, job=job, iters=5))
+@pytest.fixture(scope="module")
+def megatron_ref(tmp_path_factory):
+    """The Megatron job's uninterrupted run (5 iterations, saving each), shared."""
+    job = fault_campaign.Job("megatron", fault_campaign.LAYOUT.split())
+    return job, fault_campaign.reference(job, ITERS, str(tmp_path_factory.mktemp("ref")))
 
 
-def test_the_checks_see_an_undetected_damage(tmp_path, monkeypatch):
+def test_megatron_faults_end_named_and_resume_exactly(megatron_ref):
+    job, ref = megatron_ref
+    faults = ["full-disk", "corrupt"] if ROOT else ["corrupt"]
+    _check(fault_campaign.campaign(faults, seeds=1, job=job, iters=ITERS, ref=ref))
+
+
+def test_deepspeed_faults_end_named_and_resume_exactly():
+    job = fault_campaign.Job("deepspeed", [fault_campaign.DS_CONFIG])
+    _check(fault_campaign.campaign(["corrupt"], seeds=1, job=job, iters=ITERS))
+
+
+def test_the_checks_see_an_undetected_damage(megatron_ref, tmp_path, monkeypatch):
     """The corrupt trial's oracle can fail: a damage the resume does not refuse (here none
     at all: the resume runs, exit 0) is a FAIL."""
-    job = fault_campaign.Job("megatron", fault_campaign.LAYOUT.split())
-    ref_dir, work = tmp_path / "ref", tmp_path / "t"
-    ref_dir.mkdir()
-    work.mkdir()
-    ref = fault_campaign.reference(job, 2, str(ref_dir))
+    job, ref = megatron_ref
     monkeypatch.setattr(fault_campaign, "_damage", lambda *a: ("none", "never printed"))
-    rec = fault_campaign.trial("corrupt", 0, job, 2, ref, str(work), 30.0)
+    rec = fault_campaign.trial("corrupt", 0, job, ITERS, ref, str(tmp_path), 30.0)
     assert rec["outcome"] == "FAIL" and rec["launcher_rc"] == 0, rec
