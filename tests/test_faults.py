@@ -14,6 +14,7 @@ import os
 
 import pytest
 from common import load_script
+from harness import run_ranks
 
 fault_campaign = load_script("fault_campaign")
 
@@ -48,9 +49,33 @@ def test_megatron_faults_end_named_and_resume_exactly(megatron_ref):
     _check(fault_campaign.campaign(faults, seeds=1, job=job, iters=ITERS, ref=ref))
 
 
-def test_deepspeed_faults_end_named_and_resume_exactly():
+def _ds_run(rank: int, world: int, argv: list[str]) -> None:
+    """The uninterrupted DeepSpeed run's rank, in the suite's warm ranks: the launcher's
+    own arguments to ``startrail_megatron.deepspeed.launch``, as torchrun would run it."""
+    import gc
+
+    from startrail_megatron.deepspeed import launch
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    launch.main(argv)
+    gc.collect()
+
+
+def test_deepspeed_faults_end_named_and_resume_exactly(tmp_path):
+    """The damaged checkpoint's resume runs under torchrun; the uninterrupted run that saved
+    it (the same script, config and arguments) runs in the suite's ranks, which have
+    DeepSpeed imported already: one torchrun start of 4 ranks fewer."""
     job = fault_campaign.Job("deepspeed", [fault_campaign.DS_CONFIG])
-    _check(fault_campaign.campaign(["corrupt"], seeds=1, job=job, iters=ITERS))
+    save, log = str(tmp_path / "ckpt"), str(tmp_path / "log.json")
+    cmd = job.cmd(ITERS, save, log)
+    argv = cmd[cmd.index("startrail_megatron.deepspeed.launch") + 1 :]
+    run_ranks(job.nproc(job.layout), _ds_run, argv)
+    losses = job.losses(log)
+    assert sorted(losses) == list(range(1, ITERS + 1)), losses
+    ref = fault_campaign.Reference(losses, 0.0, 0, save)  # delay and size: timed faults only
+    _check(fault_campaign.campaign(["corrupt"], seeds=1, job=job, iters=ITERS, ref=ref))
 
 
 def test_the_checks_see_an_undetected_damage(megatron_ref, tmp_path, monkeypatch):
