@@ -6,7 +6,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from harness import shutdown  # noqa: E402
-from lanes import LANES, in_lane  # noqa: E402
+from lanes import HALVES, LANES, in_half, in_lane  # noqa: E402
 
 from startrail_megatron.bench.extensions import extensions_dir, remove_stale_locks  # noqa: E402
 
@@ -42,15 +42,27 @@ def pytest_addoption(parser):
         help="all: every test; stack: the test files of the code that imports megatron-core, "
         "DeepSpeed or transformers; ci-1, ci-2: CI's two lanes (tests/lanes.py)",
     )
+    parser.addoption(
+        "--half",
+        default=0,
+        type=int,
+        choices=HALVES,
+        help="1 or 2: that half of the lane's test files (tests/lanes.py SECOND_HALF_FILES; "
+        "scripts/run_tests.sh runs both side by side); 0: all of them",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
-    """``--lane`` keeps its test files (``lanes.py``); then the tests of a newer
+    """``--lane`` and ``--half`` keep their test files (``lanes.py``); then the tests of a newer
     megatron-core than the installed one are deselected (each test lane has its own:
     Python 3.11 with 0.16, 3.12 with 0.19) and the summary counts them."""
-    lane = config.getoption("--lane")
-    if lane != "all":
-        other = [i for i in items if not in_lane(os.path.basename(str(i.path)), lane)]
+    lane, half = config.getoption("--lane"), config.getoption("--half")
+    if lane != "all" or half:
+        other = [
+            i for i in items
+            if not (in_lane(os.path.basename(str(i.path)), lane)
+                    and in_half(os.path.basename(str(i.path)), half))
+        ]  # fmt: skip
         if other:
             items[:] = [i for i in items if i not in set(other)]
             config.hook.pytest_deselected(items=other)

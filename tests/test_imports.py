@@ -13,7 +13,15 @@ import re
 from pathlib import Path
 
 import pytest
-from lanes import CI_LANE_2_FILES, LANES, in_lane, in_megatron_lanes, in_stack_lane
+from lanes import (
+    CI_LANE_2_FILES,
+    LANES,
+    SECOND_HALF_FILES,
+    in_half,
+    in_lane,
+    in_megatron_lanes,
+    in_stack_lane,
+)
 
 ROOT = Path(__file__).resolve().parent.parent / "startrail_megatron"
 PKG = "startrail_megatron"
@@ -321,6 +329,20 @@ def test_every_test_of_the_stack_runs_on_both_releases():
     with pytest.raises(ValueError, match="--lane 'ci3': expected one of"):
         in_lane("test_attention.py", "ci3")
     assert LANES == ("all", "stack", "ci-1", "ci-2")
+
+
+def test_the_two_halves_run_every_test_file_once():
+    """``--half 1`` and ``--half 2`` (run side by side by ``scripts/run_tests.sh``) split the
+    test files: each in exactly one half, every name in ``SECOND_HALF_FILES`` a test file,
+    and the one that builds emulated network namespaces in the second half."""
+    files = sorted(p.name for p in Path(__file__).resolve().parent.glob("test_*.py"))
+    assert set(SECOND_HALF_FILES) <= set(files)
+    for n in files:
+        assert [h for h in (1, 2) if in_half(n, h)] == [2 if n in SECOND_HALF_FILES else 1], n
+        assert in_half(n, 0)
+    assert in_half("test_emulate.py", 2) and in_half("test_attention.py", 1)
+    with pytest.raises(ValueError, match="--half 3: expected one of 0, 1, 2"):
+        in_half("test_attention.py", 3)
 
 
 def test_the_pure_packages_start_without_torch():
