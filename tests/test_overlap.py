@@ -278,18 +278,35 @@ def test_comm_options_checked():
 def _per_mib_rank(rank, world):
     """Each rank: one P2P exchange of 1 MiB with its neighbour and one all-gather of
     0.5 MiB over both ranks, each delayed 80 ms per MiB it moves (``delay_s_per_mib``):
-    the ledger's time of each, from issue to the end of its wait."""
+    the delay each handle was given, and the ledger's time of each, from issue to the end
+    of its wait."""
+    from startrail_megatron.comm import overlap
+
     ledger = st.CommLedger()
     opts = CommOptions(delay_s_per_mib=0.08)
     p2p = P2PComm(None, rank, ledger, opts)
     team = TeamComm(None, world, ledger, opts)
     x = torch.zeros(2**18)  # 1 MiB of float32
-    p2p.exchange(x, 1 - rank, 1 - rank, "kv").wait()
-    team.all_gather_start(x[: 2**17], "q_team").wait()  # receives (C - 1) x 0.5 MiB
-    return {k: w["in_flight_s"] + w["exposed_s"] for k, w in ledger.waits().items()}
+    given, init = {}, overlap.TimedHandle.__init__
+
+    def timed(self, inner, ledger, kind, what, options, moved=0):
+        init(self, inner, ledger, kind, what, options, moved)
+        given[what] = self._delay
+
+    overlap.TimedHandle.__init__ = timed
+    try:
+        p2p.exchange(x, 1 - rank, 1 - rank, "kv").wait()
+        team.all_gather_start(x[: 2**17], "q_team").wait()  # receives (C - 1) x 0.5 MiB
+    finally:
+        overlap.TimedHandle.__init__ = init
+    waits = {k: w["in_flight_s"] + w["exposed_s"] for k, w in ledger.waits().items()}
+    return given, waits
 
 
 def test_delay_per_mib_follows_the_bytes_moved():
-    for r, waits in enumerate(run_ranks(2, _per_mib_rank)):
+    """The delay follows what each transfer moves (1 MiB: 80 ms; 0.5 MiB: 40 ms), and each
+    wait lasts at least its delay (the upper bound is loose: the ranks share 2 cores)."""
+    for r, (given, waits) in enumerate(run_ranks(2, _per_mib_rank)):
+        assert given == {"kv": pytest.approx(0.08), "q_team": pytest.approx(0.04)}, (r, given)
         assert 0.08 <= waits["fwd/p2p/kv"] < 0.08 + 0.5, (r, waits)
-        assert 0.04 <= waits["fwd/collective/q_team"] < 0.08, (r, waits)
+        assert 0.04 <= waits["fwd/collective/q_team"] < 0.04 + 0.5, (r, waits)
