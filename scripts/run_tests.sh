@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up the environment from nothing and runs the whole test suite.
 #
-# With no arguments but --lane, the suite runs as its two halves (tests/lanes.py
+# With no arguments but --lane (and "tests"), the suite runs as its two halves (tests/lanes.py
 # SECOND_HALF_FILES) in two pytest processes side by side: its ranks mostly wait on each
 # other, so one process keeps ~1.1 of the 2 cores busy. The second half's output follows
 # the first's; red if either fails. Any other argument (a test file, -k, ...) runs one
@@ -14,6 +14,12 @@ bash scripts/setup_env.sh
 VENV=${VENV:-.venv}
 "$VENV/bin/python" -m ruff check startrail_megatron tests scripts
 "$VENV/bin/python" -m ruff format --check startrail_megatron tests scripts
+# "tests" (every test file, as in `run_tests_py312.sh tests`) is what pytest runs anyway
+args=()
+for a in "$@"; do
+    case "$a" in tests | tests/) ;; *) args+=("$a") ;; esac
+done
+set -- ${args[@]+"${args[@]}"}
 halves=${STARTRAIL_TEST_HALVES:-1}
 prev=
 for a in "$@"; do

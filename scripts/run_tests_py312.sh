@@ -2,7 +2,8 @@
 # The Python 3.12 test lane: megatron-core 0.19.2 (every megatron-core wheel from 0.17
 # needs Python >= 3.12) and torch 2.13.0's CUDA build, the only one PyPI has for 3.12
 # (several GB, downloaded once into a wheelhouse outside the clone; see setup_env.sh).
-# Sets the lane up from nothing in .venv-py312 and runs the tests of the code that imports
+# Sets the lane up from nothing in .venv-py312 and runs, through scripts/run_tests.sh (lint,
+# then the tests in two halves side by side), the tests of the code that imports
 # megatron-core, DeepSpeed or transformers on it (``--lane stack``: tests/lanes.py; lane 1,
 # scripts/run_tests.sh, runs every test), or the pytest arguments given (``tests`` for all).
 # PYTHON312=interpreter picks the Python (default: python3.12, or pyenv's newest 3.12).
@@ -23,6 +24,5 @@ if [ -z "$PY" ]; then
     exit 2
 fi
 export PYTHON=$PY VENV=${VENV:-.venv-py312}
-bash scripts/setup_env.sh
-[ $# -gt 0 ] || set -- tests --lane stack
-exec "$VENV/bin/python" -m pytest -q "$@"
+[ $# -gt 0 ] || set -- --lane stack
+exec bash scripts/run_tests.sh "$@"
