@@ -4,13 +4,13 @@
 ``stack``: the test files whose code paths import megatron-core, DeepSpeed or transformers
 (``scripts/run_tests_py312.sh`` runs this lane by default: the adapters on Python 3.12).
 
-CI (``.ci/run``) runs two lanes side by side on the 2 cores: ``ci-1`` on Python 3.11 with
-megatron-core 0.16.1 and ``ci-2`` on Python 3.12 with megatron-core 0.19.2. The two pin the
+CI (``.ci/run``) runs two lanes side by side, one pytest process each: ``ci-1`` on Python 3.11 with megatron-core 0.16.1 and ``ci-2`` on
+Python 3.12 with megatron-core 0.19.2. The two pin the
 same torch, DeepSpeed and transformers releases (on our CI machines torch's CPU build on
 3.11, its CUDA build, the only one for 3.12, there): megatron-core is the one dependency whose release differs.
 So the test files whose code paths reach megatron-core (``MEGATRON_TEST_FILES``) run on both
 lanes, and every other test file runs once: on ``ci-2`` if it is in ``CI_LANE_2_FILES``,
-else on ``ci-1``, chosen so that the lanes end about together. ``test_imports.py`` checks
+else on ``ci-1``. ``test_imports.py`` checks
 that every test file reaching megatron-core (importing it, our Megatron adapter or its test
 helpers, or a test module that does) is in ``MEGATRON_TEST_FILES`` (a new adapter test
 cannot miss a release), that every stack-importing file is in ``STACK_TEST_FILES``, and that
@@ -62,7 +62,7 @@ CI_LANE_2_FILES = (
     "test_faults.py",
 )
 """Test files that reach no megatron-core, run once in CI on its Python 3.12 lane instead of
-its Python 3.11 one, so that the lanes end about together (a fresh-clone ``.ci/run`` with
+its Python 3.11 one. Chosen so that the lanes end about together (a fresh-clone ``.ci/run`` with
 ``--durations``: lane 1's tests took 483 s and lane 2's 456 s with the first five of these;
 test_gpu_check.py, ~14 s, moved after; on 2026-12-05 lane 1 took 450 - 494 s and lane 2
 355 - 396 s before test_faults.py, ~60 s on Python 3.11, moved; on 2026-12-05 evening lane 1
