@@ -14,7 +14,8 @@ bash scripts/setup_env.sh
 VENV=${VENV:-.venv}
 "$VENV/bin/python" -m ruff check startrail_megatron tests scripts
 "$VENV/bin/python" -m ruff format --check startrail_megatron tests scripts
-# "tests" (every test file, as in `run_tests_py312.sh tests`) is what pytest runs anyway
+# "tests" (every test file, as in `run_tests_py312.sh tests`) is what pytest runs without a
+# path (pyproject.toml's testpaths); a test file given runs alone
 args=()
 for a in "$@"; do
     case "$a" in tests | tests/) ;; *) args+=("$a") ;; esac
@@ -34,17 +35,17 @@ for a in "$@"; do
     esac
 done
 if [ "$halves" = 0 ]; then
-    exec "$VENV/bin/python" -m pytest tests -q "$@"
+    exec "$VENV/bin/python" -m pytest -q "$@"
 fi
 half2=
 log=$(mktemp -t startrail_half2.XXXXXX)
 trap '[ -z "$half2" ] || kill -- -"$half2" 2>/dev/null; rm -f "$log"' EXIT
 set -m  # the second half in its own process group: killed whole if the first is interrupted
-"$VENV/bin/python" -m pytest tests -q --half 2 "$@" </dev/null >"$log" 2>&1 &
+"$VENV/bin/python" -m pytest -q --half 2 "$@" </dev/null >"$log" 2>&1 &
 half2=$!
 set +m
 rc1=0
-"$VENV/bin/python" -m pytest tests -q --half 1 "$@" || rc1=$?
+"$VENV/bin/python" -m pytest -q --half 1 "$@" || rc1=$?
 rc2=0
 wait "$half2" || rc2=$?
 half2=
