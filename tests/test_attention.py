@@ -75,7 +75,8 @@ def _grid(ps_cs, placements=("team", "ring")):
     out = []
     for p, cs in ps_cs:
         for c in cs:
-            for pl in placements:
+            # at C = 1 both placements are one layout (test_one_team_size_has_one_placement)
+            for pl in placements if c > 1 else placements[:1]:
                 for causal in (True, False):
                     for heads in HEADS:
                         for dt in DTYPES:
@@ -93,6 +94,18 @@ def _grid(ps_cs, placements=("team", "ring")):
                                 )
                             )
     return out
+
+
+@pytest.mark.parametrize("p", [4, 8, 16])
+def test_one_team_size_has_one_placement(p):
+    """At C = 1 (ring attention) the team and ring placements give every rank the same
+    coordinates, teams and sub-ring: the grid below runs the team placement alone there."""
+    team, ring = st.StarTrailLayout(p, 1, "team"), st.StarTrailLayout(p, 1, "ring")
+    assert [team.coord(r) for r in range(p)] == [ring.coord(r) for r in range(p)]
+    assert team.all_team_ranks() == ring.all_team_ranks()
+    assert team.all_subring_ranks() == ring.all_subring_ranks()
+    for r in range(p):
+        assert (team.ring_next(r), team.ring_prev(r)) == (ring.ring_next(r), ring.ring_prev(r))
 
 
 @pytest.mark.parametrize(
