@@ -48,7 +48,14 @@ import functools
 import heapq
 from collections.abc import Mapping, Sequence
 
-from ..schedule.batch import BatchBlock, BatchLayout, doc_pairs, document_bins, rank_doc_tokens
+from ..schedule.batch import (
+    BatchBlock,
+    BatchLayout,
+    doc_pairs,
+    document_bins,
+    first_fit_bin,
+    rank_doc_tokens,
+)
 from ..schedule.layout import divisors, valid_team_sizes
 from .cluster import CLUSTER_PRESETS, ClusterSpec, ModelSpec
 from .prediction import dense_token_seconds
@@ -329,10 +336,7 @@ def _greedy(
         # documents reach a block longest first: first fit here is document_bins' packing
         if not prices.binned:
             return 0
-        n = rank_doc_tokens(lengths[d], b["size"])
-        cap = prices.cap
-        return next((i for i, h in enumerate(b["bins"]) if cap is None or h + n <= cap),
-                    len(b["bins"]))  # fmt: skip
+        return first_fit_bin(b["bins"], rank_doc_tokens(lengths[d], b["size"]), prices.cap)
 
     def put(b: dict, d: int) -> None:
         i = first_bin(b, d)

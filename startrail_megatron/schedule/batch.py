@@ -38,6 +38,7 @@ __all__ = [
     "BatchLayout",
     "doc_pairs",
     "document_bins",
+    "first_fit_bin",
     "rank_doc_tokens",
     "rank_runs",
     "runs_from_rounds",
@@ -54,6 +55,12 @@ def rank_doc_tokens(n: int, size: int) -> int:
     """Tokens one rank of a block of ``size`` holds of a document of ``n`` tokens: the
     document padded to a multiple of ``2 size`` (``pack_lengths``), zigzag-sharded."""
     return -(-n // (2 * size)) * 2
+
+
+def first_fit_bin(held: Sequence[int], n: int, cap: int | None) -> int:
+    """The first bin of ``held`` (the tokens per rank each holds) with room for ``n`` more
+    within ``cap`` (None: any); ``len(held)`` where none has: a new bin."""
+    return next((i for i, h in enumerate(held) if cap is None or h + n <= cap), len(held))
 
 
 def document_bins(
@@ -74,7 +81,7 @@ def document_bins(
                 f"a document of {lengths[d]} tokens holds {n} per rank on {size} ranks: more "
                 f"than the cap of {cap} tokens per rank in one call"
             )
-        i = next((i for i, h in enumerate(held) if cap is None or h + n <= cap), len(bins))
+        i = first_fit_bin(held, n, cap)
         if i == len(bins):
             bins.append([])
             held.append(0)
