@@ -245,12 +245,12 @@ def hybrid_forward_backward(args, model, micro_batches, dev, backward: bool = Tr
         for k in sorted({k for _, k, _ in runs}, reverse=True):
             group = subgroup_group(k)
             docs = [d for d, size, _ in runs if size == k]
+            rank = dist.get_rank(group)
             for part in document_bins(docs, lengths, k, args.max_seqlen_per_dp_cp_rank):
                 parts = {
                     key: torch.cat([v[cuts[d] : cuts[d + 1]] for d in part])
                     for key, v in flat.items()
                 }
-                rank = dist.get_rank(group)
                 batch, psp = packed_documents(parts, [lengths[d] for d in part], k, rank, dev)
                 psp.local_cp_size, psp.cp_group = k, group
                 run(batch, psp, group)
