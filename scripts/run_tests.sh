@@ -15,25 +15,22 @@ VENV=${VENV:-.venv}
 "$VENV/bin/python" -m ruff check startrail_megatron tests scripts
 "$VENV/bin/python" -m ruff format --check startrail_megatron tests scripts
 # "tests" (every test file, as in `run_tests_py312.sh tests`) is what pytest runs without a
-# path (pyproject.toml's testpaths); a test file given runs alone
+# path (pyproject.toml's testpaths), so it is dropped; a test file given runs alone. Any
+# argument but --lane and its value runs one process.
 args=()
-for a in "$@"; do
-    case "$a" in tests | tests/) ;; *) args+=("$a") ;; esac
-done
-set -- ${args[@]+"${args[@]}"}
 halves=${STARTRAIL_TEST_HALVES:-1}
 prev=
 for a in "$@"; do
-    if [ "$prev" = --lane ]; then
-        prev=
-        continue
-    fi
-    case "$a" in
-        --lane) prev=--lane ;;
-        --lane=*) ;;
+    case "$prev:$a" in
+        --lane:*) ;;
+        *:tests | *:tests/) prev= && continue ;;
+        *:--lane | *:--lane=*) ;;
         *) halves=0 ;;
     esac
+    args+=("$a")
+    prev=$a
 done
+set -- ${args[@]+"${args[@]}"}
 if [ "$halves" = 0 ]; then
     exec "$VENV/bin/python" -m pytest -q "$@"
 fi
