@@ -16,6 +16,13 @@ LR = 0.3
 CLIP = 1.0  # DeepSpeed's default; the reference clips alike, so the global norm is checked too
 
 
+def rank_env(rank: int, world: int) -> None:
+    """What a launcher sets and DeepSpeed's engine checks (one process per rank here)."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+
+
 def tiny_llama(
     attention_dropout: float = 0.0, tied: bool = False, vocab: int = VOCAB, positions: int = 64
 ):

@@ -10,7 +10,18 @@ import os
 import pytest
 import torch
 from common import AllocationCap, own_rows_first_env
-from ds_common import CLIP, LR, REPO, SEQ, STEPS, VOCAB, global_batches, reference_run, tiny_llama
+from ds_common import (
+    CLIP,
+    LR,
+    REPO,
+    SEQ,
+    STEPS,
+    VOCAB,
+    global_batches,
+    rank_env,
+    reference_run,
+    tiny_llama,
+)
 from ds_common import ds_config as make_cfg
 from harness import run_ranks
 
@@ -47,13 +58,6 @@ def _teardown(engine) -> None:
     ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
 
 
-def _ds_env(rank: int, world: int) -> None:
-    """What a launcher sets and DeepSpeed's engine checks (one process per rank here)."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
-    )
-
-
 def _train(
     rank: int,
     world: int,
@@ -62,7 +66,7 @@ def _train(
     as_tuple: bool = False,
     tied: bool = False,
 ):
-    _ds_env(rank, world)
+    rank_env(rank, world)
     st = cfg["startrail"]
     p = st["sequence_parallel_size"]
     dp, d = world // p, rank // p
@@ -223,7 +227,7 @@ def test_own_rows_first_key(key, env, split):
 
 def _train_one_rank(rank, world, cfg):
     """The same DeepSpeed config on one rank without StarTrail: the bf16 reference."""
-    _ds_env(rank, world)
+    rank_env(rank, world)
     model = tiny_llama()
     engine, _, _, _ = sds.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg
@@ -301,7 +305,7 @@ def _launch(rank: int, world: int, cfg_path: str, out: str):
 
     from startrail_megatron.deepspeed import internals, launch, patch
 
-    _ds_env(rank, world)
+    rank_env(rank, world)
     script = os.path.join(REPO, "scripts", "train_tiny_llama.py")
     launch.main([script, "--deepspeed_config", cfg_path, "--seq", str(SEQ), "--out", out])
     restored = deepspeed.initialize is internals.original_initialize and not patch.is_patched()
@@ -405,7 +409,7 @@ def test_invalid_sections_fail_before_anything(section, zero, match):
 
 
 def _p_not_dividing_world(rank: int, world: int):
-    _ds_env(rank, world)
+    rank_env(rank, world)
     model = tiny_llama()
     try:
         sds.initialize(
@@ -503,7 +507,7 @@ def _packed_reference():
 
 
 def _packed_train(rank, world, stage, use_adapter=False, flash_kwargs=False):
-    _ds_env(rank, world)
+    rank_env(rank, world)
     model = tiny_llama()
     cfg = make_cfg(stage, dp=1, startrail=_st(4, 2))
     engine, _, _, _ = sds.initialize(
@@ -807,7 +811,7 @@ def test_hf_attention_accepts_unset_arguments(monkeypatch):
 
 # ---- attention dropout ---------------------------------------------------------------------
 def _dropout_run(rank, world, seed, attention_dropout):
-    _ds_env(rank, world)
+    rank_env(rank, world)
     model = tiny_llama(attention_dropout)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     engine, _, _, _ = sds.initialize(model=model, optimizer=opt, config=make_cfg(1, 1, _st(4, 2)))
@@ -1116,7 +1120,7 @@ def test_tiled_loss_in_bf16_within_bf16s_own_error():
 def _tiled_loss_logits(rank, world, cfg):
     """One forward with labels and the tiled loss on: its loss, and what reading the
     output's logits raises; one forward without labels: real logits."""
-    _ds_env(rank, world)
+    rank_env(rank, world)
     model = tiny_llama()
     engine, _, _, _ = sds.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg
@@ -1175,7 +1179,7 @@ def _train_capped_hf(rank, world, cfg, seq, vocab, cap):
     """One DeepSpeed step of a tiny Llama (vocabulary ``vocab``) on a ``seq``-token sequence,
     every tensor an operator makes of ``cap`` bytes or more recorded as (op, shape, bytes)
     (recorded, not raised, so every rank finishes its step); the loss."""
-    _ds_env(rank, world)
+    rank_env(rank, world)
     model = tiny_llama(vocab=vocab, positions=seq)
     engine, _, _, _ = sds.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 from common import plant_code
-from ds_common import REPO, SEQ
+from ds_common import REPO, SEQ, rank_env
 from ds_common import ds_config as make_cfg
 from harness import run_ranks
 
@@ -31,9 +31,7 @@ def _train(rank: int, world: int, cfg_path: str, out: str, crash_tag, *extra: st
 
     from startrail_megatron.deepspeed import launch
 
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
-    )
+    rank_env(rank, world)
     plain_save, plain_barrier, written = torch.save, dist.barrier, []
 
     def save(obj, f, *a, **k):

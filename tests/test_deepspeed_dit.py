@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 
-import ds_common  # noqa: F401  (DS_ACCELERATOR=cpu before deepspeed is imported)
 import pytest
 import torch
+from ds_common import rank_env  # (sets DS_ACCELERATOR=cpu before deepspeed is imported)
 from harness import run_ranks
 
 from startrail_megatron.deepspeed.dit import run_training
@@ -34,9 +33,7 @@ def _args(cfg_path: str | None, text: int, c: int) -> TrainArgs:
 
 
 def _case(rank, world, args: TrainArgs, stage: int):
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
-    )
+    rank_env(rank, world)
     import deepspeed
     from deepspeed.utils import groups as ds_groups
 

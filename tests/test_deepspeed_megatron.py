@@ -14,7 +14,7 @@ warnings.filterwarnings(
     "ignore", message=r".*(Apex|Transformer Engine and Apex) (is|are) not installed"
 )
 pytest.importorskip("megatron.core")
-from ds_common import ds_config  # noqa: E402  (sets DS_ACCELERATOR=cpu first)
+from ds_common import ds_config, rank_env  # noqa: E402  (sets DS_ACCELERATOR=cpu first)
 from harness import run_ranks  # noqa: E402
 from megatron_common import assert_startrail_ran, startrail_proof  # noqa: E402
 
@@ -84,14 +84,11 @@ def _reference(rank, world, dp):
 
 
 def _deepspeed(rank, world, stage, team, dp, ulysses=1):
-    import os
 
     import deepspeed
     from deepspeed.utils import groups as ds_groups
 
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
-    )
+    rank_env(rank, world)
     argv = ARGV + ["--context-parallel-size", "4", "--context-parallel-impl", "startrail"]
     argv += ["--startrail-team-size", str(team), "--startrail-ulysses-size", str(ulysses)]
     model = _model(argv)
@@ -160,11 +157,8 @@ def test_megatron_gpt_through_deepspeed_matches_single_rank(stage, team, dp, uly
 
 
 def _no_startrail_spec(rank, world):
-    import os
 
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
-    )
+    rank_env(rank, world)
     model = _model(ARGV)  # CP = 1, Megatron's own attention
     try:
         try:
@@ -188,11 +182,8 @@ def test_megatron_gpt_mismatched_cp_size_is_refused():
 
 
 def _own_rows_first_mismatch(rank, world):
-    import os
 
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
-    )
+    rank_env(rank, world)
     argv = ARGV + ["--context-parallel-size", "4", "--context-parallel-impl", "startrail"]
     model = _model(argv + ["--startrail-team-size", "2", "--startrail-own-rows-first", "off"])
     try:
@@ -247,11 +238,8 @@ def _packed_reference(rank, world):
 
 
 def _packed_deepspeed(rank, world):
-    import os
 
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
-    )
+    rank_env(rank, world)
     argv = ARGV + ["--context-parallel-size", "4", "--context-parallel-impl", "startrail"]
     model = _model(argv + ["--startrail-team-size", "2"])
     try:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ds_common import LR, SEQ, VOCAB, global_batches, reference_run
+from ds_common import LR, SEQ, VOCAB, global_batches, rank_env, reference_run
 from ds_common import ds_config as make_cfg
 from harness import run_ranks
-from test_deepspeed import _ds_env, _full_params, _rel, _st, _teardown
+from test_deepspeed import _full_params, _rel, _st, _teardown
 
 import startrail_megatron.deepspeed as sds
 
@@ -78,7 +78,7 @@ def reference(name: str, plain: bool = False):
 
 
 def _run(rank, world, name, c, ulysses=1):
-    _ds_env(rank, world)
+    rank_env(rank, world)
     model = build(name)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     engine, _, _, _ = sds.initialize(

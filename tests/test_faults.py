@@ -16,6 +16,7 @@ import sys
 
 import pytest
 from common import load_script
+from ds_common import rank_env
 from harness import run_ranks
 
 fault_campaign = load_script("fault_campaign")
@@ -58,9 +59,7 @@ def _ds_run(rank: int, world: int, argv: list[str]) -> None:
 
     from startrail_megatron.deepspeed import launch
 
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
-    )
+    rank_env(rank, world)
     launch.main(argv)
     gc.collect()
 
