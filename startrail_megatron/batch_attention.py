@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .attention import startrail_attention
 from .comm import check_agreement
-from .groups import StarTrailGroups, group_timeout
+from .groups import StarTrailGroups, every_cp_group, group_timeout
 from .schedule.batch import BatchLayout
 from .schedule.layout import divisors, valid_team_sizes
 from .zigzag import shard_packed, unshard_packed
@@ -59,7 +59,8 @@ class BatchGroups:
     ) -> BatchGroups:
         """Groups for every block size in ``sizes`` (default: every divisor of the CP size)
         and every team size that fits it. Every rank of the default world calls it, with
-        the same arguments, at the same point. ``ValueError`` before any communication for
+        the same arguments, at the same point; with several CP groups (one per data-parallel
+        replica) each rank passes its own, and every block of every one is made. ``ValueError`` before any communication for
         a size that does not divide the CP size."""
         if not dist.is_initialized():
             raise RuntimeError("BatchGroups.create needs torch.distributed to be initialized")
@@ -72,16 +73,20 @@ class BatchGroups:
         rank = dist.get_rank(cp_group)
         if timeout is None:
             timeout = group_timeout(cp_group)
-        glob = [r if cp_group is None else dist.get_global_rank(cp_group, r) for r in range(p)]
+        # with several CP groups (data-parallel replicas), every rank makes every block of
+        # every CP group, in the same order
+        glob, every = every_cp_group(cp_group, tuple(sizes), "BatchGroups' block sizes")
         made = {}
         for k in sizes:
             mine = None
-            for start in range(0, p, k):  # every block of this size, same order everywhere
-                g = dist.new_group(
-                    glob[start : start + k], timeout=timeout, group_desc=f"startrail_block_{k}"
-                )
-                if start <= rank < start + k:
-                    mine = g
+            for ranks in every:
+                for start in range(0, p, k):  # every block of this size, same order everywhere
+                    g = dist.new_group(
+                        list(ranks[start : start + k]), timeout=timeout,
+                        group_desc=f"startrail_block_{k}",
+                    )  # fmt: skip
+                    if ranks == glob and start <= rank < start + k:
+                        mine = g
             for c in valid_team_sizes(k):
                 made[(k, c)] = StarTrailGroups.create(c, mine, timeout=timeout)
         return cls(p, rank, made, cp_group)
@@ -107,14 +112,15 @@ def _block_docs(x: Tensor, layout: BatchLayout, docs) -> Tensor:
     return torch.cat(parts) if parts else x[:0]
 
 
-def shard_batch(x: Tensor, layout: BatchLayout, rank: int) -> Tensor:
+def shard_batch(x: Tensor, layout: BatchLayout, rank: int, fill: float = 0) -> Tensor:
     """``rank``'s local rows of ``x``, the batch's documents concatenated in batch order
     (``[sum(lengths), ...]``): its block's documents packed and zigzag-sharded over the
-    block (``zigzag.shard_packed``)."""
+    block (``zigzag.shard_packed``; ``fill`` on the padding, e.g. -100 for labels)."""
     b = layout.block_of(rank)
     if not b.docs:  # an idle block: no rows
         return x[:0]
-    return shard_packed(_block_docs(x, layout, b.docs), layout.packed(b), rank - b.start)
+    packed = layout.packed(b)
+    return shard_packed(_block_docs(x, layout, b.docs), packed, rank - b.start, fill=fill)
 
 
 def unshard_batch(parts, layout: BatchLayout) -> Tensor:

@@ -88,6 +88,17 @@ def _agree_on_setting(
     return mine, gathered
 
 
+def every_cp_group(
+    cp_group: dist.ProcessGroup | None, setting: tuple, what: str
+) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """This rank's CP group and every CP group of the world (global ranks, sorted), by one
+    small all-gather over the world; every rank calls it at the same point. Ranks that pass
+    different ``setting`` all raise the same ``ValueError`` naming ``what``. For making
+    groups inside each CP group: every rank then makes every group in the same order."""
+    mine, gathered = _agree_on_setting(cp_group, dist.get_world_size(cp_group), setting, what)
+    return mine, sorted({g[0] for g in gathered})
+
+
 def _warm_up_device(
     backend: str, cuda_available: bool, bound: torch.device | None = None, current: int = 0
 ) -> str:

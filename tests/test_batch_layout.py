@@ -358,3 +358,50 @@ def test_batch_attention_with_a_window_and_softcapping():
     for i, what in enumerate(("out", "dq", "dk", "dv")):
         err = st.testing.rel_err(unshard_batch([r[i] for r in res], lay), want[i])
         assert err <= TOL[torch.float64], (what, err)
+
+
+def _replica_layout(d: int) -> BatchLayout:
+    """Replica d's layout of its own documents on its 4 ranks: one block of 4 (C = 2), or a
+    block of 2, a rank alone and an idle rank."""
+    if d == 0:
+        return BatchLayout(4, (40, 9, 16), (BatchBlock(0, 4, 2, (0, 1, 2)),))
+    return BatchLayout(4, (12, 30, 7, 20), (
+        BatchBlock(0, 2, 1, (1, 3)), BatchBlock(2, 1, 1, (0, 2)), BatchBlock(3, 1, 1, ()),
+    ))  # fmt: skip
+
+
+def _replica_rank(rank, world):
+    """Two CP groups of 4 (data-parallel replicas), each its own layout of other documents."""
+    import torch.distributed as dist
+
+    from startrail_megatron.batch_attention import BatchGroups, batch_attention, shard_batch
+
+    cp = [dist.new_group(list(range(d * 4, d * 4 + 4))) for d in range(2)][rank // 4]
+    groups = BatchGroups.create(cp)
+    d, r = rank // 4, rank % 4
+    lay = _replica_layout(d)
+    q, k, v, do = packed_inputs(lay.lengths, 1, *HEADS, D, 5 + d)
+    local = [shard_batch(x, lay, r).requires_grad_() for x in (q, k, v)]
+    ledger = st.CommLedger()
+    out = batch_attention(*local, lay, groups, causal=True, kernel="torch", ledger=ledger)
+    out.backward(shard_batch(do, lay, r))
+    moved = sum(v for key, v in ledger.summary().items() if key.endswith("_bytes"))
+    return d, [out.detach(), *(x.grad for x in local)], moved, lay.block_of(r).size
+
+
+def test_batch_groups_of_several_cp_groups_are_exact():
+    """``BatchGroups.create`` over one of several CP groups (one per data-parallel replica,
+    as the DeepSpeed path makes them): every block of every CP group is made, and each
+    replica's layout is exact on its own documents (float64, out and every gradient)."""
+    from startrail_megatron.batch_attention import unshard_batch
+
+    res = run_ranks(8, _replica_rank)
+    for d in range(2):
+        mine = [x for x in res if x[0] == d]
+        lay = _replica_layout(d)
+        want = packed_reference(lay.lengths, True, 1, *HEADS, D, 5 + d)
+        for i in range(4):
+            got = unshard_batch([m[1][i] for m in mine], lay)
+            assert st.testing.rel_err(got, want[i]) <= TOL[torch.float64], (d, i)
+        for _, _, moved, size in mine:  # transfers only in blocks of more than one rank
+            assert (moved > 0) == (size > 1), (d, moved, size)
