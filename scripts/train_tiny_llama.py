@@ -34,6 +34,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.3)
+    ap.add_argument(
+        "--documents",
+        type=int,
+        default=1,
+        help="documents per row, packed: cut at random points, position_ids restarting at 0 "
+        "for each (transformers' DataCollatorWithFlattening layout; one row per micro-batch)",
+    )
     ap.add_argument("--out", default=None, help="write this rank's losses as JSON here")
     ap.add_argument("--save", default=None, help="save a checkpoint here")
     ap.add_argument("--save-interval", type=int, default=1, help="steps between saves")
@@ -86,10 +93,17 @@ def main() -> None:
         start = client["step"] if client else 0
     for step in range(args.steps):
         ids = torch.randint(0, cfg.vocab_size, (replicas * micro, args.seq), generator=g)
+        if args.documents > 1:  # drawn only then: one document keeps the batches as they were
+            cuts = torch.randperm(args.seq - 1, generator=g)[: args.documents - 1] + 1
         if step < start:
             continue  # done before the checkpoint: its batch drawn, not trained again
         mine = ids[replica * micro : (replica + 1) * micro].to(engine.device)
-        loss = engine(input_ids=mine, labels=mine).loss
+        batch = {"input_ids": mine, "labels": mine}
+        if args.documents > 1:  # one packed row: positions restart at every cut
+            bounds = [0, *sorted(cuts.tolist()), args.seq]
+            pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
+            batch["position_ids"] = pos.expand(micro, -1).to(engine.device)
+        loss = engine(**batch).loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())

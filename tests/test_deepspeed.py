@@ -3,6 +3,7 @@ ZeRO 1/2/3 and matches a single-rank run without sequence parallelism (fp32, 1e-
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -342,10 +343,36 @@ def test_launcher_runs_unmodified_script(tmp_path):
         ),
         ({**_st(4, 2), "teamsize": 2}, {}, r"startrail\.teamsize is not a known key"),
         (
-            {**_st(4, 2), "hybrid_context_parallel": True},
+            {**_st(4, 2), "dynamic_context_parallel": True},
             {},
-            r"startrail\.hybrid_context_parallel is not supported on the DeepSpeed path: "
-            r"per-batch CP layouts",
+            r"startrail\.dynamic_context_parallel is not supported on the DeepSpeed path: .*"
+            r"set startrail\.hybrid_context_parallel=true",
+        ),
+        (
+            _st(4, 2, hybrid_context_parallel=True, placement="ring"),
+            {},
+            r"startrail\.hybrid_context_parallel runs each sub-group with the team placement.*"
+            r"placement='ring'",
+        ),
+        (
+            _st(4, 1, hybrid_context_parallel=True, ulysses_size=2),
+            {},
+            r"startrail\.hybrid_context_parallel .*startrail\.ulysses_size=2",
+        ),
+        (
+            _st(4, 2, hybrid_context_parallel=True, batch_cluster="h200-nowhere"),
+            {},
+            r"startrail\.batch_cluster='h200-nowhere': neither a preset \(\['a100-eth'",
+        ),
+        (
+            _st(4, 2, max_tokens_per_rank=64),
+            {},
+            r"startrail\.max_tokens_per_rank applies with startrail\.hybrid_context_parallel",
+        ),
+        (
+            _st(4, 2, hybrid_context_parallel=True, max_tokens_per_rank=1),
+            {},
+            r"startrail\.max_tokens_per_rank=1: .*greater than or equal to 2",
         ),
         (_st(4, "2"), {}, r"startrail\.team_size='2'.*valid integer"),
         ({**_st(4, 2), "enabled": "yes"}, {}, r"startrail\.enabled='yes'"),
@@ -477,18 +504,18 @@ def test_shard_causal_lm_batch_shifts_before_sharding():
 PACKED_STEPS = [[37, 20, 5, 60], [45, 3, 50, 1], [64, 64]]  # documents per step (a 1-token one)
 
 
-def _packed_batches():
+def _packed_batches(steps=PACKED_STEPS):
     g = torch.Generator().manual_seed(99)
-    return [[torch.randint(0, 64, (n,), generator=g) for n in docs] for docs in PACKED_STEPS]
+    return [[torch.randint(0, 64, (n,), generator=g) for n in docs] for docs in steps]
 
 
-def _packed_reference():
+def _packed_reference(steps=PACKED_STEPS):
     """One rank, no DeepSpeed: every document on its own (unpacked), the loss the mean over
     all the step's predicted tokens, SGD with clipping as DeepSpeed."""
-    model = tiny_llama()
+    model = tiny_llama(positions=256)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
-    for docs in _packed_batches():
+    for docs in _packed_batches(steps):
         n_pred = sum(len(d) - 1 for d in docs)
         loss = (
             sum(
@@ -506,9 +533,11 @@ def _packed_reference():
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _packed_train(rank, world, stage, use_adapter=False, flash_kwargs=False):
+def _packed_train(rank, world, stage, use_adapter=False, flash_kwargs=False, recompute=False):
     rank_env(rank, world)
     model = tiny_llama()
+    if recompute:  # transformers' activation checkpointing: attention runs again in backward
+        model.gradient_checkpointing_enable({"use_reentrant": False})
     cfg = make_cfg(stage, dp=1, startrail=_st(4, 2))
     engine, _, _, _ = sds.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg
@@ -545,15 +574,24 @@ def _packed_train(rank, world, stage, use_adapter=False, flash_kwargs=False):
 
 
 @pytest.mark.parametrize(
-    "stage, use_adapter, flash_kwargs",
-    [(1, False, False), (3, False, False), (2, True, False), (1, False, True)],
+    "stage, use_adapter, flash_kwargs, recompute",
+    [
+        (1, False, False, False),
+        (3, False, False, False),
+        (2, True, False, False),
+        (1, False, True, False),
+        (2, False, False, True),
+    ],
 )
-def test_packed_rows_train_like_unpacked_documents(stage, use_adapter, flash_kwargs):
+def test_packed_rows_train_like_unpacked_documents(stage, use_adapter, flash_kwargs, recompute):
     """Documents packed in one row with position_ids restarting per document give
-    the losses and parameters of the documents trained unpacked on one rank (1e-5)."""
+    the losses and parameters of the documents trained unpacked on one rank (1e-5), also
+    with transformers' activation checkpointing (the attention runs again in the backward,
+    after the forward has returned: on the same documents)."""
     ref_losses, ref_params = _packed_reference()
     layouts = [pack_lengths(docs, 4) for docs in PACKED_STEPS]
-    for losses, params, proof in run_ranks(4, _packed_train, stage, use_adapter, flash_kwargs):
+    res = run_ranks(4, _packed_train, stage, use_adapter, flash_kwargs, recompute)
+    for losses, params, proof in res:
         assert len(losses) == len(ref_losses)
         for a, b in zip(losses, ref_losses):
             assert abs(a - b) <= REL * abs(b), (losses, ref_losses)
@@ -569,9 +607,154 @@ def test_packed_rows_train_like_unpacked_documents(stage, use_adapter, flash_kwa
             shape = LocalShape(packed.s_local, 1, 4, 2, 8, elem_bytes=4, acc_bytes=4)
             for key, v in startrail_comm_bytes(lay, proof["cp_rank"], shape).items():
                 want[key] += 2 * v
+                if recompute and key.startswith("fwd"):
+                    want[key] += 2 * v  # each layer's forward again in the backward
         for key, v in want.items():
             assert proof["ledger"][f"{key}_bytes"] == v, key
     init = dict(tiny_llama().named_parameters())
+    assert max(_rel(ref_params[k], init[k].detach()) for k in ref_params) > 1e3 * REL
+
+
+# ---- per-batch layouts (startrail.hybrid_context_parallel) ------------------------------------
+# Two clusters the scheduler prices on, so that the layouts it picks for these short
+# documents cover every kind of block: "mixed" (slow attention, cheap GEMMs, no overlap, no
+# per-call cost: blocks of 2 ranks, of 4 with C = 2, and ranks alone) and the default
+# h100-ib preset (each document alone, ranks left idle).
+HYBRID_STEPS = {
+    "mixed": [[60, 8, 60], [200, 10, 5], [20, 20, 20, 20]],
+    "h100-ib": [[64, 64], [3], [37, 20, 5, 60]],
+}
+
+
+def _hybrid_cluster(which: str, tmp: str) -> str:
+    if which == "h100-ib":
+        return which
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+
+    spec = CLUSTER_PRESETS["h100-ib"].with_(
+        gpus_per_node=4, attn_flops=1e10, matmul_flops=1e13, overlap=False, kernel_overhead=0.0
+    )
+    path = os.path.join(tmp, "cluster.json")
+    with open(path, "w") as f:
+        json.dump(dataclasses.asdict(spec), f)
+    return path
+
+
+def _hybrid_train(rank, world, stage, use_adapter, cluster, steps, recompute):
+    rank_env(rank, world)
+    model = tiny_llama(positions=256)
+    if recompute:  # transformers' activation checkpointing: attention runs again in backward
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    st = _st(4, 2, hybrid_context_parallel=True, batch_cluster=cluster)
+    engine, _, _, _ = sds.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        config=make_cfg(stage, dp=1, startrail=st),
+    )  # fmt: skip
+    docs_of = _packed_batches(steps)
+    rows = [
+        {
+            "input_ids": torch.cat(docs)[None],
+            "labels": torch.cat(docs)[None],
+            "position_ids": torch.cat([torch.arange(len(d)) for d in docs])[None],
+        }
+        for docs in docs_of
+    ]
+    if use_adapter:
+        engine.startrail_handle.shard_inputs = False
+        rows = sds.StarTrailDataLoaderAdapter(rows, engine.startrail_mpu)
+    losses, lengths, sent = [], [], []
+    handle = engine.startrail_handle
+    for batch in rows:
+        handle.local_lengths.clear()
+        before = handle.ledger.summary()
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        lengths.append(sorted(handle.local_lengths))
+        after = handle.ledger.summary()
+        sent.append({k: after[k] - before.get(k, 0) for k in after if k.endswith("_bytes")})
+    mpu = engine.startrail_mpu
+    layouts = list(mpu.batch_schedule.layouts)
+    proof = dict(attn=model.config._attn_implementation, cp_rank=mpu.get_sequence_parallel_rank())
+    params = _full_params(engine, stage)
+    _teardown(engine)
+    return losses, params, proof, lengths, sent, layouts
+
+
+@pytest.mark.parametrize(
+    "which, stage, use_adapter, recompute",
+    [
+        ("mixed", 1, False, False),
+        ("h100-ib", 2, True, False),
+        ("mixed", 3, True, False),
+        ("mixed", 2, False, True),
+    ],
+)
+def test_hybrid_rows_train_like_unpacked_documents(which, stage, use_adapter, recompute, tmp_path):
+    """startrail.hybrid_context_parallel: each step's documents on the sub-groups the
+    scheduler picks give the losses and parameters of the documents trained unpacked on one
+    rank (1e-5), and every rank ran its block of the scheduler's layout: its local length
+    (one padding token where its block is idle) and, per step, the bytes of StarTrail on
+    its block (none on a rank alone): the static path (every document on all 4 ranks) fails
+    both. With activation checkpointing too (the attention again in the backward)."""
+    from startrail_megatron.planner.batch import schedule_batch
+    from startrail_megatron.planner.cli import load_cluster
+    from startrail_megatron.planner.cluster import CLUSTER_PRESETS
+
+    steps = HYBRID_STEPS[which]
+    ref_losses, ref_params = _packed_reference(steps)
+    cluster = _hybrid_cluster(which, str(tmp_path))
+    res = run_ranks(4, _hybrid_train, stage, use_adapter, cluster, steps, recompute)
+    spec = (
+        CLUSTER_PRESETS[cluster].with_(gpus_per_node=4)
+        if cluster in CLUSTER_PRESETS
+        else load_cluster(cluster)
+    )
+    from startrail_megatron.deepspeed.hybrid import _layer_model
+
+    want = [  # the scheduler's layouts, computed here from the lengths alone
+        schedule_batch(
+            docs,
+            4,
+            heads_q=4,
+            heads_kv=2,
+            head_dim=8,
+            elem_bytes=4,
+            cluster=spec,
+            team_sizes={1: 1, 2: 1, 4: 2},
+            model=_layer_model(tiny_llama(positions=256)),
+        )  # fmt: skip
+        for docs in steps
+    ]
+    kinds = {(b.size, b.team_size, bool(b.docs)) for lay in want for b in lay.blocks}
+    if which == "mixed":  # blocks of 2 (ring), of 4 (C = 2) and ranks alone all ran
+        assert {(2, 1, True), (4, 2, True), (1, 1, True)} <= kinds, kinds
+    else:  # ranks alone and idle ranks
+        assert {(1, 1, True), (1, 1, False)} <= kinds, kinds
+    for losses, params, proof, lengths, sent, layouts in res:
+        assert [a == b for a, b in zip(layouts, want)] == [True] * len(steps), layouts
+        for a, b in zip(losses, ref_losses):
+            assert abs(a - b) <= REL * abs(b), (losses, ref_losses)
+        worst = max(_rel(params[k], ref_params[k]) for k in ref_params)
+        assert worst <= REL, worst
+        assert proof["attn"] == "startrail"
+        r = proof["cp_rank"]
+        for lay, got_len, got_sent in zip(want, lengths, sent):
+            b = lay.block_of(r)
+            assert got_len == [lay.packed(b).s_local if b.docs else 1], (r, got_len, b)
+            expect = {"fwd_p2p": 0, "bwd_p2p": 0, "fwd_collective": 0, "bwd_collective": 0}
+            if b.size > 1:
+                shape = LocalShape(lay.packed(b).s_local, 1, 4, 2, 8, elem_bytes=4, acc_bytes=4)
+                layout = StarTrailLayout(b.size, b.team_size)
+                for key, v in startrail_comm_bytes(layout, r - b.start, shape).items():
+                    expect[key] += 2 * v  # two layers
+                    if recompute and key.startswith("fwd"):
+                        expect[key] += 2 * v  # each layer's forward again in the backward
+                assert sum(expect.values()) > 0
+            for key, v in expect.items():
+                assert got_sent.get(f"{key}_bytes", 0) == v, (r, key, got_sent, b)
+    init = dict(tiny_llama(positions=256).named_parameters())
     assert max(_rel(ref_params[k], init[k].detach()) for k in ref_params) > 1e3 * REL
 
 
@@ -764,6 +947,7 @@ def _hf_call(monkeypatch, **kwargs):
         ledger=None,
         local_lengths=set(),
         packed=None,
+        batch_layout=None,
         dropout_calls=0,
     )
     setattr(module, hf._SPEC_ATTR, handle)

@@ -203,7 +203,9 @@ class StarTrailDataLoaderAdapter:
     ``mpu.data_parallel_rank``); ``num_items_in_batch`` is an all-reduce. A packed
     row (position_ids restarting at 0 per document, batch of one row) is sharded per
     document and its layout passed along as ``startrail_packed``, which the prepared
-    model's pre-hook removes before the model sees the batch.
+    model's pre-hook removes before the model sees the batch. With
+    ``startrail.hybrid_context_parallel`` each row is placed by ``mpu.batch_schedule``
+    (``hybrid.py``) and its ``BatchLayout`` passed along under the same key.
     """
 
     def __init__(self, batches: Iterable[Mapping[str, Tensor]], mpu: StarTrailMPU):
@@ -215,6 +217,16 @@ class StarTrailDataLoaderAdapter:
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         mpu = self.mpu
         for batch in self.batches:
+            if mpu.batch_schedule is not None:  # startrail.hybrid_context_parallel
+                out, layout = mpu.batch_schedule.shard(
+                    batch["input_ids"], batch.get("labels"), batch.get("position_ids"),
+                    mpu.get_sequence_parallel_rank(),
+                )  # fmt: skip
+                out[PACKED_KEY] = layout
+                if "shift_labels" in out:
+                    out["num_items_in_batch"] = loss_normalizer(out["shift_labels"], mpu)
+                yield out
+                continue
             out, packed = shard_batch(
                 batch["input_ids"],
                 batch.get("labels"),

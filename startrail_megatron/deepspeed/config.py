@@ -14,7 +14,10 @@ section is still a valid plain DeepSpeed config::
         "tiled_mlp": null,
         "tiled_loss": null,
         "attention_tile": null,
-        "attention_head_chunks": null
+        "attention_head_chunks": null,
+        "hybrid_context_parallel": false,
+        "batch_cluster": "h100-ib",
+        "max_tokens_per_rank": null
     }
 
 The model follows DeepSpeed's own config models (``DeepSpeedConfigModel``:
@@ -111,9 +114,44 @@ class StarTrailConfig(DeepSpeedConfigModel):
     for the Megatron GPT (``--startrail-tiled-loss``) and DiT paths, nor models that scale or
     soft-cap their logits before the loss."""
 
+    hybrid_context_parallel: bool = Field(False, strict=True)
+    """Per-batch CP layouts (``schedule/batch.py``'s Note [per-batch CP layouts];
+    transformers models): each document of a packed row on an aligned sub-group of the
+    sequence-parallel ranks of its own size, one rank alone where it is short, with the
+    largest team size up to ``team_size`` that fits the sub-group, placed batch by batch by
+    our scheduler (``planner.batch.schedule_batch``, priced on ``batch_cluster`` for the
+    model's layer; ``deepspeed/hybrid.py``). Megatron's ``--hybrid-context-parallel``, over
+    the P ranks of a replica. One row per batch; ``placement: "team"`` and
+    ``ulysses_size: 1``. False (default): every batch on all P ranks."""
+
+    batch_cluster: str = "h100-ib"
+    """With ``hybrid_context_parallel``: the cluster the scheduler prices layouts on, a
+    preset of ``startrail-plan --cluster`` (its nodes holding min(P, 8) ranks) or a cluster
+    JSON file (``startrail-plan --cluster-json``)."""
+
+    max_tokens_per_rank: int | None = Field(None, ge=2, strict=True)
+    """With ``hybrid_context_parallel``: the most tokens a rank may hold in a batch (its
+    sub-group's documents packed and sharded, padding included); the scheduler keeps every
+    layout within it (memory). None (default): no cap."""
+
     @model_validator(mode="after")
     def _check(self) -> StarTrailConfig:
         p, c, u = self.sequence_parallel_size, self.team_size, self.ulysses_size
+        if self.hybrid_context_parallel:
+            if u > 1 or self.placement != "team":
+                raise ValueError(
+                    "startrail.hybrid_context_parallel runs each sub-group with the team "
+                    f"placement and without the 2-D split; got startrail.placement="
+                    f"{self.placement!r}, startrail.ulysses_size={u}; allowed: 'team' and 1"
+                )
+            batch_cluster(self.batch_cluster)  # ValueError naming the key
+        else:
+            for key, default in (("batch_cluster", "h100-ib"), ("max_tokens_per_rank", None)):
+                if getattr(self, key) != default:
+                    raise ValueError(
+                        f"startrail.{key} applies with startrail.hybrid_context_parallel=true "
+                        "only; set that or drop the key"
+                    )
         if u > 1:
             try:
                 UlyssesLayout(p, u, c, "team" if self.placement == "auto" else self.placement)
@@ -182,17 +220,40 @@ _FIELD_HINTS = {
     "zero_mapping": f"one of {list(ZERO_MAPPINGS)}",
     "own_rows_first": f"one of {list(OWN_ROWS_FIRST_SETTINGS)}",
     "ulysses_size": "an integer >= 1 dividing sequence_parallel_size",
+    "tiled_mlp": "an integer >= 1 or null",
+    "attention_tile": "an integer >= 1 or null",
+    "attention_head_chunks": "an integer >= 1 or null",
+    "tiled_loss": "an integer >= 1 or null",
+    "hybrid_context_parallel": "true or false",
+    "batch_cluster": "a preset of startrail-plan --cluster or a cluster JSON file",
+    "max_tokens_per_rank": "an integer >= 2 or null",
 }
 
 
-_PER_BATCH = (
-    "per-batch CP layouts (each document on a sub-group of its own size) are not wired to "
-    "DeepSpeed yet; a packed row (position_ids restarting per document) runs exactly on the "
-    "whole sequence-parallel group. Megatron's --hybrid-context-parallel has them "
-    "(docs/megatron.md), the core too (startrail_megatron.batch_attention)"
-)
-_NOT_YET = {"hybrid_context_parallel": _PER_BATCH, "dynamic_context_parallel": _PER_BATCH}
+_NOT_YET = {
+    "dynamic_context_parallel": (
+        "Megatron-LM's dev-branch name of hybrid context parallelism; set "
+        "startrail.hybrid_context_parallel=true"
+    )
+}
 """Keys users of Megatron's per-batch CP may try, refused with the reason."""
+
+
+def batch_cluster(name: str):
+    """The ``ClusterSpec`` of ``startrail.batch_cluster`` (a preset, its nodes of its own
+    size, or a cluster JSON file); ``ValueError`` naming the key."""
+    from ..planner.cli import load_cluster
+    from ..planner.cluster import CLUSTER_PRESETS
+
+    if name in CLUSTER_PRESETS:
+        return CLUSTER_PRESETS[name]
+    try:
+        return load_cluster(name)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"startrail.batch_cluster={name!r}: neither a preset ({sorted(CLUSTER_PRESETS)}) "
+            f"nor a cluster JSON file ({e})"
+        ) from None
 
 
 def _describe(err: ValidationError) -> str:

@@ -26,6 +26,7 @@ either path per bucket, so it is refused rather than trained wrong.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from typing import Any
 
@@ -234,6 +235,12 @@ def initialize(
                 f"startrail.{key}={getattr(st, key)} is for transformers models; for Megatron's "
                 f"GPT use {flag}, the DiT path has no tiling yet: drop the key"
             )
+    if st.hybrid_context_parallel and (megatron_model or dit_model):
+        raise ValueError(
+            "startrail.hybrid_context_parallel is for transformers causal LMs; for Megatron's "
+            "GPT use our entry point's --hybrid-context-parallel (docs/megatron.md), the DiT "
+            "path has no per-batch layouts (its samples are one length): drop the key"
+        )
     if st.tiled_loss is not None and not (megatron_model or dit_model):
         from .tiled_loss import check_hf_loss
 
@@ -251,6 +258,13 @@ def initialize(
     else:
         st_mpu = StarTrailMPU.create(st)
         from .hf import prepare_hf_model
+
+        if st.hybrid_context_parallel:
+            from .hybrid import HybridSchedule
+
+            half = any((cfg.get(k) or {}).get("enabled", False) for k in ("bf16", "fp16"))
+            schedule = HybridSchedule.for_hf_model(model, st, elem_bytes=2 if half else None)
+            st_mpu = dataclasses.replace(st_mpu, batch_schedule=schedule)
 
         handle = prepare_hf_model(model, st_mpu, tiled_mlp=st.tiled_mlp, tiled_loss=st.tiled_loss)
     stage = int(cfg["zero_optimization"].get("stage", 0))

@@ -24,9 +24,12 @@
    document (``DataCollatorWithFlattening``, batch of one row; or its
    ``cu_seq_lens_q/k`` flash-attention kwargs) is sharded per document instead (``packing.py``: each document padded to a multiple of 2P,
    labels -100 on padding and at each document's last token) and its attention
-   stays inside each document (``cu_seqlens``). Scripts that shard in their data
-   loader (``StarTrailDataLoaderAdapter``, which does the same for packed rows)
-   use ``shard_inputs=False``.
+   stays inside each document (``cu_seqlens``). With
+   ``startrail.hybrid_context_parallel`` a row's documents are placed on sub-groups of
+   the P ranks instead (``hybrid.py``) and every layer runs ``batch_attention``. Scripts
+   that shard in their data loader (``StarTrailDataLoaderAdapter``, which does the same
+   for packed rows) use ``shard_inputs=False``. The row's documents stay set for the
+   backward of its forward (activation checkpointing runs the attention again there).
 3. Loss: transformers' causal-LM loss is given ``shift_labels`` and
    ``num_items_in_batch`` = (valid tokens of the global batch) / D, so each
    rank's loss is (its token-loss sum) / that count: the sequence ranks'
@@ -48,7 +51,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..attention import startrail_attention
+from ..batch_attention import batch_attention
 from ..comm import CommLedger
+from ..schedule.batch import BatchLayout
 from ..schedule.packing import PackedLayout
 from .batches import (
     PACKED_KEY,
@@ -58,6 +63,7 @@ from .batches import (
     position_ids_from_flash_kwargs,
     shard_batch,
 )
+from .hybrid import idle_attention
 from .mpu import StarTrailMPU
 
 __all__ = [
@@ -99,6 +105,8 @@ def startrail_hf_attention(
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     extra = _window_and_sinks(bool(causal), kwargs)
     handle.local_lengths.add(query.shape[2])
+    if handle.batch_layout is not None:  # startrail.hybrid_context_parallel
+        return _batch_attention(handle, query, key, value, causal, scaling, dropout, extra)
     packed = handle.packed
     out = startrail_attention(
         query.permute(2, 0, 1, 3),  # [s, b, hq, d]
@@ -118,6 +126,25 @@ def startrail_hf_attention(
     if dropout:
         handle.dropout_calls += 1
     return out.transpose(0, 1), None  # [b, s, hq, d]
+
+
+def _batch_attention(handle, query, key, value, causal, scaling, dropout, extra):
+    """``startrail_hf_attention`` under the batch's per-batch layout (``hybrid.py``)."""
+    mpu, layout = handle.mpu, handle.batch_layout
+    q, k, v = (x.permute(2, 0, 1, 3) for x in (query, key, value))  # [s, b, h, d]
+    if not layout.block_of(mpu.batch_groups.cp_rank).docs:
+        # an idle rank: its one padding token (hybrid.py); with 0 rows batch_attention
+        # sends nothing but joins the ranks' check of the layout
+        batch_attention(q[:0], k[:0], v[:0], layout, mpu.batch_groups, causal=bool(causal))
+        return idle_attention(query, key, value), None
+    out = batch_attention(
+        q, k, v, layout, mpu.batch_groups, causal=bool(causal), softmax_scale=scaling,
+        ledger=handle.ledger, dropout_p=float(dropout or 0.0), tile=mpu.config.attention_tile,
+        head_chunks=mpu.config.attention_head_chunks, **extra,
+    )  # fmt: skip
+    if dropout:
+        handle.dropout_calls += 1
+    return out.transpose(0, 1), None
 
 
 # Arguments transformers' attention functions take beyond plain (causal) softmax attention;
@@ -210,6 +237,9 @@ class HFHandle:
     """The sequence lengths the attention saw on this rank (S/P when sharding works)."""
     packed: PackedLayout | None = None
     """The documents of the packed row in the forward now running (None: not packed)."""
+    batch_layout: BatchLayout | None = None
+    """The per-batch layout of the forward now running (``startrail.hybrid_context_parallel``;
+    ``hybrid.py``), else None."""
     dropout_calls: int = 0
     """Attention calls that ran attention dropout on this rank."""
     tiled_mlp: object = None
@@ -251,26 +281,42 @@ class HFHandle:
                 "batch so every token is valid (an all-ones mask is accepted)"
             )
         mpu = self.mpu
-        given = kwargs.pop(PACKED_KEY, None)  # StarTrailDataLoaderAdapter's packed layout
-        if given is not None and not isinstance(given, PackedLayout):
-            raise ValueError(f"{PACKED_KEY} must be a PackedLayout, got {type(given).__name__}")
+        hybrid = mpu.batch_schedule is not None
+        # StarTrailDataLoaderAdapter's packed layout (with hybrid: the batch's BatchLayout)
+        given = kwargs.pop(PACKED_KEY, None)
+        want = BatchLayout if hybrid else PackedLayout
+        if given is not None and not isinstance(given, want):
+            raise ValueError(
+                f"{PACKED_KEY} must be a {want.__name__} here, got {type(given).__name__}"
+            )
         if given is not None and self.shard_inputs:
             raise ValueError(
                 f"{PACKED_KEY} comes with already sharded batches (shard_inputs=False); this "
                 "model shards its inputs itself"
             )
-        self.packed = given
+        if hybrid and not self.shard_inputs and given is None:
+            raise ValueError(
+                f"startrail.hybrid_context_parallel with shard_inputs=False: feed batches from "
+                f"StarTrailDataLoaderAdapter, which gives each its layout ({PACKED_KEY})"
+            )
+        self.packed, self.batch_layout = (None, given) if hybrid else (given, None)
         if self.shard_inputs:
             ids = kwargs["input_ids"]
             check_same_batch(ids, mpu.sequence_parallel_group)
             position_ids = position_ids_from_flash_kwargs(kwargs, ids.shape)
-            shard, self.packed = shard_batch(
-                ids,
-                kwargs.get("labels"),
-                position_ids,
-                mpu.get_sequence_parallel_rank(),
-                mpu.get_sequence_parallel_world_size(),
-            )
+            rank = mpu.get_sequence_parallel_rank()
+            if hybrid:
+                shard, self.batch_layout = mpu.batch_schedule.shard(
+                    ids, kwargs.get("labels"), position_ids, rank
+                )
+            else:
+                shard, self.packed = shard_batch(
+                    ids,
+                    kwargs.get("labels"),
+                    position_ids,
+                    rank,
+                    mpu.get_sequence_parallel_world_size(),
+                )
             kwargs.update(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
             if "shift_labels" in shard:
                 kwargs["shift_labels"] = shard["shift_labels"]
@@ -292,8 +338,29 @@ class HFHandle:
                 check_consecutive(half, "position_ids (this rank's zigzag shard)")
         return args, kwargs
 
+    def _set_documents(self, state: tuple) -> None:
+        self.packed, self.batch_layout = state
+
+    def _documents_in_backward(self, items: dict) -> None:
+        """Activation checkpointing runs the attention again in the backward, after this
+        forward has returned and maybe after other forwards: each output's gradient hook
+        sets this forward's documents (packed row or per-batch layout) back when the
+        backward reaches it, and the end of that backward clears them."""
+        state = (self.packed, self.batch_layout)
+        if state == (None, None) or not torch.is_grad_enabled():
+            return
+
+        def restore(grad):
+            self._set_documents(state)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._set_documents((None, None))
+            )
+
+        for v in items.values():
+            if isinstance(v, Tensor) and v.requires_grad:
+                v.register_hook(restore)
+
     def _post_hook(self, module, args, kwargs, output):
-        self.packed = None  # the next forward says again whether its row is packed
         # return_dict=True gives a ModelOutput (a mapping); return_dict=False a tuple whose
         # first item is the loss when labels were passed.
         has_loss = kwargs.get("labels") is not None
@@ -312,6 +379,9 @@ class HFHandle:
             for k, v in items.items():
                 if isinstance(v, Tensor) and v.requires_grad:
                     items[k] = ScaleGrad.apply(v, self.grad_scale)
+        self._documents_in_backward(items)
+        # the next forward says again whether its row is packed; other calls see none
+        self._set_documents((None, None))
         if isinstance(output, Mapping):
             for k, v in items.items():
                 output[k] = v

@@ -19,11 +19,12 @@ so with ``placement="team"`` a StarTrail team is C contiguous global ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from ..auto_placement import resolve_placement
+from ..batch_attention import BatchGroups
 from ..groups import StarTrailGroups, UlyssesStarTrailGroups, group_timeout
 from .config import StarTrailConfig
 
@@ -43,6 +44,11 @@ class StarTrailMPU:
         data_parallel_rank, data_parallel_size: this rank's replica d and D
             (use them to shard data over replicas; the P ranks of a replica
             need the same batch).
+        batch_groups: with ``startrail.hybrid_context_parallel``, StarTrail's groups of
+            every aligned sub-group of the P ranks (``BatchGroups``); else None.
+        batch_schedule: with ``startrail.hybrid_context_parallel``, what places each
+            batch's documents (``hybrid.HybridSchedule``; ``initialize`` sets it from the
+            model); else None.
     """
 
     config: StarTrailConfig
@@ -51,6 +57,8 @@ class StarTrailMPU:
     startrail: StarTrailGroups | UlyssesStarTrailGroups
     data_parallel_rank: int
     data_parallel_size: int
+    batch_groups: BatchGroups | None = field(default=None, repr=False)
+    batch_schedule: object = field(default=None, repr=False)
 
     @classmethod
     def create(cls, config: StarTrailConfig) -> StarTrailMPU:
@@ -83,7 +91,10 @@ class StarTrailMPU:
             groups = UlyssesStarTrailGroups.create(config.ulysses_size, config.team_size, **kw)
         else:
             groups = StarTrailGroups.create(config.team_size, **kw)
-        return cls(config, mine, seq_data, groups, rank // p, world // p)
+        batch = (
+            BatchGroups.create(mine, timeout=timeout) if config.hybrid_context_parallel else None
+        )
+        return cls(config, mine, seq_data, groups, rank // p, world // p, batch)
 
     # ---- DeepSpeed's sequence-parallel mpu interface ------------------------
     def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
