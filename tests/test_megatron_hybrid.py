@@ -244,6 +244,8 @@ def test_team_size_within():
          "--startrail-placement auto"),
         (["--startrail-team-size", "1", "--startrail-batch-scheduler", "megatron"],
          "needs --max-seqlen-per-dp-cp-rank"),
+        (["--startrail-team-size", "2", "--startrail-batch-cluster", "h200-nowhere"],
+         "--startrail-batch-cluster 'h200-nowhere': neither a preset (['a100-eth'"),
     ],
 )  # fmt: skip
 def test_hybrid_flags_that_cannot_combine_fail_at_parsing(flags, needle, capsys):

@@ -239,21 +239,12 @@ _NOT_YET = {
 """Keys users of Megatron's per-batch CP may try, refused with the reason."""
 
 
-def batch_cluster(name: str):
-    """The ``ClusterSpec`` of ``startrail.batch_cluster`` (a preset, its nodes of its own
-    size, or a cluster JSON file); ``ValueError`` naming the key."""
-    from ..planner.cli import load_cluster
-    from ..planner.cluster import CLUSTER_PRESETS
+def batch_cluster(name: str, ranks: int | None = None):
+    """The ``ClusterSpec`` of ``startrail.batch_cluster`` (a preset, with ``ranks`` its nodes
+    holding min(ranks, 8) of them, or a cluster JSON file); ``ValueError`` naming the key."""
+    from ..planner.cli import named_cluster
 
-    if name in CLUSTER_PRESETS:
-        return CLUSTER_PRESETS[name]
-    try:
-        return load_cluster(name)
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"startrail.batch_cluster={name!r}: neither a preset ({sorted(CLUSTER_PRESETS)}) "
-            f"nor a cluster JSON file ({e})"
-        ) from None
+    return named_cluster(name, f"startrail.batch_cluster={name!r}", ranks)
 
 
 def _describe(err: ValidationError) -> str:

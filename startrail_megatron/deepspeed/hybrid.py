@@ -92,11 +92,7 @@ class HybridSchedule:
         size and layer; ``elem_bytes``: the training dtype's, default the parameters')."""
         p, cfg = config.sequence_parallel_size, model.config
         heads = int(cfg.num_attention_heads)
-        cluster = batch_cluster(config.batch_cluster)
-        from ..planner.cluster import CLUSTER_PRESETS
-
-        if config.batch_cluster in CLUSTER_PRESETS:
-            cluster = cluster.with_(gpus_per_node=min(p, 8))
+        cluster = batch_cluster(config.batch_cluster, p)
         priced = dict(
             heads_q=heads,
             heads_kv=int(getattr(cfg, "num_key_value_heads", None) or heads),

@@ -45,6 +45,21 @@ _MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
+def named_cluster(name: str, setting: str, ranks: int | None = None) -> ClusterSpec:
+    """The cluster ``name`` names: a preset of ``CLUSTER_PRESETS`` (with ``ranks``, its nodes
+    holding ``min(ranks, 8)`` of them) or a cluster JSON file (``load_cluster``);
+    ``ValueError`` naming ``setting`` (a flag or config key) otherwise."""
+    if name in CLUSTER_PRESETS:
+        spec = CLUSTER_PRESETS[name]
+        return spec if ranks is None else spec.with_(gpus_per_node=min(ranks, 8))
+    try:
+        return load_cluster(name)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"{setting}: neither a preset ({sorted(CLUSTER_PRESETS)}) nor a cluster JSON file ({e})"
+        ) from None
+
+
 def load_cluster(path: str) -> ClusterSpec:
     """A ``ClusterSpec`` from ``path``: its fields as JSON, or a ``startrail-bench`` report
     (the emulated cluster's ``emulation.cluster_median``, else ``calibration.cluster_median``).

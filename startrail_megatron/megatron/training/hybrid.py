@@ -75,19 +75,10 @@ def batch_cluster(args: argparse.Namespace, n: int):
     """The ``ClusterSpec`` ours prices layouts on (``--startrail-batch-cluster``: a preset
     of ``planner.cluster.CLUSTER_PRESETS``, its nodes holding ``min(n, 8)`` ranks, or a
     JSON file as ``startrail-plan --cluster-json`` reads); ``ValueError`` naming the flag."""
-    from ...planner.cli import load_cluster
-    from ...planner.cluster import CLUSTER_PRESETS
+    from ...planner.cli import named_cluster
 
     name = args.startrail_batch_cluster
-    if name in CLUSTER_PRESETS:
-        return CLUSTER_PRESETS[name].with_(gpus_per_node=min(n, 8))
-    try:
-        return load_cluster(name)
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"--startrail-batch-cluster {name!r}: neither a preset "
-            f"({sorted(CLUSTER_PRESETS)}) nor a cluster JSON file ({e})"
-        ) from None
+    return named_cluster(name, f"--startrail-batch-cluster {name!r}", n)
 
 
 def batch_model(args):
