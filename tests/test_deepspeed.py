@@ -758,6 +758,45 @@ def test_hybrid_rows_train_like_unpacked_documents(which, stage, use_adapter, re
     assert max(_rel(ref_params[k], init[k].detach()) for k in ref_params) > 1e3 * REL
 
 
+def test_hybrid_schedule_shards_caps_and_refuses_by_name():
+    """``HybridSchedule`` alone (no ranks): a rank's rows are its block's documents with the
+    labels shifted per document; an idle rank gets one padding token labelled -100; the
+    token cap is kept, and a row no layout keeps within it, or several rows, are refused
+    naming the setting."""
+    from startrail_megatron.deepspeed.config import StarTrailConfig
+    from startrail_megatron.deepspeed.hybrid import HybridSchedule
+
+    def schedule(**kw):
+        cfg = StarTrailConfig(strict=True, **_st(4, 2, hybrid_context_parallel=True, **kw))
+        return HybridSchedule.for_hf_model(tiny_llama(positions=256), cfg)
+
+    ids = torch.arange(64 + 64)[None] % 64
+    pos = torch.cat([torch.arange(64), torch.arange(64)])[None]
+    sched = schedule()  # h100-ib: each document alone, two ranks idle
+    rows = [sched.shard(ids, ids, pos, r) for r in range(4)]
+    lay = rows[0][1]
+    assert all(layout == lay for _, layout in rows) and sched.layouts == [lay] * 4
+    for r, (out, _) in enumerate(rows):
+        b = lay.block_of(r)
+        if not b.docs:
+            assert out["input_ids"].tolist() == [[0]] and out["shift_labels"].tolist() == [[-100]]
+            continue
+        (d,) = b.docs
+        doc = ids[0, 64 * d : 64 * d + 64]
+        assert torch.equal(out["input_ids"][0], doc)
+        assert torch.equal(out["position_ids"][0], torch.arange(64))
+        assert out["shift_labels"][0].tolist() == [*doc[1:].tolist(), -100]
+    assert sum(not b.docs for b in lay.blocks) == 2
+    capped = schedule(max_tokens_per_rank=40)  # a document of 64 needs 2 ranks or more
+    for r in range(4):
+        out, lay = capped.shard(ids, ids, pos, r)
+        assert out["input_ids"].shape[1] <= 40 and all(b.size > 1 for b in lay.blocks)
+    with pytest.raises(ValueError, match=r"startrail\.max_tokens_per_rank=16: .*no layout"):
+        schedule(max_tokens_per_rank=16).shard(ids, ids, pos, 0)
+    with pytest.raises(ValueError, match=r"hybrid_context_parallel takes one row"):
+        sched.shard(ids.expand(2, -1), ids.expand(2, -1), None, 0)
+
+
 def test_packed_position_ids_are_refused_by_name():
     """Documents packed in one row (position_ids restarting) must not train silently
     as one causal sequence; the same ids without restarts are accepted."""
