@@ -640,12 +640,14 @@ def _hybrid_cluster(which: str, tmp: str) -> str:
     return path
 
 
-def _hybrid_train(rank, world, stage, use_adapter, cluster, steps, recompute):
+def _hybrid_train(rank, world, stage, use_adapter, cluster, steps, recompute, tiled=False):
     rank_env(rank, world)
     model = tiny_llama(positions=256)
     if recompute:  # transformers' activation checkpointing: attention runs again in backward
         model.gradient_checkpointing_enable({"use_reentrant": False})
     st = _st(4, 2, hybrid_context_parallel=True, batch_cluster=cluster)
+    if tiled:  # every long-sequence option of the section at once
+        st.update(tiled_mlp=16, tiled_loss=16, attention_tile=8, attention_head_chunks=2)
     engine, _, _, _ = sds.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
         config=make_cfg(stage, dp=1, startrail=st),
@@ -683,21 +685,25 @@ def _hybrid_train(rank, world, stage, use_adapter, cluster, steps, recompute):
 
 
 @pytest.mark.parametrize(
-    "which, stage, use_adapter, recompute",
+    "which, stage, use_adapter, recompute, tiled",
     [
-        ("mixed", 1, False, False),
-        ("h100-ib", 2, True, False),
-        ("mixed", 3, True, False),
-        ("mixed", 2, False, True),
+        ("mixed", 1, False, False, False),
+        ("h100-ib", 2, True, False, False),
+        ("mixed", 3, True, False, False),
+        ("mixed", 2, False, True, False),
+        ("mixed", 2, False, False, True),
     ],
 )
-def test_hybrid_rows_train_like_unpacked_documents(which, stage, use_adapter, recompute, tmp_path):
+def test_hybrid_rows_train_like_unpacked_documents(
+    which, stage, use_adapter, recompute, tiled, tmp_path
+):
     """startrail.hybrid_context_parallel: each step's documents on the sub-groups the
     scheduler picks give the losses and parameters of the documents trained unpacked on one
     rank (1e-5), and every rank ran its block of the scheduler's layout: its local length
     (one padding token where its block is idle) and, per step, the bytes of StarTrail on
     its block (none on a rank alone): the static path (every document on all 4 ranks) fails
-    both. With activation checkpointing too (the attention again in the backward)."""
+    both. With activation checkpointing too (the attention again in the backward), and
+    with the tiled MLP and loss, attention tiles and head chunks (the same bytes)."""
     from startrail_megatron.planner.batch import schedule_batch
     from startrail_megatron.planner.cli import load_cluster
     from startrail_megatron.planner.cluster import CLUSTER_PRESETS
@@ -705,7 +711,7 @@ def test_hybrid_rows_train_like_unpacked_documents(which, stage, use_adapter, re
     steps = HYBRID_STEPS[which]
     ref_losses, ref_params = _packed_reference(steps)
     cluster = _hybrid_cluster(which, str(tmp_path))
-    res = run_ranks(4, _hybrid_train, stage, use_adapter, cluster, steps, recompute)
+    res = run_ranks(4, _hybrid_train, stage, use_adapter, cluster, steps, recompute, tiled)
     spec = (
         CLUSTER_PRESETS[cluster].with_(gpus_per_node=4)
         if cluster in CLUSTER_PRESETS
