@@ -730,7 +730,8 @@ def test_hybrid_rows_train_like_unpacked_documents(
             cluster=spec,
             team_sizes={1: 1, 2: 1, 4: 2},
             model=_layer_model(tiny_llama(positions=256)),
-        )  # fmt: skip
+            recompute=recompute,
+        )
         for docs in steps
     ]
     kinds = {(b.size, b.team_size, bool(b.docs)) for lay in want for b in lay.blocks}

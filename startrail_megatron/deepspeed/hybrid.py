@@ -89,7 +89,8 @@ class HybridSchedule:
         cls, model, config: StarTrailConfig, elem_bytes: int | None = None
     ) -> HybridSchedule:
         """The schedule of ``config`` for a transformers model (its attention heads, head
-        size and layer; ``elem_bytes``: the training dtype's, default the parameters')."""
+        size and layer, recomputed where its activation checkpointing is on at this call;
+        ``elem_bytes``: the training dtype's, default the parameters')."""
         p, cfg = config.sequence_parallel_size, model.config
         heads = int(cfg.num_attention_heads)
         cluster = batch_cluster(config.batch_cluster, p)
@@ -100,6 +101,8 @@ class HybridSchedule:
             elem_bytes=elem_bytes or next(model.parameters()).element_size(),
             cluster=cluster,
             model=_layer_model(model),
+            # transformers' activation checkpointing runs each layer's forward twice
+            recompute=bool(getattr(model, "is_gradient_checkpointing", False)),
         )
         sizes = {k: team_size_within(k, config.team_size) for k in divisors(p)}
         return cls(p, sizes, priced, config.max_tokens_per_rank)
