@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import time
 
 import deepspeed
 import torch
@@ -103,12 +104,14 @@ def main() -> None:
             bounds = [0, *sorted(cuts.tolist()), args.seq]
             pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
             batch["position_ids"] = pos.expand(micro, -1).to(engine.device)
+        began = time.perf_counter()
         loss = engine(**batch).loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        took = time.perf_counter() - began
         if torch.distributed.get_rank() == 0:
-            print(f"step {step} loss {loss.item():.6f}", flush=True)
+            print(f"step {step} loss {loss.item():.6f} ({took * 1e3:.0f} ms)", flush=True)
         if args.save and (step + 1) % args.save_interval == 0:
             save_checkpoint(
                 engine, args.save, tag=f"step{step + 1}", client_state={"step": step + 1}
