@@ -365,6 +365,11 @@ def test_launcher_runs_unmodified_script(tmp_path):
             r"startrail\.batch_cluster='h200-nowhere': neither a preset \(\['a100-eth'",
         ),
         (
+            _st(4, 2, hybrid_context_parallel=True, tiled_mlp=64),
+            {"stage": 3},
+            r"startrail\.hybrid_context_parallel with startrail\.tiled_mlp under ZeRO-3",
+        ),
+        (
             _st(4, 2, max_tokens_per_rank=64),
             {},
             r"startrail\.max_tokens_per_rank applies with startrail\.hybrid_context_parallel",
@@ -580,6 +585,7 @@ def _packed_train(rank, world, stage, use_adapter=False, flash_kwargs=False, rec
         (3, False, False, False),
         (2, True, False, False),
         (1, False, True, False),
+        (2, True, True, False),
         (2, False, False, True),
     ],
 )
@@ -804,6 +810,79 @@ def test_hybrid_schedule_shards_caps_and_refuses_by_name():
         sched.shard(ids.expand(2, -1), ids.expand(2, -1), None, 0)
 
 
+def _two_forwards_one_backward(rank, world):
+    """Activation checkpointing: a plain row's forward, then a packed row's (the same local
+    length), then their backward, in one and in two passes: each recomputed attention must
+    use its own forward's documents. Returns the max relative gradient difference of each
+    against the same without checkpointing."""
+    from startrail_megatron.deepspeed.config import StarTrailConfig
+
+    mpu = sds.StarTrailMPU.create(
+        StarTrailConfig(strict=True, enabled=True, sequence_parallel_size=4, team_size=2)
+    )
+    model = tiny_llama()
+    model.train()
+    handle = sds.prepare_hf_model(model, mpu)
+    ids = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(3))
+    plain = {"input_ids": ids, "labels": ids}
+    packed = dict(plain, position_ids=torch.cat([torch.arange(16), torch.arange(48)])[None])
+
+    def grads(together: bool) -> dict:
+        model.zero_grad()
+        losses = [model(**plain).loss, model(**packed).loss]
+        if together:
+            sum(losses).backward()
+        else:
+            for loss in losses:
+                loss.backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    ref = grads(False)  # no recompute: each attention call ran in its own forward
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    worst = [max(_rel(g[k], ref[k]) for k in ref) for g in (grads(True), grads(False))]
+    handle.remove()
+    return worst, sorted(handle.local_lengths)
+
+
+def test_checkpointed_forwards_keep_their_own_documents_in_one_backward():
+    for worst, lengths in run_ranks(4, _two_forwards_one_backward):
+        assert lengths == [16], lengths  # both rows: 16 local tokens (the silent case)
+        assert max(worst) <= 1e-5, worst
+
+
+def test_a_router_loss_that_would_count_p_times_is_refused():
+    """A mixture-of-experts model asked for its router's load-balancing loss (added to the
+    loss per rank's tokens, then summed over the P ranks) is refused before anything is
+    sent; without it (the default) it trains (test_deepspeed_models.py, GPT-OSS)."""
+    from types import SimpleNamespace
+
+    from test_deepspeed_models import build
+
+    model = build("gpt_oss", plain=True)
+    handle = sds.prepare_hf_model(model, SimpleNamespace(batch_schedule=None))
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    with pytest.raises(NotImplementedError, match="router_aux_loss_coef > 0 .* count P times"):
+        model(input_ids=ids, labels=ids, output_router_logits=True)
+    handle.remove()
+
+
+def test_the_adapter_refuses_padding_and_takes_flash_boundaries():
+    """``StarTrailDataLoaderAdapter`` refuses a padding mask (the model's pre-hook would,
+    but the adapter's batches carry no mask); its flash-attention form of a packed row is
+    trained in ``test_packed_rows_train_like_unpacked_documents``."""
+    from types import SimpleNamespace
+
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    rows = sds.StarTrailDataLoaderAdapter(
+        [{"input_ids": ids, "attention_mask": mask}], SimpleNamespace(batch_schedule=None)
+    )
+    with pytest.raises(ValueError, match="attention_mask with padding is not supported"):
+        next(iter(rows))
+
+
 def test_packed_position_ids_are_refused_by_name():
     """Documents packed in one row (position_ids restarting) must not train silently
     as one causal sequence; the same ids without restarts are accepted."""
@@ -994,6 +1073,7 @@ def _hf_call(monkeypatch, **kwargs):
         local_lengths=set(),
         packed=None,
         batch_layout=None,
+        documents_of=lambda position_ids: (None, None),
         dropout_calls=0,
     )
     setattr(module, hf._SPEC_ATTR, handle)
@@ -1274,7 +1354,7 @@ def test_bad_attention_tile_is_refused_naming_the_key(bad):
 
 def test_tiled_mlp_refusals():
     """A bad ``startrail.tiled_mlp`` is a ``ValueError`` naming the key; an MoE block is
-    refused by name (GPT-OSS' experts)."""
+    refused by name (GPT-OSS' experts), and so is an MLP that applies dropout."""
     from test_deepspeed_models import build
 
     from startrail_megatron.deepspeed.config import StarTrailConfig
@@ -1286,6 +1366,16 @@ def test_tiled_mlp_refusals():
         StarTrailConfig.from_ds_config({"startrail": _st(4, 2, tiled_mlp="auto")})
     with pytest.raises(ValueError, match="startrail.tiled_mlp: GptOssMLP is a mixture-of"):
         tile_hf_mlps(build("gpt_oss", plain=True), 2)
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+
+    coder = Starcoder2ForCausalLM(
+        Starcoder2Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, residual_dropout=0.1,
+        )
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"Starcoder2MLP applies dropout \(residual_dropout=0.1"):
+        tile_hf_mlps(coder, 2)  # TiledMLP's recompute would draw other masks
     llama = tiny_llama()
     stats = tile_hf_mlps(llama, 2)
     assert stats.layers == 2 and all("forward" in m.mlp.__dict__ for m in llama.model.layers)

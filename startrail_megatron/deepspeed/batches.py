@@ -42,6 +42,15 @@ _PACKED = (
 )
 
 
+def check_no_padding(attention_mask: Tensor | None) -> None:
+    """Refuse an attention mask with padding (all ones, or none, is accepted)."""
+    if attention_mask is not None and not bool((attention_mask == 1).all()):
+        raise ValueError(
+            "attention_mask with padding is not supported by StarTrail; pack or trim the "
+            "batch so every token is valid (an all-ones mask is accepted)"
+        )
+
+
 def check_consecutive(position_ids: Tensor, what: str) -> None:
     """Refuse position ids that do not step by one along the sequence (packed documents)."""
     if position_ids.shape[-1] > 1 and not bool((position_ids.diff(dim=-1) == 1).all()):
@@ -216,10 +225,14 @@ class StarTrailDataLoaderAdapter:
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         mpu = self.mpu
-        for batch in self.batches:
+        for given in self.batches:
+            batch = dict(given)
+            check_no_padding(batch.get("attention_mask"))
+            # flash-attention varlen kwargs (cu_seq_lens_*) become position ids
+            position_ids = position_ids_from_flash_kwargs(batch, batch["input_ids"].shape)
             if mpu.batch_schedule is not None:  # startrail.hybrid_context_parallel
                 out, layout = mpu.batch_schedule.shard(
-                    batch["input_ids"], batch.get("labels"), batch.get("position_ids"),
+                    batch["input_ids"], batch.get("labels"), position_ids,
                     mpu.get_sequence_parallel_rank(),
                 )  # fmt: skip
                 out[PACKED_KEY] = layout
@@ -230,7 +243,7 @@ class StarTrailDataLoaderAdapter:
             out, packed = shard_batch(
                 batch["input_ids"],
                 batch.get("labels"),
-                batch.get("position_ids"),
+                position_ids,
                 mpu.get_sequence_parallel_rank(),
                 mpu.get_sequence_parallel_world_size(),
             )

@@ -198,6 +198,15 @@ def initialize(
             "data_parallel_size"
         )
     _zero_settings(cfg, st)
+    if st.hybrid_context_parallel and int(cfg["zero_optimization"].get("stage", 0)) == 3:
+        tiled = [k for k in ("tiled_mlp", "tiled_loss") if getattr(st, k) is not None]
+        if tiled:  # ranks of other token counts would make other numbers of gathers
+            raise NotImplementedError(
+                f"startrail.hybrid_context_parallel with startrail.{tiled[0]} under ZeRO-3: "
+                "the ranks hold different numbers of tokens, so the tiles would gather ZeRO-3's "
+                "parameters a different number of times per rank; use ZeRO 0 - 2 or drop "
+                f"startrail.{tiled[0]}"
+            )
     from ..dit.model import DiT
     from .megatron_gpt import is_megatron_gpt
 

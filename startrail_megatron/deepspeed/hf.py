@@ -42,6 +42,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,7 @@ from ..schedule.packing import PackedLayout
 from .batches import (
     PACKED_KEY,
     check_consecutive,
+    check_no_padding,
     check_same_batch,
     loss_normalizer,
     position_ids_from_flash_kwargs,
@@ -105,9 +107,9 @@ def startrail_hf_attention(
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     extra = _window_and_sinks(bool(causal), kwargs)
     handle.local_lengths.add(query.shape[2])
-    if handle.batch_layout is not None:  # startrail.hybrid_context_parallel
-        return _batch_attention(handle, query, key, value, causal, scaling, dropout, extra)
-    packed = handle.packed
+    packed, layout = handle.documents_of(kwargs.get("position_ids"))
+    if layout is not None:  # startrail.hybrid_context_parallel
+        return _batch_attention(handle, layout, query, key, value, causal, scaling, dropout, extra)
     out = startrail_attention(
         query.permute(2, 0, 1, 3),  # [s, b, hq, d]
         key.permute(2, 0, 1, 3),  # [s, b, hkv, d]
@@ -128,9 +130,9 @@ def startrail_hf_attention(
     return out.transpose(0, 1), None  # [b, s, hq, d]
 
 
-def _batch_attention(handle, query, key, value, causal, scaling, dropout, extra):
+def _batch_attention(handle, layout, query, key, value, causal, scaling, dropout, extra):
     """``startrail_hf_attention`` under the batch's per-batch layout (``hybrid.py``)."""
-    mpu, layout = handle.mpu, handle.batch_layout
+    mpu = handle.mpu
     q, k, v = (x.permute(2, 0, 1, 3) for x in (query, key, value))  # [s, b, h, d]
     if not layout.block_of(mpu.batch_groups.cp_rank).docs:
         # an idle rank: its one padding token (hybrid.py); with 0 rows batch_attention
@@ -194,6 +196,25 @@ def _check_unsupported(seq_len: int, kwargs: dict) -> None:
             )
 
 
+def _tensors(values):
+    """The tensors among ``values``, inside tuples and lists too (``hidden_states``)."""
+    for v in values:
+        if isinstance(v, Tensor):
+            yield v
+        elif isinstance(v, (tuple, list)):
+            yield from _tensors(v)
+
+
+def _scaled(v, factor: float):
+    """``v`` with ``ScaleGrad`` on every tensor that needs a gradient, inside tuples and
+    lists too (a loss term taken from ``hidden_states`` is scaled as the loss is)."""
+    if isinstance(v, Tensor):
+        return ScaleGrad.apply(v, factor) if v.requires_grad else v
+    if isinstance(v, (tuple, list)):
+        return type(v)(_scaled(x, factor) for x in v)
+    return v
+
+
 class ScaleGrad(torch.autograd.Function):
     """Identity forward; multiplies the incoming gradient by ``factor``."""
 
@@ -247,6 +268,7 @@ class HFHandle:
     tiled_loss: object = None
     """``tiled_loss.TiledLossStats`` when the loss is tiled (``prepare_hf_model(tiled_loss=)``)."""
     _defer_logits: list = field(default_factory=list)
+    _by_positions: dict = field(default_factory=dict)
     _hooks: list = field(default_factory=list)
     _modules: list = field(default_factory=list)
 
@@ -274,11 +296,20 @@ class HFHandle:
             )
         if kwargs.get("inputs_embeds") is not None:
             raise NotImplementedError("StarTrail's HF adapter needs input_ids, not inputs_embeds")
-        mask = kwargs.pop("attention_mask", None)
-        if mask is not None and not bool((mask == 1).all()):
-            raise ValueError(
-                "attention_mask with padding is not supported by StarTrail; pack or trim the "
-                "batch so every token is valid (an all-ones mask is accepted)"
+        check_no_padding(kwargs.pop("attention_mask", None))
+        cfg = self.model.config
+        router = kwargs.get("output_router_logits")
+        router = getattr(cfg, "output_router_logits", False) if router is None else router
+        if (
+            router
+            and (kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None)
+            and getattr(cfg, "router_aux_loss_coef", 0)
+        ):
+            raise NotImplementedError(
+                "output_router_logits with router_aux_loss_coef > 0 on StarTrail: the model "
+                "adds the router's load-balancing loss of this rank's tokens to a loss that is "
+                "summed over the P sequence ranks, so it would count P times; pass "
+                "output_router_logits=False (or set router_aux_loss_coef=0)"
             )
         mpu = self.mpu
         hybrid = mpu.batch_schedule is not None
@@ -332,22 +363,49 @@ class HFHandle:
                 "with shard_inputs=False pass shift_labels (StarTrailDataLoaderAdapter gives "
                 "them), not labels: labels must be shifted over the global sequence"
             )
-        if not self.shard_inputs and given is None and kwargs.get("position_ids") is not None:
+        if not self.shard_inputs and kwargs.get("position_ids") is None:
+            raise ValueError(
+                "with shard_inputs=False pass position_ids (StarTrailDataLoaderAdapter gives "
+                "them): a shard's tokens sit at global positions, not 0, 1, 2, ..."
+            )
+        if not self.shard_inputs and given is None:
             # A zigzag shard holds two runs (chunks r and 2P-1-r): each must step by one.
             for half in kwargs["position_ids"].chunk(2, dim=-1):
                 check_consecutive(half, "position_ids (this rank's zigzag shard)")
+        self._remember_documents(kwargs.get("position_ids"))
         return args, kwargs
 
     def _set_documents(self, state: tuple) -> None:
         self.packed, self.batch_layout = state
 
+    def documents_of(self, position_ids: Tensor | None) -> tuple:
+        """(packed layout, per-batch layout) of the forward whose model input ``position_ids``
+        is (what transformers passes each attention call), else of the forward running now.
+        Activation checkpointing runs the attention again in the backward, after its forward
+        has returned and maybe after other forwards: the same position ids tensor comes
+        back, and with it that forward's documents."""
+        if position_ids is not None:
+            seen = self._by_positions.get(id(position_ids))
+            if seen is not None and seen[0]() is position_ids:
+                return seen[1]
+        return self.packed, self.batch_layout
+
+    def _remember_documents(self, position_ids: Tensor | None) -> None:
+        """Key this forward's documents by its position ids (``documents_of``); entries of
+        freed tensors go."""
+        for key in [k for k, (ref, _) in self._by_positions.items() if ref() is None]:
+            del self._by_positions[key]
+        if position_ids is not None and torch.is_grad_enabled():
+            state = (self.packed, self.batch_layout)
+            self._by_positions[id(position_ids)] = (weakref.ref(position_ids), state)
+
     def _documents_in_backward(self, items: dict) -> None:
-        """Activation checkpointing runs the attention again in the backward, after this
-        forward has returned and maybe after other forwards: each output's gradient hook
-        sets this forward's documents (packed row or per-batch layout) back when the
-        backward reaches it, and the end of that backward clears them."""
+        """For models whose attention calls do not get the position ids (``documents_of``):
+        each output's gradient hook sets this forward's documents (packed row or per-batch
+        layout) back when the backward reaches it, and the end of that backward clears
+        them (right for one forward's backward at a time)."""
         state = (self.packed, self.batch_layout)
-        if state == (None, None) or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return
 
         def restore(grad):
@@ -356,8 +414,8 @@ class HFHandle:
                 lambda: self._set_documents((None, None))
             )
 
-        for v in items.values():
-            if isinstance(v, Tensor) and v.requires_grad:
+        for v in _tensors(items.values()):
+            if v.requires_grad:
                 v.register_hook(restore)
 
     def _post_hook(self, module, args, kwargs, output):
@@ -376,9 +434,7 @@ class HFHandle:
         if loss_key in items and items[loss_key] is not None:
             items[loss_key] = _ReplicaLoss.apply(items[loss_key], self.mpu.sequence_parallel_group)
         if self.grad_scale != 1.0:
-            for k, v in items.items():
-                if isinstance(v, Tensor) and v.requires_grad:
-                    items[k] = ScaleGrad.apply(v, self.grad_scale)
+            items = {k: _scaled(v, self.grad_scale) for k, v in items.items()}
         self._documents_in_backward(items)
         # the next forward says again whether its row is packed; other calls see none
         self._set_documents((None, None))

@@ -48,6 +48,19 @@ def _is_moe(mlp: nn.Module) -> bool:
     return hasattr(mlp, "experts") or hasattr(mlp, "router") or "moe" in name or "sparse" in name
 
 
+def _mlp_dropout(mlp: nn.Module) -> str | None:
+    """What in ``mlp`` draws dropout (a ``Dropout`` with p > 0, or a positive ``*dropout*``
+    attribute its forward reads, e.g. Starcoder2's ``residual_dropout``), or None."""
+    for name, m in mlp.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return f"{name or 'the MLP'} (p={m.p})"
+    for m in mlp.modules():
+        for key, value in vars(m).items():
+            if "dropout" in key and isinstance(value, float) and value > 0:
+                return f"{key}={value}"
+    return None
+
+
 def tile_hf_mlps(model: nn.Module, tokens: int) -> TiledMLPStats:
     """Wrap the MLP of every decoder layer of ``model`` (a module with ``mlp`` beside
     ``self_attn``) in DeepSpeed's ``TiledMLP`` at ``tokens`` sequence positions per shard.
@@ -68,6 +81,13 @@ def tile_hf_mlps(model: nn.Module, tokens: int) -> TiledMLPStats:
             raise ValueError(
                 f"startrail.tiled_mlp: {type(layer.mlp).__name__} is a mixture-of-experts "
                 "block; only dense MLPs are tiled (drop startrail.tiled_mlp for this model)"
+            )
+        drop = _mlp_dropout(layer.mlp)
+        if drop is not None:  # TiledMLP recomputes without restoring the RNG: other masks
+            raise ValueError(
+                f"startrail.tiled_mlp: {type(layer.mlp).__name__} applies dropout ({drop}), "
+                "which DeepSpeed's TiledMLP would draw again, differently, in its backward "
+                "recompute (wrong gradients); set that dropout to 0 or drop startrail.tiled_mlp"
             )
     stats = TiledMLPStats(tokens=tokens)
 
