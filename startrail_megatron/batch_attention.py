@@ -56,12 +56,14 @@ class BatchGroups:
         sizes=None,
         *,
         timeout: timedelta | None = None,
+        own_rows_first: bool | None = None,
     ) -> BatchGroups:
         """Groups for every block size in ``sizes`` (default: every divisor of the CP size)
         and every team size that fits it. Every rank of the default world calls it, with
         the same arguments, at the same point; with several CP groups (one per data-parallel
         replica) each rank passes its own, and every block of every one is made. ``ValueError`` before any communication for
-        a size that does not divide the CP size."""
+        a size that does not divide the CP size. ``own_rows_first``: every group's
+        (``StarTrailGroups.create``)."""
         if not dist.is_initialized():
             raise RuntimeError("BatchGroups.create needs torch.distributed to be initialized")
         p = dist.get_world_size(cp_group)
@@ -88,7 +90,9 @@ class BatchGroups:
                     if ranks == glob and start <= rank < start + k:
                         mine = g
             for c in valid_team_sizes(k):
-                made[(k, c)] = StarTrailGroups.create(c, mine, timeout=timeout)
+                made[(k, c)] = StarTrailGroups.create(
+                    c, mine, timeout=timeout, own_rows_first=own_rows_first
+                )
         return cls(p, rank, made, cp_group)
 
     def get(self, size: int, team_size: int) -> StarTrailGroups:

@@ -654,6 +654,7 @@ def _hybrid_train(rank, world, stage, use_adapter, cluster, steps, recompute, ti
     st = _st(4, 2, hybrid_context_parallel=True, batch_cluster=cluster)
     if tiled:  # every long-sequence option of the section at once
         st.update(tiled_mlp=16, tiled_loss=16, attention_tile=8, attention_head_chunks=2)
+        st.update(own_rows_first="on")
     engine, _, _, _ = sds.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
         config=make_cfg(stage, dp=1, startrail=st),
@@ -683,6 +684,8 @@ def _hybrid_train(rank, world, stage, use_adapter, cluster, steps, recompute, ti
         after = handle.ledger.summary()
         sent.append({k: after[k] - before.get(k, 0) for k in after if k.endswith("_bytes")})
     mpu = engine.startrail_mpu
+    made = {g.own_rows_first for g in mpu.batch_groups.groups.values()}
+    assert made == {mpu.config.own_rows_first_value}, made  # the section's, on every block
     layouts = list(mpu.batch_schedule.layouts)
     proof = dict(attn=model.config._attn_implementation, cp_rank=mpu.get_sequence_parallel_rank())
     params = _full_params(engine, stage)

@@ -91,9 +91,9 @@ class StarTrailMPU:
             groups = UlyssesStarTrailGroups.create(config.ulysses_size, config.team_size, **kw)
         else:
             groups = StarTrailGroups.create(config.team_size, **kw)
-        batch = (
-            BatchGroups.create(mine, timeout=timeout) if config.hybrid_context_parallel else None
-        )
+        batch = None
+        if config.hybrid_context_parallel:
+            batch = BatchGroups.create(mine, timeout=timeout, own_rows_first=kw["own_rows_first"])
         return cls(config, mine, seq_data, groups, rank // p, world // p, batch)
 
     # ---- DeepSpeed's sequence-parallel mpu interface ------------------------
