@@ -1074,9 +1074,7 @@ def _hf_call(monkeypatch, **kwargs):
         ),
         ledger=None,
         local_lengths=set(),
-        packed=None,
-        batch_layout=None,
-        documents_of=lambda position_ids: (None, None),
+        documents=SimpleNamespace(of=lambda position_ids: None),
         dropout_calls=0,
     )
     setattr(module, hf._SPEC_ATTR, handle)

@@ -179,6 +179,19 @@ def shard_batch(input_ids, labels, position_ids, sp_rank: int, sp_size: int):
     return out, packed
 
 
+def shard_row(input_ids, labels, position_ids, mpu: StarTrailMPU):
+    """(this sequence rank's shard, the layout of its documents or None) of a full batch:
+    with ``startrail.hybrid_context_parallel`` placed by ``mpu.batch_schedule``
+    (``hybrid.py``: a ``BatchLayout``), else ``shard_batch`` (a packed row's
+    ``PackedLayout``, or None for one sequence per row)."""
+    rank = mpu.get_sequence_parallel_rank()
+    if mpu.batch_schedule is not None:
+        return mpu.batch_schedule.shard(input_ids, labels, position_ids, rank)
+    return shard_batch(
+        input_ids, labels, position_ids, rank, mpu.get_sequence_parallel_world_size()
+    )
+
+
 def loss_normalizer(shift_labels: Tensor, mpu: StarTrailMPU) -> Tensor:
     """Valid tokens of the global batch (all replicas) / D, as DeepSpeed averages over D."""
     n = (shift_labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)  # exact count
@@ -230,25 +243,9 @@ class StarTrailDataLoaderAdapter:
             check_no_padding(batch.get("attention_mask"))
             # flash-attention varlen kwargs (cu_seq_lens_*) become position ids
             position_ids = position_ids_from_flash_kwargs(batch, batch["input_ids"].shape)
-            if mpu.batch_schedule is not None:  # startrail.hybrid_context_parallel
-                out, layout = mpu.batch_schedule.shard(
-                    batch["input_ids"], batch.get("labels"), position_ids,
-                    mpu.get_sequence_parallel_rank(),
-                )  # fmt: skip
-                out[PACKED_KEY] = layout
-                if "shift_labels" in out:
-                    out["num_items_in_batch"] = loss_normalizer(out["shift_labels"], mpu)
-                yield out
-                continue
-            out, packed = shard_batch(
-                batch["input_ids"],
-                batch.get("labels"),
-                position_ids,
-                mpu.get_sequence_parallel_rank(),
-                mpu.get_sequence_parallel_world_size(),
-            )
-            if packed is not None:
-                out[PACKED_KEY] = packed  # the prepared model's pre-hook takes it out
+            out, layout = shard_row(batch["input_ids"], batch.get("labels"), position_ids, mpu)
+            if layout is not None:
+                out[PACKED_KEY] = layout  # the prepared model's pre-hook takes it out
             if "shift_labels" in out:
                 out["num_items_in_batch"] = loss_normalizer(out["shift_labels"], mpu)
             yield out

@@ -28,8 +28,8 @@
    ``startrail.hybrid_context_parallel`` a row's documents are placed on sub-groups of
    the P ranks instead (``hybrid.py``) and every layer runs ``batch_attention``. Scripts
    that shard in their data loader (``StarTrailDataLoaderAdapter``, which does the same
-   for packed rows) use ``shard_inputs=False``. The row's documents stay set for the
-   backward of its forward (activation checkpointing runs the attention again there).
+   for packed rows) use ``shard_inputs=False``. Each forward's documents stay known to its
+   backward (activation checkpointing runs the attention again there; ``documents.py``).
 3. Loss: transformers' causal-LM loss is given ``shift_labels`` and
    ``num_items_in_batch`` = (valid tokens of the global batch) / D, so each
    rank's loss is (its token-loss sum) / that count: the sequence ranks'
@@ -42,7 +42,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,8 +62,9 @@ from .batches import (
     check_same_batch,
     loss_normalizer,
     position_ids_from_flash_kwargs,
-    shard_batch,
+    shard_row,
 )
+from .documents import ForwardDocuments
 from .hybrid import idle_attention
 from .mpu import StarTrailMPU
 
@@ -107,9 +107,9 @@ def startrail_hf_attention(
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     extra = _window_and_sinks(bool(causal), kwargs)
     handle.local_lengths.add(query.shape[2])
-    packed, layout = handle.documents_of(kwargs.get("position_ids"))
-    if layout is not None:  # startrail.hybrid_context_parallel
-        return _batch_attention(handle, layout, query, key, value, causal, scaling, dropout, extra)
+    packed = handle.documents.of(kwargs.get("position_ids"))
+    if isinstance(packed, BatchLayout):  # startrail.hybrid_context_parallel
+        return _batch_attention(handle, packed, query, key, value, causal, scaling, dropout, extra)
     out = startrail_attention(
         query.permute(2, 0, 1, 3),  # [s, b, hq, d]
         key.permute(2, 0, 1, 3),  # [s, b, hkv, d]
@@ -196,15 +196,6 @@ def _check_unsupported(seq_len: int, kwargs: dict) -> None:
             )
 
 
-def _tensors(values):
-    """The tensors among ``values``, inside tuples and lists too (``hidden_states``)."""
-    for v in values:
-        if isinstance(v, Tensor):
-            yield v
-        elif isinstance(v, (tuple, list)):
-            yield from _tensors(v)
-
-
 def _scaled(v, factor: float):
     """``v`` with ``ScaleGrad`` on every tensor that needs a gradient, inside tuples and
     lists too (a loss term taken from ``hidden_states`` is scaled as the loss is)."""
@@ -256,11 +247,10 @@ class HFHandle:
     """Every transfer StarTrail's attention made on this rank (bytes and calls, fwd/bwd)."""
     local_lengths: set = field(default_factory=set)
     """The sequence lengths the attention saw on this rank (S/P when sharding works)."""
-    packed: PackedLayout | None = None
-    """The documents of the packed row in the forward now running (None: not packed)."""
-    batch_layout: BatchLayout | None = None
-    """The per-batch layout of the forward now running (``startrail.hybrid_context_parallel``;
-    ``hybrid.py``), else None."""
+    documents: ForwardDocuments = field(default_factory=ForwardDocuments)
+    """The layout of each forward's documents (``documents.py``): a packed row's
+    ``PackedLayout``, the per-batch ``BatchLayout`` (``startrail.hybrid_context_parallel``;
+    ``hybrid.py``), or None."""
     dropout_calls: int = 0
     """Attention calls that ran attention dropout on this rank."""
     tiled_mlp: object = None
@@ -268,7 +258,6 @@ class HFHandle:
     tiled_loss: object = None
     """``tiled_loss.TiledLossStats`` when the loss is tiled (``prepare_hf_model(tiled_loss=)``)."""
     _defer_logits: list = field(default_factory=list)
-    _by_positions: dict = field(default_factory=dict)
     _hooks: list = field(default_factory=list)
     _modules: list = field(default_factory=list)
 
@@ -330,24 +319,12 @@ class HFHandle:
                 f"startrail.hybrid_context_parallel with shard_inputs=False: feed batches from "
                 f"StarTrailDataLoaderAdapter, which gives each its layout ({PACKED_KEY})"
             )
-        self.packed, self.batch_layout = (None, given) if hybrid else (given, None)
+        layout = given
         if self.shard_inputs:
             ids = kwargs["input_ids"]
             check_same_batch(ids, mpu.sequence_parallel_group)
             position_ids = position_ids_from_flash_kwargs(kwargs, ids.shape)
-            rank = mpu.get_sequence_parallel_rank()
-            if hybrid:
-                shard, self.batch_layout = mpu.batch_schedule.shard(
-                    ids, kwargs.get("labels"), position_ids, rank
-                )
-            else:
-                shard, self.packed = shard_batch(
-                    ids,
-                    kwargs.get("labels"),
-                    position_ids,
-                    rank,
-                    mpu.get_sequence_parallel_world_size(),
-                )
+            shard, layout = shard_row(ids, kwargs.get("labels"), position_ids, mpu)
             kwargs.update(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
             if "shift_labels" in shard:
                 kwargs["shift_labels"] = shard["shift_labels"]
@@ -372,51 +349,8 @@ class HFHandle:
             # A zigzag shard holds two runs (chunks r and 2P-1-r): each must step by one.
             for half in kwargs["position_ids"].chunk(2, dim=-1):
                 check_consecutive(half, "position_ids (this rank's zigzag shard)")
-        self._remember_documents(kwargs.get("position_ids"))
+        self.documents.start(layout, kwargs.get("position_ids"))
         return args, kwargs
-
-    def _set_documents(self, state: tuple) -> None:
-        self.packed, self.batch_layout = state
-
-    def documents_of(self, position_ids: Tensor | None) -> tuple:
-        """(packed layout, per-batch layout) of the forward whose model input ``position_ids``
-        is (what transformers passes each attention call), else of the forward running now.
-        Activation checkpointing runs the attention again in the backward, after its forward
-        has returned and maybe after other forwards: the same position ids tensor comes
-        back, and with it that forward's documents."""
-        if position_ids is not None:
-            seen = self._by_positions.get(id(position_ids))
-            if seen is not None and seen[0]() is position_ids:
-                return seen[1]
-        return self.packed, self.batch_layout
-
-    def _remember_documents(self, position_ids: Tensor | None) -> None:
-        """Key this forward's documents by its position ids (``documents_of``); entries of
-        freed tensors go."""
-        for key in [k for k, (ref, _) in self._by_positions.items() if ref() is None]:
-            del self._by_positions[key]
-        if position_ids is not None and torch.is_grad_enabled():
-            state = (self.packed, self.batch_layout)
-            self._by_positions[id(position_ids)] = (weakref.ref(position_ids), state)
-
-    def _documents_in_backward(self, items: dict) -> None:
-        """For models whose attention calls do not get the position ids (``documents_of``):
-        each output's gradient hook sets this forward's documents (packed row or per-batch
-        layout) back when the backward reaches it, and the end of that backward clears
-        them (right for one forward's backward at a time)."""
-        state = (self.packed, self.batch_layout)
-        if not torch.is_grad_enabled():
-            return
-
-        def restore(grad):
-            self._set_documents(state)
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._set_documents((None, None))
-            )
-
-        for v in _tensors(items.values()):
-            if v.requires_grad:
-                v.register_hook(restore)
 
     def _post_hook(self, module, args, kwargs, output):
         # return_dict=True gives a ModelOutput (a mapping); return_dict=False a tuple whose
@@ -435,9 +369,7 @@ class HFHandle:
             items[loss_key] = _ReplicaLoss.apply(items[loss_key], self.mpu.sequence_parallel_group)
         if self.grad_scale != 1.0:
             items = {k: _scaled(v, self.grad_scale) for k, v in items.items()}
-        self._documents_in_backward(items)
-        # the next forward says again whether its row is packed; other calls see none
-        self._set_documents((None, None))
+        self.documents.end(items.values())  # the next forward says again what its row holds
         if isinstance(output, Mapping):
             for k, v in items.items():
                 output[k] = v
