@@ -99,7 +99,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .comm import CommLedger, CommOptions, TeamComm
 from .groups import StarTrailGroups, UlyssesStarTrailGroups
@@ -112,6 +111,7 @@ from .validation import (
     check_comm_options,
     check_joint_kv,
     check_options,
+    first_order_only,
     packed_layout,
     validate_inputs,
 )
@@ -173,7 +173,7 @@ class _StarTrailAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # no double backward: an error, not silently wrong gradients
+    @first_order_only("startrail_attention")
     def backward(ctx, dout):
         out, *saved, sinks, joint_k, joint_v = ctx.saved_tensors
         if ctx.ledger is not None:
@@ -326,7 +326,7 @@ def startrail_attention(
     comm_options = check_comm_options(comm_options, q, groups.own_rows_first)
     kern, scale = resolve_kernel(q, kernel, softmax_scale, **opts.kernel_needs)
     agree_once(
-        groups, q, k, bool(causal), packed, opts, sinks is not None,
+        groups, q, k, bool(causal), packed, opts, sinks is not None, scale=scale,
         joint_tokens=0 if jk is None else jk.shape[0],
     )  # fmt: skip
     return _StarTrailAttention.apply(
@@ -354,7 +354,7 @@ def _ulysses_startrail(
     comm_options = check_comm_options(comm_options, q, groups.own_rows_first)
     # the kernel is chosen (and refused by name where it lacks a variant) before any transfer
     kern, scale = resolve_kernel(q, kernel, softmax_scale, **opts.kernel_needs)
-    agree_once(groups, q, k, bool(causal), packed, opts, sinks is not None)
+    agree_once(groups, q, k, bool(causal), packed, opts, sinks is not None, scale=scale)
     if packed is not None:
         docs = tuple(2 * packed.chunk_len(d) for d in range(packed.num_docs))
     elif causal or opts.window is not None:

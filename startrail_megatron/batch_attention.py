@@ -121,7 +121,7 @@ def shard_batch(x: Tensor, layout: BatchLayout, rank: int, fill: float = 0) -> T
     (``[sum(lengths), ...]``): its block's documents packed and zigzag-sharded over the
     block (``zigzag.shard_packed``; ``fill`` on the padding, e.g. -100 for labels)."""
     b = layout.block_of(rank)
-    if not b.docs:  # an idle block: no rows
+    if layout.idle(b):  # no rows
         return x[:0]
     packed = layout.packed(b)
     return shard_packed(_block_docs(x, layout, b.docs), packed, rank - b.start, fill=fill)
@@ -135,7 +135,7 @@ def unshard_batch(parts, layout: BatchLayout) -> Tensor:
     for length in layout.lengths:
         cu.append(cu[-1] + length)
     for b in layout.blocks:
-        if not b.docs:
+        if layout.idle(b):
             continue
         packed = layout.packed(b)
         whole = unshard_packed([parts[r] for r in b.ranks], packed)
@@ -173,7 +173,7 @@ def batch_attention(
     layout is for another number of ranks, or its local rows do not match ``q``, and on
     every rank where the ranks pass different layouts (one tiny all-reduce over the group
     the first time a rank sees a layout). Every rank of the group calls it, a rank whose
-    block holds no document too (with its 0 rows: it joins that check, and returns them)."""
+    block holds no token too (with its 0 rows: it joins that check, and returns them)."""
     if layout.cp_size != groups.cp_size:
         raise ValueError(
             f"the layout is for {layout.cp_size} ranks; the groups span {groups.cp_size}"
@@ -183,11 +183,11 @@ def batch_attention(
             raise ValueError(f"{name} comes from the layout; do not pass it to batch_attention")
     _agree_on_layout(layout, groups, q.device)
     b = layout.block_of(groups.cp_rank)
-    if not b.docs:  # an idle block: nothing to attend, nothing sent
+    if layout.idle(b):  # nothing to attend, nothing sent
         if q.shape[0]:
             raise ValueError(
                 f"q has {q.shape[0]} rows; rank {groups.cp_rank}'s block of the layout holds "
-                "no document (shard_batch gives 0 rows)"
+                "no token (shard_batch gives 0 rows)"
             )
         return q.clone()
     packed = layout.packed(b)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .attention import startrail_attention
 from .comm import CommLedger, TeamComm, check_agreement
@@ -43,7 +42,7 @@ from .groups import StarTrailGroups
 from .kernels import AttentionKernel, acc_dtype, resolve_kernel
 from .rank import real_rows
 from .schedule.packing import PackedLayout
-from .validation import check_softcap, packed_layout
+from .validation import check_softcap, first_order_only, packed_layout
 
 __all__ = ["joint_attention", "replicated_query_attention"]
 
@@ -88,7 +87,7 @@ class _ReplicatedQueries(torch.autograd.Function):
         return out.to(q_txt.dtype)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("joint_attention")
     def backward(ctx, dout):
         q_txt, kk, vv, out, lse_tot, real = ctx.saved_tensors
         groups, ledger = ctx.groups, ctx.ledger

@@ -27,14 +27,19 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .comm import CommLedger, CommOptions
 from .comm.in_process import Baton, InProcessP2P, InProcessTeam, InProcessWorld
 from .kernels import AttentionKernel, resolve_kernel
 from .rank import RankCall, startrail_rank_backward, startrail_rank_forward
 from .schedule.layout import Placement, StarTrailLayout
-from .validation import check_comm_options, check_options, packed_layout, validate_inputs
+from .validation import (
+    check_comm_options,
+    check_options,
+    first_order_only,
+    packed_layout,
+    validate_inputs,
+)
 
 __all__ = ["RankTimer", "one_process_attention"]
 
@@ -165,7 +170,7 @@ class _OneProcess(torch.autograd.Function):
         return tuple(res[0] for res in results)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("one_process_attention")
     def backward(ctx, *douts):
         run, calls, world = ctx.run, ctx.calls, ctx.world
         p = run["layout"].cp_size

@@ -10,6 +10,7 @@ disagree raise instead of hanging).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -28,11 +29,43 @@ from .schedule.packing import PackedLayout
 __all__ = [
     "AttnOptions",
     "agree_once",
+    "first_order_only",
     "check_joint_kv",
     "check_options",
     "packed_layout",
     "validate_inputs",
 ]
+
+
+def first_order_only(what: str):
+    """Decorates an autograd Function's ``backward`` whose gradients are not themselves
+    differentiable (transfers between ranks, kernels' saved statistics, an inner
+    ``torch.autograd.grad``): a backward asked to build a graph (``create_graph=True``: a
+    double backward, a gradient penalty) raises a ``RuntimeError`` naming ``what``.
+    ``torch.autograd.function.once_differentiable`` is not enough: it raises only where the
+    incoming gradient requires one, so a loss linear in the output (a frozen projection)
+    got gradients whose second-order terms were silently missing. Autograd runs a backward
+    with grad mode on exactly where ``create_graph=True``; a plain backward, activation
+    checkpointing's included, runs it off."""
+
+    def wrap(backward):
+        @functools.wraps(backward)
+        def checked(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"{what} has no double backward: its gradients are not differentiable, "
+                    "so a backward with create_graph=True (a gradient penalty, a Hessian "
+                    "product) would miss their second-order terms; take the gradients "
+                    "without create_graph"
+                )
+            return backward(ctx, *grads)
+
+        return checked
+
+    return wrap
+
+
+_DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
 
 def validate_inputs(q: Tensor, k: Tensor, v: Tensor, cp_size: int, causal: bool) -> None:
@@ -49,6 +82,10 @@ def validate_inputs(q: Tensor, k: Tensor, v: Tensor, cp_size: int, causal: bool)
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in _DTYPE_CODES:  # fp8: the merges and kernels would run at its precision
+        raise ValueError(
+            f"q, k, v are {q.dtype}; StarTrail takes float64, float32, float16 or bfloat16"
+        )
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
@@ -70,9 +107,6 @@ def validate_inputs(q: Tensor, k: Tensor, v: Tensor, cp_size: int, causal: bool)
             f"2*cp_size = {2 * cp_size} equal chunks, i.e. an even s_local; got s_local={s} "
             f"(sequence length {s * cp_size})"
         )
-
-
-_DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
 
 def check_dropout(dropout_p) -> float:
@@ -272,12 +306,14 @@ def agree_once(
     options: AttnOptions = NO_OPTIONS,
     sinks: bool = False,
     *,
+    scale: float,
     joint_tokens: int = 0,
 ) -> None:
     """Check, the first time this rank sees a call setting, that every CP rank has the same.
 
     Ranks that disagree on the local length, batch, heads, head_dim, dtype,
-    causal, dropout_p, window, softcap, sinks, joint tokens, head chunks or the packed documents (or on C, placement, P, U through their groups)
+    causal, softmax scale (the resolved ``scale``: partials at different scales would
+    merge into a wrong output, silently), dropout_p, window, softcap, sinks, joint tokens, head chunks or the packed documents (or on C, placement, P, U through their groups)
     would post mismatched
     transfers and hang until the group's timeout; instead every rank raises the
     same ``ValueError`` naming what differs. One tiny all-reduce, and one device
@@ -295,7 +331,7 @@ def agree_once(
         "heads_q": hq,
         "heads_kv": hkv,
         "head_dim": d,
-        "dtype": _DTYPE_CODES.get(q.dtype, 99),
+        "dtype": _DTYPE_CODES[q.dtype],
         "causal": int(causal),
         "cp_size": lay.cp_size,
         "team_size": lay.team_size,
@@ -306,7 +342,8 @@ def agree_once(
         "dropout_p (1e-9)": round(options.dropout_p * 1e9),
         "window left (-1: none)": -1 if window is None or window[0] is None else window[0],
         "window right (-1: none)": -1 if window is None or window[1] is None else window[1],
-        "softcap (float64 bits)": struct.unpack("<q", struct.pack("<d", options.softcap))[0],
+        "softmax_scale (float64 bits)": _float_bits(scale),
+        "softcap (float64 bits)": _float_bits(options.softcap),
         "sinks": int(sinks),
         "joint tokens": joint_tokens,
         "head_chunks": options.head_chunks,
@@ -318,6 +355,11 @@ def agree_once(
         return
     check_agreement(groups.cp_group, fields, q.device)
     groups.agreed.add(key)
+
+
+def _float_bits(x: float) -> int:
+    """``x``'s float64 bits as an integer: equal exactly where the floats are."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def packed_layout(

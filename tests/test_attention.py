@@ -236,6 +236,9 @@ def _bad_inputs(rank, world):
             ledger=ledger,
         ),
         "dtype": lambda: st.startrail_attention(ok, ok.float(), ok, groups, ledger=ledger),
+        "fp8": lambda: st.startrail_attention(
+            *(ok.to(torch.float8_e4m3fn),) * 3, groups, ledger=ledger
+        ),
         "device": lambda: st.startrail_attention(
             ok, ok.to("meta"), ok.to("meta"), groups, ledger=ledger
         ),
@@ -269,6 +272,7 @@ def test_bad_inputs_raise_before_communication():
         "odd": "2*cp_size = 8 equal chunks",
         "heads": "query heads (6) must be a multiple of key/value heads (4)",
         "dtype": "dtypes differ",
+        "fp8": "are torch.float8_e4m3fn; StarTrail takes float64, float32, float16 or bfloat16",
         "device": "devices differ",
         "rank": "must have 4 dims",
         "groups": "groups must be a StarTrailGroups",
@@ -343,3 +347,44 @@ def test_reorder_chunks_in_place_matches_the_copy():
     uneven = torch.randn(10, 3)  # chunks of 4, 4, 2 rows, as reorder_chunks cuts them
     want = reorder_chunks(uneven, [2, 0, 1]).clone()
     assert torch.equal(reorder_chunks_(uneven, [2, 0, 1]), want)
+
+
+def _double_backward(rank, world):
+    """Each attention Function asked for a graph of its gradients (create_graph=True, e.g.
+    a gradient penalty) with a loss linear in its output (a frozen projection): a
+    ``RuntimeError`` naming it; ``once_differentiable`` let this through, and the second-
+    order terms were silently missing. A plain backward of the same call still runs."""
+    from startrail_megatron import peers
+    from startrail_megatron.joint import joint_attention
+
+    torch.manual_seed(rank)
+    x = torch.randn(S_LOCAL, 1, 4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(2, 1, 4, 8, dtype=torch.float64)
+    split = st.UlyssesStarTrailGroups.create(2, 1)
+    calls = {
+        "startrail_attention": lambda q: st.startrail_attention(q, x, x, groups_for(2)),
+        "the 2-D split's all-to-all": lambda q: st.startrail_attention(q, x, x, split),
+        "joint_attention": lambda q: joint_attention(t, t, t, q[:2], x[:2], x[:2], groups_for(2))[
+            1
+        ],
+        "allgather_attention": lambda q: peers.allgather_attention(q, x, x),
+        "ulysses_attention": lambda q: peers.ulysses_attention(q, x, x),
+    }
+    msgs = {}
+    for name, call in calls.items():
+        out = call(x @ w)
+        try:
+            torch.autograd.grad((out * 2).sum(), x, create_graph=True)
+            msgs[name] = None
+        except RuntimeError as e:
+            msgs[name] = str(e)
+        (g,) = torch.autograd.grad(call(x @ w).sum(), w)
+        assert torch.isfinite(g).all()
+    return msgs
+
+
+def test_a_backward_that_builds_a_graph_is_refused_by_name():
+    for msgs in run_ranks(4, _double_backward):
+        for name, msg in msgs.items():
+            assert msg is not None and f"{name} has no double backward" in msg, (name, msg)

@@ -76,7 +76,7 @@ def test_bad_arguments_raise_before_communication():
 def _disagree(rank, world, what):
     """Rank 0 calls with another setting than ranks 1-3; every rank must raise, none hang."""
     groups = st.StarTrailGroups.create(2)  # fresh: no setting checked yet
-    s, dtype, causal = 4, torch.float64, True
+    s, dtype, causal, scale = 4, torch.float64, True, None
     if rank == 0:
         if what == "s_local":
             s = 6
@@ -84,10 +84,12 @@ def _disagree(rank, world, what):
             dtype = torch.float32
         elif what == "causal":
             causal = False
+        elif what == "softmax_scale":  # partials at two scales would merge, silently wrong
+            scale = 0.5
     x = torch.randn(s, 2, 4, D, dtype=dtype)
     ledger = st.CommLedger()
     try:
-        st.startrail_attention(x, x, x, groups, causal=causal, ledger=ledger)
+        st.startrail_attention(x, x, x, groups, causal=causal, softmax_scale=scale, ledger=ledger)
         return None, len(ledger.events)
     except ValueError as e:
         return str(e), len(ledger.events)
@@ -95,7 +97,12 @@ def _disagree(rank, world, what):
 
 @pytest.mark.parametrize(
     "what, text",
-    [("s_local", "s_local (4 to 6)"), ("dtype", "dtype (0 to 1)"), ("causal", "causal (0 to 1)")],
+    [
+        ("s_local", "s_local (4 to 6)"),
+        ("dtype", "dtype (0 to 1)"),
+        ("causal", "causal (0 to 1)"),
+        ("softmax_scale", "softmax_scale (float64 bits)"),
+    ],
 )
 def test_ranks_that_disagree_all_raise(what, text):
     t0 = time.monotonic()

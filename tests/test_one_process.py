@@ -151,6 +151,10 @@ def test_saved_tensors_own_their_storage_and_no_double_backward():
     assert len(saved) == 4 * p
     for t in saved:
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), t.shape
-    (g,) = torch.autograd.grad((outs[0] ** 2).sum(), leaves[0][0], create_graph=True)
-    with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
-        g.sum().backward()
+    # A loss linear in the output (a frozen projection): once_differentiable let this
+    # through, and the gradient penalty's second-order terms were silently missing.
+    w = torch.randn_like(outs[0])
+    with pytest.raises(RuntimeError, match="one_process_attention has no double backward"):
+        torch.autograd.grad((outs[0] * w).sum(), leaves[0][0], create_graph=True)
+    with pytest.raises(RuntimeError, match="one_process_attention has no double backward"):
+        torch.autograd.grad((outs[0] ** 2).sum(), leaves[0][0], create_graph=True)

@@ -134,7 +134,7 @@ def _batch_attention(handle, layout, query, key, value, causal, scaling, dropout
     """``startrail_hf_attention`` under the batch's per-batch layout (``hybrid.py``)."""
     mpu = handle.mpu
     q, k, v = (x.permute(2, 0, 1, 3) for x in (query, key, value))  # [s, b, h, d]
-    if not layout.block_of(mpu.batch_groups.cp_rank).docs:
+    if layout.idle(layout.block_of(mpu.batch_groups.cp_rank)):
         # an idle rank: its one padding token (hybrid.py); with 0 rows batch_attention
         # sends nothing but joins the ranks' check of the layout
         batch_attention(q[:0], k[:0], v[:0], layout, mpu.batch_groups, causal=bool(causal))

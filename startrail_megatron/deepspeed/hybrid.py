@@ -156,7 +156,7 @@ class HybridSchedule:
                 end += n
                 shifted[end - 1] = IGNORE_INDEX
             rows["shift_labels"] = (shifted, IGNORE_INDEX)
-        idle = not layout.block_of(cp_rank).docs
+        idle = layout.idle(layout.block_of(cp_rank))
         out = {}
         for key, (x, fill) in rows.items():
             local = shard_batch(x, layout, cp_rank, fill=fill)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.contract import acc_dtype
+from ..validation import first_order_only
 
 __all__ = ["TileStats", "sequence_tiled"]
 
@@ -67,6 +68,9 @@ class _SequenceTiled(torch.autograd.Function):
         return torch.cat(outs)
 
     @staticmethod
+    @first_order_only(
+        "the sequence-tiled MLP or loss (--startrail-tiled-mlp, --startrail-tiled-loss)"
+    )
     def backward(ctx, grad):
         hidden, *params = ctx.saved_tensors
         tile = ctx.tile

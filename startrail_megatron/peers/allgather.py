@@ -17,7 +17,7 @@ from torch import Tensor
 from ..comm import CommLedger, CommOptions, TeamComm
 from ..kernels import AttentionKernel, acc_dtype, merge_partial, resolve_kernel
 from ..schedule import allgather_calls
-from ..validation import check_comm_options, validate_inputs
+from ..validation import check_comm_options, first_order_only, validate_inputs
 from ..zigzag import inverse_order, reorder_chunks
 from .common import cp_rank_and_size, natural_order
 
@@ -47,6 +47,7 @@ class _AllGatherAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only("allgather_attention")
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cp_group, causal, scale, kernel, ledger, rank, p, options = ctx.cfg

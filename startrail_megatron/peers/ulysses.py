@@ -18,7 +18,7 @@ from torch import Tensor
 from ..accounting import ulysses_supported
 from ..comm import CommLedger, CommOptions, tap_all_to_all
 from ..kernels import AttentionKernel, resolve_kernel
-from ..validation import check_comm_options, validate_inputs
+from ..validation import check_comm_options, first_order_only, validate_inputs
 from ..zigzag import inverse_order, reorder_chunks
 from .common import cp_rank_and_size, natural_order
 
@@ -36,6 +36,7 @@ class _LocalAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only("ulysses_attention")
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         causal, scale, kernel = ctx.cfg

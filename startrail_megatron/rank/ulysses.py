@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..comm import CommLedger, TeamComm
+from ..validation import first_order_only
 
 __all__ = ["HeadsToSeq", "SeqToHeads"]
 
@@ -77,6 +78,7 @@ class SeqToHeads(torch.autograd.Function):
         return tuple(_ring_rows(h.wait(), runs) for h in handles)
 
     @staticmethod
+    @first_order_only("the 2-D split's all-to-all")
     def backward(ctx, *grads):
         _phase(ctx.ledger, "bwd")
         handles = [
@@ -97,6 +99,7 @@ class HeadsToSeq(torch.autograd.Function):
         return _seq_done(_to_seq_start(comm, y, runs, name).wait(), comm.size)
 
     @staticmethod
+    @first_order_only("the 2-D split's all-to-all")
     def backward(ctx, grad):
         _phase(ctx.ledger, "bwd")
         recv = _to_heads_start(ctx.comm, grad, "d" + ctx.name).wait()

@@ -165,6 +165,11 @@ class BatchLayout:
                 return b
         raise ValueError(f"rank {rank} is not below cp_size {self.cp_size}")
 
+    def idle(self, block: BatchBlock) -> bool:
+        """Whether ``block`` holds no token (no document, or documents of length 0 only):
+        its ranks have no rows to attend, and send nothing."""
+        return not any(self.lengths[d] for d in block.docs)
+
     def packed(self, block: BatchBlock) -> PackedLayout:
         """The packed layout of ``block``'s documents over its ranks (``pack_lengths``)."""
         return pack_lengths([self.lengths[d] for d in block.docs], block.size)
