@@ -42,10 +42,18 @@ def main() -> None:
         help="documents per row, packed: cut at random points, position_ids restarting at 0 "
         "for each (transformers' DataCollatorWithFlattening layout; one row per micro-batch)",
     )
+    ap.add_argument(
+        "--attention-dropout", type=float, default=0.0, help="the model's attention dropout"
+    )
     ap.add_argument("--out", default=None, help="write this rank's losses as JSON here")
     ap.add_argument("--save", default=None, help="save a checkpoint here")
     ap.add_argument("--save-interval", type=int, default=1, help="steps between saves")
     ap.add_argument("--load", default=None, help="resume from this folder's latest checkpoint")
+    ap.add_argument(
+        "--no-load-rng",
+        action="store_true",
+        help="with --load, keep the seeded generators instead of the saved ones",
+    )
     ap.add_argument(
         "--distributed-timeout-minutes",
         type=float,
@@ -64,6 +72,7 @@ def main() -> None:
         max_position_embeddings=max(64, args.seq),
         tie_word_embeddings=False,
         attn_implementation="sdpa",
+        attention_dropout=args.attention_dropout,
     )
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))
     if get_accelerator().device_name() == "cuda" and local_rank >= 0:
@@ -90,7 +99,7 @@ def main() -> None:
     if args.load or args.save:
         from startrail_megatron.deepspeed import load_checkpoint, save_checkpoint
     if args.load:
-        _, client = load_checkpoint(engine, args.load)
+        _, client = load_checkpoint(engine, args.load, load_rng_states=not args.no_load_rng)
         start = client["step"] if client else 0
     for step in range(args.steps):
         ids = torch.randint(0, cfg.vocab_size, (replicas * micro, args.seq), generator=g)

@@ -28,6 +28,7 @@ import pickle
 import shutil
 from collections.abc import Callable, Iterator
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
@@ -35,9 +36,13 @@ __all__ = [
     "check_pickle_globals",
     "commit",
     "complete_checkpoints",
+    "generator_states",
+    "load_rng_states",
     "naming_save_failures",
     "read_tracker",
     "refuse_lost_tracker",
+    "restore_generators",
+    "save_rng_states",
     "sha256",
     "verify_manifest",
     "write_durably",
@@ -47,6 +52,53 @@ __all__ = [
 MANIFEST = "checksums.json"
 """A checkpoint folder's list of its files with their SHA-256 (written last, before the
 folder is renamed to its final name)."""
+
+
+def _rng_file(folder: str) -> str:
+    return os.path.join(folder, "rng", f"rank{dist.get_rank():05d}.pt")
+
+
+def generator_states() -> dict:
+    """This rank's torch generators: the CPU one, and the current CUDA device's where CUDA
+    is in use (a framework adds its own, e.g. megatron-core's RNG tracker)."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_generators(state: dict) -> None:
+    """Put back what ``generator_states`` took (other keys are the caller's)."""
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_rng_states(folder: str, state: dict) -> None:
+    """Every rank: its generator states into ``folder/rng/rankNNNNN.pt`` (hashed with the
+    rest by ``write_manifest``; a rank's draws depend on its own shapes, so each keeps its
+    own). Dropout draws from them: a resume that restores them draws the masks the
+    uninterrupted run would."""
+    os.makedirs(os.path.join(folder, "rng"), exist_ok=True)
+    torch.save(state, _rng_file(folder))
+
+
+def load_rng_states(folder: str, manifest: dict, ranks: dict, setting: str) -> dict | None:
+    """This rank's saved generator states, where ``manifest["rng"]`` (what the saving run
+    recorded of its ranks) equals ``ranks`` (this run's): elsewhere they would be another
+    rank's draws, and rank 0 says the generators start from the seed (``None``). Read
+    weights-only (tensors and plain containers)."""
+    saved = manifest.get("rng")
+    why = None
+    if saved is None:
+        why = "it holds no generator states (saved by an older version)"
+    elif saved != ranks:
+        why = f"its generator states are of other ranks ({saved}; this run: {ranks})"
+    if why is None:
+        return torch.load(_rng_file(folder), map_location="cpu", weights_only=True)
+    if dist.get_rank() == 0:
+        print(f"note: {setting} {folder}: {why}; dropout draws start from the seed", flush=True)
+    return None
 
 
 def sha256(path: str) -> str:

@@ -19,6 +19,9 @@ from ds_common import ds_config as make_cfg
 from harness import run_ranks
 
 STEPS = 4
+DROP = ("--attention-dropout", "0.3")
+"""Every run here trains with attention dropout: a resume is bitwise only where each rank's
+generators come back with the checkpoint (DeepSpeed's engine keeps none)."""
 SCRIPT = os.path.join(REPO, "scripts", "train_tiny_llama.py")
 
 
@@ -65,13 +68,14 @@ def saved(tmp_path_factory):
     cfg_path = tmp / "ds.json"
     cfg_path.write_text(json.dumps(cfg))
     save = tmp / "ckpt"
-    res = run_ranks(4, _train, str(cfg_path), str(tmp / "out"), None, "--save", str(save))
+    res = run_ranks(4, _train, str(cfg_path), str(tmp / "out"), None, "--save", str(save), *DROP)
     assert all(isinstance(r, dict) and r["startrail"] for r in res), res
     return {"cfg": str(cfg_path), "save": save, "losses": res[0]["losses"]}
 
 
-def _resume(tmp, saved, folder):
-    return run_ranks(4, _train, saved["cfg"], str(tmp / "out2"), None, "--load", str(folder))
+def _resume(tmp, saved, folder, *extra):
+    out = str(tmp / "out2")
+    return run_ranks(4, _train, saved["cfg"], out, None, "--load", str(folder), *DROP, *extra)
 
 
 def test_the_saves_are_complete_and_a_resume_continues_bitwise(saved, tmp_path):
@@ -80,7 +84,11 @@ def test_the_saves_are_complete_and_a_resume_continues_bitwise(saved, tmp_path):
     assert not list(save.glob("*.partial")), "a save left its .partial folder"
     step2 = save / "step2"
     sums = json.loads((step2 / "checksums.json").read_text())["files"]
-    assert sorted(sums) == sorted(p.name for p in step2.iterdir() if p.name != "checksums.json")
+    files = [str(p.relative_to(step2)) for p in step2.rglob("*") if p.is_file()]
+    assert sorted(sums) == sorted(f for f in files if f != "checksums.json")
+    assert [f for f in sorted(sums) if f.startswith("rng/")] == [
+        f"rng/rank{r:05d}.pt" for r in range(4)
+    ]
     assert sum("optim_states" in n for n in sums) == 4  # ZeRO 2: one file per rank
     folder = tmp_path / "from2"
     folder.mkdir()
@@ -88,6 +96,8 @@ def test_the_saves_are_complete_and_a_resume_continues_bitwise(saved, tmp_path):
     (folder / "latest").write_text("step2")
     for r in _resume(tmp_path, saved, folder):
         assert r["first_step"] == 2 and r["losses"] == saved["losses"][2:], (r, saved["losses"])
+    for r in _resume(tmp_path, saved, folder, "--no-load-rng"):  # the seeded generators
+        assert r["losses"][0] != saved["losses"][2], (r, saved["losses"])
 
 
 def test_a_save_that_dies_leaves_the_last_complete_checkpoint(saved, tmp_path):
@@ -96,7 +106,8 @@ def test_a_save_that_dies_leaves_the_last_complete_checkpoint(saved, tmp_path):
     and a resume takes step 2. (DeepSpeed's in-place save fails this: its rank 0 has
     written ``latest`` = step3 by then.)"""
     save = tmp_path / "ckpt"
-    res = run_ranks(4, _train, saved["cfg"], str(tmp_path / "out"), "step3", "--save", str(save))
+    out = str(tmp_path / "out")
+    res = run_ranks(4, _train, saved["cfg"], out, "step3", "--save", str(save), *DROP)
     assert res == ["RuntimeError: crash during the save"] * 4, res
     assert (save / "latest").read_text() == "step2"
     assert not (save / "step3").exists() and (save / "step3.partial").is_dir()

@@ -118,6 +118,20 @@ def test_same_layout_resume_is_bitwise(runs):
     _assert_same_run(again, startrail, AT + 1, loss_tol=0, param_tol=0)
 
 
+def test_a_resume_with_dropout_draws_what_the_uninterrupted_run_draws(tmp_path):
+    """Each rank's generator states (torch's and megatron-core's RNG tracker) are in the
+    checkpoint and restored at the same layout: with attention and hidden dropout the
+    resumed run is bitwise the uninterrupted one. With ``--no-load-rng`` it draws from the
+    seed again and differs (as every resume did before the states were kept)."""
+    drop = ("--attention-dropout", "0.3", "--hidden-dropout", "0.3")
+    whole = _pretrain(tmp_path, "dropout", 4, 2, *drop, "--save-interval", str(AT))
+    load = ("--load", str(whole["save"]), "--ckpt-step", str(AT))
+    again = _pretrain(tmp_path, "dropout_again", 4, 2, *drop, *load)
+    _assert_same_run(again, whole, AT + 1, loss_tol=0, param_tol=0)
+    fresh = _pretrain(tmp_path, "dropout_seeded", 4, 2, *drop, *load, "--no-load-rng")
+    assert fresh["losses"][0] != whole["losses"][AT]
+
+
 @pytest.mark.parametrize("cp, team", [(1, None), (2, 1), (8, 2)])
 def test_startrail_checkpoint_continues_at_another_layout(runs, cp, team):
     tmp, startrail, _ = runs
@@ -180,7 +194,11 @@ def test_a_flipped_byte_or_a_missing_manifest_is_an_error_naming_it(runs, tmp_pa
     shutil.copytree(startrail["save"], ckpt)
     last = ckpt / f"iter_{ITERS:07d}"
     sums = json.loads((last / "checksums.json").read_text())["files"]
-    assert sorted(sums) == sorted(p.name for p in last.iterdir() if p.name != "checksums.json")
+    files = [str(p.relative_to(last)) for p in last.rglob("*") if p.is_file()]
+    assert sorted(sums) == sorted(f for f in files if f != "checksums.json")
+    assert sorted(f for f in sums if f.startswith("rng/")) == [
+        f"rng/rank{r:05d}.pt" for r in range(4)
+    ]
     assert any(n.endswith(".distcp") for n in sums) and any(
         n.startswith("optimizer_") for n in sums
     )

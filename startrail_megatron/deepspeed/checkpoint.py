@@ -21,6 +21,9 @@ without StarTrail; DeepSpeed's format unchanged, so its own tools still read the
   classes allowed: ``SAFE_GLOBALS``). A folder without a manifest (not saved by
   ``save_checkpoint``) is refused by name; ``verify=False`` loads it unchecked, still
   without running code.
+- Each rank's torch generators go with the checkpoint (``rng/rankNNNNN.pt``; DeepSpeed's
+  engine keeps none) and come back at a load on as many ranks (``load_rng_states=False``:
+  not): a resumed run with dropout draws the masks the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -37,11 +40,16 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint_files import (
+    MANIFEST,
     commit,
+    generator_states,
+    load_rng_states,
     naming_save_failures,
     read_manifest,
     read_tracker,
     refuse_lost_tracker,
+    restore_generators,
+    save_rng_states,
     verify_manifest,
     write_manifest,
 )
@@ -126,12 +134,19 @@ def save_checkpoint(
         engine.save_checkpoint(
             save_dir, tag=tag + ".partial", client_state=client_state or {}, save_latest=False
         )
+        save_rng_states(partial, generator_states())
         dist.barrier()  # every rank's files written (the manifest's pass syncs them)
-        write_manifest(partial, {"tag": tag})
+        write_manifest(partial, {"tag": tag, "rng": _rng_ranks()})
         if dist.get_rank() == 0:
             commit(partial, final, tracker, tag)
     dist.barrier()
     return final
+
+
+def _rng_ranks() -> dict:
+    """The ranks a save's generator states belong to (a rank's file is restored only into
+    a run on as many ranks: ZeRO refuses others anyway)."""
+    return {"world": dist.get_world_size()}
 
 
 def load_checkpoint(
@@ -140,11 +155,13 @@ def load_checkpoint(
     tag: str | None = None,
     load_optimizer_states: bool = True,
     verify: bool = True,
+    load_rng_states: bool = True,
     **kwargs: Any,
 ) -> tuple[str | None, dict | None]:
     """Load what ``save_checkpoint`` saved (the module's docstring); every rank calls it.
     ``tag`` defaults to the tracker's; ``load_optimizer_states=False`` starts the optimizer
-    fresh (its files are then not read); other keywords go to ``engine.load_checkpoint``.
+    fresh (its files are then not read); ``load_rng_states=False`` leaves the generators as
+    they are; other keywords go to ``engine.load_checkpoint``.
     Returns its ``(path, client_state)``; ``(None, None)`` when ``load_dir`` holds no
     tracker yet and no ``tag`` is asked for (a first run), as DeepSpeed."""
     from_tracker = tag is None
@@ -167,6 +184,7 @@ def load_checkpoint(
         raise FileNotFoundError(
             f"load_checkpoint: {where} {tag!r}, which is no checkpoint folder in {load_dir}"
         )
+    manifest = {}
     if verify:
         manifest = read_manifest(folder, "load_checkpoint")
         skip_optim = not load_optimizer_states
@@ -177,6 +195,19 @@ def load_checkpoint(
             setting="load_checkpoint",
         )
     with _weights_only_loads(engine):
-        return engine.load_checkpoint(
+        out = engine.load_checkpoint(
             load_dir, tag, load_optimizer_states=load_optimizer_states, **kwargs
         )
+    if load_rng_states:
+        _load_rng(folder, manifest)
+    return out
+
+
+def _load_rng(folder: str, manifest: dict) -> None:
+    """This rank's generator states from ``folder``, where saved on as many ranks (the
+    manifest says; read here where ``verify=False`` did not)."""
+    if not manifest and os.path.exists(os.path.join(folder, MANIFEST)):
+        manifest = read_manifest(folder, "load_checkpoint")
+    state = load_rng_states(folder, manifest, _rng_ranks(), "load_checkpoint")
+    if state is not None:
+        restore_generators(state)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from ...planner.autotune import autotune, startrail_candidates
 from ..arguments import own_rows_first_arg
 from ..registry import create_startrail_groups, release_startrail_groups
+from . import rng
 from .data import build_dataset, global_batches
 from .step import forward_backward, rank_device
 
@@ -22,7 +23,8 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
 
     The paper's scheduler (sec. 4.4): every candidate runs a warm-up and
     ``--startrail-autotune-iters`` forward-backward passes of the first batch
-    (gradients discarded, weights untouched); times are reduced with MAX over
+    (gradients discarded, weights untouched, the generators' states restored after: with
+    dropout the run then draws what it would with a fixed C); times are reduced with MAX over
     all ranks so every rank picks the same. Sets ``args.startrail_team_size`` and
     ``args.startrail_placement`` and leaves the chosen groups installed.
     """
@@ -60,9 +62,11 @@ def autotune_team_size(args: argparse.Namespace, model, log=print) -> list[str]:
         return times
 
     # catch=(): a failure on one rank must not let the ranks choose differently.
+    before = rng.capture()  # the trials' dropout must not move the run's draws
     result = autotune(
         startrail_candidates(args.context_parallel_size), run_trial, log=say, catch=()
     )
+    rng.restore(before)
     best = result.best
     release_startrail_groups(cp_group)
     create_startrail_groups(

@@ -18,13 +18,16 @@ from ...checkpoint_files import (
     check_pickle_globals,
     commit,
     fsync,
+    load_rng_states,
     naming_save_failures,
     read_manifest,
     read_tracker,
     refuse_lost_tracker,
+    save_rng_states,
     verify_manifest,
     write_manifest,
 )
+from . import rng
 
 __all__ = [
     "add_checkpoint_args",
@@ -46,6 +49,13 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start the optimizer fresh after --load (without it, a checkpoint with no "
         "optimizer state for this tensor-parallel size is an error)",
+    )
+    g.add_argument(
+        "--no-load-rng",
+        action="store_true",
+        help="after --load, draw dropout from --seed again instead of the saved generator "
+        "states (without it they are restored where the checkpoint was saved on the same "
+        "ranks and parallel sizes)",
     )
     g.add_argument(
         "--ckpt-step",
@@ -85,6 +95,18 @@ def _optimizer_file(ckpt: str) -> str:
 
 
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _rng_layout() -> dict:
+    """The ranks a checkpoint's generator states belong to: a rank's file is restored only
+    into the same rank of the same sizes (elsewhere its draws would be another rank's)."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world": dist.get_world_size(),
+        "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+        "context_parallel": ps.get_context_parallel_world_size(),
+    }
 
 
 SHAPE_FIELDS = (
@@ -128,6 +150,7 @@ def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
         dist.barrier()
         _in_process_write_results_queue()
         dist_checkpointing.save(model.module.sharded_state_dict(), ckpt)  # its writer syncs
+        save_rng_states(ckpt, rng.capture())  # synced with the rest by the manifest
         if (
             optimizer is not None
             and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
@@ -136,7 +159,7 @@ def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
             torch.save(optimizer.state_dict(), opt_file)
             fsync(opt_file)
         dist.barrier()
-        write_manifest(ckpt, {"model": model_shape(model)})
+        write_manifest(ckpt, {"model": model_shape(model), "rng": _rng_layout()})
         if dist.get_rank() == 0:
             commit(ckpt, final, os.path.join(path, TRACKER), str(iteration))
     dist.barrier()
@@ -199,13 +222,17 @@ def _check_unpickled_files(ckpt: str) -> None:
             ) from None
 
 
-def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = None) -> int:
+def load_checkpoint(
+    path: str, model, optimizer=None, iteration: int | None = None, load_rng: bool = True
+) -> int:
     """Load the checkpoint of ``iteration`` (default: the latest); the optimizer state too
     (saved with the same tensor-parallel size: any CP implementation, CP or DP size; a
     missing one is an error, pass ``optimizer=None`` to start it fresh), read with
-    ``weights_only=True`` (tensors and plain containers only: no code runs). Returns its
-    iteration; 0 when ``path`` holds no checkpoint yet and no ``iteration`` is asked for
-    (Megatron-LM's ``--save DIR --load DIR`` on a first run)."""
+    ``weights_only=True`` (tensors and plain containers only: no code runs); with
+    ``load_rng``, each rank's generator states where the checkpoint was saved on the same
+    ranks and sizes (``_rng_layout``; elsewhere rank 0 says they start from the seed).
+    Returns its iteration; 0 when ``path`` holds no checkpoint yet and no ``iteration`` is
+    asked for (Megatron-LM's ``--save DIR --load DIR`` on a first run)."""
     from megatron.core import dist_checkpointing
 
     from_tracker = iteration is None
@@ -241,4 +268,15 @@ def load_checkpoint(path: str, model, optimizer=None, iteration: int | None = No
     model.module.load_state_dict(state)
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(opt_file, weights_only=True))
+    if load_rng:
+        _load_rng(ckpt)
     return iteration
+
+
+def _load_rng(ckpt: str) -> None:
+    """This rank's generator states from ``ckpt`` where it holds this layout's
+    (``checkpoint_files.load_rng_states``; else rank 0 says dropout starts from --seed)."""
+    manifest = read_manifest(ckpt, "--load")
+    state = load_rng_states(ckpt, manifest, _rng_layout(), "--load")
+    if state is not None:
+        rng.restore(state)

@@ -102,7 +102,6 @@ REFUSED: dict[str, str] = {
     "--use-checkpoint-args": "give the model flags explicitly",
     "--exit-signal-handler": "Ctrl-C (SIGINT) already saves (with --save) and exits cleanly",
     "--finetune": _UPSTREAM,
-    "--no-load-rng": _UPSTREAM,
     "--no-save-optim": _UPSTREAM,
     "--spec": "this entry point builds its own layer spec",
     "--yaml-cfg": "give the flags on the command line",

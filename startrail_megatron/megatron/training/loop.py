@@ -106,7 +106,11 @@ def train(args: argparse.Namespace) -> list[dict]:
         start = 0
         if args.load:
             start = load_checkpoint(
-                args.load, model, None if args.no_load_optim else optimizer, args.ckpt_step
+                args.load,
+                model,
+                None if args.no_load_optim else optimizer,
+                args.ckpt_step,
+                load_rng=not args.no_load_rng,
             )
         scheduler = build_scheduler(args, optimizer)
         scheduler.step(start * args.global_batch_size)  # resumed: the same schedule
