@@ -383,6 +383,10 @@ def test_sequence_tiled_sums_parameter_gradients_holding_two_copies_at_most():
         y.sum().backward()
         extra = live.peak - base
     assert extra < 2.5 * big.numel() * 4, extra / (big.numel() * 4)
+    # a gradient penalty through the tiles: refused (its inner gradients carry no graph)
+    y = sequence_tiled(lambda t, i: t @ big.t(), TileStats(tokens=8), x, big)
+    with pytest.raises(RuntimeError, match="sequence-tiled MLP or loss .* no double backward"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
 
 
 def test_sequence_tiled_adds_a_shared_weights_gradient_into_main_grad():
@@ -815,6 +819,10 @@ def test_module_level_spec_object():
             ],
             "--attention-dropout 1.0: StarTrail needs 0 <= it < 1",
         ),
+        (
+            st_flags(4, 2) + ["--window-size", "6,6"],
+            "--window-size 6,6: a causal layer's window takes right = 0 (6,0)",
+        ),
         (["--startrail-placement", "node"], "--startrail-placement: invalid choice: 'node'"),
         (
             st_flags(8, 1) + ["--startrail-ulysses-size", "3"],
@@ -1038,11 +1046,31 @@ def _build_both_ways(rank, world):
         other = torch.distributed.new_group([0])
         with pytest.raises(RuntimeError, match="found no StarTrail groups for its context-parall"):
             StarTrailCoreAttention(pg_collection=SimpleNamespace(cp=other), **common)
-        for name in ("qk_clip", "log_max_attention_logit", "dynamic_context_parallel"):
+        for name in (
+            "qk_clip", "log_max_attention_logit", "dynamic_context_parallel",
+            "batch_invariant_mode", "fp8_dot_product_attention", "fp8_multi_head_attention",
+        ):  # fmt: skip
             bad = copy.copy(cfg)
             setattr(bad, name, True)
             with pytest.raises(NotImplementedError, match=name):
                 StarTrailCoreAttention(pg_collection=pgs, **{**common, "config": bad})
+        # a causal layer's window attends no later token (megatron-core's local attention
+        # would attend `right` later ones: a different model, silently)
+        bad = copy.copy(cfg)
+        bad.window_size = (6, 6)
+        with pytest.raises(ValueError, match=r"config.window_size 6,6: a causal layer's window"):
+            StarTrailCoreAttention(pg_collection=pgs, **{**common, "config": bad})
+        full = StarTrailCoreAttention(
+            pg_collection=pgs, **{**common, "config": bad, "attn_mask_type": AttnMaskType.no_mask}
+        )
+        assert full.window == (6, 6)  # full attention: the right side counts
+        # deterministic mode: CPU kernels are deterministic; GPU kernels refused by name
+        det = copy.copy(cfg)
+        det.deterministic_mode = True
+        StarTrailCoreAttention(pg_collection=pgs, **{**common, "config": det})
+        from startrail_megatron.megatron.refusals import deterministic_mode_error
+
+        assert "deterministic_mode (--deterministic-mode)" in deterministic_mode_error(True)
         return True
     finally:
         T.teardown()
@@ -1050,6 +1078,37 @@ def _build_both_ways(rank, world):
 
 def test_core_attention_builds_with_either_process_group_argument():
     assert run_ranks(1, _build_both_ways) == [True]
+
+
+def _tiled_loss_on_pipeline_stages(rank, world):
+    """Under ``install(tiled_loss=)`` a GPTModel of a pipeline stage before the last (no
+    output layer: ``post_process=False``) builds untiled; the last stage's is tiled."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from startrail_megatron.megatron import cpu_support, hooks
+
+    cpu_support.enable_cpu_support()
+    hooks.install(1, tiled_loss=8)
+    try:
+        parallel_state.initialize_model_parallel()
+        cpu_support.cpu_manual_seed(0)
+        cfg = TransformerConfig(
+            num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True
+        )
+        local = get_gpt_layer_local_spec()
+        first = GPTModel(cfg, local, 128, 32, post_process=False)
+        last = GPTModel(cfg, local, 128, 32, pre_process=False)
+        return getattr(first, "tiled_loss_stats", None), last.tiled_loss_stats.tokens
+    finally:
+        parallel_state.destroy_model_parallel()
+        hooks.uninstall()
+        cpu_support.disable_cpu_support()
+
+
+def test_tiled_loss_skips_pipeline_stages_without_an_output_layer():
+    assert run_ranks(1, _tiled_loss_on_pipeline_stages) == [(None, 8)]
 
 
 def _install_hooks(rank, world, timeout_kw):
@@ -1118,12 +1177,12 @@ def test_install_rewrites_decoder_and_mtp_specs_and_uses_megatron_timeout(timeou
     assert timeouts == [timedelta(minutes=timeout_kw.get("distributed_timeout_minutes", 30))]
 
 
-def _autotune_then_train(rank, world, argv):
+def _autotune_then_train(rank, world, argv, tune=True):
     args = T.parse_args(argv)
     T.initialize(args)
     try:
         model = T.build_model(args)
-        lines = T.autotune_team_size(args, model, log=None)
+        lines = T.autotune_team_size(args, model, log=None) if tune else []
         from megatron.core import parallel_state as ps
 
         from startrail_megatron.megatron.registry import get_startrail_state
@@ -1157,6 +1216,21 @@ def test_team_size_auto_profiles_candidates_and_trains_exactly():
         assert len(losses) == len(ref[0])
         for a, b in zip(losses, ref[0]):
             assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_team_size_auto_leaves_the_dropout_draws_as_they_were():
+    """The trials run the model in training mode, drawing dropout masks; the generators are
+    restored after them, so with dropout the run trains as the same (C, placement) fixed
+    does (without the restore: 1e-4 apart)."""
+    extra = ["--optimizer", "sgd", "--startrail-autotune-iters", "1"]
+    extra += ["--attention-dropout", "0.3", "--hidden-dropout", "0.3"]
+    auto = run_ranks(4, _autotune_then_train, BASE + extra + st_flags(4, "auto"))
+    c, placement = auto[0][0]
+    fixed = run_ranks(4, _autotune_then_train, BASE + extra + st_flags(4, c, placement), False)
+    for a, f in zip(auto, fixed):
+        assert f[3] == (c, placement)
+        for x, y in zip(a[2], f[2], strict=True):
+            assert abs(x - y) <= 1e-7 * abs(y), (a[2], f[2])
 
 
 def _release(rank, world):

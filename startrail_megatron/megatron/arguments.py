@@ -41,7 +41,7 @@ from .memory_args import (
     check_head_chunks,
     check_tiled_loss,
 )
-from .refusals import REFUSED_FLAGS
+from .refusals import REFUSED_FLAGS, causal_window_error, deterministic_mode_error
 
 __all__ = [
     "IMPLS",
@@ -256,6 +256,8 @@ def validate_startrail_args(
     window = getattr(args, "window_size", None)
     if window is not None and (len(tuple(window)) != 2 or min(window) < -1):
         raise ValueError(f"--window-size {window}: give left,right as integers >= -1")
+    if window is not None and tuple(window)[1] != 0:  # a GPT's layers are causal
+        raise ValueError(causal_window_error(tuple(window), "--window-size"))
     for flag in ("reset_attention_mask", "reset_position_ids"):
         if getattr(args, flag, False) and not packed_ok:
             raise ValueError(
@@ -270,6 +272,12 @@ def validate_startrail_args(
             "--hierarchical-context-parallel-sizes is a Transformer Engine CP option; StarTrail "
             "uses --startrail-team-size instead"
         )
+    if getattr(args, "deterministic_mode", False):
+        import torch
+
+        why = deterministic_mode_error(torch.cuda.is_available())
+        if why:
+            raise ValueError(why)
     for flag, why in REFUSED_FLAGS.items():
         if getattr(args, flag, False):
             raise ValueError(

@@ -20,7 +20,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..attention import startrail_attention
-from .refusals import REFUSED_FLAGS
+from .refusals import REFUSED_FLAGS, causal_window_error, deterministic_mode_error
 from .registry import get_startrail_state, subgroup_state
 from .versions import cp_group_from
 
@@ -238,6 +238,8 @@ class StarTrailCoreAttention(MegatronModule):
         window = getattr(config, "window_size", None)
         freq = getattr(config, "window_attn_skip_freq", None)
         self.window = tuple(window) if _is_window_layer(window, freq, layer_number) else None
+        if self.window and attn_mask_type == AttnMaskType.causal and self.window[1] != 0:
+            raise ValueError(causal_window_error(self.window, "config.window_size"))
         softmax_type = getattr(config, "softmax_type", "vanilla")
         if softmax_type not in ("vanilla", "off-by-one", "learnable"):
             raise NotImplementedError(
@@ -245,6 +247,9 @@ class StarTrailCoreAttention(MegatronModule):
                 f"got {softmax_type!r}"
             )
         self.softmax_type = softmax_type
+        why = deterministic_mode_error(torch.cuda.is_available())
+        if getattr(config, "deterministic_mode", False) and why:
+            raise NotImplementedError(why)
         self.tp_group = _tp_group(pg_collection, model_comm_pgs)
         heads = config.num_attention_heads // _group_size(self.tp_group)
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"

@@ -201,8 +201,8 @@ def _wrap_builder(cls: type, spec_args: tuple[str, ...], tiled: bool = False):
         orig(*bound.args, **bound.kwargs)
         cp = cp_group_from(getattr(self, "pg_collection", None))
         check_startrail_model(self, torch.distributed.get_world_size(cp))
-        if tokens is not None:
-            tile_lm_loss(self, tokens)
+        if tokens is not None and getattr(self, "post_process", True):
+            tile_lm_loss(self, tokens)  # a pipeline stage before the last has no output layer
         if mlp_tokens is not None:
             tile_mlps(self, mlp_tokens)
 
