@@ -132,6 +132,32 @@ def test_a_resume_with_dropout_draws_what_the_uninterrupted_run_draws(tmp_path):
     assert fresh["losses"][0] != whole["losses"][AT]
 
 
+def test_a_resume_that_could_not_continue_is_refused_and_the_command_line_wins(runs, tmp_path):
+    """Each refused by name before anything is read: a checkpoint past --train-iters (the
+    loop would not run and the final save would relabel its weights an earlier iteration),
+    another --global-batch-size (the data and the schedule would resume at another sample),
+    another position embedding. The optimizer's settings are the command line's: a resume
+    with another --adam-beta2 trains differently from the same resume without it (the
+    checkpoint's would be used otherwise, as megatron-core does)."""
+    _, startrail, _ = runs
+    save = str(startrail["save"])
+    longer = ("--load", save, "--train-iters", str(ITERS + 1))
+    cases = {
+        r"its checkpoint is of iteration 5, past --train-iters 3": ("--load", save, "--train-iters", "3"),
+        r"with --global-batch-size 2 \(this run: 4\)": (*longer, "--global-batch-size", "4"),
+        r"position_embedding_type='rope' \(this run: 'learned_absolute'\)": (
+            *longer, "--position-embedding-type", "learned_absolute",
+        ),
+    }  # fmt: skip
+    for want, flags in cases.items():
+        with pytest.raises(Exception, match=want):
+            _pretrain_steps(tmp_path, "refused", 4, 2, *flags)
+    load = ("--load", save, "--ckpt-step", str(AT))
+    beta = _pretrain(tmp_path, "beta2", 4, 2, *load, "--adam-beta2", "0.9")
+    assert beta["losses"][0] == startrail["losses"][AT]  # before any step with it
+    assert beta["losses"][1] != startrail["losses"][AT + 1]
+
+
 @pytest.mark.parametrize("cp, team", [(1, None), (2, 1), (8, 2)])
 def test_startrail_checkpoint_continues_at_another_layout(runs, cp, team):
     tmp, startrail, _ = runs

@@ -255,6 +255,23 @@ def test_hybrid_flags_that_cannot_combine_fail_at_parsing(flags, needle, capsys)
     assert needle in capsys.readouterr().err
 
 
+def test_hybrid_flags_without_hybrid_context_parallel_are_refused(capsys):
+    """They would be ignored (a bad cluster name too): each named."""
+    argv = BASE + ["--nproc", "4", "--context-parallel-size", "4"]
+    argv += ["--startrail-batch-scheduler", "megatron", "--startrail-batch-cluster", "nowhere"]
+    with pytest.raises(SystemExit):
+        T.parse_args(argv + ["--max-seqlen-per-dp-cp-rank", "7"])
+    err = capsys.readouterr().err
+    assert (
+        "--startrail-batch-scheduler, --startrail-batch-cluster, --max-seqlen-per-dp-cp-rank "
+        "without --hybrid-context-parallel would be ignored" in err
+    ), err
+    args = T.parse_args(BASE + ["--nproc", "4", "--hybrid-context-parallel"])
+    assert (args.startrail_batch_scheduler, args.startrail_batch_cluster) == (
+        "startrail", "h100-ib"
+    )  # fmt: skip
+
+
 def test_hybrid_needs_documents_and_a_power_of_two(capsys):
     argv = [a for a in BASE if a != "--reset-attention-mask"]
     with pytest.raises(SystemExit):

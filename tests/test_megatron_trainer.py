@@ -96,6 +96,7 @@ def test_scaled_down_megatron_lm_example_parses_and_trains(corpus, tmp_path):
     assert [e["iteration"] for e in log] == list(range(1, 7))
     assert all(math.isfinite(e["loss"]) for e in log)
     assert [e["iteration"] for e in log if "val_loss" in e] == [3, 6]
+    assert "test_loss" not in log[-1]  # 949,50,1 of 30 documents: no test document
     assert log[0]["startrail"]["p2p"] > 0  # StarTrail ran
     # warm-up 0.2 x 5 iterations = 1: lr 0 at iteration 1, then cosine to min-lr at 5
     assert log[0]["lr"] == 0.0 and log[1]["lr"] == pytest.approx(6.0e-3)
@@ -180,6 +181,11 @@ def test_preprocessing_round_trips(corpus, tmp_path):
     ):
         with pytest.raises(ValueError, match=msg):
             preprocess(preprocess_parser().parse_args(argv + extra), log=lambda *_: None)
+    # an id past the vocabulary, or the end-of-document id itself (a hidden boundary)
+    for text in ("3 15 4", "3 10 4", "-1 2"):
+        jsonl.write_text(f'{{"text": "1 2"}}\n{{"text": "{text}"}}\n')
+        with pytest.raises(ValueError, match=r"ids.jsonl:2: NullTokenizer's ids must be in \[0"):
+            preprocess(preprocess_parser().parse_args(argv), log=lambda *_: None)
 
 
 # ---- the data path under StarTrail -----------------------------------------------------
@@ -193,12 +199,16 @@ def _data_run(p, c, corpus, extra=()):
 
 @pytest.mark.parametrize("c", [1, 2])
 def test_data_path_matches_cp1_with_startrail(corpus, c):
-    ref = _data_run(1, 1, corpus)
-    got = _data_run(4, c, corpus)
+    """Training, validation and (once, after training, as Megatron-LM) test losses."""
+    split = ["--split", "80,10,10"]  # 3 test documents of 30
+    ref = _data_run(1, 1, corpus, split)
+    got = _data_run(4, c, corpus, split)
     assert len(got) == len(ref) == 3, (got, ref)
     for a, b in zip(got, ref):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (got, ref)
-    assert abs(got[-1]["val_loss"] - ref[-1]["val_loss"]) <= 1e-5 * ref[-1]["val_loss"]
+    for what in ("val_loss", "test_loss"):
+        assert abs(got[-1][what] - ref[-1][what]) <= 1e-5 * ref[-1][what], what
+    assert got[-1]["test_loss"] != got[-1]["val_loss"]
     assert got[0]["startrail"]["p2p"] > 0 and "startrail" not in ref[0]
 
 
@@ -209,7 +219,7 @@ def _eval_case(rank, world, argv, by_hand):
     T.initialize(args)
     try:
         model = T.build_model(args)
-        _, valid_ds = T.build_datasets(args)
+        _, valid_ds, _ = T.build_datasets(args)
         valid = T.global_batches(args, valid_ds)
         if not by_hand:
             from startrail_megatron.megatron.training.loop import evaluate
@@ -335,6 +345,20 @@ def test_a_split_part_without_documents_is_refused(corpus):
             "--data-path", "0.5", p, "0.5", p]  # fmt: skip
     with pytest.raises(Exception, match="leaves the test part"):
         run_ranks(1, _train, argv)
+
+
+def test_a_printed_line_averages_the_iterations_since_the_last():
+    """Megatron-LM's ``lm loss`` and time per iteration at --log-interval N are the means
+    over the N iterations (it printed the last one's alone)."""
+    from startrail_megatron.megatron.training.loop import _interval_mean
+
+    entries = [
+        {"iteration": 1, "loss": 4.0, "seconds": 1.0, "tokens_per_s": 100.0},
+        {"iteration": 2, "loss": 2.0, "seconds": 3.0, "tokens_per_s": 100.0 / 3},
+    ]
+    got = _interval_mean(entries)
+    assert (got["iteration"], got["loss"], got["seconds"]) == (2, 3.0, 2.0)
+    assert abs(got["tokens_per_s"] - 50.0) < 1e-12
 
 
 def test_init_method_std_and_exit_duration():

@@ -108,6 +108,14 @@ def preprocess(args: argparse.Namespace, log=print) -> dict[str, str]:
                 if k not in record:
                     raise ValueError(f"{args.input}:{line_no}: no key {k!r} (--json-keys)")
                 ids = tok.tokenize(record[k])
+                if args.tokenizer_type == "NullTokenizer":  # the text is the ids themselves
+                    bad = [i for i in ids if not 0 <= i < args.vocab_size]
+                    if bad:
+                        raise ValueError(
+                            f"{args.input}:{line_no}: NullTokenizer's ids must be in [0, "
+                            f"--vocab-size {args.vocab_size}), got {bad[:5]} (the end-of-"
+                            f"document id is {args.vocab_size}; above it, no embedding)"
+                        )
                 if args.append_eod:
                     ids = [*ids, tok.eod]
                 if ids:

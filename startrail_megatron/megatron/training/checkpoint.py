@@ -112,9 +112,13 @@ def _rng_layout() -> dict:
 SHAPE_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "ffn_hidden_size", "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "normalization",
+    "softmax_type",
 )  # fmt: skip
 """The model's settings a checkpoint must share with the run that loads it (the
 ``TransformerConfig`` fields that change a parameter's shape or the parameters present)."""
+
+_ADDED_LATER = ("softmax_type", "position_embedding_type")
+"""``model_shape`` keys older manifests lack: compared only where the manifest has them."""
 
 
 def model_shape(model) -> dict:
@@ -122,13 +126,16 @@ def model_shape(model) -> dict:
     gpt = model.module
     shape = {f: getattr(gpt.config, f, None) for f in SHAPE_FIELDS}
     shape["vocab_size"] = getattr(gpt, "vocab_size", None)
+    shape["position_embedding_type"] = getattr(gpt, "position_embedding_type", None)
     shape["share_embeddings_and_output_weights"] = getattr(
         gpt, "share_embeddings_and_output_weights", None
     )
     return shape
 
 
-def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
+def save_checkpoint(
+    path: str, model, iteration: int, optimizer=None, global_batch_size: int | None = None
+) -> None:
     """Megatron distributed checkpoint of the model (the same format for any CP impl/size),
     plus the optimizer state of each TP rank (identical over CP and DP ranks: no
     distributed optimizer), so a resumed run continues exactly.
@@ -137,7 +144,8 @@ def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
     ``iter_N.partial``, hashed into its manifest (with the model's shape), renamed to
     ``iter_N``, the tracker last. A save killed at any point leaves the last complete
     checkpoint the tracker's; one that fails (a full disk) is a ``RuntimeError`` naming the
-    rank and the folder."""
+    rank and the folder. ``global_batch_size`` goes into the manifest: a resume at another
+    would continue the data and the learning-rate schedule at another sample."""
     from megatron.core import dist_checkpointing, parallel_state
 
     final = os.path.join(path, f"iter_{iteration:07d}")
@@ -159,23 +167,41 @@ def save_checkpoint(path: str, model, iteration: int, optimizer=None) -> None:
             torch.save(optimizer.state_dict(), opt_file)
             fsync(opt_file)
         dist.barrier()
-        write_manifest(ckpt, {"model": model_shape(model), "rng": _rng_layout()})
+        extra = {"model": model_shape(model), "rng": _rng_layout()}
+        if global_batch_size is not None:
+            extra["global_batch_size"] = global_batch_size
+        write_manifest(ckpt, extra)
         if dist.get_rank() == 0:
             commit(ckpt, final, os.path.join(path, TRACKER), str(iteration))
     dist.barrier()
 
 
-def verify_checkpoint(ckpt: str, skip_optimizer: bool = False, model=None) -> None:
+def verify_checkpoint(
+    ckpt: str, skip_optimizer: bool = False, model=None, global_batch_size: int | None = None
+) -> None:
     """Check every file the manifest lists against its SHA-256 (each rank a share), on
     every rank: a ``ValueError`` naming the files that differ or are missing, the same on
     every rank, before anything is loaded. ``skip_optimizer``: the optimizer state files are
     not read (``--no-load-optim``). With ``model``, first (before any collective) a
-    ``ValueError`` naming each setting of ``model_shape`` the checkpoint's model differs in."""
+    ``ValueError`` naming each setting of ``model_shape`` the checkpoint's model differs in;
+    with ``global_batch_size``, one where the checkpoint was trained at another (the data
+    would resume at another sample, skipping or repeating some, and so would the schedule).
+    """
     content = read_manifest(ckpt, "--load")
+    saved_gbs = content.get("global_batch_size")
+    if global_batch_size is not None and saved_gbs not in (None, global_batch_size):
+        raise ValueError(
+            f"--load: {ckpt} was trained with --global-batch-size {saved_gbs} (this run: "
+            f"{global_batch_size}); resumed at another, the data would continue at another "
+            f"sample (skipping or repeating some) and so would the learning-rate schedule: "
+            f"give --global-batch-size {saved_gbs}"
+        )
     if model is not None:
         mine, saved = model_shape(model), content.get("model", {})
         differ = [
-            f"{k}={saved.get(k)!r} (this run: {v!r})" for k, v in mine.items() if saved.get(k) != v
+            f"{k}={saved.get(k)!r} (this run: {v!r})"
+            for k, v in mine.items()
+            if saved.get(k) != v and (k in saved or k not in _ADDED_LATER)
         ]
         if differ:
             raise ValueError(
@@ -223,15 +249,21 @@ def _check_unpickled_files(ckpt: str) -> None:
 
 
 def load_checkpoint(
-    path: str, model, optimizer=None, iteration: int | None = None, load_rng: bool = True
+    path: str,
+    model,
+    optimizer=None,
+    iteration: int | None = None,
+    load_rng: bool = True,
+    global_batch_size: int | None = None,
 ) -> int:
     """Load the checkpoint of ``iteration`` (default: the latest); the optimizer state too
     (saved with the same tensor-parallel size: any CP implementation, CP or DP size; a
     missing one is an error, pass ``optimizer=None`` to start it fresh), read with
     ``weights_only=True`` (tensors and plain containers only: no code runs); with
     ``load_rng``, each rank's generator states where the checkpoint was saved on the same
-    ranks and sizes (``_rng_layout``; elsewhere rank 0 says they start from the seed).
-    Returns its iteration; 0 when ``path`` holds no checkpoint yet and no ``iteration`` is
+    ranks and sizes (``_rng_layout``; elsewhere rank 0 says they start from the seed);
+    ``global_batch_size``: this run's, refused where the checkpoint's differs
+    (``verify_checkpoint``). Returns its iteration; 0 when ``path`` holds no checkpoint yet and no ``iteration`` is
     asked for (Megatron-LM's ``--save DIR --load DIR`` on a first run)."""
     from megatron.core import dist_checkpointing
 
@@ -262,15 +294,40 @@ def load_checkpoint(
             f"--load {path}: {opt_file} is missing (no optimizer state saved for this "
             "tensor-parallel size); pass --no-load-optim to start the optimizer fresh"
         )
-    verify_checkpoint(ckpt, skip_optimizer=optimizer is None, model=model)
+    verify_checkpoint(ckpt, optimizer is None, model, global_batch_size)
     _check_unpickled_files(ckpt)
     state = dist_checkpointing.load(model.module.sharded_state_dict(), ckpt)
     model.module.load_state_dict(state)
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(opt_file, weights_only=True))
+        _load_optimizer(optimizer, torch.load(opt_file, weights_only=True), ckpt)
     if load_rng:
         _load_rng(ckpt)
     return iteration
+
+
+_SCHEDULED = ("params", "lr", "initial_lr", "weight_decay")
+"""Param-group keys the learning-rate schedule sets at every step (or that are no setting)."""
+
+
+def _load_optimizer(optimizer, state: dict, ckpt: str) -> None:
+    """The optimizer's state from the checkpoint, its settings from the command line:
+    ``load_state_dict`` takes the saved param groups' betas, eps, momentum, ..., so a run
+    resumed with another ``--adam-beta2`` would use the old one, silently (as megatron-core's
+    does); here the command line's stay, and rank 0 names each that changed."""
+    mine = [{k: v for k, v in g.items() if k not in _SCHEDULED} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    changed = set()
+    for group, want in zip(optimizer.param_groups, mine, strict=True):
+        for k, v in want.items():
+            if group.get(k) != v:
+                changed.add(f"{k} {group.get(k)!r} -> {v!r}")
+                group[k] = v
+    if changed and dist.get_rank() == 0:
+        print(
+            f"note: --load {ckpt}: the optimizer's settings are this command line's, not the "
+            f"checkpoint's: {', '.join(sorted(changed))}",
+            flush=True,
+        )
 
 
 def _load_rng(ckpt: str) -> None:

@@ -3,7 +3,10 @@ and the global batches of each iteration.
 
 Sizes as Megatron-LM asks them of its builder (they enter the index cache and the epoch
 count, so the same seed gives Megatron-LM's samples): train ``train_iters x global batch``,
-validation ``eval_iters x (train_iters // eval_interval + 1) x global batch``. Every DP
+validation ``eval_iters x (train_iters // eval_interval + 1) x global batch``, test
+``eval_iters x global batch`` (evaluated once, after training, as Megatron-LM does), the
+last two with ``--eval-interval`` only; a test part of ``--split`` that holds no document
+of a prefix is not asked for (rank 0 says so). Every DP
 rank reads its contiguous share of each global batch; the P ranks of a CP group read the
 same and shard it in the step (zigzag, or per document with ``--reset-attention-mask``).
 """
@@ -27,9 +30,10 @@ def _num_samples(args: argparse.Namespace) -> list[int]:
     train = args.train_iters * gbs
     evals = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
     valid = args.eval_iters * evals * gbs
+    test = args.eval_iters * gbs if args.eval_interval else 0
     # None: not asked for (megatron-core then builds no samples for that split; 0 would
     # loop forever in GPTDataset._get_num_epochs on a split without tokens)
-    return [train, valid or None, None]
+    return [train, valid or None, test or None]
 
 
 def build_dataset(args: argparse.Namespace, num_samples: int):
@@ -37,13 +41,27 @@ def build_dataset(args: argparse.Namespace, num_samples: int):
     return _build(args, [num_samples, None, None])[0]
 
 
+def _without_empty_test(args, cfg, sizes: list) -> list:
+    """``sizes`` without the test split where ``--split`` leaves it no document of a prefix
+    (megatron-core would loop forever on it): rank 0 says the test evaluation is skipped."""
+    if sizes[2] is None or _empty_parts(cfg, 2) == []:
+        return sizes
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(
+            f"note: --split {args.split!r} leaves the test part of {_empty_parts(cfg, 2)} "
+            "empty: no test evaluation after training",
+            flush=True,
+        )
+    return [*sizes[:2], None]
+
+
 def build_datasets(args: argparse.Namespace):
-    """(train, valid or None): megatron-core's ``GPTDataset`` over ``--data-path`` (blend of
-    weighted prefixes, ``--split``, index cache in ``--data-cache-path``), or its
-    ``MockGPTDataset``, sized as Megatron-LM sizes them."""
-    sizes = _num_samples(args)
-    train, valid = _build(args, sizes)
-    return train, (valid if sizes[1] is not None else None)
+    """(train, valid or None, test or None): megatron-core's ``GPTDataset`` over
+    ``--data-path`` (blend of weighted prefixes, ``--split``, index cache in
+    ``--data-cache-path``), or its ``MockGPTDataset``, sized as Megatron-LM sizes them."""
+    return _build(args, _num_samples(args))
 
 
 def _build(args: argparse.Namespace, sizes: list[int]):
@@ -73,18 +91,19 @@ def _build(args: argparse.Namespace, sizes: list[int]):
     )
     kind = MockGPTDataset if args.mock_data else GPTDataset
     if not args.mock_data:
+        sizes = _without_empty_test(args, cfg, sizes)
         if cfg.blend[1] is not None:  # megatron-core needs a size for every split of a blend
             sizes = [0 if n is None else n for n in sizes]
         _check_splits(cfg, sizes)
-    train, valid, _ = BlendedMegatronDatasetBuilder(kind, sizes, lambda: True, cfg).build()
+    train, valid, test = BlendedMegatronDatasetBuilder(kind, sizes, lambda: True, cfg).build()
     if train is None:
         raise ValueError(f"--split {args.split!r} leaves no training data")
-    if sizes[1] is not None and valid is None:
+    if sizes[1] and valid is None:
         raise ValueError(
             f"--eval-interval / --eval-iters ask for validation, but --split {args.split!r} "
             "leaves no validation data"
         )
-    return train, valid
+    return train, (valid if sizes[1] else None), (test if sizes[2] else None)
 
 
 def _check_splits(cfg, sizes: list) -> None:
@@ -93,17 +112,30 @@ def _check_splits(cfg, sizes: list) -> None:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     names = ("training", "validation", "test")
+    for i in range(3):
+        empty = _empty_parts(cfg, i) if sizes[i] is not None else []  # a blend's 0 too
+        if empty:
+            raise ValueError(
+                f"--split {cfg.split!r} leaves the {names[i]} part of {empty[0]} empty "
+                f"({len(IndexedDataset(empty[0]))} documents): give that part 0 (e.g. 90,10,0) "
+                "or use more data"
+            )
+
+
+def _empty_parts(cfg, i: int) -> list[str]:
+    """The prefixes whose part ``i`` of ``--split`` (0 train, 1 valid, 2 test) holds no
+    document ([] where the split gives that part nothing at all)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    part = cfg.split_matrix[i]
+    if part is None:
+        return []
+    out = []
     for prefix in cfg.blend[0]:
         n = len(IndexedDataset(prefix))
-        for i, part in enumerate(cfg.split_matrix):
-            if part is None or sizes[i] is None:
-                continue
-            docs = int(round(part[1] * n)) - int(round(part[0] * n))
-            if docs <= 0:
-                raise ValueError(
-                    f"--split {cfg.split!r} leaves the {names[i]} part of {prefix} empty "
-                    f"({n} documents): give that part 0 (e.g. 90,10,0) or use more data"
-                )
+        if int(round(part[1] * n)) - int(round(part[0] * n)) <= 0:
+            out.append(prefix)
+    return out
 
 
 def global_batches(args: argparse.Namespace, dataset, start: int = 0):

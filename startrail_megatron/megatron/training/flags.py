@@ -74,7 +74,7 @@ IGNORED: dict[str, str] = {
     "--log-num-zeros-in-grad": "not logged",
     "--log-world-size-to-tensorboard": "not logged",
     "--timing-log-level": "no timers",
-    "--tensorboard-log-interval": "curves are written every --log-interval",
+    "--tensorboard-log-interval": "curves are written every iteration",
     "--wandb-project": "Weights & Biases is not used (use --tensorboard-dir or --log-json)",
     "--wandb-exp-name": "Weights & Biases is not used",
     "--wandb-save-dir": "Weights & Biases is not used",

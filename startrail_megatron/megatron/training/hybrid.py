@@ -261,15 +261,17 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--startrail-batch-scheduler",
         choices=list(SCHEDULERS),
-        default="startrail",
-        help="with --hybrid-context-parallel: which scheduler places the documents: ours, on "
-        "the planner's cost model, or megatron-core's BalancedCPScheduler",
+        default=None,
+        help="with --hybrid-context-parallel: which scheduler places the documents: ours "
+        "(startrail, the default), on the planner's cost model, or megatron-core's "
+        "BalancedCPScheduler",
     )
     g.add_argument(
         "--startrail-batch-cluster",
-        default="h100-ib",
-        help="with --startrail-batch-scheduler startrail: the cluster its cost model prices "
-        "layouts on: a preset of startrail-plan --cluster, or a cluster JSON file",
+        default=None,
+        help="with --hybrid-context-parallel: the cluster our scheduler's cost model prices "
+        "layouts on (and --startrail-team-size auto its team sizes): a preset of "
+        "startrail-plan --cluster, or a cluster JSON file (default: h100-ib)",
     )
     g.add_argument(
         "--max-seqlen-per-dp-cp-rank",
@@ -282,9 +284,26 @@ def add_hybrid_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_hybrid_args(args: argparse.Namespace) -> None:
-    """``ValueError`` naming the flag where ``--hybrid-context-parallel`` cannot run here."""
+    """``ValueError`` naming the flag where ``--hybrid-context-parallel`` cannot run here,
+    or where a flag of its own is given without it (it would be ignored); fills in the
+    defaults of ``--startrail-batch-scheduler`` and ``--startrail-batch-cluster``."""
     if not args.hybrid_context_parallel:
+        own = {
+            "--startrail-batch-scheduler": args.startrail_batch_scheduler,
+            "--startrail-batch-cluster": args.startrail_batch_cluster,
+            "--max-seqlen-per-dp-cp-rank": args.max_seqlen_per_dp_cp_rank,
+        }
+        given = [flag for flag, value in own.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} without --hybrid-context-parallel would be ignored: give "
+                "--hybrid-context-parallel, or drop them"
+            )
         return
+    if args.startrail_batch_scheduler is None:
+        args.startrail_batch_scheduler = "startrail"
+    if args.startrail_batch_cluster is None:
+        args.startrail_batch_cluster = "h100-ib"
     if args.context_parallel_impl != "startrail":
         raise ValueError("--hybrid-context-parallel needs --context-parallel-impl startrail here")
     if not args.reset_attention_mask:

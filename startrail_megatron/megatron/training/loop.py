@@ -2,7 +2,9 @@
 
 As Megatron-LM's: the learning-rate schedule stepped after every update, evaluation on the
 validation split every ``--eval-interval`` iterations (``--eval-iters`` global batches,
-their per-token mean losses averaged), a checkpoint every ``--save-interval`` and at the
+their per-token mean losses averaged) and on the test split once after training, a printed
+line every ``--log-interval`` iterations (its loss and time the means over them), a
+checkpoint every ``--save-interval`` and at the
 end, ``--exit-interval`` / ``--exit-duration-in-mins``, curves to ``--tensorboard-dir``
 and/or ``--log-json``. Each logged iteration shows the loss, the learning rate, tokens/s,
 the time left and, with StarTrail, the bytes it moved (P2P and team collectives, from the
@@ -89,6 +91,7 @@ def _startrail_bytes(args) -> dict:
 
 def train(args: argparse.Namespace) -> list[dict]:
     """Run the training loop on an initialized process group; returns the log."""
+    t_called = time.perf_counter()  # --exit-duration-in-mins counts the set-up too
     initialize(args)
     rank = dist.get_rank()
     stop = _StopFlag()
@@ -111,10 +114,17 @@ def train(args: argparse.Namespace) -> list[dict]:
                 None if args.no_load_optim else optimizer,
                 args.ckpt_step,
                 load_rng=not args.no_load_rng,
+                global_batch_size=args.global_batch_size,
             )
+            if start > args.train_iters:  # the loop would not run, and the save relabel it
+                raise ValueError(
+                    f"--load {args.load}: its checkpoint is of iteration {start}, past "
+                    f"--train-iters {args.train_iters}; give --train-iters above {start} (or "
+                    f"--ckpt-step N <= {args.train_iters})"
+                )
         scheduler = build_scheduler(args, optimizer)
         scheduler.step(start * args.global_batch_size)  # resumed: the same schedule
-        train_ds, valid_ds = build_datasets(args)
+        train_ds, valid_ds, test_ds = build_datasets(args)
         batches = global_batches(args, train_ds, start)
         valid = None
         if valid_ds is not None:  # resumed: the validation batches continue where they were
@@ -122,6 +132,7 @@ def train(args: argparse.Namespace) -> list[dict]:
             valid = global_batches(args, valid_ds, done)
         writer = _writer(args, rank)
         log: list[dict] = []
+        since_print: list[dict] = []  # the iterations a printed line averages
         t_start = time.perf_counter()
         for it in range(start + 1, args.train_iters + 1):
             t0 = time.perf_counter()
@@ -151,26 +162,36 @@ def train(args: argparse.Namespace) -> list[dict]:
             elapsed = time.perf_counter() - t_start
             entry["seconds_left"] = elapsed / (it - start) * (args.train_iters - it)
             log.append(entry)
+            since_print.append(entry)
             if writer is not None:
                 _write_curves(writer, entry)
             if rank == 0 and (
                 it % args.log_interval == 0 or it == args.train_iters or "val_loss" in entry
             ):
-                _print_iteration(args, entry)
+                _print_iteration(args, _interval_mean(since_print))
+                since_print = []
             saved = False
             if args.save and args.save_interval and it % args.save_interval == 0:
-                save_checkpoint(args.save, model, it, optimizer)
+                save_checkpoint(args.save, model, it, optimizer, args.global_batch_size)
                 saved = True
-            why = _why_stop(args, it, elapsed, stop)
+            why = _why_stop(args, it, time.perf_counter() - t_called, stop)
             if why:
                 if rank == 0:
                     print(f" stopping after iteration {it}: {why}", flush=True)
                 if args.save and not saved:
-                    save_checkpoint(args.save, model, it, optimizer)
+                    save_checkpoint(args.save, model, it, optimizer, args.global_batch_size)
                 break
         else:
-            if args.save and (not args.save_interval or args.train_iters % args.save_interval):
-                save_checkpoint(args.save, model, args.train_iters, optimizer)
+            if test_ds is not None and log:  # as Megatron-LM: once, after training
+                log[-1]["test_loss"] = evaluate(args, model, global_batches(args, test_ds))
+                if rank == 0:
+                    print(f" test loss {log[-1]['test_loss']:.6f} (--eval-iters batches of the "
+                          "test split)", flush=True)  # fmt: skip
+            last_saved = args.save_interval and args.train_iters % args.save_interval == 0
+            if args.save and start < args.train_iters and not last_saved:
+                save_checkpoint(
+                    args.save, model, args.train_iters, optimizer, args.global_batch_size
+                )
         if rank == 0 and args.log_json:
             with open(args.log_json, "w") as f:
                 json.dump(log, f, indent=1)
@@ -285,6 +306,16 @@ def _write_curves(writer, e: dict) -> None:
     writer.add_scalar("tokens-per-second", e["tokens_per_s"], it)
     if "val_loss" in e:
         writer.add_scalar("lm loss validation", e["val_loss"], it)
+
+
+def _interval_mean(entries: list[dict]) -> dict:
+    """The last entry, its loss and time the means over ``entries`` (the iterations since
+    the last printed line: Megatron-LM's ``lm loss`` and time per iteration are those)."""
+    out = dict(entries[-1])
+    out["loss"] = sum(e["loss"] for e in entries) / len(entries)
+    out["seconds"] = sum(e["seconds"] for e in entries) / len(entries)
+    out["tokens_per_s"] = entries[-1]["tokens_per_s"] * entries[-1]["seconds"] / out["seconds"]
+    return out
 
 
 def _print_iteration(args, e: dict) -> None:
