@@ -422,6 +422,12 @@ def test_launcher_runs_unmodified_script(tmp_path):
             r"startrail\.zero_mapping='hpz_team' is not supported with startrail\.ulysses_size=2",
         ),
         ({**_st(4, 1), "ulysses_size": "2"}, {}, r"startrail\.ulysses_size='2'.*valid integer"),
+        (  # P = 1: the section changes nothing, so its settings would be dropped
+            {"enabled": True, "sequence_parallel_size": 1, "tiled_mlp": 16, "attention_tile": 8},
+            {},
+            r"startrail\.attention_tile is set but startrail\.sequence_parallel_size is 1.*drop "
+            r"startrail\.attention_tile, startrail\.tiled_mlp",
+        ),
     ],
 )
 def test_invalid_sections_fail_before_anything(section, zero, match):

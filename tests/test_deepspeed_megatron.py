@@ -208,6 +208,65 @@ def test_megatron_gpt_own_rows_first_conflict_is_refused():
         assert msg is not None and "startrail.own_rows_first='on'" in msg, msg
 
 
+def _dropped_settings(rank, world):
+    """Settings plain DeepSpeed or the adapter would drop, each refused by name."""
+    rank_env(rank, world)
+    argv = ARGV + ["--context-parallel-size", "4", "--context-parallel-impl", "startrail"]
+    model = _model(argv + ["--startrail-team-size", "2"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    section = {"enabled": True, "sequence_parallel_size": 4, "team_size": 2}
+    out = {}
+    try:
+        for name, cfg in (  # StarTrail attention over CP 4, DeepSpeed told nothing of it
+            ("absent", ds_config(1, 1, None)),
+            ("p1", ds_config(1, 1, {"enabled": True, "sequence_parallel_size": 1})),
+        ):
+            try:
+                sds.initialize(model=model, optimizer=opt, config=cfg)
+                out[name] = None
+            except ValueError as e:
+                out[name] = str(e)
+        model.config.mtp_num_layers = 1  # its loss would be counted once per sequence rank
+        try:
+            sds.initialize(model=model, optimizer=opt, config=ds_config(1, 1, section))
+            out["mtp"] = None
+        except NotImplementedError as e:
+            out["mtp"] = str(e)
+        model.config.mtp_num_layers = None
+        engine, _, _, _ = sds.initialize(
+            model=model, optimizer=opt, config=ds_config(1, 1, section)
+        )
+        ids, pos, labels = _batches()[0]
+        for name, call in (
+            ("positional", lambda e=engine: e(ids, pos, None, None, labels)),  # labels 5th
+            ("decoder_input", lambda e=engine: e(ids, pos, None, decoder_input=torch.zeros(1))),
+        ):
+            try:
+                call()
+                out[name] = None
+            except ValueError as e:
+                out[name] = str(e)
+        del engine
+        gc.collect()
+        return out
+    finally:
+        T.teardown()
+
+
+def test_settings_the_megatron_path_would_drop_are_refused():
+    want = {
+        "absent": "runs StarTrail attention over Megatron's context_parallel_size=4, but the "
+        "DeepSpeed config's startrail section is absent or disabled",
+        "p1": "startrail section is at P = 1",
+        "mtp": "mtp_num_layers=1 (multi-token prediction)",
+        "positional": "by keyword (labels=...): got 5 positional ones",
+        "decoder_input": "decoder_input (embeddings of the full sequence) is not supported",
+    }
+    for out in run_ranks(4, _dropped_settings):
+        for name, text in want.items():
+            assert out[name] is not None and text in out[name], (name, out[name])
+
+
 # ---- packed documents in one row (position ids restarting per document) ----------------------
 DOC_LENGTHS = [9, 3, 14, 1, 5]  # 32 tokens in one row
 

@@ -223,7 +223,7 @@ class _LastStepDiffers:
 def _last_step_case(rank, world, args: TrainArgs):
     out = {}
     for field, name in (("noise", "noise"), ("t", "timesteps"), ("y", "labels"),
-                        ("context", "context")):  # fmt: skip
+                        ("context", "context"), ("x", "images")):  # fmt: skip
         batches = _LastStepDiffers(args, rank, field)
         try:
             run_training(args, groups=groups_for(1), batches=batches, log=lambda *_: None)
@@ -234,9 +234,10 @@ def _last_step_case(rank, world, args: TrainArgs):
 
 
 def test_trainer_checks_the_ranks_draws_every_step():
-    """The trainer checks every step that the ranks of a replica drew the same noise,
-    timesteps, labels and text (``check_replicated``): a draw that differs on one rank at
-    the last step only stops the training there, on every rank, naming what differs."""
+    """The trainer checks every step that the ranks of a replica drew the same noise, and
+    the parallelized model that its inputs are the same (images, timesteps, labels, text:
+    ``check_replicated``): one that differs on one rank at the last step only stops the
+    training there, on every rank, naming what differs (images were not checked)."""
     args = _args((4, 4), 2)
     for out in run_ranks(2, _last_step_case, args):
         for name, (msg, drawn) in out.items():
@@ -306,6 +307,9 @@ def test_train_args_refuse_bad_settings_by_name():
             "steps": lambda: replace(_args(), steps=0),
             "orf": lambda: replace(_args(), own_rows_first="sometimes"),
             "orf_ds": lambda: replace(_args(), own_rows_first="on", deepspeed_config="ds.json"),
+            "team_ds": lambda: replace(_args(), team_size=2, deepspeed_config="ds.json"),
+            "placement_ds": lambda: replace(_args(), placement="ring", deepspeed_config="ds.json"),
+            "fp64_ds": lambda: replace(_args(), dtype="fp64", deepspeed_config="ds.json"),
             "patch": lambda: DiTConfig(height=7, width=8, patch_size=2),
             "heads": lambda: DiTConfig(hidden_size=30, num_heads=4),
         }
@@ -315,7 +319,10 @@ def test_train_args_refuse_bad_settings_by_name():
     assert "--steps" in errs["steps"]
     assert "--own-rows-first='sometimes'" in errs["orf"] and "'auto'" in errs["orf"]
     assert "startrail.own_rows_first" in errs["orf_ds"]
-    replace(_args(), own_rows_first="AUTO", deepspeed_config="ds.json")  # auto, any spelling
+    assert "--team-size 2 with --deepspeed-config: give it as the config's" in errs["team_ds"]
+    assert "startrail.placement instead" in errs["placement_ds"]
+    assert "--dtype fp64 with --deepspeed-config" in errs["fp64_ds"]
+    replace(_args(), own_rows_first="AUTO", deepspeed_config="ds.json", dtype="fp32")  # any case
     assert "patch_size" in errs["patch"] and "num_heads" in errs["heads"]
 
 

@@ -26,6 +26,7 @@ def deepspeed_setup(model: DiT, args: TrainArgs) -> TrainSetup:
     ``ValueError`` where ``--cp-size`` differs from ``startrail.sequence_parallel_size``."""
     with open(args.deepspeed_config) as f:
         cfg = json.load(f)
+    _refuse_ignored(cfg, args)
     opt = build_optimizer(model, args)
     engine, _, _, _ = initialize(model=model, optimizer=opt, config=cfg)
     handle = engine.startrail_handle
@@ -40,6 +41,30 @@ def deepspeed_setup(model: DiT, args: TrainArgs) -> TrainSetup:
         engine, handle, mpu.data_parallel_rank, mpu.data_parallel_size,
         grad_scale=handle.grad_scale, engine=engine,
     )  # fmt: skip
+
+
+def _refuse_ignored(cfg: dict, args: TrainArgs) -> None:
+    """The config's settings the DiT trainer would not honour, each named: it builds its
+    own optimizer (``--optimizer``, ``--lr``), draws ``--micro-batch-size`` samples a step
+    and casts the model and its inputs to ``--dtype``."""
+    if "optimizer" in cfg:
+        raise ValueError(
+            "the DeepSpeed config's optimizer section: the DiT trainer builds its optimizer "
+            "from --optimizer and --lr; remove the section"
+        )
+    mbs = cfg.get("train_micro_batch_size_per_gpu")
+    if mbs is not None and mbs != args.micro_batch_size:
+        raise ValueError(
+            f"train_micro_batch_size_per_gpu={mbs} in the DeepSpeed config differs from "
+            f"--micro-batch-size {args.micro_batch_size} (the samples the trainer draws per "
+            "step): give the same in both"
+        )
+    for key in ("bf16", "fp16"):
+        if (cfg.get(key) or {}).get("enabled", False):
+            raise ValueError(
+                f"the DeepSpeed config's {key} section: the DiT trainer casts the model and its "
+                "inputs with --dtype (DeepSpeed would cast the weights alone); remove it"
+            )
 
 
 def run_training(args: TrainArgs, batches: ReplicaBatches | None = None, log=print) -> TrainResult:

@@ -128,6 +128,42 @@ def _check_hpz_is_team(mpu: StarTrailMPU) -> None:
         )
 
 
+def _refuse_inactive(st: StarTrailConfig | None, model) -> None:
+    """What plain DeepSpeed (the section absent, disabled, or with P = 1) would get wrong,
+    silently: settings of an enabled section it would drop, and a megatron-core GPTModel
+    whose StarTrail attention spans Megatron's CP ranks (DeepSpeed would take them for
+    data-parallel replicas, each rank's full batch for one shard of a longer sequence)."""
+    if st is not None and st.enabled:
+        dropped = sorted(
+            k for k in st.model_fields_set - {"enabled", "sequence_parallel_size"}
+            if getattr(st, k) != type(st).model_fields[k].default
+        )  # fmt: skip
+        if dropped:
+            raise ValueError(
+                f"startrail.{dropped[0]} is set but startrail.sequence_parallel_size is 1: the "
+                "section changes nothing at P = 1, so it would be ignored; set "
+                "sequence_parallel_size > 1 or drop " + ", ".join(f"startrail.{k}" for k in dropped)
+            )
+    from .megatron_gpt import is_megatron_gpt
+
+    if not is_megatron_gpt(model):
+        return
+    from megatron.core import parallel_state
+
+    from ..megatron.attention import StarTrailCoreAttention
+
+    cp = parallel_state.get_context_parallel_world_size() if (
+        parallel_state.model_parallel_is_initialized()
+    ) else 1  # fmt: skip
+    if cp > 1 and any(isinstance(m, StarTrailCoreAttention) for m in model.modules()):
+        raise ValueError(
+            f"this GPTModel runs StarTrail attention over Megatron's context_parallel_size={cp}, "
+            "but the DeepSpeed config's startrail section is "
+            + ("absent or disabled" if st is None or not st.enabled else "at P = 1")
+            + f': set "startrail": {{"enabled": true, "sequence_parallel_size": {cp}}}'
+        )
+
+
 def initialize(
     args=None,
     model=None,
@@ -168,6 +204,7 @@ def initialize(
     cfg = resolve_config(args, config, config_params)
     st = StarTrailConfig.from_ds_config(cfg) if cfg is not None else None
     if st is None or not st.active:
+        _refuse_inactive(st, model)
         return internals.original_initialize(**plain)
 
     # Checks that need no communication first.
@@ -221,6 +258,22 @@ def initialize(
                 f"GPTModels and startrail_megatron.dit.DiT; got {type(model).__name__}"
             )
 
+    if megatron_model:
+        for key, what in (("mtp_num_layers", "multi-token prediction"),
+                          ("num_moe_experts", "mixture of experts")):  # fmt: skip
+            if getattr(model.config, key, None):
+                raise NotImplementedError(
+                    f"a megatron-core GPTModel with {key}={getattr(model.config, key)} ({what}) "
+                    "through DeepSpeed with startrail: its auxiliary loss is scaled by each "
+                    "rank's own tokens and then summed over the sequence ranks, so its "
+                    "gradients would be wrong: not supported on the DeepSpeed path"
+                )
+    if dit_model and st.ulysses_size > 1 and model.cfg.text_tokens:
+        raise NotImplementedError(
+            f"startrail.ulysses_size={st.ulysses_size} with a DiT of text tokens (MMDiT, "
+            f"text_tokens={model.cfg.text_tokens}): joint keys are not supported with the 2-D "
+            "split yet; use ulysses_size 1"
+        )
     import deepspeed.comm as ds_dist
     from deepspeed.accelerator import get_accelerator
 

@@ -155,10 +155,21 @@ class MegatronHandle:
         self._hooks, self._unmarked = [], []
 
     def _pre_hook(self, module, args, kwargs):
+        if len(args) > len(_ARG_NAMES):  # GPTModel.forward's 4th is decoder_input, 5th labels
+            raise ValueError(
+                f"pass GPTModel's arguments after {', '.join(_ARG_NAMES)} by keyword (labels=...): "
+                f"got {len(args)} positional ones, and StarTrail's adapter reads the first "
+                f"{len(_ARG_NAMES)} only"
+            )
         args = list(args)
         for i, name in enumerate(_ARG_NAMES[: len(args)]):
             kwargs[name] = args[i]
         args = []
+        if kwargs.get("decoder_input") is not None:
+            raise ValueError(
+                "decoder_input (embeddings of the full sequence) is not supported with "
+                "StarTrail's adapter: pass input_ids, which it shards over the sequence ranks"
+            )
         if kwargs.get("attention_mask") is not None:
             raise ValueError(
                 "pass attention_mask=None: StarTrail's causal attention needs no mask tensor "

@@ -81,6 +81,21 @@ class TrainArgs:
                 f"--own-rows-first {self.own_rows_first} with --deepspeed-config: give it as the "
                 "config's startrail.own_rows_first instead; allowed here: 'auto'"
             )
+        if self.deepspeed_config is not None:  # the config's section gives them, or would
+            for flag, value, default, key in (
+                ("--team-size", self.team_size, 1, "team_size"),
+                ("--placement", self.placement, "team", "placement"),
+            ):
+                if value != default:
+                    raise ValueError(
+                        f"{flag} {value} with --deepspeed-config: give it as the config's "
+                        f"startrail.{key} instead (it would be ignored)"
+                    )
+            if self.dtype == "fp64":
+                raise ValueError(
+                    "--dtype fp64 with --deepspeed-config: DeepSpeed keeps fp32 master weights "
+                    "(ZeRO 1-3) or cannot reduce float64 gradients (ZeRO 0); allowed: fp32, bf16"
+                )
         for name in ("steps", "micro_batch_size", "team_size", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -235,10 +250,8 @@ def run_training(
     losses, t0, log_rows = [], time.perf_counter(), []
     for it in range(1, args.steps + 1):
         batch = {k: None if v is None else v.to(device) for k, v in batches.next().items()}
-        check_replicated(
-            groups.cp_group, noise=batch["noise"], timesteps=batch["t"], labels=batch["y"],
-            **({} if batch["context"] is None else {"context": batch["context"]}),
-        )  # fmt: skip
+        # the noise (the model's own inputs are checked in its forward: parallelize_dit)
+        check_replicated(groups.cp_group, noise=batch["noise"])
         pred = _forward(setup.step_model, batch)
         target = tokens.shard(patchify(batch["noise"], args.model.patch_size))
         loss = diffusion_loss(pred, target, tokens, scale)

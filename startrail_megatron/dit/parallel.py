@@ -257,6 +257,18 @@ class DiTHandle:
     def __init__(self, model, tokens: TokenSharding, sdpa: StarTrailSDPA, wrapped: list):
         self.model, self.tokens, self.sdpa, self._wrapped = model, tokens, sdpa, wrapped
         self.grad_scale = 1.0
+        self._hook = model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
+
+    def _check_inputs(self, module, args, kwargs):
+        """Every rank of the group must pass the same full image, timesteps, labels and
+        text (``check_replicated``): each keeps its share of the tokens, so ranks given
+        other images would train on one stitched from them, silently."""
+        names = {"x": "images", "t": "timesteps", "y": "labels", "context": "context"}
+        given = {**dict(zip(names, args)), **kwargs}
+        check_replicated(
+            self.groups.cp_group,
+            **{names[n]: given[n] for n in names if given.get(n) is not None},
+        )
 
     @property
     def groups(self) -> StarTrailGroups:
@@ -266,6 +278,9 @@ class DiTHandle:
         for m in self._wrapped:
             unwrap_attention(m)
         self._wrapped = []
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         self.model.token_hooks = None
         if getattr(self.model, "_startrail_handle", None) is self:
             del self.model._startrail_handle
@@ -316,8 +331,9 @@ def check_replicated(group, **tensors: Tensor) -> None:
     fields = {name: _checksum(t) for name, t in tensors.items()}
     check_agreement(
         group, fields, device,
-        hint="the ranks of one StarTrail group must draw the same noise, timesteps and label "
-        "drop (seed the generator per data-parallel replica, not per rank)",
+        hint="the ranks of one StarTrail group must take the same images and draw the same "
+        "noise, timesteps and label drop (seed the generator per data-parallel replica, not "
+        "per rank)",
     )  # fmt: skip
 
 
