@@ -354,6 +354,8 @@ def agree_once(
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     check_agreement(groups.cp_group, fields, q.device)
+    if len(groups.agreed) >= 256:  # packed batches give a new setting per micro-batch
+        groups.agreed.clear()
     groups.agreed.add(key)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import sys
 import types
 
@@ -476,6 +477,25 @@ def test_flash_attn_adapter_computes_attention(version, causal, hq, hkv):
     for got, w, x in zip(grads, want, (q, k, v)):
         assert got.shape == x.shape  # dk, dv keep the KV heads (GQA native)
         torch.testing.assert_close(got, w, rtol=0, atol=1e-12)
+
+
+def test_flash_attn_empty_rows_get_the_contracts_minus_inf():
+    """flash-attn marks a row that sees no key with lse = +inf; merge_partial would give it
+    the whole merged row (NaN): the adapter returns the contract's -inf."""
+    ns = _v27_plain()
+    plain = ns._flash_attn_forward
+
+    @functools.wraps(plain)  # the adapter reads the signature
+    def empty_row_0(*a, **kw):
+        res = list(plain(*a, **kw))
+        res[1] = res[1].clone()
+        res[1][..., 0] = float("inf")  # as flash-attn writes an empty row
+        return tuple(res)
+
+    ns._flash_attn_forward = empty_row_0
+    q = torch.randn(4, 1, 2, 16, dtype=torch.float64)
+    _, lse = kn.FlashAttnKernel(ns).forward(q, q, q, causal=True, scale=0.25)
+    assert (lse[..., 0] == float("-inf")).all() and torch.isfinite(lse[..., 1:]).all()
 
 
 def test_flash_attn_unknown_signature_is_refused():

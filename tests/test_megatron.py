@@ -1360,3 +1360,27 @@ def _registry_key(rank, world):
 
 def test_registry_keys_the_world_group_once():
     assert run_ranks(4, _registry_key) == [(True, True)] * 4
+
+
+def test_packed_boundaries_are_read_once_per_packed_seq_params():
+    """Every layer gets the micro-batch's one PackedSeqParams: its cu_seqlens are read on the
+    host (a wait for the device on GPUs) once, and again only after an in-place change."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from startrail_megatron.megatron import attention as A
+
+    cu = torch.tensor([0, 6, 16], dtype=torch.int32)
+    psp = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=10, max_seqlen_kv=10
+    )
+    reads, real = [], A._read_boundaries
+    A._read_boundaries = lambda *a: reads.append(a[1]) or real(*a)
+    try:
+        for _ in range(3):  # three layers
+            assert A._packed_boundaries(psp, 4) == ([0, 6, 16], None)
+        assert len(reads) == 1
+        cu[2] = 20  # reused in place for another micro-batch
+        assert A._packed_boundaries(psp, 4) == ([0, 6, 20], None) and len(reads) == 2
+        assert A._packed_boundaries(psp, 5) is not None and len(reads) == 3  # another length
+    finally:
+        A._read_boundaries = real

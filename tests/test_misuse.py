@@ -224,3 +224,17 @@ def test_strided_cp_groups_with_teams_match_the_reference():
         for i in range(4):
             got = unshard([x[3][i] for x in rows], True)
             assert rel_err(got, ref[i]) <= TOL[torch.float64]
+
+
+def _many_settings(rank, world):
+    from startrail_megatron.validation import agree_once
+
+    groups = st.StarTrailGroups.create(1)
+    k = torch.zeros(2, 1, 1, D)
+    for s in range(2, 1202, 2):  # 600 settings, as packed micro-batches give
+        agree_once(groups, torch.zeros(s, 1, 1, D), k, True, scale=1.0)
+    return len(groups.agreed)
+
+
+def test_the_cache_of_agreed_settings_stays_bounded():
+    assert all(n <= 256 for n in run_ranks(2, _many_settings))

@@ -45,9 +45,11 @@ def check_sinks(case: FeatureCase) -> dict[str, Any]:
 
 
 def check_dropout(case: FeatureCase) -> dict[str, Any]:
-    """p = 0.1 twice with the same seed is bitwise the same, and differs from p = 0 (masks
-    cannot be compared with float64 on fused kernels); skipped (passed) on a backend that
-    runs no dropout."""
+    """p = 0.1 twice with the same seed: the output bitwise the same and the gradients within
+    the tolerance (fused backwards add dq in atomics, in no fixed order: flash-attn's and
+    SDPA's unless deterministic), and the output differs from p = 0 (masks cannot be
+    compared with float64 on fused kernels); skipped (passed) on a backend that runs no
+    dropout."""
     if not getattr(case.kernel, "supports_dropout", False):
         return case.row(
             "dropout", skipped=f"kernel {case.kernel_name!r} runs no dropout", passed=True
@@ -58,10 +60,12 @@ def check_dropout(case: FeatureCase) -> dict[str, Any]:
     for pdrop in (0.1, 0.1, 0.0):
         torch.manual_seed(7)
         runs.append(case.run_zigzag(q, k, v, do, dropout_p=pdrop))
-    same = all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+    same_out = torch.equal(runs[0][0], runs[1][0])
+    grads = {n: rel_err(a, b) for n, a, b in zip(GRAD_NAMES[1:], runs[0][1:], runs[1][1:])}
+    grads_ok = all(e <= case.tolerance for e in grads.values())
     differs = rel_err(runs[0][0], runs[2][0]) > 1e-3
-    return case.row("dropout", reproducible=same, differs_from_p0=differs,
-                    passed=same and differs)  # fmt: skip
+    return case.row("dropout", reproducible=same_out, grads_between_runs=grads,
+                    differs_from_p0=differs, passed=same_out and grads_ok and differs)  # fmt: skip
 
 
 FEATURE_CHECKS = (

@@ -15,6 +15,7 @@ import functools
 import math
 import numbers
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -170,6 +171,10 @@ def get_kernel(
     )  # fmt: skip
 
 
+_WARNED: set[str] = set()
+"""Reasons ``resolve_kernel`` has warned of a fallback to the reference kernel on a GPU."""
+
+
 def resolve_kernel(
     q: Tensor,
     kernel: str | AttentionKernel,
@@ -198,6 +203,15 @@ def resolve_kernel(
         why = kernel_unsupported_reason(kernel, **features)
         if why is not None and _resolve_name(requested, os.environ)[0] == "auto":
             kernel = get_kernel("torch", q.dtype, device=q.device, head_dim=q.shape[-1])
+            if q.device.type == "cuda" and why not in _WARNED:  # said once per reason
+                _WARNED.add(why)
+                warnings.warn(
+                    f"kernel='auto' runs StarTrail's reference kernel ('torch') on the GPU: "
+                    f"{why}. It builds each call's whole score matrix in fp32 (memory grows "
+                    "with the square of the call's length): install flash-attn for windows "
+                    "and soft-capping, or bound the calls with tile=",
+                    stacklevel=2,
+                )
     # the instance decides too (flash-attn 2.5 has no softcap), before any transfer
     why = kernel_unsupported_reason(kernel, **features)
     if why is not None:

@@ -255,6 +255,14 @@ def detect_flash_attn_api(fwd: Any, bwd: Any, version: str = "?") -> FlashAttnAP
     return FlashAttnAPI(fp, bp, freq, breq, split, lse_index, version)
 
 
+def _empty_rows_minus_inf(lse):
+    """flash-attn gives a row that sees no key lse = +inf (its backward then makes its
+    probabilities 0); the kernel contract's is -inf, which ``merge_partial`` weighs 0
+    (+inf would take the whole merged row, NaN from inf - inf). Only the forward's copy is
+    changed: the backward gets the merged lse."""
+    return lse.masked_fill(lse == float("inf"), float("-inf"))
+
+
 class FlashAttnKernel:
     """flash-attn 2's kernels through their private, signature-detected API.
 
@@ -320,7 +328,7 @@ class FlashAttnKernel:
             **self._extras(sq, k.shape[0], band, softcap),
         )  # fmt: skip
         res = self._fwd(**kw)
-        out, lse = res[0], res[self.api.lse_index]
+        out, lse = res[0], _empty_rows_minus_inf(res[self.api.lse_index])
         _keep_rng(dropout, res, self.api)
         if tuple(out.shape) != tuple(qb.shape):
             raise RuntimeError(
@@ -359,7 +367,7 @@ class FlashAttnKernel:
             **_p(dropout), **self._varlen_cap(softcap),
         )  # fmt: skip
         res = self._vfwd(**kw)
-        out, lse = res[0], res[api.lse_index]
+        out, lse = res[0], _empty_rows_minus_inf(res[api.lse_index])
         _keep_rng(dropout, res, api)
         if tuple(out.shape) != tuple(q.shape):
             raise RuntimeError(

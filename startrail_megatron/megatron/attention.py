@@ -72,7 +72,28 @@ def hybrid_size(psp) -> int | None:
     return None if k in (None, 0) else int(k)
 
 
+_CU_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+
+
 def _packed_boundaries(psp, s_local: int) -> tuple[list[int] | None, list[int] | None]:
+    """``_read_boundaries``, read once per ``PackedSeqParams`` (every layer of a micro-batch
+    gets the same object; reading its device tensors on the host waits for the device):
+    kept on the object, keyed by its tensors and their versions (an in-place change reads
+    them again) and ``s_local``."""
+    key = (s_local, *((id(t), t._version) for t in
+                      (getattr(psp, f, None) for f in _CU_FIELDS) if t is not None))  # fmt: skip
+    cached = getattr(psp, "_startrail_boundaries", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    out = _read_boundaries(psp, s_local)
+    try:
+        psp._startrail_boundaries = (key, out)
+    except (AttributeError, TypeError):  # a frozen or slotted PackedSeqParams: read each time
+        pass
+    return out
+
+
+def _read_boundaries(psp, s_local: int) -> tuple[list[int] | None, list[int] | None]:
     """(cu_seqlens, cu_seqlens_padded) of self-attention ``PackedSeqParams``, as host ints
     (``(None, None)`` for a hybrid-CP sub-sample in ``sbhd``: one sequence zigzag-sharded
     over its sub-group); ``NotImplementedError`` naming the field for what StarTrail does
