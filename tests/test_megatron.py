@@ -951,7 +951,26 @@ def test_tiled_loss_flag_under_upstream_megatron_lm():
         p = argparse.ArgumentParser()
         p.add_argument("--context-parallel-size", type=int, default=1)
         p.add_argument("--seq-length", type=int, default=64)
+        p.add_argument("--cp-comm-type", nargs="+", default=["p2p"])
+        p.add_argument("--mtp-num-layers", type=int, default=None)
+        p.add_argument("--calculate-per-token-loss", action="store_true")
         return validate_startrail_args(add_startrail_args(p).parse_args(list(flags)))
+
+    with pytest.raises(
+        ValueError,
+        match="--startrail-team-size 2, --startrail-placement ring "
+        "without --context-parallel-impl startrail would be ignored",
+    ):
+        upstream("--context-parallel-size", "4", "--startrail-team-size", "2",
+                 "--startrail-placement", "ring")  # fmt: skip
+    upstream("--cp-comm-type", "p2p", *st_flags(4, 2))
+    with pytest.raises(ValueError, match="--cp-comm-type a2a: StarTrail's transfers follow"):
+        upstream("--cp-comm-type", "a2a", *st_flags(4, 2))  # it was ignored
+    with pytest.warns(UserWarning, match="--mtp-num-layers at --context-parallel-size > 1"):
+        upstream("--mtp-num-layers", "1", *st_flags(4, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # per-token loss: CP = 1's, nothing to say
+        upstream("--mtp-num-layers", "1", "--calculate-per-token-loss", *st_flags(4, 2))
 
     upstream("--startrail-tiled-loss", "16", *st_flags(4, 2))
     with pytest.raises(ValueError, match="needs --context-parallel-impl startrail under"):
@@ -1054,6 +1073,9 @@ def _build_both_ways(rank, world):
             setattr(bad, name, True)
             with pytest.raises(NotImplementedError, match=name):
                 StarTrailCoreAttention(pg_collection=pgs, **{**common, "config": bad})
+        with pytest.raises(NotImplementedError, match="cp_comm_type 'a2a' \\(--cp-comm-type\\)"):
+            StarTrailCoreAttention(pg_collection=pgs, **{**common, "cp_comm_type": "a2a"})
+        StarTrailCoreAttention(pg_collection=pgs, **{**common, "cp_comm_type": "p2p"})
         # a causal layer's window attends no later token (megatron-core's local attention
         # would attend `right` later ones: a different model, silently)
         bad = copy.copy(cfg)

@@ -87,8 +87,19 @@ def test_extra_args_provider_refuses_what_it_cannot_honour(flags, needle, capsys
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
     assert hooks.installed_config() is None
-    # the same flags without StarTrail are Megatron's business
-    _parser().parse_args(flags)
+    # the same flags without StarTrail's are Megatron's business; StarTrail's own without
+    # --context-parallel-impl startrail would be ignored: refused by name
+    theirs = [f for i, f in enumerate(flags) if not (
+        f.startswith("--startrail-") or i and flags[i - 1].startswith("--startrail-")
+    )]  # fmt: skip
+    _parser().parse_args(theirs)
+    if theirs != flags:
+        with pytest.raises(SystemExit):
+            _parser().parse_args(flags)
+        err = capsys.readouterr().err
+        assert "without --context-parallel-impl startrail would be ignored" in err or (
+            "--startrail-team-size auto needs StarTrail's autotuner" in err
+        ), err
 
 
 def test_install_from_args_refuses_auto_without_the_autotuner():

@@ -29,6 +29,7 @@ the patch) it is refused at parsing, naming the flag.
 from __future__ import annotations
 
 import argparse
+import warnings
 
 from ..schedule import OWN_ROWS_FIRST_SETTINGS
 from ..schedule.layout import PLACEMENT_SETTINGS, divisors, valid_team_sizes
@@ -217,8 +218,43 @@ def validate_startrail_args(
     check_attention_tile(args, impl)
     check_head_chunks(args, impl)
     if impl != "startrail":
+        if getattr(args, "startrail_team_size", 1) == "auto" and not autotuner_available(args):
+            raise _refuse_auto()  # under Megatron-LM, with or without the impl flag
+        defaults = {
+            "team_size": 1,
+            "placement": "team",
+            "ulysses_size": 1,
+            "own_rows_first": "auto",
+        }
+        given = [
+            f"--startrail-{k.replace('_', '-')} {getattr(args, 'startrail_' + k)}"
+            for k, v in defaults.items()
+            if getattr(args, "startrail_" + k, v) != v
+        ]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} without --context-parallel-impl startrail would be "
+                "ignored: add --context-parallel-impl startrail, or drop them"
+            )
         return
+    comm = getattr(args, "cp_comm_type", None)
+    comm = list(comm) if isinstance(comm, (list, tuple)) else [comm]
+    if any(v not in (None, "p2p") for v in comm):
+        raise ValueError(
+            f"--cp-comm-type {' '.join(map(str, comm))}: StarTrail's transfers follow its own "
+            "schedule (team collectives and sub-ring P2P), so another kind would be ignored; "
+            "allowed with --context-parallel-impl startrail: p2p (the default)"
+        )
     cp = getattr(args, "context_parallel_size", 1) or 1
+    if getattr(args, "mtp_num_layers", None) and cp > 1:
+        if not getattr(args, "calculate_per_token_loss", False):
+            warnings.warn(
+                "--mtp-num-layers at --context-parallel-size > 1 without "
+                "--calculate-per-token-loss: megatron-core averages each CP rank's MTP loss "
+                "over that rank's own tokens, so training differs slightly from CP = 1 (with "
+                "Megatron's own CP attention too); add --calculate-per-token-loss for CP = 1's",
+                stacklevel=2,
+            )
     c = args.startrail_team_size
     auto_ok = autotuner_available(args) if allow_auto is None else allow_auto
     ring = _check_ulysses(args, cp, c)

@@ -256,6 +256,11 @@ class StarTrailCoreAttention(MegatronModule):
             )
         if attention_type != "self":
             raise NotImplementedError("StarTrail attention supports self-attention only")
+        if cp_comm_type not in (None, "p2p"):  # StarTrail's schedule is its own
+            raise NotImplementedError(
+                f"cp_comm_type {cp_comm_type!r} (--cp-comm-type): StarTrail attention runs its "
+                "own schedule; allowed: 'p2p' (the default) or None"
+            )
         window = getattr(config, "window_size", None)
         freq = getattr(config, "window_attn_skip_freq", None)
         self.window = tuple(window) if _is_window_layer(window, freq, layer_number) else None
