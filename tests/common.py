@@ -104,6 +104,13 @@ def assert_startrail_ledger(events, layout, rank: int, shape, active=None) -> No
     assert all(e.peer != rank for e in led.events if e.kind == "p2p"), "no self-sends"
 
 
+def assert_messages(msgs: dict, want: dict) -> None:
+    """Each case of ``want`` raised (``msgs[name]`` not None) with ``want[name]`` in its
+    message (``value_errors``' result against the texts it must name)."""
+    for name, text in want.items():
+        assert msgs[name] is not None and text in msgs[name], (name, msgs[name])
+
+
 def value_errors(cases: dict, error: type[Exception] = ValueError) -> dict:
     """Run each no-argument callable; its ``error`` message (a ValueError by default), or
     None if it raised none."""
