@@ -24,9 +24,9 @@ def _args(cfg_path: str | None, text: int, c: int) -> TrainArgs:
         height=6, width=10, patch_size=2, in_channels=2, hidden_size=24, depth=2, num_heads=4,
         num_classes=3, text_tokens=text, text_dim=8,
     )  # fmt: skip
-    return TrainArgs(  # with a config, its section gives C (--team-size would be refused)
+    return TrainArgs(  # with a config, C is its section's (another --team-size is refused)
         model=model, steps=3, micro_batch_size=1, lr=0.3, seed=5,
-        team_size=c if cfg_path is None else 1,
+        team_size=c,
         dtype="fp32", kernel="torch", log_interval=100, randomize_zero_init=True,
         optimizer="sgd",
         deepspeed_config=cfg_path,

@@ -307,8 +307,6 @@ def test_train_args_refuse_bad_settings_by_name():
             "steps": lambda: replace(_args(), steps=0),
             "orf": lambda: replace(_args(), own_rows_first="sometimes"),
             "orf_ds": lambda: replace(_args(), own_rows_first="on", deepspeed_config="ds.json"),
-            "team_ds": lambda: replace(_args(), team_size=2, deepspeed_config="ds.json"),
-            "placement_ds": lambda: replace(_args(), placement="ring", deepspeed_config="ds.json"),
             "fp64_ds": lambda: replace(_args(), dtype="fp64", deepspeed_config="ds.json"),
             "patch": lambda: DiTConfig(height=7, width=8, patch_size=2),
             "heads": lambda: DiTConfig(hidden_size=30, num_heads=4),
@@ -319,8 +317,6 @@ def test_train_args_refuse_bad_settings_by_name():
     assert "--steps" in errs["steps"]
     assert "--own-rows-first='sometimes'" in errs["orf"] and "'auto'" in errs["orf"]
     assert "startrail.own_rows_first" in errs["orf_ds"]
-    assert "--team-size 2 with --deepspeed-config: give it as the config's" in errs["team_ds"]
-    assert "startrail.placement instead" in errs["placement_ds"]
     assert "--dtype fp64 with --deepspeed-config" in errs["fp64_ds"]
     replace(_args(), own_rows_first="AUTO", deepspeed_config="ds.json", dtype="fp32")  # any case
     assert "patch_size" in errs["patch"] and "num_heads" in errs["heads"]

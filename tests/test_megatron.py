@@ -1384,25 +1384,28 @@ def test_registry_keys_the_world_group_once():
     assert run_ranks(4, _registry_key) == [(True, True)] * 4
 
 
-def test_packed_boundaries_are_read_once_per_packed_seq_params():
-    """Every layer gets the micro-batch's one PackedSeqParams: its cu_seqlens are read on the
-    host (a wait for the device on GPUs) once, and again only after an in-place change."""
+def test_our_packed_seq_params_are_not_read_back_from_the_device():
+    """The PackedSeqParams our code makes (every layer of a micro-batch gets the same one)
+    carry the host lists they were made from: no layer reads its tensors back (a wait for
+    the device on GPUs); anyone else's are read at every call."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from startrail_megatron.megatron import attention as A
+    from startrail_megatron.schedule.packing import pack_lengths
 
+    ours = A.packed_seq_params(pack_lengths([5, 11], 2))
     cu = torch.tensor([0, 6, 16], dtype=torch.int32)
-    psp = PackedSeqParams(
+    theirs = PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=10, max_seqlen_kv=10
     )
     reads, real = [], A._read_boundaries
     A._read_boundaries = lambda *a: reads.append(a[1]) or real(*a)
     try:
         for _ in range(3):  # three layers
-            assert A._packed_boundaries(psp, 4) == ([0, 6, 16], None)
-        assert len(reads) == 1
-        cu[2] = 20  # reused in place for another micro-batch
-        assert A._packed_boundaries(psp, 4) == ([0, 6, 20], None) and len(reads) == 2
-        assert A._packed_boundaries(psp, 5) is not None and len(reads) == 3  # another length
+            assert A._packed_boundaries(ours, 8) == ([0, 5, 16], [0, 8, 20])
+        assert reads == []
+        for _ in range(2):
+            assert A._packed_boundaries(theirs, 4) == ([0, 6, 16], None)
+        assert len(reads) == 2
     finally:
         A._read_boundaries = real

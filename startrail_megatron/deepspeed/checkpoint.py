@@ -33,6 +33,7 @@ import importlib
 import os
 import pickle
 import shutil
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -134,19 +135,38 @@ def save_checkpoint(
         engine.save_checkpoint(
             save_dir, tag=tag + ".partial", client_state=client_state or {}, save_latest=False
         )
-        save_rng_states(partial, generator_states())
+        save_rng_states(partial, _generator_states())
         dist.barrier()  # every rank's files written (the manifest's pass syncs them)
-        write_manifest(partial, {"tag": tag, "rng": _rng_ranks()})
+        write_manifest(partial, {"tag": tag, "rng": _rng_ranks(engine)})
         if dist.get_rank() == 0:
             commit(partial, final, tracker, tag)
     dist.barrier()
     return final
 
 
-def _rng_ranks() -> dict:
+def _rng_ranks(engine) -> dict:
     """The ranks a save's generator states belong to (a rank's file is restored only into
-    a run on as many ranks: ZeRO refuses others anyway)."""
-    return {"world": dist.get_world_size()}
+    a run on as many ranks, in sequence groups of the same size)."""
+    mpu = getattr(engine, "startrail_mpu", None)
+    p = mpu.get_sequence_parallel_world_size() if mpu is not None else 1
+    return {"world": dist.get_world_size(), "sequence_parallel": p}
+
+
+def _megatron_tracker():
+    """megatron-core's RNG tracker where a model in this process draws from it (a Megatron
+    GPT's attention dropout), else None; megatron-core is never imported here."""
+    mod = sys.modules.get("megatron.core.tensor_parallel.random")
+    tracker = mod.get_cuda_rng_tracker() if mod is not None else None
+    return tracker if tracker is not None and tracker.get_states() else None
+
+
+def _generator_states() -> dict:
+    """This rank's torch generators and megatron-core's RNG tracker states, where in use."""
+    state = generator_states()
+    tracker = _megatron_tracker()
+    if tracker is not None:
+        state["tracker"] = {k: v.clone() for k, v in tracker.get_states().items()}
+    return state
 
 
 def load_checkpoint(
@@ -199,15 +219,18 @@ def load_checkpoint(
             load_dir, tag, load_optimizer_states=load_optimizer_states, **kwargs
         )
     if load_rng_states:
-        _load_rng(folder, manifest)
+        _load_rng(engine, folder, manifest)
     return out
 
 
-def _load_rng(folder: str, manifest: dict) -> None:
+def _load_rng(engine, folder: str, manifest: dict) -> None:
     """This rank's generator states from ``folder``, where saved on as many ranks (the
     manifest says; read here where ``verify=False`` did not)."""
     if not manifest and os.path.exists(os.path.join(folder, MANIFEST)):
         manifest = read_manifest(folder, "load_checkpoint")
-    state = load_rng_states(folder, manifest, _rng_ranks(), "load_checkpoint")
+    state = load_rng_states(folder, manifest, _rng_ranks(engine), "load_checkpoint")
     if state is not None:
         restore_generators(state)
+        tracker = _megatron_tracker()
+        if "tracker" in state and tracker is not None:
+            tracker.set_states({k: v.clone() for k, v in state["tracker"].items()})

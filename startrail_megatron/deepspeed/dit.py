@@ -32,6 +32,16 @@ def deepspeed_setup(model: DiT, args: TrainArgs) -> TrainSetup:
     handle = engine.startrail_handle
     handle.sdpa.kernel = args.kernel  # the section gives P, C and placement; --kernel is ours
     mpu = engine.startrail_mpu
+    lay = mpu.startrail.layout
+    for flag, value, default, key, have in (
+        ("--team-size", args.team_size, 1, "team_size", lay.team_size),
+        ("--placement", args.placement, "team", "placement", lay.placement),
+    ):  # the section gives them: a different one on the command line would be ignored
+        if value not in (default, have):
+            raise ValueError(
+                f"{flag} {value} differs from the DeepSpeed config's startrail.{key} "
+                f"{have!r}: give one of them"
+            )
     if args.cp_size not in (None, mpu.startrail.cp_size):
         raise ValueError(
             f"--cp-size {args.cp_size} differs from the DeepSpeed config's "
@@ -62,8 +72,9 @@ def _refuse_ignored(cfg: dict, args: TrainArgs) -> None:
     for key in ("bf16", "fp16"):
         if (cfg.get(key) or {}).get("enabled", False):
             raise ValueError(
-                f"the DeepSpeed config's {key} section: the DiT trainer casts the model and its "
-                "inputs with --dtype (DeepSpeed would cast the weights alone); remove it"
+                f"the DeepSpeed config's {key} section: the DiT trainer runs the model and its "
+                "inputs in --dtype (fp32 with DeepSpeed; DeepSpeed would cast the weights "
+                "alone); remove it"
             )
 
 

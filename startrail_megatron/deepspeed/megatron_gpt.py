@@ -155,7 +155,7 @@ class MegatronHandle:
         self._hooks, self._unmarked = [], []
 
     def _pre_hook(self, module, args, kwargs):
-        if len(args) > len(_ARG_NAMES):  # GPTModel.forward's 4th is decoder_input, 5th labels
+        if any(a is not None for a in args[len(_ARG_NAMES) :]):  # 4th decoder_input, 5th labels
             raise ValueError(
                 f"pass GPTModel's arguments after {', '.join(_ARG_NAMES)} by keyword (labels=...): "
                 f"got {len(args)} positional ones, and StarTrail's adapter reads the first "

@@ -81,20 +81,11 @@ class TrainArgs:
                 f"--own-rows-first {self.own_rows_first} with --deepspeed-config: give it as the "
                 "config's startrail.own_rows_first instead; allowed here: 'auto'"
             )
-        if self.deepspeed_config is not None:  # the config's section gives them, or would
-            for flag, value, default, key in (
-                ("--team-size", self.team_size, 1, "team_size"),
-                ("--placement", self.placement, "team", "placement"),
-            ):
-                if value != default:
-                    raise ValueError(
-                        f"{flag} {value} with --deepspeed-config: give it as the config's "
-                        f"startrail.{key} instead (it would be ignored)"
-                    )
+        if self.deepspeed_config is not None:
             if self.dtype == "fp64":
                 raise ValueError(
                     "--dtype fp64 with --deepspeed-config: DeepSpeed keeps fp32 master weights "
-                    "(ZeRO 1-3) or cannot reduce float64 gradients (ZeRO 0); allowed: fp32, bf16"
+                    "(ZeRO 1-3) or cannot reduce float64 gradients (ZeRO 0); allowed: fp32"
                 )
         for name in ("steps", "micro_batch_size", "team_size", "log_interval"):
             if getattr(self, name) < 1:

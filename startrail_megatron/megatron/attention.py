@@ -38,7 +38,7 @@ def packed_seq_params(layout, device=None):
         return torch.tensor(xs, dtype=torch.int32, device=device)
 
     longest = max(layout.padded_lengths)
-    return PackedSeqParams(
+    psp = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu(layout.cu_seqlens),
         cu_seqlens_kv=cu(layout.cu_seqlens),
@@ -47,6 +47,9 @@ def packed_seq_params(layout, device=None):
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
     )
+    # the host lists it was made from: the attention reads them instead of the tensors
+    psp._startrail_host_boundaries = (list(layout.cu_seqlens), list(layout.cu_seqlens_padded))
+    return psp
 
 
 def packed_documents(
@@ -72,25 +75,16 @@ def hybrid_size(psp) -> int | None:
     return None if k in (None, 0) else int(k)
 
 
-_CU_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-
-
 def _packed_boundaries(psp, s_local: int) -> tuple[list[int] | None, list[int] | None]:
-    """``_read_boundaries``, read once per ``PackedSeqParams`` (every layer of a micro-batch
-    gets the same object; reading its device tensors on the host waits for the device):
-    kept on the object, keyed by its tensors and their versions (an in-place change reads
-    them again) and ``s_local``."""
-    key = (s_local, *((id(t), t._version) for t in
-                      (getattr(psp, f, None) for f in _CU_FIELDS) if t is not None))  # fmt: skip
-    cached = getattr(psp, "_startrail_boundaries", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    out = _read_boundaries(psp, s_local)
-    try:
-        psp._startrail_boundaries = (key, out)
-    except (AttributeError, TypeError):  # a frozen or slotted PackedSeqParams: read each time
-        pass
-    return out
+    """``_read_boundaries``; for the ``PackedSeqParams`` our own code makes
+    (``packed_seq_params``: every layer of a micro-batch gets the same one), the host lists
+    it was made from, so no layer waits for the device to read them back. Others are read
+    at every call (their tensors may be refilled in place, by a collective too, which no
+    version counter sees)."""
+    own = getattr(psp, "_startrail_host_boundaries", None)
+    if own is not None and getattr(psp, "qkv_format", None) == "thd":
+        return own
+    return _read_boundaries(psp, s_local)
 
 
 def _read_boundaries(psp, s_local: int) -> tuple[list[int] | None, list[int] | None]:

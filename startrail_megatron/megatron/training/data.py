@@ -44,8 +44,8 @@ def build_dataset(args: argparse.Namespace, num_samples: int):
 def _without_empty_test(args, cfg, sizes: list) -> list:
     """``sizes`` without the test split where ``--split`` leaves it no document of a prefix
     (megatron-core would loop forever on it): rank 0 says the test evaluation is skipped."""
-    if sizes[2] is None or _empty_parts(cfg, 2) == []:
-        return sizes
+    if sizes[2] is None or cfg.blend[1] is not None or _empty_parts(cfg, 2) == []:
+        return sizes  # a weighted blend asks for every part: _check_splits names an empty one
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:

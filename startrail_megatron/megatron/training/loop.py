@@ -165,10 +165,9 @@ def train(args: argparse.Namespace) -> list[dict]:
             since_print.append(entry)
             if writer is not None:
                 _write_curves(writer, entry)
-            if rank == 0 and (
-                it % args.log_interval == 0 or it == args.train_iters or "val_loss" in entry
-            ):
-                _print_iteration(args, _interval_mean(since_print))
+            if it % args.log_interval == 0 or it == args.train_iters or "val_loss" in entry:
+                if rank == 0:
+                    _print_iteration(args, _interval_mean(since_print))
                 since_print = []
             saved = False
             if args.save and args.save_interval and it % args.save_interval == 0:
