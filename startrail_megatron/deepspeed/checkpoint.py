@@ -33,7 +33,6 @@ import importlib
 import os
 import pickle
 import shutil
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -152,21 +151,12 @@ def _rng_ranks(engine) -> dict:
     return {"world": dist.get_world_size(), "sequence_parallel": p}
 
 
-def _megatron_tracker():
-    """megatron-core's RNG tracker where a model in this process draws from it (a Megatron
-    GPT's attention dropout), else None; megatron-core is never imported here."""
-    mod = sys.modules.get("megatron.core.tensor_parallel.random")
-    tracker = mod.get_cuda_rng_tracker() if mod is not None else None
-    return tracker if tracker is not None and tracker.get_states() else None
-
-
 def _generator_states() -> dict:
-    """This rank's torch generators and megatron-core's RNG tracker states, where in use."""
-    state = generator_states()
-    tracker = _megatron_tracker()
-    if tracker is not None:
-        state["tracker"] = {k: v.clone() for k, v in tracker.get_states().items()}
-    return state
+    """This rank's torch generators, and megatron-core's RNG tracker where a Megatron GPT
+    draws from it (``megatron.rng``)."""
+    from ..megatron import rng
+
+    return rng.capture() if rng.tracker_in_use() else generator_states()
 
 
 def load_checkpoint(
@@ -230,7 +220,9 @@ def _load_rng(engine, folder: str, manifest: dict) -> None:
         manifest = read_manifest(folder, "load_checkpoint")
     state = load_rng_states(folder, manifest, _rng_ranks(engine), "load_checkpoint")
     if state is not None:
-        restore_generators(state)
-        tracker = _megatron_tracker()
-        if "tracker" in state and tracker is not None:
-            tracker.set_states({k: v.clone() for k, v in state["tracker"].items()})
+        from ..megatron import rng
+
+        if "tracker" in state and rng.tracker_in_use():
+            rng.restore(state)
+        else:
+            restore_generators(state)

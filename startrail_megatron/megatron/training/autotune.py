@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from ...planner.autotune import autotune, startrail_candidates
+from .. import rng
 from ..arguments import own_rows_first_arg
 from ..registry import create_startrail_groups, release_startrail_groups
-from . import rng
 from .data import build_dataset, global_batches
 from .step import forward_backward, rank_device
 

@@ -27,7 +27,7 @@ from ...checkpoint_files import (
     verify_manifest,
     write_manifest,
 )
-from . import rng
+from .. import rng
 
 __all__ = [
     "add_checkpoint_args",
@@ -178,7 +178,7 @@ def save_checkpoint(
 
 def verify_checkpoint(
     ckpt: str, skip_optimizer: bool = False, model=None, global_batch_size: int | None = None
-) -> None:
+) -> dict:
     """Check every file the manifest lists against its SHA-256 (each rank a share), on
     every rank: a ``ValueError`` naming the files that differ or are missing, the same on
     every rank, before anything is loaded. ``skip_optimizer``: the optimizer state files are
@@ -186,7 +186,7 @@ def verify_checkpoint(
     ``ValueError`` naming each setting of ``model_shape`` the checkpoint's model differs in;
     with ``global_batch_size``, one where the checkpoint was trained at another (the data
     would resume at another sample, skipping or repeating some, and so would the schedule).
-    """
+    Returns the manifest."""
     content = read_manifest(ckpt, "--load")
     saved_gbs = content.get("global_batch_size")
     if global_batch_size is not None and saved_gbs not in (None, global_batch_size):
@@ -209,6 +209,7 @@ def verify_checkpoint(
                 "give the saved model's flags"
             )
     verify_manifest(ckpt, content, skip=lambda n: skip_optimizer and n.startswith("optimizer_"))
+    return content
 
 
 def _dcp_metadata_global(module: str, name: str) -> bool:
@@ -294,14 +295,16 @@ def load_checkpoint(
             f"--load {path}: {opt_file} is missing (no optimizer state saved for this "
             "tensor-parallel size); pass --no-load-optim to start the optimizer fresh"
         )
-    verify_checkpoint(ckpt, optimizer is None, model, global_batch_size)
+    manifest = verify_checkpoint(ckpt, optimizer is None, model, global_batch_size)
     _check_unpickled_files(ckpt)
     state = dist_checkpointing.load(model.module.sharded_state_dict(), ckpt)
     model.module.load_state_dict(state)
     if optimizer is not None:
         _load_optimizer(optimizer, torch.load(opt_file, weights_only=True), ckpt)
-    if load_rng:
-        _load_rng(ckpt)
+    if load_rng:  # this rank's generator states where saved on this layout
+        state = load_rng_states(ckpt, manifest, _rng_layout(), "--load")
+        if state is not None:
+            rng.restore(state)
     return iteration
 
 
@@ -328,12 +331,3 @@ def _load_optimizer(optimizer, state: dict, ckpt: str) -> None:
             f"checkpoint's: {', '.join(sorted(changed))}",
             flush=True,
         )
-
-
-def _load_rng(ckpt: str) -> None:
-    """This rank's generator states from ``ckpt`` where it holds this layout's
-    (``checkpoint_files.load_rng_states``; else rank 0 says dropout starts from --seed)."""
-    manifest = read_manifest(ckpt, "--load")
-    state = load_rng_states(ckpt, manifest, _rng_layout(), "--load")
-    if state is not None:
-        rng.restore(state)

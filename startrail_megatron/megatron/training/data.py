@@ -44,13 +44,16 @@ def build_dataset(args: argparse.Namespace, num_samples: int):
 def _without_empty_test(args, cfg, sizes: list) -> list:
     """``sizes`` without the test split where ``--split`` leaves it no document of a prefix
     (megatron-core would loop forever on it): rank 0 says the test evaluation is skipped."""
-    if sizes[2] is None or cfg.blend[1] is not None or _empty_parts(cfg, 2) == []:
+    if sizes[2] is None or cfg.blend[1] is not None:
         return sizes  # a weighted blend asks for every part: _check_splits names an empty one
+    empty = _empty_parts(cfg, 2)
+    if not empty:
+        return sizes
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(
-            f"note: --split {args.split!r} leaves the test part of {_empty_parts(cfg, 2)} "
+            f"note: --split {args.split!r} leaves the test part of {empty} "
             "empty: no test evaluation after training",
             flush=True,
         )

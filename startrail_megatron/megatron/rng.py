@@ -5,17 +5,27 @@ Dropout draws from megatron-core's RNG tracker (``model-parallel-rng``, under
 (the hidden dropout outside the fork); a rank's draws depend on its local shapes, so ranks
 of per-batch layouts end in different states. ``capture()`` takes this rank's, ``restore``
 puts them back: a checkpoint keeps them (a resumed run with dropout draws the masks the
-uninterrupted one would), and ``--startrail-team-size auto``'s trials leave them as they
-found them.
+uninterrupted one would: our entry point's checkpoints and, for a Megatron GPT, DeepSpeed's
+``save_checkpoint``), and ``--startrail-team-size auto``'s trials leave them as they found
+them.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from ...checkpoint_files import generator_states, restore_generators
+from ..checkpoint_files import generator_states, restore_generators
 
-__all__ = ["capture", "restore"]
+__all__ = ["capture", "restore", "tracker_in_use"]
+
+
+def tracker_in_use() -> bool:
+    """Whether megatron-core's RNG tracker holds states in this process (a Megatron model
+    draws its attention dropout from it); asked without importing megatron-core."""
+    mod = sys.modules.get("megatron.core.tensor_parallel.random")
+    return mod is not None and bool(mod.get_cuda_rng_tracker().get_states())
 
 
 def _tracker():
